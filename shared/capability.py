@@ -1,0 +1,122 @@
+"""The device/build check: may this worker realize PagedAttention, and with which backend?
+
+A pure function over a description of the device, the build and the model, so every case is testable
+on a CPU. Defaults mirror the seed write-up:
+
+    CUDA + Triton (supported compute capability, head size, dtype, block size) -> auto enables Triton
+    CUDA without a usable Triton                                              -> auto falls back, on fails
+    CPU / MPS                                                                 -> auto stays eager; on uses torch
+    a device map mixing CPU and accelerator layers                            -> unsupported
+    --pa-backend triton without CUDA, --no-kv-cache                            -> unsupported
+
+Every "unsupported" goes through `disable_paged_attention`, so `auto` records the reason and `on` raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
+
+ACCELERATOR_KINDS = frozenset({"cuda", "mps"})
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSupport:
+    """What the Triton kernels can run (filled from kernels.support by the worker)."""
+
+    head_sizes: frozenset[int]
+    block_sizes: frozenset[int]
+    dtypes: frozenset[str]
+    min_compute_capability: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """The device and build a worker runs on. `device_map_kinds` lists the device kinds layers are
+    placed on (empty = every layer on `kind`). `triton_version` is None when Triton is not importable."""
+
+    kind: str  # "cpu", "cuda", "mps"
+    name: str = ""
+    compute_capability: tuple[int, int] | None = None
+    triton_version: str | None = None
+    triton_support: KernelSupport | None = None
+    device_map_kinds: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTraits:
+    """Model properties the kernels care about (from the model's config, known before loading weights)."""
+
+    head_size: int
+    dtype: str  # the KV cache dtype: "float32", "float16", "bfloat16"
+
+
+@dataclass(frozen=True, slots=True)
+class PagedDecision:
+    enabled: bool
+    required: bool
+    backend: PagedBackend | None
+    reason: str  # why it is off ("" when enabled)
+
+
+def decide_paged_attention(
+    device: DeviceInfo, state: PagedAttentionState, model: ModelTraits | None = None
+) -> PagedDecision:
+    """Decide, and route any impossibility through the fallback door (which raises under `on`)."""
+    if state.intent.paged is None:
+        return PagedDecision(enabled=False, required=False, backend=None, reason="--paged-attn off")
+    if state.config is None:  # an earlier component already fell back
+        return PagedDecision(enabled=False, required=False, backend=None, reason=state.fallbacks[-1].reason)
+    backend, reason = _choose_backend(device, state, model)
+    if backend is None:
+        disable_paged_attention(state, reason, component="device")
+        return PagedDecision(enabled=False, required=False, backend=None, reason=reason)
+    return PagedDecision(enabled=True, required=state.required, backend=backend, reason="")
+
+
+def _choose_backend(
+    device: DeviceInfo, state: PagedAttentionState, model: ModelTraits | None
+) -> tuple[PagedBackend | None, str]:
+    config = state.config
+    assert config is not None
+    if state.intent.no_kv_cache:
+        return None, "--no-kv-cache disables the KV cache, so there is no cache to page"
+    kinds = device.device_map_kinds or frozenset({device.kind})
+    if "cpu" in kinds and kinds & ACCELERATOR_KINDS:
+        return None, "device mapping includes CPU and PagedAttention has no CPU KV cache"
+    if config.backend is PagedBackend.TORCH:
+        return PagedBackend.TORCH, ""
+    if config.backend is PagedBackend.TRITON or device.kind == "cuda":
+        reason = _triton_unsupported(device, config.block_size, model)
+        return (None, reason) if reason else (PagedBackend.TRITON, "")
+    # CPU or MPS with backend auto.
+    if not config.required:
+        return None, f"eager is the {device.kind.upper()} default (use --paged-attn on for the torch paged backend)"
+    return PagedBackend.TORCH, ""
+
+
+def _triton_unsupported(device: DeviceInfo, block_size: int, model: ModelTraits | None) -> str:
+    """Why the Triton kernels cannot run here, or "" when they can."""
+    if device.kind != "cuda":
+        return f"the Triton paged backend needs a CUDA device and this worker runs on {device.kind}"
+    if device.triton_version is None:
+        return "this build has no usable Triton (import failed), so the Triton paged kernels cannot run"
+    support = device.triton_support
+    if support is None:
+        return "the Triton paged kernels did not report what they support"
+    cc = device.compute_capability
+    if cc is None or cc < support.min_compute_capability:
+        need = ".".join(map(str, support.min_compute_capability))
+        have = ".".join(map(str, cc)) if cc else "unknown"
+        return f"the Triton paged kernels need compute capability >= {need} and {device.name or 'this GPU'} has {have}"
+    if block_size not in support.block_sizes:
+        sizes = ", ".join(map(str, sorted(support.block_sizes)))
+        return f"the Triton paged kernels take block sizes {sizes}, not --pa-block-size {block_size}"
+    if model is not None and model.head_size not in support.head_sizes:
+        sizes = ", ".join(map(str, sorted(support.head_sizes)))
+        return f"the model's head size {model.head_size} is not one the Triton paged kernels take ({sizes})"
+    if model is not None and model.dtype not in support.dtypes:
+        dtypes = ", ".join(sorted(support.dtypes))
+        return f"the Triton paged kernels take KV dtypes {dtypes}, not {model.dtype}"
+    return ""

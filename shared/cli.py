@@ -1,0 +1,42 @@
+"""Command-line pieces the router and the worker share."""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.intent import PagedAttentionMode
+from shared.log import LOG_FORMATS
+
+PAGED_ATTN_HELP = (
+    "PagedAttention policy. auto: use it where this worker supports it (CUDA with Triton), otherwise "
+    "fall back to the eager KV cache and record why (CPU and MPS stay eager). on: required; startup "
+    "fails naming the reason if it cannot be realized (CPU/MPS use the torch paged backend). "
+    "off: never use it. Default: auto."
+)
+
+
+def add_paged_attn_arg(parser: argparse.ArgumentParser, help_text: str = PAGED_ATTN_HELP) -> None:
+    parser.add_argument(
+        "--paged-attn",
+        choices=[m.value for m in PagedAttentionMode],
+        default=PagedAttentionMode.AUTO.value,
+        help=help_text,
+    )
+
+
+def add_log_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="auto",
+        help="log line format; auto: $KVPACT_LOG_FORMAT, else JSON when stderr is not a TTY, else console",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+
+
+def host_port(value: str) -> tuple[str, int]:
+    """Parse HOST:PORT (port 0 = a free port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)

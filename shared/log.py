@@ -1,0 +1,65 @@
+"""structlog setup shared by router and worker.
+
+One list of processors serves structlog and the stdlib/foreign loggers (grpc, ray), so every line has
+the same shape. Format: the `--log-format` argument wins, then KVPACT_LOG_FORMAT, then JSON lines when
+stderr is not a TTY and a readable console otherwise. Bind request/worker ids with
+`structlog.contextvars.bound_contextvars(request_id=...)` for a request's scope.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Literal
+
+import structlog
+
+LogFormat = Literal["auto", "json", "console"]
+LOG_FORMATS = ("auto", "json", "console")
+
+
+def resolve_format(requested: str = "auto", environ: dict[str, str] | None = None, isatty: bool | None = None) -> str:
+    env = os.environ if environ is None else environ
+    if requested != "auto":
+        return requested
+    from_env = env.get("KVPACT_LOG_FORMAT", "auto")
+    if from_env in ("json", "console"):
+        return from_env
+    tty = sys.stderr.isatty() if isatty is None else isatty
+    return "console" if tty else "json"
+
+
+def configure_logging(log_format: str = "auto", level: str = "INFO") -> str:
+    """Configure structlog and the stdlib root logger to write to stderr. Returns the format used."""
+    fmt = resolve_format(log_format)
+    shared_processors: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    renderer: structlog.types.Processor
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer()
+        shared_processors.append(structlog.processors.format_exc_info)
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    structlog.configure(
+        processors=[*shared_processors, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared_processors,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    return fmt

@@ -1,0 +1,171 @@
+"""Protobuf at the edge: the one place each internal type is converted to and from its message.
+
+UNSPECIFIED enum values are read as AUTO, explicitly, and written back as AUTO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvpact.v1 import cache_pb2, worker_pb2
+from shared.intent import (
+    CacheDtype,
+    CacheIntent,
+    Fallback,
+    PagedAttentionConfig,
+    PagedAttentionMode,
+    PagedBackend,
+)
+from shared.realized import RealizedCache
+from shared.scheduler_choice import CacheKind, SchedulerKind
+from shared.spec import LayerPlacement, WorkerSpec
+
+_MODE_TO_PB = {
+    PagedAttentionMode.AUTO: cache_pb2.PAGED_ATTENTION_MODE_AUTO,
+    PagedAttentionMode.ON: cache_pb2.PAGED_ATTENTION_MODE_ON,
+    PagedAttentionMode.OFF: cache_pb2.PAGED_ATTENTION_MODE_OFF,
+}
+_MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()} | {
+    cache_pb2.PAGED_ATTENTION_MODE_UNSPECIFIED: PagedAttentionMode.AUTO
+}
+_DTYPE_TO_PB = {
+    CacheDtype.AUTO: cache_pb2.CACHE_DTYPE_AUTO,
+    CacheDtype.FLOAT32: cache_pb2.CACHE_DTYPE_FLOAT32,
+    CacheDtype.FLOAT16: cache_pb2.CACHE_DTYPE_FLOAT16,
+    CacheDtype.BFLOAT16: cache_pb2.CACHE_DTYPE_BFLOAT16,
+}
+_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()} | {cache_pb2.CACHE_DTYPE_UNSPECIFIED: CacheDtype.AUTO}
+_BACKEND_TO_PB = {
+    PagedBackend.AUTO: cache_pb2.PAGED_BACKEND_AUTO,
+    PagedBackend.TRITON: cache_pb2.PAGED_BACKEND_TRITON,
+    PagedBackend.TORCH: cache_pb2.PAGED_BACKEND_TORCH,
+}
+_BACKEND_FROM_PB = {v: k for k, v in _BACKEND_TO_PB.items()} | {
+    cache_pb2.PAGED_BACKEND_UNSPECIFIED: PagedBackend.AUTO
+}
+_KIND_TO_PB = {CacheKind.PAGED: cache_pb2.CACHE_KIND_PAGED, CacheKind.EAGER: cache_pb2.CACHE_KIND_EAGER}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+_SCHED_TO_PB = {
+    SchedulerKind.PAGED: cache_pb2.SCHEDULER_KIND_PAGED,
+    SchedulerKind.DEFAULT: cache_pb2.SCHEDULER_KIND_DEFAULT,
+}
+_SCHED_FROM_PB = {v: k for k, v in _SCHED_TO_PB.items()}
+
+
+def mode_to_pb(mode: PagedAttentionMode) -> cache_pb2.PagedAttentionMode.ValueType:
+    return _MODE_TO_PB[mode]
+
+
+def mode_from_pb(value: int) -> PagedAttentionMode:
+    return _MODE_FROM_PB[value]  # type: ignore[index]
+
+
+def paged_config_to_pb(config: PagedAttentionConfig) -> cache_pb2.PagedAttentionConfig:
+    msg = cache_pb2.PagedAttentionConfig(
+        required=config.required,
+        block_size=config.block_size,
+        cache_dtype=_DTYPE_TO_PB[config.cache_dtype],
+        backend=_BACKEND_TO_PB[config.backend],
+        disable_prefix_caching=not config.prefix_caching,
+    )
+    if config.memory_fraction is not None:
+        msg.memory_fraction = config.memory_fraction
+    elif config.memory_bytes is not None:
+        msg.memory_bytes = config.memory_bytes
+    elif config.context_tokens is not None:
+        msg.context_tokens = config.context_tokens
+    return msg
+
+
+def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionConfig:
+    budget = msg.WhichOneof("budget")
+    return PagedAttentionConfig(
+        required=msg.required,
+        block_size=msg.block_size or PagedAttentionConfig.block_size,
+        memory_fraction=msg.memory_fraction if budget == "memory_fraction" else None,
+        memory_bytes=msg.memory_bytes if budget == "memory_bytes" else None,
+        context_tokens=msg.context_tokens if budget == "context_tokens" else None,
+        cache_dtype=_DTYPE_FROM_PB[msg.cache_dtype],
+        backend=_BACKEND_FROM_PB[msg.backend],
+        prefix_caching=not msg.disable_prefix_caching,
+    )
+
+
+def intent_to_pb(intent: CacheIntent) -> cache_pb2.CacheIntent:
+    msg = cache_pb2.CacheIntent(mode=_MODE_TO_PB[intent.mode], no_kv_cache=intent.no_kv_cache)
+    if intent.paged is not None:
+        msg.paged.CopyFrom(paged_config_to_pb(intent.paged))
+    return msg
+
+
+def intent_from_pb(msg: cache_pb2.CacheIntent) -> CacheIntent:
+    """UNSPECIFIED reads as AUTO. A message without `paged` under auto/on gets the default config;
+    `required` always follows the mode (the mode is what the operator said)."""
+    mode = mode_from_pb(msg.mode)
+    if mode is PagedAttentionMode.OFF:
+        return CacheIntent(mode=mode, paged=None, no_kv_cache=msg.no_kv_cache)
+    config = paged_config_from_pb(msg.paged) if msg.HasField("paged") else PagedAttentionConfig()
+    return CacheIntent(
+        mode=mode, paged=replace(config, required=mode is PagedAttentionMode.ON), no_kv_cache=msg.no_kv_cache
+    )
+
+
+def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
+    return cache_pb2.RealizedCache(
+        kind=_KIND_TO_PB[realized.kind],
+        backend=_BACKEND_TO_PB[realized.backend] if realized.backend else cache_pb2.PAGED_BACKEND_UNSPECIFIED,
+        block_size=realized.block_size,
+        num_blocks=realized.num_blocks,
+        capacity_tokens=realized.capacity_tokens,
+        max_concurrency=realized.max_concurrency,
+        scheduler=_SCHED_TO_PB[realized.scheduler],
+        fallbacks=[cache_pb2.Fallback(component=f.component, reason=f.reason) for f in realized.fallbacks],
+        cache_dtype=_DTYPE_TO_PB[realized.cache_dtype],
+        max_model_len=realized.max_model_len,
+        memory_bytes=realized.memory_bytes,
+        prefix_caching=realized.prefix_caching,
+    )
+
+
+def realized_from_pb(msg: cache_pb2.RealizedCache) -> RealizedCache:
+    kind = _KIND_FROM_PB[msg.kind]
+    return RealizedCache(
+        kind=kind,
+        scheduler=_SCHED_FROM_PB[msg.scheduler],
+        max_model_len=msg.max_model_len,
+        capacity_tokens=msg.capacity_tokens,
+        max_concurrency=msg.max_concurrency,
+        num_blocks=msg.num_blocks,
+        memory_bytes=msg.memory_bytes,
+        cache_dtype=_DTYPE_FROM_PB[msg.cache_dtype],
+        backend=_BACKEND_FROM_PB[msg.backend] if kind is CacheKind.PAGED else None,
+        block_size=msg.block_size,
+        prefix_caching=msg.prefix_caching,
+        fallbacks=tuple(Fallback(component=f.component, reason=f.reason) for f in msg.fallbacks),
+    )
+
+
+def spec_to_pb(spec: WorkerSpec) -> worker_pb2.WorkerSpec:
+    return worker_pb2.WorkerSpec(
+        model=spec.model,
+        device=spec.device,
+        device_map=[worker_pb2.LayerPlacement(device=p.device, num_layers=p.num_layers) for p in spec.device_map],
+        dtype=spec.dtype,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        cache=intent_to_pb(spec.cache),
+    )
+
+
+def spec_from_pb(msg: worker_pb2.WorkerSpec) -> WorkerSpec:
+    return WorkerSpec(
+        model=msg.model,
+        device=msg.device or "auto",
+        device_map=tuple(LayerPlacement(device=p.device, num_layers=p.num_layers) for p in msg.device_map),
+        dtype=msg.dtype or "auto",
+        max_model_len=msg.max_model_len,
+        max_num_seqs=msg.max_num_seqs,
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+        cache=intent_from_pb(msg.cache),
+    )
