@@ -66,7 +66,7 @@ def decide_paged_attention(
     """Decide, and route any impossibility through the fallback door (which raises under `on`)."""
     if state.intent.paged is None:
         return PagedDecision(enabled=False, required=False, backend=None, reason="--paged-attn off")
-    if state.config is None:  # an earlier component already fell back
+    if state.paged_config is None:  # an earlier component already fell back
         return PagedDecision(enabled=False, required=False, backend=None, reason=state.fallbacks[-1].reason)
     backend, reason = _choose_backend(device, state, model)
     if backend is None:
@@ -78,7 +78,7 @@ def decide_paged_attention(
 def _choose_backend(
     device: DeviceInfo, state: PagedAttentionState, model: ModelTraits | None
 ) -> tuple[PagedBackend | None, str]:
-    config = state.config
+    config = state.paged_config
     assert config is not None
     if state.intent.no_kv_cache:
         return None, "--no-kv-cache disables the KV cache, so there is no cache to page"

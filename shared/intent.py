@@ -118,20 +118,20 @@ class PagedAttentionState:
     """The paged config still in force while a worker starts, and every fallback taken so far."""
 
     intent: CacheIntent
-    config: PagedAttentionConfig | None
+    paged_config: PagedAttentionConfig | None
     fallbacks: list[Fallback] = field(default_factory=list)
 
     @classmethod
     def from_intent(cls, intent: CacheIntent) -> PagedAttentionState:
-        return cls(intent=intent, config=intent.paged)
+        return cls(intent=intent, paged_config=intent.paged)
 
     @property
     def enabled(self) -> bool:
-        return self.config is not None
+        return self.paged_config is not None
 
     @property
     def required(self) -> bool:
-        return self.config is not None and self.config.required
+        return self.paged_config is not None and self.paged_config.required
 
 
 def disable_paged_attention(state: PagedAttentionState, reason: str, *, component: str) -> None:
@@ -141,9 +141,9 @@ def disable_paged_attention(state: PagedAttentionState, reason: str, *, componen
     PagedAttentionRequiredError naming the flag, the component and the reason. Otherwise (auto):
     clear the config and record the fallback.
     """
-    if state.config is None:
+    if state.paged_config is None:
         return
-    if state.config.required:
+    if state.paged_config.required:
         raise PagedAttentionRequiredError(reason, component)
-    state.config = None
+    state.paged_config = None
     state.fallbacks.append(Fallback(component=component, reason=reason))
