@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpact.v1 import cache_pb2, worker_pb2
+from shared.handshake import StartupFailure, StartupFailureCode, WorkerLoad
 from shared.intent import (
     CacheDtype,
     CacheIntent,
@@ -168,4 +169,49 @@ def spec_from_pb(msg: worker_pb2.WorkerSpec) -> WorkerSpec:
         max_num_seqs=msg.max_num_seqs,
         max_num_batched_tokens=msg.max_num_batched_tokens,
         cache=intent_from_pb(msg.cache),
+    )
+
+
+_FAILURE_TO_PB = {
+    StartupFailureCode.PAGED_ATTENTION_REQUIRED: worker_pb2.STARTUP_FAILURE_CODE_PAGED_ATTENTION_REQUIRED,
+    StartupFailureCode.INVALID_CONFIG: worker_pb2.STARTUP_FAILURE_CODE_INVALID_CONFIG,
+    StartupFailureCode.MODEL_LOAD: worker_pb2.STARTUP_FAILURE_CODE_MODEL_LOAD,
+    StartupFailureCode.OUT_OF_MEMORY: worker_pb2.STARTUP_FAILURE_CODE_OUT_OF_MEMORY,
+    StartupFailureCode.INTERNAL: worker_pb2.STARTUP_FAILURE_CODE_INTERNAL,
+}
+# An unspecified code is an unexplained failure: INTERNAL, never a guess at a policy failure.
+_FAILURE_FROM_PB = {v: k for k, v in _FAILURE_TO_PB.items()} | {
+    worker_pb2.STARTUP_FAILURE_CODE_UNSPECIFIED: StartupFailureCode.INTERNAL
+}
+
+
+def failure_to_pb(failure: StartupFailure) -> worker_pb2.StartupFailure:
+    return worker_pb2.StartupFailure(
+        code=_FAILURE_TO_PB[failure.code], reason=failure.reason, component=failure.component
+    )
+
+
+def failure_from_pb(msg: worker_pb2.StartupFailure) -> StartupFailure:
+    return StartupFailure(code=_FAILURE_FROM_PB[msg.code], reason=msg.reason, component=msg.component)
+
+
+def load_to_pb(load: WorkerLoad) -> worker_pb2.WorkerLoad:
+    return worker_pb2.WorkerLoad(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        num_free_blocks=load.num_free_blocks,
+        num_total_blocks=load.num_total_blocks,
+        tokens_per_second=load.tokens_per_second,
+        num_preemptions=load.num_preemptions,
+    )
+
+
+def load_from_pb(msg: worker_pb2.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        num_running=msg.num_running,
+        num_waiting=msg.num_waiting,
+        num_free_blocks=msg.num_free_blocks,
+        num_total_blocks=msg.num_total_blocks,
+        tokens_per_second=msg.tokens_per_second,
+        num_preemptions=msg.num_preemptions,
     )
