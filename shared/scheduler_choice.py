@@ -24,6 +24,6 @@ def select_scheduler(requested: CacheIntent, realized: CacheKind | None) -> Sche
     if realized is CacheKind.PAGED:
         return SchedulerKind.PAGED
     if requested.required:
-        built = "no KV cache" if realized is None else f"a {realized.value} KV cache"
+        built = "no KV cache" if realized is None else f"an {realized.value} KV cache"
         raise PagedAttentionRequiredError(f"the worker built {built}, not a paged one", "scheduler")
     return SchedulerKind.DEFAULT

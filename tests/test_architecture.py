@@ -1,0 +1,101 @@
+"""Guards on the shape of the code: the single fallback door and the one-way dependencies (DESIGN §1-2).
+
+Both read the source with `ast`, so they hold for code paths no test executes.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("router", "worker", "kernels", "shared", "deploy")
+DOOR = ROOT / "shared" / "intent.py"
+# Building an intent from the wire for mode OFF legitimately has no paged config.
+MAY_BUILD_OFF_INTENT = {ROOT / "shared" / "wire.py"}
+
+
+def sources(*packages: str) -> list[Path]:
+    return sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py"))
+
+
+def fallback_violations(path: Path, tree: ast.AST) -> list[str]:
+    """Places that clear or replace a paged config other than through disable_paged_attention."""
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        for target in targets:
+            if isinstance(target, ast.Attribute) and target.attr == "paged_config":
+                found.append(f"{path.name}:{node.lineno} assigns .paged_config")
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            if name in {"setattr", "__setattr__"} and any(
+                isinstance(a, ast.Constant) and a.value in {"paged_config", "paged"} for a in node.args
+            ):
+                found.append(f"{path.name}:{node.lineno} setattr of the paged config")
+            for kw in node.keywords:
+                clears = isinstance(kw.value, ast.Constant) and kw.value.value is None
+                if kw.arg in {"paged_config", "paged"} and clears and path not in MAY_BUILD_OFF_INTENT:
+                    found.append(f"{path.name}:{node.lineno} builds an intent/state with {kw.arg}=None")
+    return found
+
+
+def test_every_paged_fallback_goes_through_disable_paged_attention():
+    violations = []
+    for path in sources(*PACKAGES):
+        if path != DOOR:
+            violations += fallback_violations(path, ast.parse(path.read_text(), str(path)))
+    assert not violations, "call shared.intent.disable_paged_attention instead:\n" + "\n".join(violations)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "state.paged_config = None",
+        "setattr(state, 'paged_config', None)",
+        "replace(intent, paged=None)",
+        "PagedAttentionState(intent=i, paged_config=None)",
+    ],
+)
+def test_guard_catches_a_planted_bypass(code):
+    assert fallback_violations(ROOT / "worker" / "planted.py", ast.parse(code))
+
+
+FORBIDDEN_IMPORTS = {
+    "router": {"worker", "kernels", "torch", "triton"},
+    "worker": {"router"},
+    "shared": {"router", "worker", "kernels", "deploy", "torch", "triton"},
+    "kernels": {"router", "worker", "shared", "deploy"},
+}
+
+
+def imported_roots(tree: ast.AST) -> set[str]:
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
+def test_dependencies_run_one_way(package):
+    bad = []
+    for path in sources(package):
+        hits = imported_roots(ast.parse(path.read_text(), str(path))) & FORBIDDEN_IMPORTS[package]
+        bad += [f"{path.relative_to(ROOT)} imports {', '.join(sorted(hits))}" for _ in [0] if hits]
+    assert not bad, "\n".join(bad)
+
+
+def test_client_library_does_not_import_torch_or_the_worker():
+    client = ROOT / "protos" / "kvpact" / "client.py"
+    if not client.exists():
+        pytest.skip("kvpact.client not written yet")
+    assert not imported_roots(ast.parse(client.read_text())) & {"torch", "worker", "kernels", "router"}

@@ -1,0 +1,183 @@
+"""The seed write-up's regression list, one named test each, plus the decisions around it."""
+
+import pytest
+
+from shared.capability import DeviceInfo, KernelSupport, ModelTraits, decide_paged_attention
+from shared.errors import PagedAttentionRequiredError
+from shared.intent import (
+    CacheIntent,
+    Fallback,
+    PagedAttentionConfig,
+    PagedAttentionMode,
+    PagedAttentionState,
+    PagedBackend,
+    cache_intent,
+    disable_paged_attention,
+    paged_config_for_mode,
+)
+from shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
+
+H100_SUPPORT = KernelSupport(
+    head_sizes=frozenset({64, 128}),
+    block_sizes=frozenset({16, 32}),
+    dtypes=frozenset({"float16", "bfloat16", "float32"}),
+    min_compute_capability=(8, 0),
+)
+CUDA = DeviceInfo(kind="cuda", name="H100", compute_capability=(9, 0), triton_version="3.9.0", triton_support=H100_SUPPORT)
+CPU = DeviceInfo(kind="cpu")
+MPS = DeviceInfo(kind="mps")
+SMOL = ModelTraits(head_size=64, dtype="bfloat16")
+
+
+def state(mode: str, **settings) -> PagedAttentionState:
+    return PagedAttentionState.from_intent(cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(**settings)))
+
+
+def test_cli_mapping_of_auto_on_off():
+    assert paged_config_for_mode(PagedAttentionMode.AUTO) == PagedAttentionConfig(required=False)
+    assert paged_config_for_mode(PagedAttentionMode.ON) == PagedAttentionConfig(required=True)
+    assert paged_config_for_mode(PagedAttentionMode.OFF) is None
+
+
+def test_default_and_required_config_construction():
+    default = PagedAttentionConfig()
+    assert (default.required, default.block_size, default.prefix_caching) == (False, 16, True)
+    assert default.backend is PagedBackend.AUTO
+    required = paged_config_for_mode(PagedAttentionMode.ON, PagedAttentionConfig(block_size=32, context_tokens=4096))
+    assert required == PagedAttentionConfig(required=True, block_size=32, context_tokens=4096)
+
+
+def test_config_rejects_two_budgets_naming_the_flags():
+    with pytest.raises(Exception, match="--pa-memory-fraction, --pa-memory-bytes and --pa-context-tokens"):
+        PagedAttentionConfig(memory_bytes=1, context_tokens=2)
+
+
+def test_intent_keeps_required_tied_to_mode():
+    with pytest.raises(ValueError):
+        CacheIntent(mode=PagedAttentionMode.ON, paged=PagedAttentionConfig(required=False))
+    with pytest.raises(ValueError):
+        CacheIntent(mode=PagedAttentionMode.OFF, paged=PagedAttentionConfig())
+
+
+def test_auto_fallback_records_reason_in_disable_paged_attention():
+    s = state("auto")
+    disable_paged_attention(s, "device mapping includes CPU and PagedAttention has no CPU KV cache", component="loader")
+    assert s.paged_config is None and not s.enabled
+    assert s.fallbacks == [Fallback("loader", "device mapping includes CPU and PagedAttention has no CPU KV cache")]
+
+
+def test_required_failure_in_disable_paged_attention_names_flag_and_reason():
+    s = state("on")
+    with pytest.raises(PagedAttentionRequiredError) as err:
+        disable_paged_attention(
+            s, "device mapping includes CPU and PagedAttention has no CPU KV cache", component="loader"
+        )
+    assert str(err.value) == (
+        "PagedAttention was explicitly requested (--paged-attn on), but device mapping includes CPU and "
+        "PagedAttention has no CPU KV cache. [loader]"
+    )
+    assert (err.value.component, s.enabled) == ("loader", True)
+
+
+def test_disable_after_off_is_a_no_op():
+    s = state("off")
+    disable_paged_attention(s, "anything", component="loader")
+    assert s.fallbacks == []
+
+
+@pytest.mark.parametrize("device", [CPU, MPS], ids=["cpu", "mps"])
+def test_cpu_and_mps_behaviour_for_all_three_modes(device):
+    auto = state("auto")
+    decision = decide_paged_attention(device, auto)
+    assert (decision.enabled, decision.backend) == (False, None)
+    assert decision.reason.startswith(f"eager is the {device.kind.upper()} default")
+    assert auto.fallbacks[0].component == "device"
+
+    on = decide_paged_attention(device, state("on"))
+    assert (on.enabled, on.required, on.backend) == (True, True, PagedBackend.TORCH)
+
+    off = state("off")
+    decision = decide_paged_attention(device, off)
+    assert (decision.enabled, decision.reason, off.fallbacks) == (False, "--paged-attn off", [])
+
+
+def test_cuda_auto_enables_triton():
+    decision = decide_paged_attention(CUDA, state("auto"), SMOL)
+    assert (decision.enabled, decision.required, decision.backend) == (True, False, PagedBackend.TRITON)
+
+
+def test_unsupported_build_without_triton():
+    no_triton = DeviceInfo(kind="cuda", name="H100", compute_capability=(9, 0), triton_version=None)
+    auto = state("auto")
+    assert not decide_paged_attention(no_triton, auto, SMOL).enabled
+    assert "no usable Triton" in auto.fallbacks[0].reason
+    with pytest.raises(PagedAttentionRequiredError, match="no usable Triton"):
+        decide_paged_attention(no_triton, state("on"), SMOL)
+
+
+def test_unsupported_build_old_compute_capability():
+    old = DeviceInfo(kind="cuda", name="Tesla P100", compute_capability=(6, 0), triton_version="3.9.0",
+                     triton_support=H100_SUPPORT)
+    auto = state("auto")
+    assert not decide_paged_attention(old, auto, SMOL).enabled
+    assert auto.fallbacks[0].reason == "the Triton paged kernels need compute capability >= 8.0 and Tesla P100 has 6.0"
+    with pytest.raises(PagedAttentionRequiredError, match="compute capability >= 8.0"):
+        decide_paged_attention(old, state("on"), SMOL)
+
+
+@pytest.mark.parametrize(
+    ("settings", "model", "needle"),
+    [
+        ({"block_size": 8}, SMOL, "not --pa-block-size 8"),
+        ({}, ModelTraits(head_size=96, dtype="float16"), "head size 96"),
+        ({}, ModelTraits(head_size=64, dtype="float64"), "not float64"),
+    ],
+)
+def test_kernel_limits_are_named_reasons(settings, model, needle):
+    auto = state("auto", **settings)
+    assert not decide_paged_attention(CUDA, auto, model).enabled
+    assert needle in auto.fallbacks[0].reason
+    with pytest.raises(PagedAttentionRequiredError, match=needle):
+        decide_paged_attention(CUDA, state("on", **settings), model)
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_mixed_cpu_gpu_device_map(mode):
+    mixed = DeviceInfo(kind="cuda", compute_capability=(9, 0), triton_version="3.9.0", triton_support=H100_SUPPORT,
+                       device_map_kinds=frozenset({"cuda", "cpu"}))
+    s = state(mode)
+    if mode == "on":
+        with pytest.raises(PagedAttentionRequiredError, match="device mapping includes CPU"):
+            decide_paged_attention(mixed, s, SMOL)
+    else:
+        assert not decide_paged_attention(mixed, s, SMOL).enabled
+        assert s.fallbacks[0].reason == "device mapping includes CPU and PagedAttention has no CPU KV cache"
+
+
+def test_triton_backend_without_cuda_is_unsupported():
+    with pytest.raises(PagedAttentionRequiredError, match="needs a CUDA device and this worker runs on cpu"):
+        decide_paged_attention(CPU, state("on", backend=PagedBackend.TRITON))
+
+
+def test_no_kv_cache_is_unsupported():
+    s = PagedAttentionState.from_intent(cache_intent(PagedAttentionMode.ON, no_kv_cache=True))
+    with pytest.raises(PagedAttentionRequiredError, match="--no-kv-cache"):
+        decide_paged_attention(CUDA, s, SMOL)
+
+
+def test_scheduler_rejects_required_request_without_realized_cache():
+    on = cache_intent(PagedAttentionMode.ON)
+    with pytest.raises(PagedAttentionRequiredError, match="the worker built an eager KV cache, not a paged one"):
+        select_scheduler(on, CacheKind.EAGER)
+    with pytest.raises(PagedAttentionRequiredError, match="no KV cache"):
+        select_scheduler(on, None)
+
+
+def test_auto_falls_back_to_default_scheduler():
+    assert select_scheduler(cache_intent(PagedAttentionMode.AUTO), CacheKind.EAGER) is SchedulerKind.DEFAULT
+    assert select_scheduler(cache_intent(PagedAttentionMode.OFF), CacheKind.EAGER) is SchedulerKind.DEFAULT
+
+
+def test_paged_scheduler_selected_when_cache_metadata_exists():
+    for mode in (PagedAttentionMode.AUTO, PagedAttentionMode.ON):
+        assert select_scheduler(cache_intent(mode), CacheKind.PAGED) is SchedulerKind.PAGED

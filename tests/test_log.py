@@ -1,0 +1,26 @@
+"""Log format selection and the shape of a JSON log line."""
+
+import json
+import logging
+
+import structlog
+
+from shared.log import configure_logging, resolve_format
+
+
+def test_format_precedence_argument_then_environment_then_tty():
+    assert resolve_format("json", {"KVPACT_LOG_FORMAT": "console"}, isatty=True) == "json"
+    assert resolve_format("auto", {"KVPACT_LOG_FORMAT": "console"}, isatty=False) == "console"
+    assert resolve_format("auto", {}, isatty=False) == "json"
+    assert resolve_format("auto", {}, isatty=True) == "console"
+
+
+def test_json_lines_carry_bound_context_for_structlog_and_stdlib(capsys):
+    configure_logging("json")
+    with structlog.contextvars.bound_contextvars(worker_id="w1", request_id="r7"):
+        structlog.get_logger("kvpact.test").info("admitted", kind="PAGED")
+        logging.getLogger("grpc").warning("foreign line")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert lines[0]["event"] == "admitted" and lines[0]["kind"] == "PAGED"
+    assert (lines[0]["worker_id"], lines[0]["request_id"], lines[0]["level"]) == ("w1", "r7", "info")
+    assert lines[1]["event"] == "foreign line" and lines[1]["worker_id"] == "w1"

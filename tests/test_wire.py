@@ -1,0 +1,106 @@
+"""Protobuf at the edge: every intent, budget and realized cache survives the round trip."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpact.v1 import cache_pb2
+from shared.intent import (
+    CacheDtype,
+    CacheIntent,
+    Fallback,
+    PagedAttentionConfig,
+    PagedAttentionMode,
+    PagedBackend,
+    cache_intent,
+)
+from shared.realized import RealizedCache
+from shared.scheduler_choice import CacheKind, SchedulerKind
+from shared.spec import LayerPlacement, WorkerSpec, parse_device_map
+from shared.wire import (
+    intent_from_pb,
+    intent_to_pb,
+    mode_from_pb,
+    realized_from_pb,
+    realized_to_pb,
+    spec_from_pb,
+    spec_to_pb,
+)
+
+budgets = st.one_of(
+    st.just({}),
+    st.floats(min_value=0.01, max_value=1.0).map(lambda f: {"memory_fraction": f}),
+    st.integers(min_value=1, max_value=2**62).map(lambda b: {"memory_bytes": b}),
+    st.integers(min_value=1, max_value=2**40).map(lambda t: {"context_tokens": t}),
+)
+settings = st.builds(
+    lambda budget, block, dtype, backend, prefix: PagedAttentionConfig(
+        block_size=block, cache_dtype=dtype, backend=backend, prefix_caching=prefix, **budget
+    ),
+    budgets,
+    st.sampled_from([1, 8, 16, 32, 128]),
+    st.sampled_from(list(CacheDtype)),
+    st.sampled_from(list(PagedBackend)),
+    st.booleans(),
+)
+intents = st.builds(
+    lambda mode, s, no_kv: cache_intent(mode, s, no_kv_cache=no_kv),
+    st.sampled_from(list(PagedAttentionMode)),
+    settings,
+    st.booleans(),
+)
+
+
+@given(intents)
+def test_intent_round_trip_for_every_mode_and_budget(intent: CacheIntent):
+    assert intent_from_pb(intent_to_pb(intent)) == intent
+
+
+@given(intents, st.text(max_size=20), st.sampled_from(["auto", "cpu", "cuda:1"]))
+def test_worker_spec_round_trip(intent, model, device):
+    spec = WorkerSpec(model=model, device=device, device_map=(LayerPlacement("cuda:0", 20), LayerPlacement("cpu", 10)),
+                      dtype="float32", max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512, cache=intent)
+    assert spec_from_pb(spec_to_pb(spec)) == spec
+
+
+def test_unspecified_mode_is_read_as_auto_and_written_back_as_auto():
+    assert mode_from_pb(cache_pb2.PAGED_ATTENTION_MODE_UNSPECIFIED) is PagedAttentionMode.AUTO
+    intent = intent_from_pb(cache_pb2.CacheIntent())
+    assert intent == CacheIntent(mode=PagedAttentionMode.AUTO, paged=PagedAttentionConfig(required=False))
+    assert intent_to_pb(intent).mode == cache_pb2.PAGED_ATTENTION_MODE_AUTO
+
+
+def test_on_without_paged_message_is_still_required():
+    intent = intent_from_pb(cache_pb2.CacheIntent(mode=cache_pb2.PAGED_ATTENTION_MODE_ON))
+    assert intent.paged == PagedAttentionConfig(required=True)
+
+
+@given(
+    st.sampled_from(list(CacheKind)),
+    st.sampled_from(list(SchedulerKind)),
+    st.lists(st.tuples(st.sampled_from(["device", "loader", "cache-budget"]), st.text(max_size=40)), max_size=3),
+)
+def test_realized_cache_round_trip(kind, scheduler, fallbacks):
+    realized = RealizedCache(
+        kind=kind, scheduler=scheduler, max_model_len=2048, capacity_tokens=65536, max_concurrency=32,
+        num_blocks=4096, memory_bytes=3 << 30, cache_dtype=CacheDtype.FLOAT32,
+        backend=PagedBackend.TORCH if kind is CacheKind.PAGED else None,
+        block_size=16 if kind is CacheKind.PAGED else 0, prefix_caching=kind is CacheKind.PAGED,
+        fallbacks=tuple(Fallback(c, r) for c, r in fallbacks),
+    )
+    assert realized_from_pb(realized_to_pb(realized)) == realized
+
+
+def test_realized_table_names_kind_and_fallback():
+    table = RealizedCache(
+        kind=CacheKind.EAGER, scheduler=SchedulerKind.DEFAULT, max_model_len=2048, capacity_tokens=16384,
+        max_concurrency=8, num_blocks=8, memory_bytes=1 << 30, cache_dtype=CacheDtype.FLOAT32,
+        fallbacks=(Fallback("device", "eager is the CPU default"),),
+    ).table()
+    assert "EAGER" in table and "fallback (device)  eager is the CPU default" in table
+
+
+def test_device_map_parsing():
+    assert parse_device_map("cuda:0=20,cpu=10") == (LayerPlacement("cuda:0", 20), LayerPlacement("cpu", 10))
+    with pytest.raises(ValueError, match="--device-map"):
+        parse_device_map("cuda:0")
