@@ -1,0 +1,47 @@
+"""Paged-attention kernels: Triton (CUDA, or CPU under TRITON_INTERPRET=1) and pure-torch references.
+
+`import kernels`, `kernels.reference` and `kernels.support` never import triton. The Triton
+functions are loaded on first access (`from kernels import paged_decode_attention`), which raises
+ImportError when triton is not installed; check `kernels.support.triton_version()` first.
+"""
+
+from kernels.reference import (
+    paged_decode_attention_torch,
+    paged_prefill_attention_torch,
+    reshape_and_cache_torch,
+)
+from kernels.support import (
+    TRITON_BLOCK_SIZES,
+    TRITON_DTYPES,
+    TRITON_HEAD_SIZES,
+    TRITON_MIN_COMPUTE_CAPABILITY,
+    triton_version,
+)
+
+_TRITON_FUNCTIONS = {
+    "reshape_and_cache": "kernels.cache_write",
+    "paged_decode_attention": "kernels.decode_attention",
+    "paged_prefill_attention": "kernels.prefill_attention",
+}
+
+__all__ = [
+    "TRITON_BLOCK_SIZES",
+    "TRITON_DTYPES",
+    "TRITON_HEAD_SIZES",
+    "TRITON_MIN_COMPUTE_CAPABILITY",
+    "paged_decode_attention",
+    "paged_decode_attention_torch",
+    "paged_prefill_attention",
+    "paged_prefill_attention_torch",
+    "reshape_and_cache",
+    "reshape_and_cache_torch",
+    "triton_version",
+]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _TRITON_FUNCTIONS:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_TRITON_FUNCTIONS[name]), name)
