@@ -1,0 +1,112 @@
+"""The `worker` command line: --help documents the policy and every reason; flags -> WorkerSpec."""
+
+import subprocess
+import sys
+
+import pytest
+
+from shared.intent import CacheDtype, PagedAttentionMode, PagedBackend
+from shared.spec import LayerPlacement
+from worker.cli import parse_args
+
+
+def test_help_shows_the_policy_flag_and_every_reason():
+    result = subprocess.run(
+        [sys.executable, "-m", "worker", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    assert "--paged-attn {auto,on,off}" in text
+    for reason in (
+        "CPU/MPS default",
+        "no Triton",
+        "Triton off CUDA",
+        "compute capability >= 8.0",
+        "head sizes 32, 64, 80, 96, 128, 256",
+        "--pa-block-size 8, 16, 32, 64",
+        "KV dtypes bfloat16, float16, float32",
+        "mixed device map",
+        "--no-kv-cache",
+        "KV budget",
+    ):
+        assert reason in text, reason
+    assert "--max-model-len 0 the model's max positions, capped at 2048" in text
+    assert "eager: 8 slots; paged: 32 sequences" in text
+    assert "min(1 GiB, 10% of system RAM)" in text
+    assert "78 configuration cannot be honored" in text
+
+
+@pytest.mark.parametrize(("mode", "required"), [("auto", False), ("on", True)])
+def test_auto_and_on_carry_a_paged_config_that_says_whether_it_is_required(mode, required):
+    options = parse_args(["--paged-attn", mode, "--pa-block-size", "32", "--pa-context-tokens", "4096"])
+    cache = options.spec.cache
+    assert cache.mode is PagedAttentionMode(mode)
+    assert cache.paged is not None
+    assert cache.paged.required is required
+    assert cache.paged.block_size == 32
+    assert cache.paged.context_tokens == 4096
+    assert cache.paged.memory_fraction is None and cache.paged.memory_bytes is None
+
+
+def test_off_carries_no_paged_config():
+    options = parse_args(["--paged-attn", "off"])
+    assert options.spec.cache.mode is PagedAttentionMode.OFF
+    assert options.spec.cache.paged is None
+
+
+def test_defaults():
+    options = parse_args([])
+    assert options.spec.cache.mode is PagedAttentionMode.AUTO
+    assert options.spec.cache.paged is not None and not options.spec.cache.paged.required
+    assert options.spec.model == ""
+    assert options.spec.device == "auto"
+    assert (options.listen_host, options.listen_port) == ("127.0.0.1", 0)
+    assert options.router is None
+    assert options.router_timeout_s == 60.0
+    assert options.worker_id  # hostname-pid
+
+
+def test_every_flag_reaches_the_spec():
+    options = parse_args(
+        [
+            "--model", "/models/x", "--model-name", "x", "--device", "cuda:1",
+            "--device-map", "cuda:0=20,cpu=10", "--dtype", "bfloat16", "--max-model-len", "512",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+            "--paged-attn", "on", "--pa-memory-bytes", "1000000", "--pa-cache-dtype", "float16",
+            "--pa-backend", "torch", "--no-prefix-caching", "--listen", "0.0.0.0:7000",
+            "--router", "10.0.0.1:50051", "--router-timeout", "5", "--worker-id", "w1",
+        ]
+    )  # fmt: skip
+    spec = options.spec
+    assert (spec.model, spec.device, spec.dtype) == ("/models/x", "cuda:1", "bfloat16")
+    assert spec.device_map == (LayerPlacement("cuda:0", 20), LayerPlacement("cpu", 10))
+    assert (spec.max_model_len, spec.max_num_seqs, spec.max_num_batched_tokens) == (512, 4, 256)
+    paged = spec.cache.paged
+    assert paged is not None and paged.required
+    assert paged.memory_bytes == 1_000_000
+    assert paged.cache_dtype is CacheDtype.FLOAT16 and paged.backend is PagedBackend.TORCH
+    assert paged.prefix_caching is False
+    assert (options.listen_host, options.listen_port) == ("0.0.0.0", 7000)
+    assert options.router == "10.0.0.1:50051"
+    assert (options.router_timeout_s, options.worker_id, options.model_name) == (5.0, "w1", "x")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pa-memory-fraction", "0.5", "--pa-context-tokens", "100"], "not allowed with argument"),
+        (["--pa-memory-bytes", "10", "--pa-memory-fraction", "0.5"], "not allowed with argument"),
+        (["--pa-memory-fraction", "1.5"], "--pa-memory-fraction must be in (0, 1]"),
+        (["--paged-attn", "maybe"], "invalid choice"),
+        (["--device-map", "cuda:0"], "--device-map expects DEVICE=NUM_LAYERS"),
+        (["--device", "tpu"], "expected auto, cpu, cuda, cuda:N or mps"),
+        (["--listen", "nowhere"], "expected HOST:PORT"),
+        (["--pa-block-size", "0"], "expected a whole number > 0"),
+        (["--router-timeout", "0"], "expected a number of seconds > 0"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

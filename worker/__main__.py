@@ -1,0 +1,5 @@
+"""`python -m worker` = the `worker` command."""
+
+from worker.cli import main
+
+main()

@@ -1,0 +1,297 @@
+"""The `worker` command: flags -> WorkerSpec (+ process options) -> the startup sequence in worker/process.py.
+
+Exit codes (also in `worker --help`):
+    0   stopped on request (SIGINT/SIGTERM, the router's Shutdown or heartbeat reply)
+    1   a fatal error that is not the operator's configuration: the model failed to load, the router
+        was unreachable for --router-timeout, the router rejected the auth token, an internal error
+    2   bad flags (argparse)
+    78  the configuration cannot be honored: --paged-attn on that this worker cannot realize, flags that
+        contradict the device or the model (ConfigError), or the router refused to admit this worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from kernels.support import (
+    TRITON_BLOCK_SIZES,
+    TRITON_DTYPES,
+    TRITON_HEAD_SIZES,
+    TRITON_MIN_COMPUTE_CAPABILITY,
+)
+from shared.cli import add_log_args, add_paged_attn_arg, host_port
+from shared.errors import EXIT_FATAL, ConfigError
+from shared.intent import (
+    DEFAULT_BLOCK_SIZE,
+    CacheDtype,
+    PagedAttentionConfig,
+    PagedAttentionMode,
+    PagedBackend,
+    cache_intent,
+)
+from shared.spec import LayerPlacement, WorkerSpec, parse_device_map
+from worker.kv.sizing import CPU_DEFAULTS, CPU_PAGED_BUDGET_BYTES, CPU_PAGED_BUDGET_RAM_FRACTION, GiB
+from worker.process import DEFAULT_ROUTER_TIMEOUT_S, WorkerOptions, run_worker
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _device(value: str) -> str:
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda", "mps") or (kind == "cuda" and index.isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda, cuda:N or mps, got {value!r}")
+
+
+def _device_map(value: str) -> tuple[LayerPlacement, ...]:
+    try:
+        return parse_device_map(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value!r}")
+    return int(value)
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) == 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {value!r}")
+    return int(value)
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def _listing(values: frozenset[int] | frozenset[str]) -> str:
+    return ", ".join(map(str, sorted(values)))
+
+
+def epilog() -> str:
+    """Every reason a worker gives for running without PagedAttention (auto) or refusing to start (on),
+    quoted from the constants the checks use, then the exit codes."""
+    cc = ".".join(map(str, TRITON_MIN_COMPUTE_CAPABILITY))
+    reasons = [
+        (
+            "CPU/MPS default",
+            "on CPU and Apple MPS, auto keeps the eager KV cache; on uses the torch paged backend",
+        ),
+        ("no Triton", "a CUDA device but Triton cannot be imported, so the Triton paged kernels cannot run"),
+        ("Triton off CUDA", "--pa-backend triton on a device that is not CUDA"),
+        ("compute capability", f"the Triton paged kernels need compute capability >= {cc}"),
+        ("head size", f"the Triton paged kernels take head sizes {_listing(TRITON_HEAD_SIZES)}"),
+        ("block size", f"the Triton paged kernels take --pa-block-size {_listing(TRITON_BLOCK_SIZES)}"),
+        ("dtype", f"the Triton paged kernels take KV dtypes {_listing(TRITON_DTYPES)}"),
+        (
+            "mixed device map",
+            "--device-map puts layers on CPU and on an accelerator (no CPU paged cache for GPU kernels)",
+        ),
+        ("--no-kv-cache", "there is no KV cache to page"),
+        ("KV budget", "the --pa-* budget cannot hold one --max-model-len sequence"),
+    ]
+    width = max(len(name) for name, _ in reasons)
+    cpu = CPU_DEFAULTS
+    cpu_defaults = [
+        f"  --max-model-len 0           the model's max positions, capped at {cpu.max_model_len_cap}",
+        f"  --max-num-seqs 0            eager: {cpu.eager_max_num_seqs} slots; "
+        f"paged: {cpu.paged_max_num_seqs} sequences",
+        f"  --max-num-batched-tokens 0  {cpu.max_num_batched_tokens} "
+        "(longer prompts are prefilled in chunks)",
+        f"  paged budget (no --pa-*)    min({CPU_PAGED_BUDGET_BYTES / GiB:g} GiB, "
+        f"{CPU_PAGED_BUDGET_RAM_FRACTION:.0%} of system RAM), at most max-num-seqs x max-model-len tokens",
+    ]
+    lines = [
+        "Why PagedAttention is not used (auto: recorded as a fallback; on: startup fails with exit 78).",
+        "Each reason is logged at startup, sent in the handshake and shown in the router's ClusterStatus:",
+        *(f"  {name.ljust(width)}  {text}" for name, text in reasons),
+        "",
+        "CPU/MPS defaults the engine chooses (worker/kv/sizing.py):",
+        *cpu_defaults,
+        "",
+        "Exit codes:",
+        "  0   stopped on request (SIGINT/SIGTERM, or the router asked it to stop)",
+        "  1   fatal: the model failed to load, the router was unreachable for --router-timeout or rejected",
+        "      the auth token, an internal error",
+        "  2   bad flags",
+        "  78  configuration cannot be honored: --paged-attn on not realizable here, flags contradicting the",
+        "      device or model, or the router refused to admit this worker",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="worker",
+        description="A kvpact worker: loads one model, builds its KV cache as --paged-attn says, serves the "
+        "Worker gRPC service and registers with a router (--router), or serves standalone.",
+        epilog=epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default="",
+        help="Hugging Face model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    model.add_argument(
+        "--model-name", default=None, help="the name clients use for this model (default: from the model)"
+    )
+    model.add_argument(
+        "--device", type=_device, default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)"
+    )
+    model.add_argument(
+        "--device-map",
+        type=_device_map,
+        default=(),
+        metavar="DEVICE=NUM_LAYERS[,...]",
+        help="place runs of decoder layers on devices in order, e.g. cuda:0=20,cpu=10",
+    )
+    model.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="weight dtype (default auto: the device's default)"
+    )
+    model.add_argument(
+        "--max-model-len", type=_count, default=0, help="longest sequence in tokens (0 = default)"
+    )
+    model.add_argument(
+        "--max-num-seqs", type=_count, default=0, help="most sequences run at once (0 = default)"
+    )
+    model.add_argument(
+        "--max-num-batched-tokens",
+        type=_count,
+        default=0,
+        help="most tokens in one engine step (0 = default)",
+    )
+
+    cache = parser.add_argument_group("KV cache and PagedAttention")
+    add_paged_attn_arg(cache)
+    cache.add_argument(
+        "--pa-block-size",
+        type=_positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})",
+    )
+    budget = cache.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--pa-memory-fraction", type=float, help="KV cache budget: a fraction (0, 1] of device memory"
+    )
+    budget.add_argument("--pa-memory-bytes", type=_positive_int, help="KV cache budget in bytes")
+    budget.add_argument("--pa-context-tokens", type=_positive_int, help="KV cache budget in tokens")
+    cache.add_argument(
+        "--pa-cache-dtype",
+        choices=[d.value for d in CacheDtype],
+        default="auto",
+        help="KV element type (default: the model's)",
+    )
+    cache.add_argument(
+        "--pa-backend",
+        choices=[b.value for b in PagedBackend],
+        default="auto",
+        help="paged attention kernels: triton (CUDA) or torch (any device); auto picks (default auto)",
+    )
+    cache.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse cached blocks of repeated prompt prefixes",
+    )
+    cache.add_argument(
+        "--no-kv-cache", action="store_true", help="recompute attention over the whole sequence every step"
+    )
+
+    serving = parser.add_argument_group("serving")
+    serving.add_argument(
+        "--listen",
+        type=host_port,
+        default=("127.0.0.1", 0),
+        metavar="HOST:PORT",
+        help="where the Worker service listens (default 127.0.0.1:0, a free port)",
+    )
+    serving.add_argument(
+        "--router",
+        type=host_port,
+        default=None,
+        metavar="HOST:PORT",
+        help="register with this router (default: serve standalone)",
+    )
+    serving.add_argument(
+        "--router-timeout",
+        type=_seconds,
+        default=DEFAULT_ROUTER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="retry the handshake this long before giving up with exit 1; also how long the router may be "
+        f"unreachable before a warning (default {DEFAULT_ROUTER_TIMEOUT_S:.0f})",
+    )
+    serving.add_argument(
+        "--worker-id", default=None, help="this worker's name in the cluster (default HOSTNAME-PID)"
+    )
+    serving.add_argument("--auth-token-file", default=None, help="file holding the router's shared secret")
+    add_log_args(parser)
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
+    """The CLI mapping: --paged-attn and the --pa-* flags -> CacheIntent via shared.intent.cache_intent."""
+    settings = PagedAttentionConfig(
+        block_size=args.pa_block_size,
+        memory_fraction=args.pa_memory_fraction,
+        memory_bytes=args.pa_memory_bytes,
+        context_tokens=args.pa_context_tokens,
+        cache_dtype=CacheDtype(args.pa_cache_dtype),
+        backend=PagedBackend(args.pa_backend),
+        prefix_caching=not args.no_prefix_caching,
+    )
+    return WorkerSpec(
+        model=args.model,
+        device=args.device,
+        device_map=args.device_map,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        cache=cache_intent(PagedAttentionMode(args.paged_attn), settings, no_kv_cache=args.no_kv_cache),
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
+    """Flags -> WorkerOptions; bad flags (including a --pa-* value the intent core rejects) exit 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        spec = spec_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    host, port = args.listen
+    return WorkerOptions(
+        spec=spec,
+        listen_host=host,
+        listen_port=port,
+        router=f"{args.router[0]}:{args.router[1]}" if args.router else None,
+        router_timeout_s=args.router_timeout,
+        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        model_name=args.model_name,
+        auth_token_file=args.auth_token_file,
+        log_format=args.log_format,
+        log_level=args.log_level,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    options = parse_args(argv)
+    try:
+        code = asyncio.run(run_worker(options))
+    except KeyboardInterrupt:  # a second Ctrl-C while stopping
+        code = EXIT_FATAL
+    sys.exit(code)

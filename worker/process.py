@@ -1,0 +1,317 @@
+"""A worker process from start to exit.
+
+    bind the gRPC server (Worker + health NOT_SERVING + reflection), print "worker ID listening on ADDR"
+    -> capability check and pre-load verdict (worker.startup; fast, before any weight is read)
+    -> load the model, build the KV cache, choose the scheduler (in a thread; health answers meanwhile)
+    -> health SERVING, print the realized cache table
+    -> with --router: Handshake{ready} -> Admission, then heartbeats until asked to stop
+    -> stop: health NOT_SERVING, in-flight calls get STOP_GRACE_S, the engine is closed
+
+A startup that fails prints one line on stderr (no stack trace), reports Handshake{failed} to the
+router when there is one, and exits: 78 when the configuration cannot be honored (--paged-attn on
+not realizable, ConfigError), 1 for other failures (model load, out of memory, internal). The
+router refusing admission exits 78; an unreachable router (after --router-timeout) or a rejected
+auth token exits 1. SIGINT/SIGTERM and the router's Shutdown RPC or heartbeat reply stop it with 0:
+a worker told to stop did nothing wrong, and the router's own exit code carries a cluster failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import structlog
+from kvpact.v1 import worker_pb2
+
+from shared.auth import read_token
+from shared.errors import EXIT_FATAL, EXIT_POLICY, ConfigError, ModelLoadError, PagedAttentionRequiredError
+from shared.handshake import StartupFailure, StartupFailureCode
+from shared.log import configure_logging
+from shared.spec import WorkerSpec
+from shared.wire import failure_to_pb, mode_from_pb, realized_to_pb, spec_to_pb
+from worker.registration import RouterAuthError, RouterError, RouterLink
+from worker.service import WorkerServer, WorkerService
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+DEFAULT_ROUTER_TIMEOUT_S = 60.0
+STOP_GRACE_S = 5.0  # in-flight streams get this long to finish when the worker stops
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # when the Admission does not say
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """Everything the CLI decided; read once at start."""
+
+    spec: WorkerSpec
+    worker_id: str
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    router: str | None = None  # HOST:PORT; None = standalone
+    router_timeout_s: float = DEFAULT_ROUTER_TIMEOUT_S
+    model_name: str | None = None  # None = the engine's
+    auth_token_file: str | None = None
+    log_format: str = "auto"
+    log_level: str = "INFO"
+
+
+class _Stop:
+    """Why and with which exit code the worker stops. The first request wins."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason = ""
+        self.exit_code = EXIT_OK
+
+    def request(self, reason: str, exit_code: int = EXIT_OK) -> None:
+        if not self.event.is_set():
+            self.reason, self.exit_code = reason, exit_code
+            self.event.set()
+
+
+def classify_failure(exc: BaseException) -> tuple[StartupFailure, int]:
+    """A startup exception -> what the router is told, and the exit code."""
+    if isinstance(exc, PagedAttentionRequiredError):
+        return StartupFailure(
+            StartupFailureCode.PAGED_ATTENTION_REQUIRED, exc.reason, exc.component
+        ), EXIT_POLICY
+    if isinstance(exc, ConfigError):
+        return StartupFailure(StartupFailureCode.INVALID_CONFIG, str(exc), "config"), EXIT_POLICY
+    if isinstance(exc, ModelLoadError):
+        return StartupFailure(StartupFailureCode.MODEL_LOAD, str(exc), "loader"), EXIT_FATAL
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
+        return StartupFailure(StartupFailureCode.OUT_OF_MEMORY, str(exc), "memory"), EXIT_FATAL
+    return StartupFailure(StartupFailureCode.INTERNAL, f"{type(exc).__name__}: {exc}", ""), EXIT_FATAL
+
+
+def _say(message: str, *, error: bool = False) -> None:
+    print(message, file=sys.stderr if error else sys.stdout, flush=True)
+
+
+async def run_worker(options: WorkerOptions) -> int:
+    """Run a worker until it is stopped; return the process exit code."""
+    configure_logging(options.log_format, options.log_level)
+    return await WorkerProcess(options).run()
+
+
+class WorkerProcess:
+    def __init__(self, options: WorkerOptions) -> None:
+        self.options = options
+        self.worker_id = options.worker_id
+        self.stop = _Stop()
+        self.service = WorkerService(self.worker_id, request_shutdown=self.stop.request)
+        self.server: WorkerServer | None = None
+        self.link: RouterLink | None = None
+        self.engine: Engine | None = None
+        self.handshake = worker_pb2.Handshake(worker_id=self.worker_id, spec=spec_to_pb(options.spec))
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop.request, f"signal {sig.name}")
+        heartbeats: asyncio.Task[None] | None = None
+        try:
+            code = await self._start()
+            if code is not None:
+                return code
+            if self.link is not None:
+                heartbeats = asyncio.create_task(self._heartbeats(), name="heartbeats")
+            await self.stop.event.wait()
+            log.info("stopping", reason=self.stop.reason, exit_code=self.stop.exit_code)
+            return self.stop.exit_code
+        finally:
+            if heartbeats is not None:
+                heartbeats.cancel()
+            await self._close()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    async def _start(self) -> int | None:
+        """Everything up to serving (and admitted, with a router). An exit code if it ends here."""
+        options = self.options
+        try:
+            token = read_token(options.auth_token_file)
+        except ConfigError as exc:
+            _say(f"worker {self.worker_id}: {exc}", error=True)
+            return EXIT_POLICY
+        if options.router:
+            self.link = RouterLink(
+                options.router, worker_id=self.worker_id, auth_token=token, timeout_s=options.router_timeout_s
+            )
+        try:
+            self.server = WorkerServer(self.service, options.listen_host, options.listen_port)
+        except OSError as exc:
+            _say(f"worker {self.worker_id}: {exc}", error=True)
+            return EXIT_FATAL
+        await self.server.start()
+        self.handshake.address = self._advertised_address(self.server.port)
+        self.handshake.model_name = options.model_name or options.spec.model
+        _say(f"worker {self.worker_id} listening on {self.handshake.address}")
+
+        try:
+            engine = await self._until_stopped(self._build_engine())
+        except Exception as exc:
+            return await self._fail(exc)
+        if engine is None:
+            return self.stop.exit_code
+        self.engine = engine
+        model_name = options.model_name or engine.model_name
+        self.handshake.model_name = model_name
+        self.handshake.ready.CopyFrom(realized_to_pb(engine.realized))
+        await self.server.set_serving(engine, model_name)
+        log.info("serving", address=self.handshake.address, model_name=model_name)
+        _say(f"worker {self.worker_id} serving {model_name} on {self.handshake.address}")
+        _say(engine.realized.table())
+        if self.link is None:
+            return None
+        try:
+            admission = await self._until_stopped(self.link.register(self.handshake))
+        except RouterError as exc:
+            _say(f"worker {self.worker_id}: {exc}", error=True)
+            return EXIT_FATAL
+        if admission is None:
+            return self.stop.exit_code
+        return self._admitted(admission)
+
+    def _admitted(self, admission: worker_pb2.Admission) -> int | None:
+        policy = mode_from_pb(admission.cluster_policy).value
+        if not admission.admitted:
+            _say(
+                f"worker {self.worker_id}: router {self.options.router} refused it: {admission.reason}",
+                error=True,
+            )
+            return EXIT_POLICY
+        self._heartbeat_interval_s = admission.heartbeat_interval_ms / 1000 or DEFAULT_HEARTBEAT_INTERVAL_S
+        log.info(
+            "admitted",
+            router=self.options.router,
+            cluster_policy=policy,
+            heartbeat_interval_s=self._heartbeat_interval_s,
+        )
+        _say(f"worker {self.worker_id} admitted by router {self.options.router} (cluster policy: {policy})")
+        return None
+
+    async def _build_engine(self) -> Engine:
+        """The startup sequence proper (worker.startup): verdict first, then load. Runs in a thread."""
+        from worker import startup
+
+        spec = self.options.spec
+        started = time.monotonic()
+        plan = await _in_daemon_thread(startup.plan_startup, spec)
+        self.handshake.capabilities.CopyFrom(plan.capabilities_pb())
+        log.info("pre-load verdict", seconds=round(time.monotonic() - started, 3), **plan.log_fields())
+        engine = await _in_daemon_thread(startup.build_engine, plan)
+        log.info("engine ready", seconds=round(time.monotonic() - started, 3))
+        return engine
+
+    async def _fail(self, exc: Exception) -> int:
+        failure, code = classify_failure(exc)
+        if failure.code is StartupFailureCode.INTERNAL:
+            log.exception("startup failed", code=failure.code.value)
+        else:
+            log.error(
+                "startup failed", code=failure.code.value, component=failure.component, reason=failure.reason
+            )
+        _say(f"worker {self.worker_id}: startup failed: {exc}", error=True)
+        if self.link is not None:
+            self.handshake.failed.CopyFrom(failure_to_pb(failure))
+            try:
+                await self._until_stopped(self.link.register(self.handshake))
+            except RouterError as report_error:
+                log.warning("could not report the startup failure to the router", error=str(report_error))
+        return code
+
+    async def _heartbeats(self) -> None:
+        assert self.link is not None and self.engine is not None
+        engine = self.engine
+
+        async def reregister() -> None:
+            code = self._admitted(await self.link.register(self.handshake))  # type: ignore[union-attr]
+            if code is not None:
+                self.stop.request("the router refused this worker when it registered again", code)
+
+        try:
+            reason = await self.link.heartbeats(self._heartbeat_interval_s, lambda: _load(engine), reregister)
+        except RouterAuthError as exc:
+            _say(f"worker {self.worker_id}: {exc}", error=True)
+            self.stop.request(str(exc), EXIT_FATAL)
+        except RouterError as exc:
+            _say(f"worker {self.worker_id}: {exc}", error=True)
+            self.stop.request(str(exc), EXIT_FATAL)
+        else:
+            self.stop.request(reason)
+
+    async def _until_stopped(self, awaitable: Awaitable[T]) -> T | None:
+        """Await `awaitable`, or give up on it (None) as soon as a stop is requested."""
+        task = asyncio.ensure_future(awaitable)
+        stopped = asyncio.create_task(self.stop.event.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        log.info("startup interrupted", reason=self.stop.reason)
+        return None
+
+    async def _close(self) -> None:
+        if self.server is not None:
+            await self.server.stop(STOP_GRACE_S)
+        if self.engine is not None:
+            result = self.engine.close()
+            if asyncio.iscoroutine(result):
+                await result
+        if self.link is not None:
+            await self.link.close()
+
+    def _advertised_address(self, port: int) -> str:
+        host = self.options.listen_host
+        if host in _WILDCARD_HOSTS:
+            host = socket.gethostname()  # a wildcard bind is reached through the host's name
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _load(engine: Engine):  # type: ignore[no-untyped-def]
+    from worker.wire import load_from_stats
+
+    return load_from_stats(engine.stats())
+
+
+async def _in_daemon_thread(fn: Callable[..., T], *args: object) -> T:
+    """Run blocking `fn` in a daemon thread, so a worker stopped mid-load can exit without waiting for it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def target() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as error:  # handed to the awaiting task
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop closed while we ran: nobody is waiting
+            pass
+
+    threading.Thread(target=target, name=f"worker-{fn.__name__}", daemon=True).start()
+    return await future

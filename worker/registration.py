@@ -1,0 +1,134 @@
+"""The worker's side of the router's Registry: the handshake (with retries) and the heartbeats.
+
+- `register` sends a Handshake and returns the Admission. A router that is not up yet (UNAVAILABLE)
+  is retried with backoff until the link's timeout (--router-timeout), then RouterUnreachableError.
+  UNAUTHENTICATED (no or wrong --auth-token-file) raises RouterAuthError at once; any other status
+  raises RouterError. A failed startup is reported the same way (Handshake.failed).
+- `heartbeats` calls Registry.Heartbeat every interval with the worker's load until the router asks
+  the worker to stop. A reply `known=false` (the router restarted or forgot us) re-registers. A router
+  that cannot be reached is logged (once when the outage passes the timeout) and retried: the worker
+  keeps serving, since its router may come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import structlog
+from kvpact.v1 import worker_pb2, worker_pb2_grpc
+
+from shared.errors import KvpactError
+from shared.handshake import WorkerLoad
+from shared.wire import load_to_pb
+
+log = structlog.get_logger(__name__)
+
+# Reconnect quickly once the router is up (gRPC's default backoff grows to minutes).
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
+BACKOFF_INITIAL_S = 0.1
+BACKOFF_MAX_S = 2.0
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class RouterError(KvpactError):
+    """The router answered the handshake or a heartbeat with an error."""
+
+
+class RouterAuthError(RouterError):
+    """The router requires an auth token and this worker has none, or a different one."""
+
+
+class RouterUnreachableError(RouterError):
+    """No answer from the router within --router-timeout."""
+
+
+class RouterLink:
+    def __init__(self, router: str, *, worker_id: str, auth_token: str | None, timeout_s: float) -> None:
+        self.router = router
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        self._auth_token = auth_token or ""
+        self._channel = grpc.aio.insecure_channel(router, options=CHANNEL_OPTIONS)
+        self._stub = worker_pb2_grpc.RegistryStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def register(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission:
+        """Send `handshake` (the token is added here), retrying while the router is unreachable."""
+        message = worker_pb2.Handshake()
+        message.CopyFrom(handshake)
+        message.auth_token = self._auth_token
+        deadline = time.monotonic() + self.timeout_s
+        backoff = BACKOFF_INITIAL_S
+        attempts = 0
+        while True:
+            attempts += 1
+            remaining = deadline - time.monotonic()
+            try:
+                return await self._stub.Register(message, timeout=max(remaining, 0.01))
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code is grpc.StatusCode.UNAUTHENTICATED:
+                    raise RouterAuthError(
+                        f"router {self.router} refused the handshake: {exc.details()}"
+                    ) from None
+                if code not in _RETRYABLE and code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise RouterError(
+                        f"router {self.router} answered the handshake with {code.name}: {exc.details()}"
+                    ) from None
+                if time.monotonic() + backoff >= deadline:
+                    raise RouterUnreachableError(
+                        f"router {self.router} did not answer the handshake within --router-timeout "
+                        f"{self.timeout_s:g}s ({attempts} attempts; last: {code.name})"
+                    ) from None
+                if attempts == 1:
+                    log.info(
+                        "router not reachable yet; retrying", router=self.router, timeout_s=self.timeout_s
+                    )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def heartbeats(
+        self,
+        interval_s: float,
+        load: Callable[[], WorkerLoad],
+        reregister: Callable[[], Awaitable[None]],
+    ) -> str:
+        """Beat until the router asks this worker to stop; return that reason. Raises RouterAuthError
+        if the router starts rejecting the token, and whatever `reregister` raises."""
+        last_ok = time.monotonic()
+        outage_logged = False
+        while True:
+            await asyncio.sleep(interval_s)
+            request = worker_pb2.HeartbeatRequest(
+                worker_id=self.worker_id, load=load_to_pb(load()), auth_token=self._auth_token
+            )
+            try:
+                reply = await self._stub.Heartbeat(request, timeout=max(interval_s, 1.0))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                    raise RouterAuthError(
+                        f"router {self.router} refused a heartbeat: {exc.details()}"
+                    ) from None
+                down_s = time.monotonic() - last_ok
+                if down_s > self.timeout_s and not outage_logged:
+                    outage_logged = True
+                    log.warning(
+                        "router unreachable; still serving",
+                        router=self.router,
+                        down_s=round(down_s, 1),
+                        status=exc.code().name,
+                    )
+                continue
+            if outage_logged:
+                log.info("router reachable again", router=self.router)
+            last_ok, outage_logged = time.monotonic(), False
+            if reply.shutdown:
+                return "the router asked this worker to stop (heartbeat reply)"
+            if not reply.known:
+                log.info("router does not know this worker; registering again", router=self.router)
+                await reregister()

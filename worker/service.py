@@ -1,0 +1,149 @@
+"""The worker's gRPC face: the `kvpact.v1.Worker` servicer and the server that carries it.
+
+The servicer is thin: protobuf in and out through worker/wire.py, the work done by the engine, errors
+mapped to status codes by worker/interceptors.py (`STATUS_FOR_ERROR`). It is added to the server
+before the model is loaded and answers UNAVAILABLE until `attach(engine)`; standard health says
+NOT_SERVING until then, SERVING after, and NOT_SERVING again while stopping.
+
+A call that ends early (client cancel, deadline) closes the engine's generator, which aborts the
+sequence and frees its KV blocks. The server sets no `grpc.max_concurrent_streams`: one
+router->worker channel carries as many streams as the engine can run.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+from shared.errors import KvpactError, RequestError
+from worker.interceptors import ErrorInterceptor, LogContextInterceptor
+from worker.request import EngineClosedError, GenerationError
+from worker.wire import chunk_to_pb, request_from_pb, stats_to_pb
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class WorkerNotReadyError(KvpactError):
+    """The worker is still loading its model (or already stopping)."""
+
+
+class ModelNotServedError(KvpactError):
+    """The request names a model this worker does not serve."""
+
+
+STATUS_FOR_ERROR: dict[type[BaseException], grpc.StatusCode] = {
+    RequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotServedError: grpc.StatusCode.NOT_FOUND,
+    WorkerNotReadyError: grpc.StatusCode.UNAVAILABLE,
+    EngineClosedError: grpc.StatusCode.UNAVAILABLE,
+    GenerationError: grpc.StatusCode.INTERNAL,
+}
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker_id: str, request_shutdown: Callable[[str], None]) -> None:
+        self.worker_id = worker_id
+        self._request_shutdown = request_shutdown
+        self._engine: Engine | None = None
+        self._model_name = ""
+
+    def attach(self, engine: Engine, model_name: str) -> None:
+        self._engine, self._model_name = engine, model_name
+
+    def detach(self) -> None:
+        self._engine = None
+
+    def _ready(self) -> Engine:
+        if self._engine is None:
+            raise WorkerNotReadyError(f"worker {self.worker_id} is not serving (still loading, or stopping)")
+        return self._engine
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        engine = self._ready()
+        if request.model and request.model != self._model_name:
+            raise ModelNotServedError(
+                f"model {request.model!r} is not served here; this worker serves {self._model_name!r}"
+            )
+        request_id = request.request_id or uuid.uuid4().hex
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            async with aclosing(engine.generate(request_from_pb(request, request_id))) as outputs:
+                async for output in outputs:
+                    yield chunk_to_pb(output, self.worker_id)
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortReply:
+        return worker_pb2.AbortReply(found=self._ready().abort(request.request_id))
+
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerLoad:
+        return stats_to_pb(self._ready().stats())
+
+    async def Shutdown(
+        self, request: worker_pb2.ShutdownRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ShutdownReply:
+        log.info("shutdown requested", reason=request.reason)
+        self._request_shutdown(request.reason or "the router asked this worker to stop")
+        return worker_pb2.ShutdownReply()
+
+
+class WorkerServer:
+    """The gRPC server: Worker + grpc.health.v1 + server reflection, on one port."""
+
+    def __init__(self, service: WorkerService, host: str, port: int) -> None:
+        self.service = service
+        self._host = host
+        self._health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(
+            interceptors=[LogContextInterceptor(service.worker_id), ErrorInterceptor(STATUS_FOR_ERROR)],
+        )
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        names = (
+            WORKER_SERVICE,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self._server)
+        self.port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"--listen {host}:{port}: cannot bind (address in use or not local)")
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT as bound (the port is the real one when --listen asked for 0)."""
+        return f"{self._host}:{self.port}"
+
+    async def start(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.start()
+
+    async def set_serving(self, engine: Engine, model_name: str) -> None:
+        self.service.attach(engine, model_name)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        """NOT_SERVING at once, let in-flight calls finish for `grace_s`, then cancel them."""
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace_s)
+        self.service.detach()
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for name in ("", WORKER_SERVICE):
+            await self._health.set(name, status)

@@ -1,0 +1,101 @@
+"""Protobuf at the worker's edge: GenerateRequest -> GenerationRequest, GenerationOutput -> GenerateChunk,
+EngineStats -> WorkerLoad. One place per type; the engine never sees a protobuf message.
+
+Unset optional sampling fields take the defaults the proto documents (temperature 1, top_p 1,
+repetition_penalty 1, no seed); an unset max_tokens stays None (the engine picks).
+"""
+
+from __future__ import annotations
+
+from kvpact.v1 import generation_pb2, worker_pb2
+
+from shared.errors import RequestError
+from shared.handshake import WorkerLoad
+from shared.wire import load_to_pb
+from worker.request import (
+    ChatMessage,
+    EngineStats,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    Prompt,
+    SamplingParams,
+)
+
+_FINISH_TO_PB = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generation_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_pb(msg: generation_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs,
+    )
+
+
+def prompt_from_pb(msg: generation_pb2.GenerateRequest) -> Prompt:
+    which = msg.WhichOneof("prompt")
+    if which == "text":
+        return msg.text
+    if which == "chat":
+        return tuple(ChatMessage(role=m.role, content=m.content) for m in msg.chat.messages)
+    if which == "token_ids":
+        return tuple(msg.token_ids.ids)
+    raise RequestError("the request has no prompt: set one of text, chat or token_ids")
+
+
+def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> GenerationRequest:
+    """`request_id` is the message's, or one the server assigned when the message had none."""
+    return GenerationRequest(
+        request_id=request_id,
+        prompt=prompt_from_pb(msg),
+        sampling=sampling_from_pb(msg.sampling),
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.GenerateChunk:
+    chunk = generation_pb2.GenerateChunk(
+        request_id=output.request_id,
+        text=output.text,
+        token_ids=output.token_ids,
+        logprobs=output.logprobs,
+        worker_id=worker_id,
+    )
+    if output.finish_reason is not None:
+        chunk.finish_reason = _FINISH_TO_PB[output.finish_reason]
+    if output.usage is not None:
+        chunk.usage.CopyFrom(
+            generation_pb2.Usage(
+                prompt_tokens=output.usage.prompt_tokens,
+                completion_tokens=output.usage.completion_tokens,
+                cached_prompt_tokens=output.usage.cached_prompt_tokens,
+            )
+        )
+    return chunk
+
+
+def load_from_stats(stats: EngineStats) -> WorkerLoad:
+    return WorkerLoad(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        tokens_per_second=stats.tokens_per_second,
+        num_preemptions=stats.num_preemptions,
+    )
+
+
+def stats_to_pb(stats: EngineStats) -> worker_pb2.WorkerLoad:
+    return load_to_pb(load_from_stats(stats))
