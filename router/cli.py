@@ -1,0 +1,130 @@
+"""`router`: the kvpact router process.
+
+Exit codes: 0 stopped by SIGINT/SIGTERM; 78 the --paged-attn policy cannot be honored by every
+worker (the report names each worker and why); 1 the cluster did not come up otherwise (startup
+timeout, a worker that failed to load); 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from router.config import RouterConfig
+from shared.auth import read_token
+from shared.cli import add_log_args, add_paged_attn_arg, host_port
+from shared.errors import ConfigError
+from shared.intent import PagedAttentionMode
+from shared.log import configure_logging
+
+POLICY_HELP = (
+    "the cluster's PagedAttention policy. auto: admit workers whatever they realized (each says why it "
+    "fell back); on: every admitted worker must realize PagedAttention, or the cluster does not start "
+    "(exit 78, naming each worker and reason); off: admit only workers with the eager KV cache. "
+    "Default: auto."
+)
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> object:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="router",
+        description="The kvpact router: admits workers under the cluster's --paged-attn policy and "
+        "serves the client-facing Generation service.",
+        epilog=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument(
+        "--listen",
+        type=host_port,
+        default=("127.0.0.1", 50051),
+        metavar="HOST:PORT",
+        help="where clients and workers reach the router (default 127.0.0.1:50051; port 0 = free)",
+    )
+    add_paged_attn_arg(parser, POLICY_HELP)
+    parser.add_argument(
+        "--expect-workers",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="serving starts when N workers are admitted (default 1)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=_positive(float),
+        default=300.0,
+        metavar="SECONDS",
+        help="exit 1 naming who is missing if N workers are not admitted by then (default 300)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=_positive(float),
+        default=2.0,
+        metavar="SECONDS",
+        help="how often workers send heartbeats (told to them on admission; default 2)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=_positive(float),
+        default=10.0,
+        metavar="SECONDS",
+        help="a worker silent this long is marked DEAD and gets no new requests (default 10)",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        metavar="PATH",
+        help="workers must present the secret in this file to register and heartbeat",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (default: off)",
+    )
+    add_log_args(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    host, port = args.listen
+    return RouterConfig(
+        host=host,
+        port=port,
+        policy=PagedAttentionMode(args.paged_attn),
+        num_expected_workers=args.expect_workers,
+        startup_timeout_s=args.startup_timeout,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        auth_token=read_token(args.auth_token_file),
+        metrics_port=args.metrics_port,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    configure_logging(args.log_format, args.log_level)
+    from router.server import serve  # grpc and the servicers only once the flags are good
+
+    try:
+        return asyncio.run(serve(config))
+    except ConfigError as exc:
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The router's state and the actions on it: register a worker, take a heartbeat, fail the startup.
+
+The servicers (router/service.py, router/registry_service.py) are thin adapters over this object;
+policy lives in admission.py and startup.py, I/O to the workers in connections.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+import structlog
+from grpc_health.v1 import health, health_pb2
+from kvpact.v1 import worker_pb2
+
+from router.admission import admit
+from router.config import RouterConfig
+from router.connections import WorkerChannels
+from router.errors import InvalidRequest
+from router.registry import Registry, WorkerEntry, WorkerState
+from router.report import FailedStartup, describe_intent, describe_realized, render_failure_report
+from router.startup import ClusterState, Startup
+from shared import wire
+
+log = structlog.get_logger("router")
+
+GENERATION_SERVICE = "kvpact.v1.Generation"
+HEALTH_SERVICES = (health.OVERALL_HEALTH, GENERATION_SERVICE)
+
+
+class Cluster:
+    def __init__(
+        self,
+        config: RouterConfig,
+        report_stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.registry = Registry()
+        self.startup = Startup(num_expected=config.num_expected_workers)
+        self.channels = WorkerChannels()
+        self.health = health.aio.HealthServicer()
+        self.clock = clock
+        self.failure_report = ""
+        self.exit_code: int | None = None
+        self.finished = asyncio.Event()  # set with exit_code when the router should exit
+        self._report_stream = report_stream
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def state(self) -> ClusterState:
+        return self.startup.state
+
+    async def start(self) -> None:
+        """Health NOT_SERVING until SERVING; start the startup timer and the heartbeat monitor."""
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._tasks = [
+            asyncio.create_task(self._startup_timer(), name="startup-timer"),
+            asyncio.create_task(self._watch_heartbeats(), name="heartbeat-monitor"),
+        ]
+        log.info(
+            "cluster_starting",
+            policy=self.config.policy.value,
+            expect_workers=self.config.num_expected_workers,
+            startup_timeout_s=self.config.startup_timeout_s,
+        )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.channels.close_all()
+
+    def request_exit(self, exit_code: int) -> None:
+        if self.exit_code is None:
+            self.exit_code = exit_code
+        self.finished.set()
+
+    # -- Registry (worker-facing) ---------------------------------------------------------------------
+
+    async def register(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission:
+        entry = self._entry_from_handshake(handshake)
+        policy = self.config.policy
+        if self.state is ClusterState.FAILED:
+            entry.state, entry.state_reason = WorkerState.REFUSED, self.startup.describe()
+            return self._admission(False, entry.state_reason)
+        outcome = entry.realized if entry.realized is not None else entry.failure
+        assert outcome is not None
+        decision = admit(policy, entry.spec.cache, outcome)
+        if decision.admitted:
+            entry.state = WorkerState.ADMITTED
+        else:
+            entry.state = WorkerState.FAILED if entry.failure is not None else WorkerState.REFUSED
+        entry.state_reason = decision.reason
+        self.registry.add(entry)
+        before = self.state
+        after = self.startup.on_decision(entry.worker_id, decision)
+        emit = log.info if decision.admitted else log.error
+        emit(
+            "worker_admitted" if decision.admitted else "worker_refused",
+            worker_id=entry.worker_id,
+            address=entry.address,
+            model=entry.model_name,
+            asked=describe_intent(entry.spec.cache),
+            realized=describe_realized(entry.realized) if entry.realized else None,
+            reason=decision.reason,
+            cluster_state=after.value,
+            admitted=f"{self.startup.num_admitted}/{self.startup.num_expected}",
+        )
+        if before is ClusterState.STARTING and after is ClusterState.SERVING:
+            await self._now_serving()
+        elif before is ClusterState.STARTING and after is ClusterState.FAILED:
+            self._tasks.append(asyncio.create_task(self._fail(), name="fail-startup"))
+        elif before is ClusterState.SERVING and not decision.admitted:
+            log.warning("late_worker_refused", worker_id=entry.worker_id, detail="the cluster keeps serving")
+        return self._admission(decision.admitted, decision.reason)
+
+    def heartbeat(self, request: worker_pb2.HeartbeatRequest) -> worker_pb2.HeartbeatReply:
+        known = self.registry.get(request.worker_id)
+        was_dead = known is not None and known.state is WorkerState.DEAD
+        entry = self.registry.heartbeat(request.worker_id, wire.load_from_pb(request.load), self.clock())
+        if entry is None:
+            return worker_pb2.HeartbeatReply(known=False)
+        if was_dead:
+            log.info("worker_revived", worker_id=entry.worker_id)
+        stop = entry.state in (WorkerState.REFUSED, WorkerState.FAILED) or self.state is ClusterState.FAILED
+        return worker_pb2.HeartbeatReply(known=True, shutdown=stop)
+
+    def _admission(self, admitted: bool, reason: str) -> worker_pb2.Admission:
+        return worker_pb2.Admission(
+            admitted=admitted,
+            reason=reason,
+            cluster_policy=wire.mode_to_pb(self.config.policy),
+            heartbeat_interval_ms=int(self.config.heartbeat_interval_s * 1000),
+        )
+
+    def _entry_from_handshake(self, hs: worker_pb2.Handshake) -> WorkerEntry:
+        if not hs.worker_id:
+            raise InvalidRequest("Handshake.worker_id is empty; every worker needs a --worker-id")
+        outcome = hs.WhichOneof("outcome")
+        if outcome is None:
+            raise InvalidRequest(f'worker "{hs.worker_id}": Handshake has neither `ready` nor `failed`')
+        if outcome == "ready" and not hs.address:
+            raise InvalidRequest(
+                f'worker "{hs.worker_id}": a ready Handshake needs the Worker service address'
+            )
+        try:
+            realized = wire.realized_from_pb(hs.ready) if outcome == "ready" else None
+        except KeyError as exc:
+            raise InvalidRequest(f'worker "{hs.worker_id}": its RealizedCache has no kind/scheduler') from exc
+        return WorkerEntry(
+            worker_id=hs.worker_id,
+            address=hs.address,
+            model_name=hs.model_name,
+            spec=wire.spec_from_pb(hs.spec),
+            capabilities=hs.capabilities,
+            realized=realized,
+            failure=wire.failure_from_pb(hs.failed) if outcome == "failed" else None,
+            state=WorkerState.REFUSED,
+            state_reason="",
+            last_heartbeat=self.clock(),
+        )
+
+    # -- Startup transitions --------------------------------------------------------------------------
+
+    async def _now_serving(self) -> None:
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        admitted = [e for e in self.registry.entries() if e.serving]
+        log.info(
+            "cluster_serving",
+            policy=self.config.policy.value,
+            workers=[
+                {
+                    "worker_id": e.worker_id,
+                    "model": e.model_name,
+                    "realized": describe_realized(e.realized) if e.realized else None,
+                }
+                for e in admitted
+            ],
+        )
+
+    async def _fail(self) -> None:
+        """Tell every registered worker to stop (bounded), print the one report, and exit."""
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        workers = self.registry.entries()
+        shutdown = await self.channels.shutdown_workers(
+            workers, f"the cluster failed to start: {self.startup.cause}", self.config.shutdown_timeout_s
+        )
+        self.failure_report = render_failure_report(
+            FailedStartup(
+                policy=self.config.policy,
+                num_expected=self.startup.num_expected,
+                cause=self.startup.cause,
+                exit_code=self.startup.exit_code,
+                workers=workers,
+                shutdown=shutdown,
+            )
+        )
+        stream = self._report_stream or sys.stderr
+        stream.write(self.failure_report + "\n")
+        stream.flush()
+        log.error(
+            "cluster_failed", exit_code=self.startup.exit_code, worker_ids=[w.worker_id for w in workers]
+        )
+        self.request_exit(self.startup.exit_code)
+
+    async def _startup_timer(self) -> None:
+        await asyncio.sleep(self.config.startup_timeout_s)
+        registered = [e.worker_id for e in self.registry.entries()]
+        if self.state is ClusterState.STARTING:
+            self.startup.on_timeout(self.config.startup_timeout_s, registered)
+            await self._fail()
+
+    async def _watch_heartbeats(self) -> None:
+        period = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s) / 2
+        while True:
+            await asyncio.sleep(period)
+            for entry in self.registry.mark_dead(self.clock(), self.config.heartbeat_timeout_s):
+                log.warning("worker_dead", worker_id=entry.worker_id, reason=entry.state_reason)

@@ -1,0 +1,59 @@
+"""One router->worker channel per worker; it carries every concurrent stream to that worker.
+
+Nothing here caps concurrent streams (`grpc.max_concurrent_streams`): a cap below what a worker can
+run stalls the streams past it. Backpressure is the worker's scheduler's job, not the channel's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from kvpact.v1 import worker_pb2, worker_pb2_grpc
+
+from router.registry import WorkerEntry
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+]
+
+
+class WorkerChannels:
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+
+    def stub(self, entry: WorkerEntry) -> worker_pb2_grpc.WorkerStub:
+        """The stub for `entry`'s current address (re-registered elsewhere -> a new channel)."""
+        current = self._open.get(entry.worker_id)
+        if current is not None and current[0] == entry.address:
+            return current[2]
+        if current is not None:
+            asyncio.get_running_loop().create_task(current[1].close(grace=None))
+        channel = grpc.aio.insecure_channel(entry.address, options=CHANNEL_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        self._open[entry.worker_id] = (entry.address, channel, stub)
+        return stub
+
+    async def shutdown_workers(
+        self, entries: list[WorkerEntry], reason: str, timeout_s: float
+    ) -> dict[str, str]:
+        """Ask every worker with an address to stop, in parallel, within `timeout_s`.
+        Returns worker id -> "sent" or why it could not be told."""
+
+        async def one(entry: WorkerEntry) -> str:
+            if not entry.address:
+                return "not asked (it reported no address)"
+            try:
+                await self.stub(entry).Shutdown(worker_pb2.ShutdownRequest(reason=reason), timeout=timeout_s)
+                return "sent"
+            except grpc.aio.AioRpcError as exc:
+                return f"could not be told ({exc.code().name}: {exc.details()})"
+
+        results = await asyncio.gather(*(one(e) for e in entries))
+        return {e.worker_id: r for e, r in zip(entries, results, strict=True)}
+
+    async def close_all(self) -> None:
+        channels = [channel for _, channel, _ in self._open.values()]
+        self._open.clear()
+        await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)

@@ -1,0 +1,99 @@
+"""Prometheus metrics, served on --metrics-port (prometheus-client's HTTP server).
+
+Worker gauges are computed from the registry at scrape time, so they never drift from it:
+
+    kvpact_router_cluster_state{state}                 1 for the current state
+    kvpact_router_workers{state,realized_kind}         workers by state and realized KV cache kind
+    kvpact_router_worker_realized{worker_id,model,realized_kind,backend}   1 per registered worker
+    kvpact_router_worker_outstanding{worker_id}        requests being forwarded to it
+    kvpact_router_worker_free_blocks{worker_id}        from its last heartbeat
+    kvpact_router_requests_total{model,code}           finished client requests by gRPC status
+    kvpact_router_tokens_total{model}                  generated tokens relayed
+
+Each router owns its own CollectorRegistry (no module-level state).
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.registry import Registry
+from router.startup import ClusterState, Startup
+
+NO_CACHE = "none"  # a worker that failed before building a cache
+
+
+class RouterMetrics:
+    def __init__(self, registry: Registry, startup: Startup) -> None:
+        self.prometheus = CollectorRegistry()
+        self.prometheus.register(_ClusterCollector(registry, startup))
+        self.requests = Counter(
+            "kvpact_router_requests",
+            "Finished client requests by gRPC status code",
+            ["model", "code"],
+            registry=self.prometheus,
+        )
+        self.tokens = Counter(
+            "kvpact_router_tokens", "Generated tokens relayed to clients", ["model"], registry=self.prometheus
+        )
+
+    def observe_request(self, model: str, code: str, num_tokens: int) -> None:
+        self.requests.labels(model=model, code=code).inc()
+        if num_tokens:
+            self.tokens.labels(model=model).inc(num_tokens)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=host, registry=self.prometheus)
+
+
+class _ClusterCollector(Collector):
+    def __init__(self, registry: Registry, startup: Startup) -> None:
+        self._registry = registry
+        self._startup = startup
+
+    def collect(self) -> Iterator[Metric]:
+        entries = self._registry.entries()
+        state = GaugeMetricFamily(
+            "kvpact_router_cluster_state", "1 for the cluster's current state", labels=["state"]
+        )
+        for s in ClusterState:
+            state.add_metric([s.value], 1.0 if self._startup.state is s else 0.0)
+        yield state
+
+        by_state = Tally((e.state.value, e.realized.kind.value if e.realized else NO_CACHE) for e in entries)
+        workers = GaugeMetricFamily(
+            "kvpact_router_workers",
+            "Workers by state and realized KV cache kind",
+            labels=["state", "realized_kind"],
+        )
+        for (s, kind), n in sorted(by_state.items()):
+            workers.add_metric([s, kind], n)
+        yield workers
+
+        realized = GaugeMetricFamily(
+            "kvpact_router_worker_realized",
+            "1 per worker, labeled with what it built",
+            labels=["worker_id", "model", "realized_kind", "backend"],
+        )
+        outstanding = GaugeMetricFamily(
+            "kvpact_router_worker_outstanding", "Requests being forwarded to it", labels=["worker_id"]
+        )
+        free = GaugeMetricFamily(
+            "kvpact_router_worker_free_blocks",
+            "Free KV blocks (EAGER: slots) at its last heartbeat",
+            labels=["worker_id"],
+        )
+        for e in entries:
+            kind = e.realized.kind.value if e.realized else NO_CACHE
+            backend = e.realized.backend.value if e.realized and e.realized.backend else ""
+            realized.add_metric([e.worker_id, e.model_name, kind, backend], 1.0)
+            outstanding.add_metric([e.worker_id], e.num_outstanding)
+            free.add_metric([e.worker_id], e.load.num_free_blocks)
+        yield realized
+        yield outstanding
+        yield free

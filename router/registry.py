@@ -1,0 +1,102 @@
+"""Every worker that registered: what it was asked, what it built, its state, load and liveness.
+
+No I/O here: the Registry servicer and the heartbeat monitor update it; the balancer and the status
+page read it. Times are `time.monotonic()` seconds passed in by the caller.
+
+States: ADMITTED (serving) <-> DEAD (missed heartbeats for --heartbeat-timeout; a later heartbeat
+revives it); REFUSED (did not meet the policy) and FAILED (reported a startup failure) are final for
+that registration. A worker that registers again under the same id replaces its entry.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvpact.v1 import worker_pb2
+
+from shared.handshake import StartupFailure, WorkerLoad
+from shared.realized import RealizedCache
+from shared.spec import WorkerSpec
+
+
+class WorkerState(enum.Enum):
+    ADMITTED = "admitted"
+    REFUSED = "refused"
+    FAILED = "failed"
+    DEAD = "dead"
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    worker_id: str
+    address: str
+    model_name: str
+    spec: WorkerSpec
+    # Relayed as-is to ClusterStatus and the report; the router never decides on it.
+    capabilities: worker_pb2.Capabilities
+    realized: RealizedCache | None
+    failure: StartupFailure | None
+    state: WorkerState
+    state_reason: str
+    last_heartbeat: float
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    num_outstanding: int = 0  # requests the router is forwarding to it right now
+
+    @property
+    def serving(self) -> bool:
+        return self.state is WorkerState.ADMITTED
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._entries: dict[str, WorkerEntry] = {}
+
+    def add(self, entry: WorkerEntry) -> WorkerEntry | None:
+        """Add or replace (same worker id). Returns the replaced entry, if any."""
+        old = self._entries.pop(entry.worker_id, None)
+        self._entries[entry.worker_id] = entry
+        return old
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        return self._entries.get(worker_id)
+
+    def entries(self) -> list[WorkerEntry]:
+        """In registration order (a copy: safe to read from another thread, e.g. a metrics scrape)."""
+        return list(self._entries.values())
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad, now: float) -> WorkerEntry | None:
+        """Record a heartbeat; revives a DEAD worker. None when the worker is unknown."""
+        entry = self._entries.get(worker_id)
+        if entry is None:
+            return None
+        entry.load = load
+        entry.last_heartbeat = now
+        if entry.state is WorkerState.DEAD:
+            entry.state = WorkerState.ADMITTED
+            entry.state_reason = "heartbeats resumed"
+        return entry
+
+    def mark_dead(self, now: float, timeout_s: float) -> list[WorkerEntry]:
+        """Mark ADMITTED workers silent for longer than `timeout_s` as DEAD; returns the newly dead."""
+        dead = []
+        for entry in self._entries.values():
+            silent = now - entry.last_heartbeat
+            if entry.state is WorkerState.ADMITTED and silent > timeout_s:
+                entry.state = WorkerState.DEAD
+                entry.state_reason = f"no heartbeat for {silent:.1f} s (--heartbeat-timeout {timeout_s:g})"
+                dead.append(entry)
+        return dead
+
+    def serving(self, model: str) -> list[WorkerEntry]:
+        return [e for e in self._entries.values() if e.serving and e.model_name == model]
+
+    def models(self) -> dict[str, list[WorkerEntry]]:
+        """Models of workers that were admitted (serving or DEAD) -> their serving workers."""
+        found: dict[str, list[WorkerEntry]] = {}
+        for entry in self._entries.values():
+            if entry.state in (WorkerState.ADMITTED, WorkerState.DEAD):
+                found.setdefault(entry.model_name, [])
+                if entry.serving:
+                    found[entry.model_name].append(entry)
+        return found

@@ -1,0 +1,87 @@
+"""The router process: one grpc.aio server with Generation, Registry, health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import TextIO
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvpact.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from router.cluster import Cluster
+from router.config import RouterConfig
+from router.interceptor import ErrorInterceptor
+from router.metrics import RouterMetrics
+from router.registry_service import RegistryService
+from router.service import GenerationService
+from shared.errors import ConfigError
+
+log = structlog.get_logger("router")
+
+STOP_GRACE_S = 0.3  # lets in-flight replies (a refused worker's Admission) go out before exit
+SERVICE_NAMES = (
+    router_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+    worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig, report_stream: TextIO | None = None) -> None:
+        self.config = config
+        self.cluster = Cluster(config, report_stream=report_stream)
+        self.metrics = RouterMetrics(self.cluster.registry, self.cluster.startup)
+        # No grpc.max_concurrent_streams: a cap stalls client streams past it (see router/connections.py).
+        self._server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0)])
+        router_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationService(self.cluster, self.metrics), self._server
+        )
+        worker_pb2_grpc.add_RegistryServicer_to_server(RegistryService(self.cluster), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.cluster.health, self._server)
+        reflection.enable_server_reflection(SERVICE_NAMES, self._server)
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port."""
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        try:
+            self.port = self._server.add_insecure_port(f"{host}:{self.config.port}")
+        except RuntimeError as exc:
+            raise ConfigError(f"--listen {self.config.host}:{self.config.port}: cannot bind ({exc})") from exc
+        if not self.port:
+            raise ConfigError(f"--listen {self.config.host}:{self.config.port}: cannot bind (in use?)")
+        await self.cluster.start()
+        await self._server.start()
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port, self.config.host)
+        print(f"router listening on {host}:{self.port}", flush=True)  # tests and deploy read it
+        log.info("router_listening", address=f"{host}:{self.port}", metrics_port=self.config.metrics_port)
+        return self.port
+
+    async def wait(self) -> int:
+        """Until the cluster fails or a stop is requested; returns the exit code."""
+        await self.cluster.finished.wait()
+        return self.cluster.exit_code or 0
+
+    async def stop(self) -> None:
+        await self._server.stop(STOP_GRACE_S)
+        await self.cluster.close()
+
+
+async def serve(config: RouterConfig) -> int:
+    server = RouterServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.cluster.request_exit, 0)
+    try:
+        code = await server.wait()
+    finally:
+        await server.stop()
+    log.info("router_exit", exit_code=code)
+    return code

@@ -1,0 +1,130 @@
+"""The client-facing Generation service: a thin relay to the chosen worker.
+
+Generate forwards the request to one worker's Worker.Generate and relays its chunks; Complete does the
+same and aggregates. The client's remaining deadline becomes the worker call's timeout, and a client
+that cancels cancels the worker call (the worker aborts the request and frees its cache).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
+
+from router.balancer import resolve_model, route
+from router.cluster import Cluster
+from router.errors import NotServing, WorkerCallFailed
+from router.metrics import RouterMetrics
+from router.registry import WorkerEntry
+from router.startup import ClusterState
+from router.status import cluster_status_to_pb
+
+log = structlog.get_logger("router.generation")
+
+
+class GenerationService(router_pb2_grpc.GenerationServicer):
+    def __init__(self, cluster: Cluster, metrics: RouterMetrics | None = None) -> None:
+        self.cluster = cluster
+        self.metrics = metrics
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        entry = self._route(request)
+        async for chunk in self._forward(entry, request, context):
+            yield chunk
+
+    async def Complete(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.CompleteResponse:
+        entry = self._route(request)
+        response = generation_pb2.CompleteResponse(request_id=request.request_id, worker_id=entry.worker_id)
+        async for chunk in self._forward(entry, request, context):
+            response.text += chunk.text
+            response.token_ids.extend(chunk.token_ids)
+            response.logprobs.extend(chunk.logprobs)
+            if chunk.finish_reason:
+                response.finish_reason = chunk.finish_reason
+            if chunk.HasField("usage"):
+                response.usage.CopyFrom(chunk.usage)
+        return response
+
+    async def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        self._check_serving()
+        models = []
+        for name, workers in sorted(self.cluster.registry.models().items()):
+            lens = [w.realized.max_model_len for w in workers if w.realized is not None]
+            models.append(
+                router_pb2.ModelInfo(name=name, max_model_len=min(lens, default=0), num_workers=len(workers))
+            )
+        return router_pb2.ListModelsResponse(models=models)
+
+    async def ClusterStatus(
+        self, request: router_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ClusterStatusResponse:
+        cluster = self.cluster
+        return cluster_status_to_pb(
+            cluster.state,
+            cluster.config.policy,
+            cluster.startup.num_expected,
+            cluster.registry.entries(),
+            cluster.clock(),
+            cluster.failure_report,
+        )
+
+    def _check_serving(self) -> None:
+        if self.cluster.state is not ClusterState.SERVING:
+            raise NotServing(self.cluster.startup.describe())
+
+    def _route(self, request: generation_pb2.GenerateRequest) -> WorkerEntry:
+        self._check_serving()
+        if not request.model:
+            request.model, _ = resolve_model(self.cluster.registry, "")
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        return route(self.cluster.registry, request.model)
+
+    async def _forward(
+        self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        stub = self.cluster.channels.stub(entry)
+        code = grpc.StatusCode.OK
+        num_tokens = 0
+        entry.num_outstanding += 1
+        call = stub.Generate(request, timeout=context.time_remaining())
+        try:
+            async for chunk in call:
+                if not chunk.worker_id:
+                    chunk.worker_id = entry.worker_id
+                num_tokens += len(chunk.token_ids)
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            raise _worker_error(entry, exc) from None
+        except BaseException:  # the client cancelled (or its deadline passed): stop the worker's work too
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            entry.num_outstanding -= 1
+            call.cancel()
+            log.debug(
+                "request_done",
+                request_id=request.request_id,
+                worker_id=entry.worker_id,
+                code=code.name,
+                num_tokens=num_tokens,
+            )
+            if self.metrics is not None:
+                self.metrics.observe_request(request.model, code.name, num_tokens)
+
+
+def _worker_error(entry: WorkerEntry, exc: grpc.aio.AioRpcError) -> WorkerCallFailed:
+    code, details = exc.code(), exc.details() or ""
+    if code is grpc.StatusCode.UNAVAILABLE:
+        details = f"{details} (is its process running?)"
+    return WorkerCallFailed(code, f'worker "{entry.worker_id}" at {entry.address}: {details}')

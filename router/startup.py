@@ -1,0 +1,78 @@
+"""The cluster's startup state machine. Pure: the router feeds it events and acts on what it returns.
+
+    STARTING --(N distinct workers admitted)-------------------------> SERVING
+    STARTING --(a worker refused by policy, or failed, while starting)-> FAILED  (exit 78 for policy, else 1)
+    STARTING --(startup timeout)-------------------------------------> FAILED  (exit 1)
+    SERVING  --(anything)--------------------------------------------> SERVING (late workers refused alone)
+    FAILED   is final.
+
+All-or-nothing while starting: one worker that cannot meet the policy fails the whole cluster at once,
+without waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from router.admission import Decision
+from shared.errors import EXIT_FATAL, EXIT_POLICY
+
+
+class ClusterState(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class Startup:
+    num_expected: int
+    state: ClusterState = ClusterState.STARTING
+    admitted_ids: set[str] = field(default_factory=set)
+    cause: str = ""  # why FAILED, naming the worker
+    exit_code: int = 0  # set when FAILED
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self.admitted_ids)
+
+    def on_decision(self, worker_id: str, decision: Decision) -> ClusterState:
+        """A worker registered and was admitted or refused."""
+        if self.state is not ClusterState.STARTING:
+            return self.state
+        if decision.admitted:
+            self.admitted_ids.add(worker_id)
+            if self.num_admitted >= self.num_expected:
+                self.state = ClusterState.SERVING
+        else:
+            self._fail(
+                f'worker "{worker_id}" was refused while the cluster was starting: {decision.reason}',
+                EXIT_POLICY if decision.policy_failure else EXIT_FATAL,
+            )
+        return self.state
+
+    def on_timeout(self, timeout_s: float, registered_ids: list[str]) -> ClusterState:
+        if self.state is ClusterState.STARTING:
+            missing = self.num_expected - self.num_admitted
+            who = ", ".join(f'"{w}"' for w in registered_ids) or "none"
+            self._fail(
+                f"startup timed out after {timeout_s:g} s with {self.num_admitted} of {self.num_expected} "
+                f"workers admitted: {missing} missing (registered: {who}); start the missing workers with "
+                f"--router pointing here, or raise --startup-timeout",
+                EXIT_FATAL,
+            )
+        return self.state
+
+    def _fail(self, cause: str, exit_code: int) -> None:
+        self.state = ClusterState.FAILED
+        self.cause = cause
+        self.exit_code = exit_code
+
+    def describe(self) -> str:
+        """What a client hears while the cluster is not serving."""
+        if self.state is ClusterState.STARTING:
+            return f"cluster is starting ({self.num_admitted} of {self.num_expected} workers admitted)"
+        if self.state is ClusterState.FAILED:
+            return f"cluster failed to start and the router is exiting: {self.cause}"
+        return "cluster is serving"

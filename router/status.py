@@ -1,0 +1,59 @@
+"""ClusterStatus at the edge: registry entries and the startup state -> protobuf (the one place)."""
+
+from __future__ import annotations
+
+from kvpact.v1 import router_pb2
+
+from router.registry import WorkerEntry, WorkerState
+from router.startup import ClusterState
+from shared import wire
+from shared.intent import PagedAttentionMode
+
+_CLUSTER_STATE_TO_PB = {
+    ClusterState.STARTING: router_pb2.CLUSTER_STATE_STARTING,
+    ClusterState.SERVING: router_pb2.CLUSTER_STATE_SERVING,
+    ClusterState.FAILED: router_pb2.CLUSTER_STATE_FAILED,
+}
+_WORKER_STATE_TO_PB = {
+    WorkerState.ADMITTED: router_pb2.WORKER_STATE_ADMITTED,
+    WorkerState.REFUSED: router_pb2.WORKER_STATE_REFUSED,
+    WorkerState.FAILED: router_pb2.WORKER_STATE_FAILED,
+    WorkerState.DEAD: router_pb2.WORKER_STATE_DEAD,
+}
+
+
+def worker_status_to_pb(entry: WorkerEntry, now: float) -> router_pb2.WorkerStatus:
+    msg = router_pb2.WorkerStatus(
+        worker_id=entry.worker_id,
+        address=entry.address,
+        model_name=entry.model_name,
+        requested=wire.spec_to_pb(entry.spec),
+        capabilities=entry.capabilities,
+        state=_WORKER_STATE_TO_PB[entry.state],
+        state_reason=entry.state_reason,
+        load=wire.load_to_pb(entry.load),
+        seconds_since_heartbeat=max(0.0, now - entry.last_heartbeat),
+        num_outstanding=entry.num_outstanding,
+    )
+    if entry.realized is not None:
+        msg.realized.CopyFrom(wire.realized_to_pb(entry.realized))
+    if entry.failure is not None:
+        msg.failure.CopyFrom(wire.failure_to_pb(entry.failure))
+    return msg
+
+
+def cluster_status_to_pb(
+    state: ClusterState,
+    policy: PagedAttentionMode,
+    num_expected: int,
+    workers: list[WorkerEntry],
+    now: float,
+    failure_report: str = "",
+) -> router_pb2.ClusterStatusResponse:
+    return router_pb2.ClusterStatusResponse(
+        state=_CLUSTER_STATE_TO_PB[state],
+        policy=wire.mode_to_pb(policy),
+        expected_workers=num_expected,
+        workers=[worker_status_to_pb(w, now) for w in workers],
+        failure_report=failure_report,
+    )

@@ -1,0 +1,209 @@
+"""Real gRPC servers and handshakes for router tests that do not need a real model.
+
+`WorkerDouble` is a real Worker service on loopback (grpc.aio): its "model" emits token
+`(prompt length + i) % 1000` as text "t<id> ", one chunk per token, optionally slowly, and it records
+what it was asked (requests, cancellations, shutdowns) so tests can assert on the router's behaviour.
+Handshakes are built from the shared dataclasses through shared/wire.py, as a worker builds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import io
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+import grpc
+
+from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from router.config import RouterConfig
+from router.server import RouterServer
+from shared import wire
+from shared.handshake import StartupFailure, StartupFailureCode
+from shared.intent import CacheDtype, Fallback, PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
+from shared.realized import RealizedCache
+from shared.scheduler_choice import CacheKind, SchedulerKind
+from shared.spec import WorkerSpec
+
+ASYNC_TEST_TIMEOUT_S = 60.0
+
+
+def run_async(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run an async test body in a fresh event loop, bounded in time (pytest fixtures still inject)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), ASYNC_TEST_TIMEOUT_S))
+
+    return wrapper
+
+
+class WorkerDouble(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker_id: str, *, num_blocks: int = 64, delay_s: float = 0.0) -> None:
+        self.worker_id = worker_id
+        self.num_blocks = num_blocks
+        self.delay_s = delay_s
+        self.active: set[str] = set()
+        self.requests: list[generation_pb2.GenerateRequest] = []
+        self.cancelled: list[str] = []
+        self.shutdown_reasons: list[str] = []
+        self.timeouts: list[float | None] = []
+        self.address = ""
+
+    @staticmethod
+    def tokens_for(request: generation_pb2.GenerateRequest) -> list[int]:
+        base = len(request.text) if request.WhichOneof("prompt") == "text" else len(request.token_ids.ids)
+        n = request.max_tokens if request.HasField("max_tokens") else 8
+        return [(base + i) % 1000 for i in range(n)]
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        rid = request.request_id
+        self.requests.append(request)
+        self.timeouts.append(context.time_remaining())
+        self.active.add(rid)
+        tokens = self.tokens_for(request)
+        try:
+            for i, token in enumerate(tokens):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                chunk = generation_pb2.GenerateChunk(request_id=rid, text=f"t{token} ", token_ids=[token])
+                if i == len(tokens) - 1:
+                    chunk.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+                    chunk.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=3, completion_tokens=len(tokens)))
+                yield chunk
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        finally:
+            self.active.discard(rid)
+
+    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerLoad:
+        return worker_pb2.WorkerLoad(
+            num_running=len(self.active),
+            num_free_blocks=self.num_blocks - len(self.active),
+            num_total_blocks=self.num_blocks,
+        )
+
+    async def Shutdown(
+        self, request: worker_pb2.ShutdownRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ShutdownReply:
+        self.shutdown_reasons.append(request.reason)
+        return worker_pb2.ShutdownReply()
+
+
+@asynccontextmanager
+async def serving_double(double: WorkerDouble) -> AsyncIterator[WorkerDouble]:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(double, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    double.address = f"127.0.0.1:{port}"
+    try:
+        yield double
+    finally:
+        await server.stop(None)
+
+
+@asynccontextmanager
+async def running_router(**overrides: Any) -> AsyncIterator[RouterServer]:
+    """An in-process router on a free loopback port; its failure report goes to `router.report`."""
+    config = replace(RouterConfig(host="127.0.0.1", port=0), **overrides)
+    report = io.StringIO()
+    router = RouterServer(config, report_stream=report)
+    router.report = report  # type: ignore[attr-defined]
+    await router.start()
+    try:
+        yield router
+    finally:
+        await router.stop()
+
+
+def paged_realized(
+    *, num_blocks: int = 64, block_size: int = 16, backend: PagedBackend = PagedBackend.TORCH
+) -> RealizedCache:
+    return RealizedCache(
+        kind=CacheKind.PAGED,
+        scheduler=SchedulerKind.PAGED,
+        max_model_len=256,
+        capacity_tokens=num_blocks * block_size,
+        max_concurrency=num_blocks * block_size // 256,
+        num_blocks=num_blocks,
+        memory_bytes=1 << 20,
+        cache_dtype=CacheDtype.FLOAT32,
+        backend=backend,
+        block_size=block_size,
+        prefix_caching=True,
+    )
+
+
+EAGER_CPU_REASON = "eager is the CPU default (use --paged-attn on for the torch paged backend)"
+
+
+def eager_realized(*fallbacks: Fallback, num_slots: int = 4) -> RealizedCache:
+    return RealizedCache(
+        kind=CacheKind.EAGER,
+        scheduler=SchedulerKind.DEFAULT,
+        max_model_len=256,
+        capacity_tokens=num_slots * 256,
+        max_concurrency=num_slots,
+        num_blocks=num_slots,
+        memory_bytes=1 << 20,
+        cache_dtype=CacheDtype.FLOAT32,
+        fallbacks=tuple(fallbacks),
+    )
+
+
+def spec(mode: str = "on", *, backend: PagedBackend = PagedBackend.AUTO, model: str = "/models/tiny") -> WorkerSpec:
+    return WorkerSpec(model=model, device="cpu", cache=cache_intent(PagedAttentionMode(mode),
+                                                                    PagedAttentionConfig(backend=backend)))
+
+
+def ready(
+    worker_id: str,
+    address: str,
+    realized: RealizedCache | None = None,
+    *,
+    mode: str = "on",
+    model: str = "tiny",
+    token: str = "",
+) -> worker_pb2.Handshake:
+    return worker_pb2.Handshake(
+        worker_id=worker_id,
+        address=address,
+        model_name=model,
+        spec=wire.spec_to_pb(spec(mode)),
+        capabilities=worker_pb2.Capabilities(device_kind="cpu", torch_version="2.13.0"),
+        ready=wire.realized_to_pb(realized or paged_realized()),
+        auth_token=token,
+    )
+
+
+def failed(
+    worker_id: str,
+    reason: str,
+    *,
+    address: str = "",
+    mode: str = "on",
+    backend: PagedBackend = PagedBackend.TRITON,
+    component: str = "device",
+    code: StartupFailureCode = StartupFailureCode.PAGED_ATTENTION_REQUIRED,
+) -> worker_pb2.Handshake:
+    return worker_pb2.Handshake(
+        worker_id=worker_id,
+        address=address,
+        model_name="tiny",
+        spec=wire.spec_to_pb(spec(mode, backend=backend)),
+        capabilities=worker_pb2.Capabilities(device_kind="cpu"),
+        failed=wire.failure_to_pb(StartupFailure(code, reason, component)),
+    )
+
+
+@asynccontextmanager
+async def registry_stub(router: RouterServer) -> AsyncIterator[worker_pb2_grpc.RegistryStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+        yield worker_pb2_grpc.RegistryStub(channel)

@@ -1,0 +1,68 @@
+"""The admission matrix: every cluster policy x worker intent x realized kind, with its reason."""
+
+import pytest
+
+from router.admission import admit
+from shared.handshake import StartupFailure, StartupFailureCode
+from shared.intent import Fallback, PagedAttentionMode, cache_intent
+from tests.router.doubles import EAGER_CPU_REASON, eager_realized, paged_realized
+
+AUTO, ON, OFF = PagedAttentionMode.AUTO, PagedAttentionMode.ON, PagedAttentionMode.OFF
+PAGED = paged_realized()
+EAGER_FELL_BACK = eager_realized(Fallback("device", EAGER_CPU_REASON))
+EAGER_PLAIN = eager_realized()
+
+# (cluster policy, worker intent, realized) -> admitted?, words the reason must contain
+MATRIX = [
+    (ON, ON, PAGED, True, ["realized a PAGED KV cache (torch backend)", "--paged-attn on"]),
+    (ON, ON, EAGER_PLAIN, False, ["started with --paged-attn on yet realized an EAGER KV cache"]),
+    (ON, AUTO, PAGED, True, ["realized a PAGED KV cache"]),
+    (ON, AUTO, EAGER_FELL_BACK, False, ["cluster policy is --paged-attn on", "under --paged-attn auto",
+                                        f"[device] {EAGER_CPU_REASON}"]),
+    (ON, OFF, EAGER_PLAIN, False, ["started with --paged-attn off", "cluster policy is --paged-attn on"]),
+    (OFF, ON, PAGED, False, ["started with --paged-attn on", "cluster policy is --paged-attn off"]),
+    (OFF, AUTO, PAGED, False, ["cluster policy is --paged-attn off", "realized a PAGED KV cache",
+                               "start it with --paged-attn off"]),
+    (OFF, AUTO, EAGER_FELL_BACK, True, ["realized an EAGER KV cache", EAGER_CPU_REASON]),
+    (OFF, OFF, EAGER_PLAIN, True, ["realized an EAGER KV cache under cluster policy --paged-attn off"]),
+    (AUTO, ON, PAGED, True, ["realized a PAGED KV cache"]),
+    (AUTO, AUTO, PAGED, True, ["realized a PAGED KV cache"]),
+    (AUTO, AUTO, EAGER_FELL_BACK, True, ["realized an EAGER KV cache", f"fell back: [device] {EAGER_CPU_REASON}"]),
+    (AUTO, OFF, EAGER_PLAIN, True, ["realized an EAGER KV cache"]),
+]
+
+
+@pytest.mark.parametrize(("policy", "intent", "realized", "admitted", "words"), MATRIX,
+                         ids=[f"cluster-{p.value}-worker-{i.value}-{r.kind.value}" for p, i, r, *_ in MATRIX])
+def test_admission_matrix(policy, intent, realized, admitted, words):
+    decision = admit(policy, cache_intent(intent), realized)
+    assert decision.admitted is admitted
+    for word in words:
+        assert word in decision.reason
+    assert decision.policy_failure is (not admitted)
+
+
+def test_off_realized_without_fallback_has_no_reason_appended():
+    decision = admit(OFF, cache_intent(OFF), EAGER_PLAIN)
+    assert decision.reason == "realized an EAGER KV cache under cluster policy --paged-attn off"
+
+
+@pytest.mark.parametrize("policy", list(PagedAttentionMode))
+def test_a_reported_startup_failure_is_refused_with_its_reason(policy):
+    failure = StartupFailure(StartupFailureCode.PAGED_ATTENTION_REQUIRED, "no CUDA device", "device")
+    decision = admit(policy, cache_intent(ON), failure)
+    assert not decision.admitted
+    assert decision.reason == "its startup failed (paged-attention-required) [device]: no CUDA device"
+    assert decision.policy_failure
+
+
+def test_a_model_load_failure_is_not_a_policy_failure():
+    failure = StartupFailure(StartupFailureCode.MODEL_LOAD, "config.json is missing", "loader")
+    decision = admit(AUTO, cache_intent(AUTO), failure)
+    assert not decision.admitted and not decision.policy_failure
+    assert "config.json is missing" in decision.reason
+
+
+def test_eager_without_any_reported_reason_says_so():
+    decision = admit(ON, cache_intent(AUTO), EAGER_PLAIN)
+    assert "it reported no fallback reason" in decision.reason
