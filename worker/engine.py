@@ -1,0 +1,328 @@
+"""The engine: one thread owns the model, the cache and the scheduler, and runs the step loop.
+
+    caller (asyncio or plain thread)                 step thread
+    --------------------------------                 -----------
+    generate(request): validate, tokenize  --add-->  queue -> scheduler.add
+    abort(request_id)                      --abort-> queue -> scheduler.finish (frees its cache)
+    <-- GenerationOutput pieces (call_soon_threadsafe) --  schedule -> run model -> sample -> stream
+
+Invariants: only the step thread touches the scheduler, the cache and the sequences; the caller
+threads only enqueue commands and read a stats snapshot. A request that can never fit is refused in
+the caller before it is queued. A failed step fails the requests it was running (their streams raise
+GenerationError) and frees their cache; the others keep going. `close()` stops the thread within a
+bound and fails whatever was still in flight with EngineClosedError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import structlog
+import torch
+
+from shared.errors import RequestError
+from shared.realized import RealizedCache
+from worker.model_runner import ModelRunner
+from worker.output_stream import OutputStream, Sink
+from worker.request import (
+    ChatMessage,
+    EngineClosedError,
+    EngineStats,
+    FinishReason,
+    GenerationError,
+    GenerationOutput,
+    GenerationRequest,
+    GenerationResult,
+)
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence
+from worker.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 256
+CLOSE_TIMEOUT_S = 30.0
+TPS_WINDOW_S = 5.0
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        *,
+        realized: RealizedCache,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        log: Any = None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.realized = realized
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.log = log or structlog.get_logger("worker.engine")
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, OutputStream] = {}  # step thread only
+        self._live: set[str] = set()  # request ids queued or running; guarded by _lock
+        self._lock = threading.Lock()
+        self._seq_ids = itertools.count()
+        self._closed = threading.Event()
+        self._generated: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
+        self._counts = (0, 0)  # (running, waiting) after the last step
+        self._thread = threading.Thread(target=self._loop, name="kvpact-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ----
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream the request's pieces; the last has finish_reason and usage. Raises RequestError before
+        the first piece for a request that can never be served, GenerationError if the engine fails
+        it. Stopping the iteration early (or cancelling the task) aborts it and frees its cache."""
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[GenerationOutput | BaseException] = asyncio.Queue()
+
+        def sink(item: GenerationOutput | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(pieces.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is gone: nobody is listening
+                self.abort(request.request_id)
+
+        self.submit(request, sink)
+        finished = False
+        try:
+            while not finished:
+                item = await pieces.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Validate and tokenize in the calling thread, then queue. `sink` is called from the step
+        thread with each piece, or once with an exception."""
+        prompt_ids, max_tokens = self._prepare(request)
+        eos = frozenset() if request.ignore_eos else self.tokenizer.eos_token_ids
+        seq = Sequence.create(
+            seq_id=next(self._seq_ids),
+            request_id=request.request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=request.sampling,
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset(request.stop_token_ids) | eos,
+            device=self.runner.device,
+        )
+        stream = OutputStream(seq, self.tokenizer, request.stop, sink)
+        with self._lock:  # with close() under the same lock, a queued add is always drained
+            if self._closed.is_set():
+                raise EngineClosedError("the engine is closed")
+            if request.request_id in self._live:
+                raise RequestError(f"request_id {request.request_id!r} is already in flight")
+            self._live.add(request.request_id)
+            self._commands.put(("add", stream))
+
+    def abort(self, request_id: str) -> bool:
+        """True if the request was queued or running (it ends with finish_reason ABORT)."""
+        with self._lock:
+            found = request_id in self._live
+        if found:
+            self._commands.put(("abort", request_id))
+        return found
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        with self._lock:
+            window = [(t, n) for t, n in self._generated if now - t <= TPS_WINDOW_S]
+            running, waiting = self._counts
+        tps = sum(n for _, n in window) / (now - window[0][0]) if len(window) > 1 else 0.0
+        return EngineStats(
+            num_running=running,
+            num_waiting=waiting,
+            num_free_blocks=self.scheduler.num_free_blocks,
+            num_total_blocks=self.scheduler.num_total_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            tokens_per_second=tps,
+        )
+
+    def close(self) -> None:
+        """Stop the step loop (after the step in progress) and fail what is still in flight. Idempotent."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            self.log.warning("engine step thread did not stop in time", timeout_s=CLOSE_TIMEOUT_S)
+
+    def run(self, requests: Iterable[GenerationRequest], timeout: float | None = None) -> list[GenerationResult]:
+        """Synchronous helper for tests and benchmarks: submit all, wait for all, in request order."""
+        requests = list(requests)
+        outputs: dict[str, list[GenerationOutput]] = {r.request_id: [] for r in requests}
+        errors: list[BaseException] = []
+        remaining = threading.Semaphore(0)
+
+        def sink_for(rid: str) -> Sink:
+            def sink(item: GenerationOutput | BaseException) -> None:
+                if isinstance(item, BaseException):
+                    errors.append(item)
+                    remaining.release()
+                    return
+                outputs[rid].append(item)
+                if item.finish_reason is not None:
+                    remaining.release()
+
+            return sink
+
+        for r in requests:
+            self.submit(r, sink_for(r.request_id))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in requests:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not remaining.acquire(timeout=left):
+                raise TimeoutError(f"requests did not finish within {timeout} s")
+        if errors:
+            raise errors[0]
+        return [GenerationResult.join(outputs[r.request_id]) for r in requests]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _prepare(self, request: GenerationRequest) -> tuple[list[int], int]:
+        request.validate()
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif all(isinstance(m, ChatMessage) for m in prompt):
+            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in prompt])
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise RequestError("a prompt tuple must hold only ChatMessage or only int token ids")
+        bad_stop = [t for t in request.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise RequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop[:5]}")
+        n, limit = len(ids), self.max_model_len
+        if n == 0:
+            raise RequestError("the prompt is empty after tokenization")
+        if n >= limit:
+            raise RequestError(
+                f"the prompt has {n} tokens but max_model_len is {limit}, which leaves no room to generate; "
+                "shorten the prompt (or start the worker with a larger --max-model-len)"
+            )
+        max_tokens = request.max_tokens if request.max_tokens is not None else min(DEFAULT_MAX_TOKENS, limit - n)
+        if n + max_tokens > limit:
+            raise RequestError(
+                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} tokens, more than "
+                f"max_model_len {limit}; lower max_tokens to at most {limit - n}"
+            )
+        return ids, max_tokens
+
+    # ---- step thread ----
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._closed.is_set():
+                self._drain(block=not self.scheduler.has_work())
+                if self._closed.is_set() or not self.scheduler.has_work():
+                    continue
+                try:
+                    self._step()
+                except Exception as e:  # a bug outside the model call: nothing's state can be trusted
+                    self.log.exception("engine step failed; failing every request in flight")
+                    self._fail(list(self._streams.values()), e)
+        self._fail(list(self._streams.values()), EngineClosedError("the engine was closed"))
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd, arg = self._commands.get() if block else self._commands.get_nowait()
+            while True:
+                if cmd == "add":
+                    self._add(arg)
+                elif cmd == "abort":
+                    self._abort(arg)
+                cmd, arg = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _add(self, stream: OutputStream) -> None:
+        if self._closed.is_set():
+            self._release_id(stream.seq.request_id)
+            stream.fail(EngineClosedError("the engine was closed"))
+            return
+        self._streams[stream.seq.request_id] = stream
+        self.scheduler.add(stream.seq)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return  # it finished meanwhile
+        self._end(stream)
+        stream.finish_early(FinishReason.ABORT)
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            raise RuntimeError(
+                f"the scheduler found nothing to run with {len(self.scheduler.waiting)} waiting and "
+                f"{len(self.scheduler.running)} running"
+            )
+        try:
+            result = self.runner.run(out.chunks)
+        except Exception as e:
+            self.log.exception("model step failed", request_ids=[c.seq.request_id for c in out.chunks])
+            self._fail([self._streams[c.seq.request_id] for c in out.chunks], e)
+            return
+        self.scheduler.on_step_done(out)
+        for seq, token_id, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
+            stream = self._streams[seq.request_id]
+            if stream.on_token(token_id, logprob) is not None:
+                self._end(stream)
+        now = time.monotonic()
+        with self._lock:
+            self._generated.append((now, len(result.seqs)))
+            while self._generated and now - self._generated[0][0] > TPS_WINDOW_S:
+                self._generated.popleft()
+            self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))
+
+    def _end(self, stream: OutputStream) -> None:
+        """Free the sequence's cache and forget it (its last piece is emitted by the caller)."""
+        self.scheduler.finish(stream.seq)
+        del self._streams[stream.seq.request_id]
+        self._release_id(stream.seq.request_id)
+
+    def _fail(self, streams: list[OutputStream], error: BaseException) -> None:
+        for stream in streams:
+            try:
+                self._end(stream)
+            except Exception:  # noqa: BLE001 - the scheduler may be the broken part; still fail the stream
+                self._streams.pop(stream.seq.request_id, None)
+                self._release_id(stream.seq.request_id)
+            if not isinstance(error, GenerationError):
+                error = GenerationError(f"generation failed: {type(error).__name__}: {error}")
+            stream.fail(error)
+
+    def _release_id(self, request_id: str) -> None:
+        with self._lock:
+            self._live.discard(request_id)
+            self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))

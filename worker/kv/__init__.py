@@ -1,0 +1,24 @@
+"""KV caches. Each cache builds, per step, the `AttentionStep` the model calls in every layer
+(worker/attention.py): `eager.EagerCache` (contiguous per-slot regions) and `paged.PagedCache`
+(block pools with the torch or Triton backend). `sizing` turns budgets and flags into their sizes.
+
+Both take a step's chunks in the model runner's flat order: the `num_decodes` one-token chunks
+first, then the longer (prefill / extend) chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from shared.scheduler_choice import CacheKind
+from worker.attention import AttentionStep
+from worker.sequence import ScheduledChunk
+
+
+class KVCache(Protocol):
+    kind: CacheKind
+
+    @property
+    def memory_bytes(self) -> int: ...
+
+    def attention_step(self, chunks: list[ScheduledChunk], num_decodes: int) -> AttentionStep: ...

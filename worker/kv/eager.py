@@ -1,0 +1,115 @@
+"""The eager KV cache: one contiguous K/V region per slot, reserved at max_model_len.
+
+Per layer, `key[layer]` and `value[layer]` are [num_slots, max_model_len, kv_heads, head_dim]; the
+sequence in slot s keeps position p at `key[layer][s, p]`. Memory is reserved up front for every
+slot at full length, which is simple and never runs out mid-sequence, but it caps concurrency at
+`num_slots` however short the sequences are (the paged cache does not).
+
+With `sliding_window` W, a token at position p attends to positions p - W < t <= p (as Mistral and
+Qwen2 define it); the paged kernels have no window, so startup routes such models here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shared.scheduler_choice import CacheKind
+from worker.sequence import ScheduledChunk
+
+
+class EagerCache:
+    kind = CacheKind.EAGER
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_model_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sliding_window: int | None = None,
+    ) -> None:
+        shape = (num_slots, max_model_len, num_kv_heads, head_dim)
+        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.scale = head_dim**-0.5
+        self.device = device
+        self.sliding_window = sliding_window
+
+    def visible(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """[num_queries, num_keys] bool: which keys each query attends to (causal, windowed if set)."""
+        mask = key_positions[None, :] <= query_positions[:, None]
+        if self.sliding_window is not None:
+            mask &= key_positions[None, :] > query_positions[:, None] - self.sliding_window
+        return mask
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.key + self.value)
+
+    def attention_step(self, chunks: list[ScheduledChunk], num_decodes: int) -> EagerAttentionStep:
+        return EagerAttentionStep(self, chunks, num_decodes)
+
+
+class EagerAttentionStep:
+    """One step's view of the eager cache. Decodes (one token each) attend in one batched call;
+    each longer chunk attends on its own with a causal mask offset by its cached prefix."""
+
+    def __init__(self, cache: EagerCache, chunks: list[ScheduledChunk], num_decodes: int) -> None:
+        self.cache = cache
+        self.num_decodes = num_decodes
+        dev = cache.device
+        decodes = chunks[:num_decodes]
+        self.decode_slots = torch.tensor([c.seq.slot for c in decodes], dtype=torch.long, device=dev)
+        self.decode_positions = torch.tensor([c.start for c in decodes], dtype=torch.long, device=dev)
+        self.decode_len = max((c.end for c in decodes), default=0)
+        # [num_decodes, 1, 1, decode_len]
+        self.decode_mask = cache.visible(torch.arange(self.decode_len, device=dev), self.decode_positions)[
+            :, None, None, :
+        ]
+        self.prefills: list[tuple[int, int, int, int]] = []  # (slot, start, num_tokens, offset in batch)
+        offset = num_decodes
+        for c in chunks[num_decodes:]:
+            assert c.seq.slot is not None
+            self.prefills.append((c.seq.slot, c.start, c.num_tokens, offset))
+            offset += c.num_tokens
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        key_cache, value_cache = self.cache.key[layer_idx], self.cache.value[layer_idx]
+        k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
+        out = torch.empty_like(q)
+        d = self.num_decodes
+        if d:
+            key_cache[self.decode_slots, self.decode_positions] = k[:d]
+            value_cache[self.decode_slots, self.decode_positions] = v[:d]
+            keys = key_cache[self.decode_slots, : self.decode_len]  # [d, len, kv_heads, head_dim]
+            values = value_cache[self.decode_slots, : self.decode_len]
+            out[:d] = self._attend(q[:d, None], keys, values, self.decode_mask)[:, 0]
+        for slot, start, n, offset in self.prefills:
+            end = start + n
+            key_cache[slot, start:end] = k[offset : offset + n]
+            value_cache[slot, start:end] = v[offset : offset + n]
+            keys, values = key_cache[slot, None, :end], value_cache[slot, None, :end]
+            # query j sits at position start + j and sees keys 0..start + j (within the window)
+            mask = None
+            if start or (self.cache.sliding_window is not None and end > self.cache.sliding_window):
+                mask = self.cache.visible(torch.arange(end, device=q.device), torch.arange(start, end, device=q.device))
+            out[offset : offset + n] = self._attend(q[None, offset : offset + n], keys, values, mask)[0]
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [b, q_len, heads, dim], keys/values [b, kv_len, kv_heads, dim] -> [b, q_len, heads, dim].
+        mask None = plain causal (q_len == kv_len)."""
+        q_t = q.transpose(1, 2).to(keys.dtype)
+        k_t, v_t = keys.transpose(1, 2), values.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q_t, k_t, v_t, attn_mask=mask, is_causal=mask is None, scale=self.cache.scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).to(q.dtype)

@@ -1,0 +1,59 @@
+"""Run one scheduled step on the model: flatten the chunks, forward, sample.
+
+The flat batch puts the one-token chunks (decodes) first, then the longer chunks, so each cache's
+AttentionStep sees `num_decodes` decode rows followed by prefill/extend rows. Logits are computed only
+for the last token of chunks that reach their sequence's end (a middle chunk of a long prompt samples
+nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.kv import KVCache
+from worker.model import LlamaForCausalLM
+from worker.sampling import sample
+from worker.sequence import ScheduledChunk, Sequence
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The sequences that sampled this step, with their token and logprob (None unless asked for)."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[float | None]
+    logits: torch.Tensor | None = None  # [len(seqs), vocab] fp32, kept only when `keep_logits`
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.keep_logits = False  # tests compare per-step logits with a reference
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        ordered = decodes + [c for c in chunks if c.num_tokens != 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for c in ordered:
+            input_ids += c.seq.token_ids[c.start : c.end]
+            positions += range(c.start, c.end)
+            if c.samples:
+                sample_rows.append(len(input_ids) - 1)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        attn = self.cache.attention_step(ordered, len(decodes))
+        hidden = self.model(ids, pos, attn)
+        seqs = [c.seq for c in ordered if c.samples]
+        if not seqs:
+            return StepResult([], [], [])
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        token_ids, logprobs = sample(logits, [s.sample_row() for s in seqs])
+        return StepResult(seqs, token_ids, logprobs, logits if self.keep_logits else None)

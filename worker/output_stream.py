@@ -1,0 +1,70 @@
+"""Turn one sequence's sampled tokens into streamed `GenerationOutput` pieces.
+
+Per token: stop token ids (EOS unless ignore_eos, and the request's own) end the sequence and are
+not detokenized; any other token goes through the incremental detokenizer (never half a UTF-8
+character) and the stop-string matcher (which holds back a tail that may begin a stop string, and
+cuts the text before a matched stop string). max_tokens ends it with LENGTH. The last piece carries
+whatever text was still held, the finish reason and the usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from worker.request import FinishReason, GenerationOutput, Usage
+from worker.sequence import Sequence
+from worker.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+Sink = Callable[[GenerationOutput | BaseException], None]
+
+
+class OutputStream:
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer, stop: tuple[str, ...], sink: Sink) -> None:
+        self.seq = seq
+        self.sink = sink
+        self._detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.num_prompt_tokens])
+        self._stop = StopMatcher(stop)
+
+    def on_token(self, token_id: int, logprob: float | None) -> FinishReason | None:
+        """Append a sampled token, emit its piece; returns the finish reason if it ended the sequence
+        (the caller then frees the cache and calls `finish`)."""
+        seq = self.seq
+        seq.append_token(token_id, logprob)
+        reason = seq.check_stop_token()
+        text = ""
+        if token_id not in seq.stop_token_ids:
+            text, matched = self._stop.feed(self._detokenizer.add(token_id))
+            if matched is not None:
+                reason = FinishReason.STOP
+        if reason is not None:
+            text += self._tail()
+        self.sink(GenerationOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=[token_id],
+            logprobs=[logprob] if logprob is not None else [],
+            finish_reason=reason,
+            usage=self.usage() if reason is not None else None,
+        ))
+        if reason is not None:
+            seq.finish_reason = reason
+        return reason
+
+    def finish_early(self, reason: FinishReason) -> None:
+        """End a sequence that did not end on a token (aborted): emit the held text and the usage."""
+        self.seq.finish_reason = reason
+        self.sink(GenerationOutput(self.seq.request_id, self._tail(), [], [], reason, self.usage()))
+
+    def fail(self, error: BaseException) -> None:
+        self.sink(error)
+
+    def usage(self) -> Usage:
+        seq = self.seq
+        return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+
+    def _tail(self) -> str:
+        """Text still held back, unless a stop string already cut the output."""
+        if self._stop.matched is not None:
+            return ""
+        text, matched = self._stop.feed(self._detokenizer.flush())
+        return text if matched is not None else text + self._stop.flush()

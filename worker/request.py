@@ -1,0 +1,158 @@
+"""The engine's public request and result types.
+
+The gRPC servicers convert these to and from protobuf at the edge (kvpact.v1 GenerateRequest /
+GenerateChunk); inside the worker only these dataclasses travel. `validate()` methods raise
+RequestError (INVALID_ARGUMENT) naming the field, the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from shared.errors import KvpactError, RequestError
+
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """temperature 0 = greedy. top_k 0, top_p 1, min_p 0 and repetition_penalty 1 disable those filters.
+    A seed makes the sampled tokens a function of (seed, prompt) alone, whatever else is in the batch."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise RequestError(
+                f"repetition_penalty must be > 0 (1 = disabled), got {self.repetition_penalty}"
+            )
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise RequestError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: str  # "system", "user", "assistant"
+    content: str
+
+
+Prompt = str | tuple[ChatMessage, ...] | tuple[int, ...]
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """`prompt`: plain text, chat messages (rendered with the model's chat template) or token ids.
+    `max_tokens` None = min(256, what fits in max_model_len after the prompt)."""
+
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Checks that need no tokenizer (the engine checks lengths and token ids after tokenizing)."""
+        if not self.request_id:
+            raise RequestError("request_id must not be empty")
+        if isinstance(self.prompt, str) and not self.prompt:
+            raise RequestError("the prompt is empty")
+        if isinstance(self.prompt, tuple) and not self.prompt:
+            raise RequestError("the prompt is empty (no messages or token ids)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must not be empty")
+        self.sampling.validate()
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop string or a stop token id
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int  # prompt tokens served from the prefix cache (not recomputed)
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """One streamed piece: the text delta and the tokens sampled since the last piece (one logprob per
+    token when requested). The last piece of a request has `finish_reason` and `usage` set."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """EAGER: blocks are slots (one per running sequence)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    tokens_per_second: float  # generated tokens per second over the last few seconds
+
+
+class GenerationError(KvpactError):
+    """The engine failed while serving a request (a step raised); the message says what failed."""
+
+
+class EngineClosedError(GenerationError):
+    """The engine was closed before or while serving the request (maps to UNAVAILABLE)."""
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A whole generation, joined from its streamed pieces (what unary callers and tests want)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    usage: Usage
+
+    @classmethod
+    def join(cls, outputs: list[GenerationOutput]) -> GenerationResult:
+        last = outputs[-1]
+        assert last.finish_reason is not None and last.usage is not None, "the stream has not finished"
+        return cls(
+            request_id=last.request_id,
+            text="".join(o.text for o in outputs),
+            token_ids=[t for o in outputs for t in o.token_ids],
+            logprobs=[lp for o in outputs for lp in o.logprobs],
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+        )

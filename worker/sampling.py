@@ -1,0 +1,116 @@
+"""Pick the next token of every sequence in a step from its logits row.
+
+Order, per row (the same as Hugging Face's logits processors): repetition penalty -> greedy argmax
+(temperature 0) or temperature -> top-k -> top-p -> min-p -> one draw. The filters run vectorized over
+the batch; only the draw is per row, because a seeded request draws from its own torch.Generator so
+that its tokens depend on (seed, prompt) alone, never on what else is in the batch. Unseeded rows
+share one batched draw from the global generator.
+
+The logprob reported for a sampled token is log_softmax of the model's raw logits (before penalty,
+temperature and filters): the model's own belief in the token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from worker.request import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs of one sequence: its params, its generator (seeded requests only) and
+    the token ids the repetition penalty looks at (prompt + generated)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: Seq[int]
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> tuple[list[int], list[float | None]]:
+    """logits: [num_rows, vocab] fp32, one row per entry of `rows`. Returns the sampled token ids and,
+    per row, the sampled token's logprob (None where the row did not ask for logprobs)."""
+    num_rows = logits.shape[0]
+    assert num_rows == len(rows), f"{num_rows} logits rows for {len(rows)} sequences"
+    want_logprobs = [r.params.logprobs for r in rows]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+    logits = _apply_repetition_penalty(logits, rows)
+    token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        token_ids[idx] = logits[idx].argmax(dim=-1)
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        token_ids[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
+
+    ids = token_ids.tolist()
+    logprobs: list[float | None] = [None] * num_rows
+    if raw_logprobs is not None:
+        picked = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        logprobs = [lp if want else None for lp, want in zip(picked, want_logprobs, strict=True)]
+    return ids, logprobs
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+    """Every token already in the sequence: a positive logit is divided by the penalty, a negative one
+    multiplied (so penalty > 1 always makes it less likely)."""
+    penalized = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if not penalized:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    seen = torch.zeros(len(penalized), logits.shape[1], dtype=torch.bool, device=device)
+    for j, i in enumerate(penalized):
+        ids = torch.as_tensor(rows[i].token_ids, dtype=torch.long, device=device)
+        seen[j, ids] = True
+    penalty = torch.tensor([rows[i].params.repetition_penalty for i in penalized], device=device)[:, None]
+    idx = torch.tensor(penalized, device=device)
+    sub = logits[idx]
+    sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    logits[idx] = sub
+    return logits
+
+
+def _sample_rows(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p over [n, vocab] logits, then one draw per row."""
+    device = logits.device
+    n, vocab = logits.shape
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
+    logits = logits / temperature
+    # Work in descending order: top-k and top-p are prefixes of it, and min-p keeps a prefix too.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)[None, :]
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)[:, None]
+    remove = rank >= top_k
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device)[:, None]
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly better tokens
+    remove |= mass_before >= top_p
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
+    remove |= probs < min_p * probs[:, :1]
+    remove[:, 0] = False  # the most likely token always survives
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+
+    choice = torch.empty(n, dtype=torch.long, device=device)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        idx = torch.tensor(unseeded, device=device)
+        choice[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            choice[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
+    return sorted_ids.gather(1, choice[:, None]).squeeze(1)

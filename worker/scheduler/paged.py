@@ -1,0 +1,89 @@
+"""Continuous batching over a paged block pool, with chunked prefill, prefix caching and preemption.
+
+A running sequence holds blocks for exactly the tokens computed so far plus those scheduled in this
+step; blocks are taken one step at a time (`grow`), so many short sequences share a pool that could
+hold only a few max_model_len ones. When the pool runs dry, the most recently admitted running
+sequence is preempted: its blocks are freed, it goes back to the FRONT of `waiting` with its
+generated tokens kept, and on readmission those tokens are recomputed as part of its prompt (the
+prefix cache often still holds its committed blocks, so little is actually recomputed).
+"""
+
+from __future__ import annotations
+
+from worker.block_manager import BlockManager, BlockTable
+from worker.scheduler.base import Scheduler, SchedulerOutput
+from worker.sequence import ScheduledChunk, Sequence, SequenceStatus
+
+
+class PagedScheduler(Scheduler):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        super().__init__(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.block_manager = block_manager
+
+    def schedule(self) -> SchedulerOutput:
+        # Algorithm (one step; `budget` = max_num_batched_tokens):
+        # 1. Running sequences, oldest first, each take min(uncomputed tokens, budget) tokens: 1 while
+        #    decoding, the next prompt chunk while prefilling. Before a sequence is scheduled its blocks
+        #    grow to cover them; while the pool cannot, preempt the most recently admitted running
+        #    sequence (possibly this one, which then ends the pass).
+        # 2. Only if nobody was preempted: admit from the head of `waiting` (FIFO, nobody overtakes it)
+        #    while fewer than max_num_seqs run, budget is left, and the free blocks could hold the
+        #    whole of its tokens. Admission reuses cached prefix blocks (those tokens skip prefill) and
+        #    allocates blocks for the first chunk only.
+        # Decodes and prefill chunks share the step; every chunk's blocks are held when this returns.
+        out = SchedulerOutput()
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_grow(seq.block_table, seq.num_computed_tokens + n) and seq in self.running:
+                self._preempt(self.running[-1])
+                out.num_preempted += 1
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: it was the newest, so nothing is left to schedule
+            bm.grow(seq.block_table, seq.num_computed_tokens + n)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        if out.num_preempted:
+            return out
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq.token_ids, seq.num_tokens):
+                break
+            num_cached = bm.num_cached_tokens(seq.token_ids)
+            n = min(seq.num_tokens - num_cached, budget)
+            num_cached = bm.allocate(seq.block_table, seq.token_ids, num_cached + n)
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.num_admissions == 0:
+                seq.num_cached_tokens = num_cached
+            self._start_running(seq)
+            out.chunks.append(ScheduledChunk(seq, num_cached, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.block_table)
+        seq.block_table = BlockTable(block_ids=[])
+        seq.num_computed_tokens = 0
+
+    def _computed(self, seq: Sequence) -> None:
+        self.block_manager.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks

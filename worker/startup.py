@@ -1,0 +1,278 @@
+"""Start a worker's engine, honoring --paged-attn as a policy. Two halves, so the worker process can
+report a failure before it spends minutes loading weights:
+
+    plan = plan_startup(spec)    every reason knowable before loading (fast; no weights are read):
+        probe device (worker/device.py)
+        -> PagedAttentionState.from_intent(spec.cache)
+        -> read_model_config (config only)
+        -> decide_paged_attention(device, state, ModelTraits)          [door, component "device"]
+        -> loader compatibility findings, e.g. sliding window          [door, component "loader"]
+        -> --no-kv-cache without `on` is refused (no recompute mode)
+        -> size the cache from the budget (weights estimated from file sizes):
+           a pool that cannot hold one max_model_len sequence          [door, component "cache-budget"]
+           an eager cache that does not fit is a ConfigError naming --max-model-len / --max-num-seqs
+    engine = build_engine(plan)  load weights -> build the realized cache -> select_scheduler(requested,
+                                 realized kind) -> Engine; logs the realized table once.
+
+`build_engine(spec)` runs both. Every "cannot" goes through `disable_paged_attention`, so under `auto`
+it is recorded (and shown in the realized table) and under `on` it raises PagedAttentionRequiredError.
+Under `on` no path ends with an eager cache or the default scheduler: the only way to reach the
+eager branch is a cleared paged config, which the door never clears when required, and
+`select_scheduler` refuses it again after the cache is built. Raises PagedAttentionRequiredError,
+ConfigError or ModelLoadError.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from kvpact.v1 import cache_pb2, worker_pb2
+from shared.capability import ModelTraits, PagedDecision, decide_paged_attention
+from shared.errors import ConfigError
+from shared.intent import CacheDtype, PagedAttentionState, PagedBackend, disable_paged_attention
+from shared.realized import RealizedCache
+from shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
+from shared.spec import WorkerSpec
+from worker.block_manager import BlockManager
+from worker.device import DeviceProbe, probe_device
+from worker.engine import Engine
+from worker.kv import sizing
+from worker.kv.eager import EagerCache
+from worker.kv.paged import PagedCache
+from worker.loader import estimate_weight_bytes, load_model, read_model_config, resolve_dtype, resolve_model_path
+from worker.model import ModelConfig
+from worker.model_runner import ModelRunner
+from worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
+
+_CACHE_DTYPES = {
+    CacheDtype.FLOAT32: torch.float32,
+    CacheDtype.FLOAT16: torch.float16,
+    CacheDtype.BFLOAT16: torch.bfloat16,
+}
+
+
+@dataclass(slots=True)
+class WorkerPlan:
+    """Everything decided before a weight is read. `state.paged_config` None = the eager cache."""
+
+    spec: WorkerSpec
+    probe: DeviceProbe
+    model_path: Path
+    model_config: ModelConfig
+    state: PagedAttentionState
+    decision: PagedDecision
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    weight_bytes: int
+    bytes_per_token: int
+    paged_size: sizing.PagedSize | None
+    verdict_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def cache_kind(self) -> CacheKind:
+        return CacheKind.PAGED if self.state.enabled else CacheKind.EAGER
+
+    @property
+    def backend(self) -> PagedBackend | None:
+        return self.decision.backend if self.state.enabled else None
+
+    def capabilities_pb(self) -> worker_pb2.Capabilities:
+        info = self.probe.info
+        cc = info.compute_capability or (0, 0)
+        backends = [cache_pb2.PAGED_BACKEND_TORCH]
+        if info.kind == "cuda" and info.triton_version:
+            backends.append(cache_pb2.PAGED_BACKEND_TRITON)
+        return worker_pb2.Capabilities(
+            device_kind=info.kind,
+            device_name=info.name,
+            memory_total_bytes=self.probe.memory_total_bytes,
+            memory_free_bytes=self.probe.memory_free_bytes,
+            compute_capability_major=cc[0],
+            compute_capability_minor=cc[1],
+            torch_version=self.probe.torch_version,
+            triton_version=info.triton_version or "",
+            supported_backends=backends,
+        )
+
+    def log_fields(self) -> dict[str, Any]:
+        return {
+            "device": str(self.probe.device),
+            "mode": self.spec.cache.mode.value,
+            "cache": self.cache_kind.value,
+            "backend": self.backend.value if self.backend else None,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "weight_bytes": self.weight_bytes,
+            "fallbacks": [f"{f.component}: {f.reason}" for f in self.state.fallbacks],
+        }
+
+
+def plan_startup(spec: WorkerSpec, *, log: Any = None) -> WorkerPlan:
+    log = log or structlog.get_logger("worker.startup")
+    started = time.monotonic()
+    probe = probe_device(spec.device, spec.device_map)
+    state = PagedAttentionState.from_intent(spec.cache)
+    path = resolve_model_path(spec.model or None)
+    config = read_model_config(path)
+    dtype = resolve_dtype(probe.device, spec.dtype)
+    cache_dtype = _cache_dtype(spec, dtype)
+    traits = ModelTraits(head_size=config.head_dim, dtype=str(cache_dtype).removeprefix("torch."))
+    decision = decide_paged_attention(probe.info, state, traits)
+
+    defaults = sizing.device_defaults(probe.info.kind)
+    max_model_len = _max_model_len(spec, config, defaults)
+    for reason in loader_findings(config, max_model_len):
+        disable_paged_attention(state, reason, component="loader")
+    if spec.cache.no_kv_cache:  # `on` already failed in the decision above
+        raise ConfigError(
+            "--no-kv-cache asks for recompute-every-token generation, which this worker does not implement; "
+            "drop --no-kv-cache"
+        )
+    _check_device_map(spec, config)
+
+    max_num_batched_tokens = spec.max_num_batched_tokens or defaults.max_num_batched_tokens
+    weight_bytes = estimate_weight_bytes(path, dtype=dtype)
+    itemsize = torch.empty((), dtype=cache_dtype).element_size()
+    bytes_per_token = sizing.kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, itemsize)
+    paged_size = None
+    if state.paged_config is not None:
+        max_num_seqs = spec.max_num_seqs or defaults.paged_max_num_seqs
+        activations = sizing.activation_headroom_bytes(
+            device_kind=probe.info.kind, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        )
+        paged_size = sizing.size_paged_cache(
+            state.paged_config, device_kind=probe.info.kind, memory_total_bytes=probe.memory_total_bytes,
+            memory_free_bytes=probe.memory_free_bytes, weight_bytes=weight_bytes, activation_bytes=activations,
+            bytes_per_token=bytes_per_token, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        )
+        reason = sizing.shortfall(paged_size, max_model_len)
+        if reason:
+            disable_paged_attention(state, reason, component="cache-budget")
+            paged_size = None
+    if state.paged_config is None:
+        max_num_seqs = spec.max_num_seqs or defaults.eager_max_num_seqs
+        sizing.check_eager_fits(
+            num_slots=max_num_seqs, max_model_len=max_model_len, bytes_per_token=bytes_per_token,
+            weight_bytes=weight_bytes, memory_free_bytes=probe.memory_free_bytes, device_kind=probe.info.kind,
+        )
+    plan = WorkerPlan(
+        spec=spec, probe=probe, model_path=path, model_config=config, state=state, decision=decision,
+        dtype=dtype, cache_dtype=cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, weight_bytes=weight_bytes,
+        bytes_per_token=bytes_per_token, paged_size=paged_size, verdict_seconds=time.monotonic() - started,
+    )
+    log.info("pre-load verdict", seconds=round(plan.verdict_seconds, 3), **plan.log_fields())
+    return plan
+
+
+def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
+    log = log or structlog.get_logger("worker.startup")
+    if isinstance(plan, WorkerSpec):
+        plan = plan_startup(plan, log=log)
+    loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype)
+    config = loaded.config
+    cache: PagedCache | EagerCache
+    if plan.state.paged_config is not None:
+        assert plan.paged_size is not None and plan.backend is not None
+        cache = PagedCache(
+            config.num_layers, plan.paged_size.num_blocks, plan.paged_size.block_size, config.num_kv_heads,
+            config.head_dim, plan.cache_dtype, plan.probe.device, plan.backend,
+        )
+    else:
+        cache = EagerCache(
+            config.num_layers, plan.max_num_seqs, plan.max_model_len, config.num_kv_heads, config.head_dim,
+            plan.cache_dtype, plan.probe.device, sliding_window=config.sliding_window,
+        )
+    scheduler_kind = select_scheduler(plan.spec.cache, cache.kind)  # the backstop: from what was built
+    scheduler: Scheduler
+    if scheduler_kind is SchedulerKind.PAGED:
+        assert isinstance(cache, PagedCache) and plan.state.paged_config is not None
+        manager = BlockManager(cache.num_blocks, cache.block_size, plan.state.paged_config.prefix_caching)
+        scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
+    else:
+        scheduler = DefaultScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
+    realized = realized_cache(plan, cache, scheduler_kind)
+    log.info("realized KV cache\n" + realized.table(), model=loaded.name, load_seconds=round(loaded.load_seconds, 2))
+    runner = ModelRunner(loaded.model, cache, plan.probe.device)
+    return Engine(
+        runner, scheduler, loaded.tokenizer, realized=realized, model_name=loaded.name,
+        max_model_len=plan.max_model_len, vocab_size=config.vocab_size, log=log,
+    )
+
+
+def realized_cache(plan: WorkerPlan, cache: PagedCache | EagerCache, scheduler: SchedulerKind) -> RealizedCache:
+    cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
+    common = dict(
+        scheduler=scheduler, max_model_len=plan.max_model_len, memory_bytes=cache.memory_bytes,
+        cache_dtype=cache_dtype, fallbacks=tuple(plan.state.fallbacks),
+    )
+    if isinstance(cache, PagedCache):
+        capacity = cache.num_blocks * cache.block_size
+        return RealizedCache(
+            kind=CacheKind.PAGED, capacity_tokens=capacity, max_concurrency=capacity // plan.max_model_len,
+            num_blocks=cache.num_blocks, backend=cache.backend, block_size=cache.block_size,
+            prefix_caching=plan.state.paged_config is not None and plan.state.paged_config.prefix_caching,
+            **common,
+        )
+    return RealizedCache(
+        kind=CacheKind.EAGER, capacity_tokens=cache.num_slots * cache.max_model_len,
+        max_concurrency=cache.num_slots, num_blocks=cache.num_slots, **common,
+    )
+
+
+def loader_findings(config: ModelConfig, max_model_len: int) -> list[str]:
+    """Model properties the paged kernels cannot honor (each becomes a fallback or, under `on`, the error)."""
+    findings = []
+    if config.sliding_window is not None and config.sliding_window < max_model_len:
+        findings.append(
+            f"the model uses sliding-window attention (window {config.sliding_window} tokens) and the paged "
+            f"kernels attend over the whole context, which differs once a sequence passes {config.sliding_window} "
+            f"tokens (--max-model-len is {max_model_len}; lower it to {config.sliding_window} to use PagedAttention)"
+        )
+    return findings
+
+
+def _cache_dtype(spec: WorkerSpec, dtype: torch.dtype) -> torch.dtype:
+    paged = spec.cache.paged
+    if paged is None or paged.cache_dtype is CacheDtype.AUTO:
+        return dtype
+    return _CACHE_DTYPES[paged.cache_dtype]
+
+
+def _max_model_len(spec: WorkerSpec, config: ModelConfig, defaults: sizing.DeviceDefaults) -> int:
+    limit = config.max_position_embeddings
+    if spec.max_model_len:
+        if spec.max_model_len > limit:
+            raise ConfigError(
+                f"--max-model-len {spec.max_model_len} is longer than the model's {limit} positions; "
+                f"use at most {limit}"
+            )
+        return spec.max_model_len
+    cap = defaults.max_model_len_cap
+    return min(limit, cap) if cap else limit
+
+
+def _check_device_map(spec: WorkerSpec, config: ModelConfig) -> None:
+    if not spec.device_map:
+        return
+    total = sum(p.num_layers for p in spec.device_map)
+    if total != config.num_layers:
+        raise ConfigError(f"--device-map places {total} layers but the model has {config.num_layers}")
+    if len({p.device for p in spec.device_map}) > 1:
+        raise ConfigError(
+            "--device-map across several devices is not implemented by this worker yet; "
+            "put every layer on one device (--device)"
+        )
