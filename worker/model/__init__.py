@@ -1,0 +1,7 @@
+"""The Llama-family decoder (Llama / SmolLM2, Mistral, Qwen2) and its config. See llama.py for the
+flat-batch forward contract."""
+
+from worker.model.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig
+from worker.model.llama import LlamaForCausalLM, build_model
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "LlamaForCausalLM", "ModelConfig", "build_model"]

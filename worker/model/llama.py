@@ -1,0 +1,165 @@
+"""The Llama-family decoder (Llama / SmolLM2, Mistral, Qwen2) over a ragged flat batch.
+
+One step runs every scheduled token of every sequence at once, concatenated (nano-vllm / vLLM style):
+
+    input_ids  [num_tokens] long     the new tokens of all sequences, sequence after sequence
+    positions  [num_tokens] long     each token's position in its own sequence (drives RoPE)
+    attn       AttentionStep         knows the batch layout; owns the KV cache write and the attention
+
+Each layer computes q `[num_tokens, num_heads, head_dim]` and k, v `[num_tokens, num_kv_heads,
+head_dim]` (contiguous, RoPE applied to q and k) and calls `attn.forward(layer_idx, q, k, v)`, which
+returns `[num_tokens, num_heads, head_dim]` computed with scale `config.head_dim ** -0.5`. The model
+never touches a cache. q/k/v and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.errors import ModelLoadError
+from worker.model.config import ModelConfig
+from worker.model.layers import RMSNorm, SwiGLU
+from worker.model.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from worker.attention import AttentionStep
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        # Rows: q (num_heads * head_dim), then k, then v (num_kv_heads * head_dim each).
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim).contiguous()
+        out = attn.forward(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` -> final hidden states `[num_tokens, hidden]`; `compute_logits` on the rows the
+    sampler needs (usually each sequence's last token) -> `[n, vocab]` float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Copy Hugging Face-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) into the
+        fused parameters, casting to the model's dtype and device. Raises ModelLoadError naming
+        `source` for an unknown tensor, a wrong shape, or a parameter the checkpoint lacks."""
+        params = dict(self.named_parameters())
+        filled: dict[str, set[str]] = {name: set() for name in params}
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            param_name, part, start, stop = target
+            if param_name not in params:
+                raise ModelLoadError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+            view = params[param_name].data[start:stop] if part else params[param_name].data
+            if tuple(view.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}"
+                )
+            view.copy_(tensor)
+            filled[param_name].add(part)
+        missing = []
+        for param_name, got in filled.items():
+            lacking = sorted(set(_parts(param_name) or ("",)) - got)
+            if lacking:
+                missing.append(param_name + (f" ({', '.join(lacking)})" if lacking != [""] else ""))
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"{source}: missing weights for {shown}")
+
+    def _target(self, name: str) -> tuple[str, str, int, int] | None:
+        """Checkpoint name -> (parameter name, part, row start, row stop); None for tensors to skip.
+        part is "" for a whole parameter, else the fused slice ("q", "k", "v", "gate", "up")."""
+        if name.endswith("rotary_emb.inv_freq") or (name.startswith("lm_head.") and self.lm_head is None):
+            return None
+        c = self.config
+        for part, (start, stop) in {
+            "q": (0, c.q_size),
+            "k": (c.q_size, c.q_size + c.kv_size),
+            "v": (c.q_size + c.kv_size, c.q_size + 2 * c.kv_size),
+        }.items():
+            if f".self_attn.{part}_proj." in name:
+                return name.replace(f".{part}_proj.", ".qkv_proj."), part, start, stop
+        for part, (start, stop) in {
+            "gate": (0, c.intermediate_size),
+            "up": (c.intermediate_size, 2 * c.intermediate_size),
+        }.items():
+            if f".mlp.{part}_proj." in name:
+                return name.replace(f".{part}_proj.", ".gate_up_proj."), part, start, stop
+        return name, "", 0, 0
+
+
+def _parts(param_name: str) -> tuple[str, ...]:
+    if ".qkv_proj." in param_name:
+        return ("q", "k", "v")
+    if ".gate_up_proj." in param_name:
+        return ("gate", "up")
+    return ()
+
+
+def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> LlamaForCausalLM:
+    """An uninitialised model in `dtype` on `device` (weights allocated, not written): fill it with
+    `load_weights`. Nothing is initialised twice, so building costs only the allocation."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    return model.eval()

@@ -1,0 +1,10 @@
+"""Tokenization for serving: the `Tokenizer` (encode/decode, chat template), and the two per-sequence
+helpers the step loop uses on generated text — `IncrementalDetokenizer` (never splits a UTF-8
+character) and `StopMatcher` (stop strings across token boundaries)."""
+
+from worker.tokenizer.chat_template import ChatTemplate
+from worker.tokenizer.detokenizer import IncrementalDetokenizer
+from worker.tokenizer.stop import StopMatcher
+from worker.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["ChatTemplate", "IncrementalDetokenizer", "StopMatcher", "Tokenizer"]
