@@ -17,13 +17,20 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
-
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
 from router.config import RouterConfig
 from router.server import RouterServer
 from shared import wire
 from shared.handshake import StartupFailure, StartupFailureCode
-from shared.intent import CacheDtype, Fallback, PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
+from shared.intent import (
+    CacheDtype,
+    Fallback,
+    PagedAttentionConfig,
+    PagedAttentionMode,
+    PagedBackend,
+    cache_intent,
+)
 from shared.realized import RealizedCache
 from shared.scheduler_choice import CacheKind, SchedulerKind
 from shared.spec import WorkerSpec
@@ -82,7 +89,9 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
         finally:
             self.active.discard(rid)
 
-    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerLoad:
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerLoad:
         return worker_pb2.WorkerLoad(
             num_running=len(self.active),
             num_free_blocks=self.num_blocks - len(self.active),
@@ -158,9 +167,14 @@ def eager_realized(*fallbacks: Fallback, num_slots: int = 4) -> RealizedCache:
     )
 
 
-def spec(mode: str = "on", *, backend: PagedBackend = PagedBackend.AUTO, model: str = "/models/tiny") -> WorkerSpec:
-    return WorkerSpec(model=model, device="cpu", cache=cache_intent(PagedAttentionMode(mode),
-                                                                    PagedAttentionConfig(backend=backend)))
+def spec(
+    mode: str = "on", *, backend: PagedBackend = PagedBackend.AUTO, model: str = "/models/tiny"
+) -> WorkerSpec:
+    return WorkerSpec(
+        model=model,
+        device="cpu",
+        cache=cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(backend=backend)),
+    )
 
 
 def ready(

@@ -17,23 +17,42 @@ MATRIX = [
     (ON, ON, PAGED, True, ["realized a PAGED KV cache (torch backend)", "--paged-attn on"]),
     (ON, ON, EAGER_PLAIN, False, ["started with --paged-attn on yet realized an EAGER KV cache"]),
     (ON, AUTO, PAGED, True, ["realized a PAGED KV cache"]),
-    (ON, AUTO, EAGER_FELL_BACK, False, ["cluster policy is --paged-attn on", "under --paged-attn auto",
-                                        f"[device] {EAGER_CPU_REASON}"]),
+    (
+        ON,
+        AUTO,
+        EAGER_FELL_BACK,
+        False,
+        ["cluster policy is --paged-attn on", "under --paged-attn auto", f"[device] {EAGER_CPU_REASON}"],
+    ),
     (ON, OFF, EAGER_PLAIN, False, ["started with --paged-attn off", "cluster policy is --paged-attn on"]),
     (OFF, ON, PAGED, False, ["started with --paged-attn on", "cluster policy is --paged-attn off"]),
-    (OFF, AUTO, PAGED, False, ["cluster policy is --paged-attn off", "realized a PAGED KV cache",
-                               "start it with --paged-attn off"]),
+    (
+        OFF,
+        AUTO,
+        PAGED,
+        False,
+        ["cluster policy is --paged-attn off", "realized a PAGED KV cache", "start it with --paged-attn off"],
+    ),
     (OFF, AUTO, EAGER_FELL_BACK, True, ["realized an EAGER KV cache", EAGER_CPU_REASON]),
     (OFF, OFF, EAGER_PLAIN, True, ["realized an EAGER KV cache under cluster policy --paged-attn off"]),
     (AUTO, ON, PAGED, True, ["realized a PAGED KV cache"]),
     (AUTO, AUTO, PAGED, True, ["realized a PAGED KV cache"]),
-    (AUTO, AUTO, EAGER_FELL_BACK, True, ["realized an EAGER KV cache", f"fell back: [device] {EAGER_CPU_REASON}"]),
+    (
+        AUTO,
+        AUTO,
+        EAGER_FELL_BACK,
+        True,
+        ["realized an EAGER KV cache", f"fell back: [device] {EAGER_CPU_REASON}"],
+    ),
     (AUTO, OFF, EAGER_PLAIN, True, ["realized an EAGER KV cache"]),
 ]
 
 
-@pytest.mark.parametrize(("policy", "intent", "realized", "admitted", "words"), MATRIX,
-                         ids=[f"cluster-{p.value}-worker-{i.value}-{r.kind.value}" for p, i, r, *_ in MATRIX])
+@pytest.mark.parametrize(
+    ("policy", "intent", "realized", "admitted", "words"),
+    MATRIX,
+    ids=[f"cluster-{p.value}-worker-{i.value}-{r.kind.value}" for p, i, r, *_ in MATRIX],
+)
 def test_admission_matrix(policy, intent, realized, admitted, words):
     decision = admit(policy, cache_intent(intent), realized)
     assert decision.admitted is admitted

@@ -1,8 +1,8 @@
 """Balancer choice and model resolution, over registry entries (no sockets)."""
 
 import pytest
-
 from kvpact.v1 import worker_pb2
+
 from router.balancer import choose, resolve_model, route
 from router.errors import InvalidRequest, NoLiveWorker, UnknownModel
 from router.registry import Registry, WorkerEntry, WorkerState
@@ -12,9 +12,18 @@ from tests.router.doubles import paged_realized, spec
 
 def entry(worker_id, model="tiny", *, outstanding=0, free=0, state=WorkerState.ADMITTED):
     return WorkerEntry(
-        worker_id=worker_id, address=f"{worker_id}:1", model_name=model, spec=spec("on"),
-        capabilities=worker_pb2.Capabilities(), realized=paged_realized(), failure=None, state=state,
-        state_reason="", last_heartbeat=0.0, load=WorkerLoad(num_free_blocks=free), num_outstanding=outstanding,
+        worker_id=worker_id,
+        address=f"{worker_id}:1",
+        model_name=model,
+        spec=spec("on"),
+        capabilities=worker_pb2.Capabilities(),
+        realized=paged_realized(),
+        failure=None,
+        state=state,
+        state_reason="",
+        last_heartbeat=0.0,
+        load=WorkerLoad(num_free_blocks=free),
+        num_outstanding=outstanding,
     )
 
 

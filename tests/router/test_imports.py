@@ -8,10 +8,12 @@ FORBIDDEN = ("torch", "triton", "worker", "kernels")
 CHECK = (
     "import json, sys\n"
     "import router.cli, router.server, kvpact.client\n"
-    "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in %r)))" % (FORBIDDEN,)
+    f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})))"
 )
 
 
 def test_router_and_client_import_neither_torch_nor_the_worker():
-    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=60, check=True
+    )
     assert json.loads(out.stdout) == []

@@ -1,6 +1,7 @@
 """The failure report: one block naming each worker, what it was asked, what it realized and why."""
 
 from kvpact.v1 import worker_pb2
+
 from router.registry import WorkerEntry, WorkerState
 from router.report import FailedStartup, describe_intent, describe_realized, render_failure_report
 from shared.handshake import StartupFailure, StartupFailureCode
@@ -12,15 +13,26 @@ TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker ru
 
 def entry(worker_id, *, realized=None, failure=None, state, reason, mode="on", backend=PagedBackend.AUTO):
     return WorkerEntry(
-        worker_id=worker_id, address=f"127.0.0.1:500{len(worker_id)}", model_name="tiny",
-        spec=spec(mode, backend=backend), capabilities=worker_pb2.Capabilities(), realized=realized,
-        failure=failure, state=state, state_reason=reason, last_heartbeat=0.0,
+        worker_id=worker_id,
+        address=f"127.0.0.1:500{len(worker_id)}",
+        model_name="tiny",
+        spec=spec(mode, backend=backend),
+        capabilities=worker_pb2.Capabilities(),
+        realized=realized,
+        failure=failure,
+        state=state,
+        state_reason=reason,
+        last_heartbeat=0.0,
     )
 
 
 def test_describe_intent_uses_the_flags():
-    on = cache_intent(PagedAttentionMode.ON, PagedAttentionConfig(backend=PagedBackend.TRITON, context_tokens=64))
-    assert describe_intent(on) == "--paged-attn on --pa-backend triton --pa-block-size 16 --pa-context-tokens 64"
+    on = cache_intent(
+        PagedAttentionMode.ON, PagedAttentionConfig(backend=PagedBackend.TRITON, context_tokens=64)
+    )
+    assert (
+        describe_intent(on) == "--paged-attn on --pa-backend triton --pa-block-size 16 --pa-context-tokens 64"
+    )
     assert describe_intent(cache_intent(PagedAttentionMode.OFF)) == "--paged-attn off"
 
 
@@ -36,38 +48,54 @@ def test_describe_realized():
 def test_report_names_every_worker_what_it_was_asked_realized_and_why():
     a = entry("a", realized=paged_realized(), state=WorkerState.ADMITTED, reason="realized a PAGED KV cache")
     b = entry(
-        "b", failure=StartupFailure(StartupFailureCode.PAGED_ATTENTION_REQUIRED, TRITON_REASON, "device"),
-        state=WorkerState.FAILED, reason=f"its startup failed (paged-attention-required) [device]: {TRITON_REASON}",
+        "b",
+        failure=StartupFailure(StartupFailureCode.PAGED_ATTENTION_REQUIRED, TRITON_REASON, "device"),
+        state=WorkerState.FAILED,
+        reason=f"its startup failed (paged-attention-required) [device]: {TRITON_REASON}",
         backend=PagedBackend.TRITON,
     )
-    report = render_failure_report(FailedStartup(
-        policy=PagedAttentionMode.ON, num_expected=2, cause=f'worker "b" was refused: {TRITON_REASON}',
-        exit_code=78, workers=[a, b], shutdown={"a": "sent", "b": "could not be told (UNAVAILABLE: refused)"},
-    ))
-    assert report == "\n".join([
-        "kvpact router: the cluster FAILED to start (--paged-attn on, --expect-workers 2, 1 admitted)",
-        f'cause: worker "b" was refused: {TRITON_REASON}',
-        "",
-        'worker "a" at 127.0.0.1:5001, model tiny: ADMITTED',
-        "  asked:     --paged-attn on --pa-block-size 16",
-        "  realized:  PAGED (torch backend), 64 blocks x 16 tokens = 1024 tokens, max model len 256",
-        "  admission: realized a PAGED KV cache",
-        "  shutdown:  sent",
-        "",
-        'worker "b" at 127.0.0.1:5001, model tiny: FAILED',
-        "  asked:     --paged-attn on --pa-backend triton --pa-block-size 16",
-        f"  failed:    (paged-attention-required) [device] {TRITON_REASON}",
-        f"  admission: its startup failed (paged-attention-required) [device]: {TRITON_REASON}",
-        "  shutdown:  could not be told (UNAVAILABLE: refused)",
-        "",
-        "exit code 78: the --paged-attn policy cannot be honored by every worker",
-    ])
+    report = render_failure_report(
+        FailedStartup(
+            policy=PagedAttentionMode.ON,
+            num_expected=2,
+            cause=f'worker "b" was refused: {TRITON_REASON}',
+            exit_code=78,
+            workers=[a, b],
+            shutdown={"a": "sent", "b": "could not be told (UNAVAILABLE: refused)"},
+        )
+    )
+    assert report == "\n".join(
+        [
+            "kvpact router: the cluster FAILED to start (--paged-attn on, --expect-workers 2, 1 admitted)",
+            f'cause: worker "b" was refused: {TRITON_REASON}',
+            "",
+            'worker "a" at 127.0.0.1:5001, model tiny: ADMITTED',
+            "  asked:     --paged-attn on --pa-block-size 16",
+            "  realized:  PAGED (torch backend), 64 blocks x 16 tokens = 1024 tokens, max model len 256",
+            "  admission: realized a PAGED KV cache",
+            "  shutdown:  sent",
+            "",
+            'worker "b" at 127.0.0.1:5001, model tiny: FAILED',
+            "  asked:     --paged-attn on --pa-backend triton --pa-block-size 16",
+            f"  failed:    (paged-attention-required) [device] {TRITON_REASON}",
+            f"  admission: its startup failed (paged-attention-required) [device]: {TRITON_REASON}",
+            "  shutdown:  could not be told (UNAVAILABLE: refused)",
+            "",
+            "exit code 78: the --paged-attn policy cannot be honored by every worker",
+        ]
+    )
 
 
 def test_report_without_workers():
-    report = render_failure_report(FailedStartup(
-        policy=PagedAttentionMode.AUTO, num_expected=1, cause="startup timed out", exit_code=1, workers=[],
-        shutdown={},
-    ))
+    report = render_failure_report(
+        FailedStartup(
+            policy=PagedAttentionMode.AUTO,
+            num_expected=1,
+            cause="startup timed out",
+            exit_code=1,
+            workers=[],
+            shutdown={},
+        )
+    )
     assert "no worker registered" in report
     assert report.endswith("exit code 1: the cluster did not come up")

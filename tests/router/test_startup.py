@@ -51,7 +51,9 @@ def test_timeout_names_how_many_are_missing_and_who_registered():
     s.on_decision("a", ADMIT)
     assert s.on_timeout(2.5, ["a"]) is ClusterState.FAILED
     assert s.exit_code == 1
-    assert "startup timed out after 2.5 s with 1 of 3 workers admitted: 2 missing (registered: \"a\")" in s.cause
+    assert (
+        'startup timed out after 2.5 s with 1 of 3 workers admitted: 2 missing (registered: "a")' in s.cause
+    )
 
 
 def test_timeout_after_serving_changes_nothing():

@@ -1,0 +1,393 @@
+"""The router in-process against real Worker servers on loopback (WorkerDouble): startup, relay,
+routing, cancellation, deadlines, heartbeats, auth, health and reflection."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from kvpact.client import AsyncClient, KvpactRpcError
+from kvpact.v1 import router_pb2, worker_pb2
+
+from shared.intent import Fallback
+from tests.router.doubles import (
+    EAGER_CPU_REASON,
+    WorkerDouble,
+    eager_realized,
+    failed,
+    ready,
+    registry_stub,
+    run_async,
+    running_router,
+    serving_double,
+)
+
+TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
+
+
+async def wait_until(predicate, timeout_s=5.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def target(router):
+    return f"127.0.0.1:{router.port}"
+
+
+@run_async
+async def test_starting_then_serving_with_health_and_status():
+    async with (
+        running_router(policy=_mode("on"), num_expected_workers=2) as router,
+        serving_double(WorkerDouble("a")) as a,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+        grpc.aio.insecure_channel(target(router)) as channel,
+    ):
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvpact.v1.Generation"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(KvpactRpcError) as err:
+            await client.complete("hi")
+        assert err.value.code is grpc.StatusCode.UNAVAILABLE
+        assert err.value.details == "cluster is starting (0 of 2 workers admitted)"
+
+        admission = await registry.Register(ready("a", a.address))
+        assert admission.admitted and admission.heartbeat_interval_ms == 2000
+        assert admission.cluster_policy == 2  # PAGED_ATTENTION_MODE_ON
+        status = await client.cluster_status()
+        assert status.state == router_pb2.CLUSTER_STATE_STARTING
+        with pytest.raises(KvpactRpcError, match=r"1 of 2 workers admitted"):
+            await client.list_models()
+
+        assert (await registry.Register(ready("b", b.address))).admitted
+        status = await client.cluster_status()
+        assert status.state == router_pb2.CLUSTER_STATE_SERVING
+        assert [
+            (w.worker_id, w.state, w.realized.kind, w.realized.capacity_tokens) for w in status.workers
+        ] == [
+            ("a", router_pb2.WORKER_STATE_ADMITTED, 1, 1024),
+            ("b", router_pb2.WORKER_STATE_ADMITTED, 1, 1024),
+        ]
+        assert (
+            status.workers[0].requested.cache.mode == 2
+            and status.workers[0].capabilities.device_kind == "cpu"
+        )
+        for service in ("", "kvpact.v1.Generation"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert [(m.name, m.max_model_len, m.num_workers) for m in await client.list_models()] == [
+            ("tiny", 256, 2)
+        ]
+
+
+@run_async
+async def test_reflection_lists_the_services():
+    async with running_router() as router, grpc.aio.insecure_channel(target(router)) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        names = set()
+        async for reply in stub.ServerReflectionInfo(iter([request])):
+            names |= {s.name for s in reply.list_services_response.service}
+        assert {"kvpact.v1.Generation", "kvpact.v1.Registry", "grpc.health.v1.Health"} <= names
+
+
+@run_async
+async def test_a_worker_that_cannot_honor_on_fails_the_cluster_at_once():
+    async with (
+        running_router(policy=_mode("on"), num_expected_workers=3, startup_timeout_s=60) as router,
+        serving_double(WorkerDouble("a")) as a,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+    ):
+        assert (await registry.Register(ready("a", a.address))).admitted
+        started = time.monotonic()
+        admission = await registry.Register(failed("b", TRITON_REASON, address=b.address))
+        assert not admission.admitted and TRITON_REASON in admission.reason
+        assert await asyncio.wait_for(router.wait(), 2.0) == 78
+        assert time.monotonic() - started < 2.0
+        assert a.shutdown_reasons and b.shutdown_reasons  # every registered worker was told to stop
+        assert TRITON_REASON in a.shutdown_reasons[0]
+        report = router.report.getvalue()
+        assert report.count("kvpact router: the cluster FAILED to start") == 1
+        assert 'worker "a"' in report and 'worker "b"' in report and TRITON_REASON in report
+        assert "--paged-attn on --pa-backend triton" in report
+        assert report.rstrip().endswith(
+            "exit code 78: the --paged-attn policy cannot be honored by every worker"
+        )
+        status = await _status(router)
+        assert status.state == router_pb2.CLUSTER_STATE_FAILED and status.failure_report == report.rstrip(
+            "\n"
+        )
+
+
+@run_async
+async def test_a_worker_whose_realized_state_misses_the_policy_fails_the_startup():
+    async with (
+        running_router(policy=_mode("on"), num_expected_workers=2) as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+    ):
+        eager = eager_realized(Fallback("device", EAGER_CPU_REASON))
+        admission = await registry.Register(ready("a", a.address, eager, mode="auto"))
+        assert not admission.admitted and EAGER_CPU_REASON in admission.reason
+        assert await asyncio.wait_for(router.wait(), 2.0) == 78
+        assert EAGER_CPU_REASON in router.report.getvalue()
+
+
+@run_async
+async def test_a_late_worker_that_misses_the_policy_is_refused_alone():
+    async with (
+        running_router(policy=_mode("on")) as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        assert (await registry.Register(ready("a", a.address))).admitted
+        late = await registry.Register(failed("late", TRITON_REASON))
+        assert not late.admitted and TRITON_REASON in late.reason
+        off = await registry.Register(ready("off", "127.0.0.1:1", eager_realized(), mode="off"))
+        assert not off.admitted and "started with --paged-attn off" in off.reason
+        assert router.cluster.finished.is_set() is False
+        completion = await client.complete("hello", max_tokens=3)
+        assert completion.worker_id == "a" and completion.finish_reason == "length"
+        states = {w.worker_id: w.state for w in (await client.cluster_status()).workers}
+        assert states == {
+            "a": router_pb2.WORKER_STATE_ADMITTED,
+            "late": router_pb2.WORKER_STATE_FAILED,
+            "off": router_pb2.WORKER_STATE_REFUSED,
+        }
+        beat = await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="off"))
+        assert beat.known and beat.shutdown
+
+
+@run_async
+async def test_generate_relays_exactly_what_the_worker_streams():
+    async with (
+        running_router(policy=_mode("auto")) as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        eager = eager_realized(Fallback("device", EAGER_CPU_REASON))
+        admission = await registry.Register(ready("a", a.address, eager, mode="auto"))
+        assert admission.admitted and EAGER_CPU_REASON in admission.reason
+        chunks = [c async for c in client.generate([1, 2, 3, 4], max_tokens=5, temperature=0.0)]
+        assert [c.token_ids for c in chunks] == [(4,), (5,), (6,), (7,), (8,)]
+        assert "".join(c.text for c in chunks) == "t4 t5 t6 t7 t8 "
+        assert [c.finish_reason for c in chunks] == [None] * 4 + ["length"]
+        assert chunks[-1].usage.completion_tokens == 5 and {c.worker_id for c in chunks} == {"a"}
+        forwarded = a.requests[-1]
+        assert (
+            forwarded.model == "tiny" and forwarded.request_id
+        )  # the router named the model and the request
+        assert forwarded.sampling.HasField("temperature") and forwarded.sampling.temperature == 0.0
+
+        completion = await client.chat([{"role": "user", "content": "hey"}], max_tokens=2, request_id="r1")
+        assert (
+            completion.token_ids == (0, 1) and completion.text == "t0 t1 " and completion.request_id == "r1"
+        )
+        assert a.requests[-1].chat.messages[0].content == "hey"
+        status = await client.cluster_status()
+        assert [f.reason for f in status.workers[0].realized.fallbacks] == [EAGER_CPU_REASON]
+
+
+@run_async
+async def test_models_route_by_name():
+    async with (
+        running_router(num_expected_workers=2) as router,
+        serving_double(WorkerDouble("a")) as a,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        await registry.Register(ready("a", a.address, mode="auto", model="llama"))
+        await registry.Register(ready("b", b.address, mode="auto", model="qwen"))
+        assert (await client.complete("x", model="qwen", max_tokens=1)).worker_id == "b"
+        assert (await client.complete("x", model="llama", max_tokens=1)).worker_id == "a"
+        with pytest.raises(KvpactRpcError) as err:
+            await client.complete("x", model="mistral")
+        assert err.value.code is grpc.StatusCode.NOT_FOUND
+        assert err.value.details == "model 'mistral' is not served here; served models: llama, qwen"
+        with pytest.raises(KvpactRpcError) as err:
+            await client.complete("x")
+        assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+
+
+@run_async
+async def test_balancer_spreads_concurrent_streams():
+    async with (
+        running_router(num_expected_workers=2) as router,
+        serving_double(WorkerDouble("a", delay_s=0.02)) as a,
+        serving_double(WorkerDouble("b", delay_s=0.02)) as b,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        await registry.Register(ready("a", a.address))
+        await registry.Register(ready("b", b.address))
+        done = await asyncio.gather(*(client.complete("x", max_tokens=5) for _ in range(20)))
+        counts = {w: sum(1 for c in done if c.worker_id == w) for w in ("a", "b")}
+        assert sum(counts.values()) == 20 and abs(counts["a"] - counts["b"]) <= 2, counts
+
+
+@run_async
+async def test_client_cancellation_cancels_the_worker_call():
+    async with (
+        running_router() as router,
+        serving_double(WorkerDouble("a", delay_s=0.05)) as a,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        await registry.Register(ready("a", a.address))
+        stream = client.generate("hello", max_tokens=1000)
+        first = await anext(stream)
+        assert first.token_ids and len(a.active) == 1
+        await stream.aclose()  # cancels the client call
+        await wait_until(lambda: not a.active, what="the worker's request to be cancelled")
+        assert len(a.cancelled) == 1
+        await wait_until(lambda: router.cluster.registry.get("a").num_outstanding == 0, what="outstanding 0")
+
+
+@run_async
+async def test_a_deadline_shorter_than_the_generation_is_deadline_exceeded_and_reaches_the_worker():
+    async with (
+        running_router() as router,
+        serving_double(WorkerDouble("a", delay_s=0.05)) as a,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        await registry.Register(ready("a", a.address))
+        with pytest.raises(KvpactRpcError) as err:
+            await client.complete("hello", max_tokens=1000, timeout=0.5)
+        assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert a.timeouts[-1] is not None and 0 < a.timeouts[-1] < 0.55  # the deadline travelled on
+        await wait_until(lambda: not a.active, what="the worker's request to end")
+        # No deadline from the client: none to the worker either.
+        await client.complete("x", max_tokens=1)
+        assert a.timeouts[-1] is None
+
+
+@run_async
+async def test_an_unreachable_worker_is_unavailable_naming_it():
+    async with (
+        running_router() as router,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        await registry.Register(ready("gone", "127.0.0.1:1"))
+        with pytest.raises(KvpactRpcError) as err:
+            await client.complete("x", timeout=5)
+        assert err.value.code is grpc.StatusCode.UNAVAILABLE
+        assert err.value.details.startswith('worker "gone" at 127.0.0.1:1:')
+
+
+@run_async
+async def test_heartbeats_keep_workers_alive_and_silence_marks_them_dead():
+    async with (
+        running_router(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.4) as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        admission = await registry.Register(ready("a", a.address))
+        assert admission.heartbeat_interval_ms == 100
+        assert (await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="nobody"))).known is False
+        load = worker_pb2.WorkerLoad(
+            num_running=2, num_waiting=1, num_free_blocks=40, num_total_blocks=64, tokens_per_second=12.5
+        )
+        beat = await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=load))
+        assert beat.known and not beat.shutdown
+        assert (await client.cluster_status()).workers[0].load == load
+
+        await wait_until(lambda: router.cluster.registry.get("a").state.value == "dead", what="DEAD")
+        status = await client.cluster_status()
+        assert status.workers[0].state == router_pb2.WORKER_STATE_DEAD
+        assert status.workers[0].seconds_since_heartbeat > 0.4
+        with pytest.raises(KvpactRpcError) as err:
+            await client.complete("x")
+        assert err.value.code is grpc.StatusCode.UNAVAILABLE and "no live worker" in err.value.details
+
+        assert (await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=load))).known
+        assert (await client.complete("x", max_tokens=1)).worker_id == "a"
+
+
+@run_async
+async def test_auth_token_is_required_for_register_and_heartbeat():
+    async with (
+        running_router(auth_token="s3cret") as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+    ):
+        for handshake in (ready("a", a.address), ready("a", a.address, token="wrong")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await registry.Register(handshake)
+            assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert "s3cret" not in err.value.details()
+        assert router.cluster.registry.get("a") is None
+        assert (await registry.Register(ready("a", a.address, token="s3cret"))).admitted
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a"))
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        ok = await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", auth_token="s3cret"))
+        assert ok.known
+
+
+@run_async
+async def test_startup_timeout_names_who_is_missing():
+    async with (
+        running_router(num_expected_workers=3, startup_timeout_s=0.5) as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+    ):
+        await registry.Register(ready("a", a.address))
+        assert await asyncio.wait_for(router.wait(), 5.0) == 1
+        report = router.report.getvalue()
+        assert '1 of 3 workers admitted: 2 missing (registered: "a")' in report
+        assert a.shutdown_reasons
+
+
+@run_async
+async def test_bad_handshakes_are_invalid_argument():
+    async with running_router() as router, registry_stub(router) as registry:
+        for handshake, words in [
+            (worker_pb2.Handshake(address="x:1"), "worker_id is empty"),
+            (worker_pb2.Handshake(worker_id="w"), "neither `ready` nor `failed`"),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await registry.Register(handshake)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+
+
+@run_async
+async def test_hundreds_of_concurrent_streams_share_one_worker_channel():
+    async with (
+        running_router() as router,
+        serving_double(WorkerDouble("a", delay_s=0.01)) as a,
+        registry_stub(router) as registry,
+        AsyncClient(target(router), timeout=30) as client,
+    ):
+        await registry.Register(ready("a", a.address))
+
+        async def one(i):
+            return [c.token_ids[0] async for c in client.generate("p" * i, max_tokens=20)]
+
+        results = await asyncio.gather(*(one(i) for i in range(300)))
+        assert all(r == [(i + k) % 1000 for k in range(20)] for i, r in enumerate(results))
+        assert router.cluster.registry.get("a").num_outstanding == 0
+
+
+def _mode(value):
+    from shared.intent import PagedAttentionMode
+
+    return PagedAttentionMode(value)
+
+
+async def _status(router):
+    async with AsyncClient(target(router)) as client:
+        return await client.cluster_status()
