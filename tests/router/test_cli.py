@@ -1,0 +1,133 @@
+"""The `router` process: flags, exit codes, the one failure report, health, metrics. Workers are
+real Worker servers on loopback (WorkerDouble) hosted in a background loop."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from kvpact.client import Client
+from kvpact.v1 import worker_pb2_grpc
+
+from tests.factories.processes import (
+    free_port,
+    health_status,
+    module_argv,
+    running,
+    stop,
+    wait_for_exit,
+    wait_for_line,
+)
+from tests.router.background import BackgroundLoop
+from tests.router.doubles import WorkerDouble, failed, ready, serving_double
+
+ROUTER_LISTENING = r"^router listening on (\S+)$"
+TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
+
+
+def router_argv(*args):
+    return module_argv("router", "--listen", "127.0.0.1:0", "--log-format", "json", *args)
+
+
+def started(handle, timeout_s=15.0):
+    return wait_for_line(handle, ROUTER_LISTENING, timeout_s).group(1)
+
+
+def test_router_exits_78_within_2s_of_a_worker_that_cannot_honor_on(tmp_path):
+    argv = router_argv("--paged-attn", "on", "--expect-workers", "3")
+    with BackgroundLoop() as bg, running(argv, name="router", log_dir=tmp_path) as router:
+        address = started(router)
+        a = bg.enter(serving_double(WorkerDouble("a")))
+        with grpc.insecure_channel(address) as channel:
+            registry = worker_pb2_grpc.RegistryStub(channel)
+            assert registry.Register(ready("a", a.address), timeout=5).admitted
+            sent = time.monotonic()
+            admission = registry.Register(failed("b", TRITON_REASON), timeout=5)
+        assert not admission.admitted and TRITON_REASON in admission.reason
+        assert wait_for_exit(router, 5) == 78
+        assert time.monotonic() - sent < 2.0
+        assert a.shutdown_reasons, "worker a was not told to shut down"
+        stderr = router.stderr()
+        assert (
+            stderr.count("kvpact router: the cluster FAILED to start (--paged-attn on, --expect-workers 3")
+            == 1
+        )
+        report = stderr[stderr.index("kvpact router: the cluster FAILED") :]
+        assert 'worker "a" at ' in report and 'worker "b" at (no address)' in report
+        assert f"failed:    (paged-attention-required) [device] {TRITON_REASON}" in report
+        assert "exit code 78: the --paged-attn policy cannot be honored by every worker" in report
+
+
+def test_health_is_not_serving_while_starting_then_serving(tmp_path):
+    with (
+        BackgroundLoop() as bg,
+        running(router_argv("--paged-attn", "on"), name="router", log_dir=tmp_path) as router,
+    ):
+        address = started(router)
+        assert health_status(address) == "NOT_SERVING"
+        assert health_status(address, "kvpact.v1.Generation") == "NOT_SERVING"
+        a = bg.enter(serving_double(WorkerDouble("a")))
+        with grpc.insecure_channel(address) as channel:
+            assert worker_pb2_grpc.RegistryStub(channel).Register(ready("a", a.address), timeout=5).admitted
+        assert health_status(address) == "SERVING"
+        assert health_status(address, "kvpact.v1.Generation") == "SERVING"
+        assert stop(router, sig=signal.SIGTERM, grace_s=5) == 0
+
+
+def test_startup_timeout_exits_1_naming_who_is_missing(tmp_path):
+    argv = router_argv("--expect-workers", "2", "--startup-timeout", "1")
+    with BackgroundLoop() as bg, running(argv, name="router", log_dir=tmp_path) as router:
+        address = started(router)
+        a = bg.enter(serving_double(WorkerDouble("a")))
+        with grpc.insecure_channel(address) as channel:
+            assert worker_pb2_grpc.RegistryStub(channel).Register(ready("a", a.address), timeout=5).admitted
+        assert wait_for_exit(router, 10) == 1
+        assert '1 of 2 workers admitted: 1 missing (registered: "a")' in router.stderr()
+        assert a.shutdown_reasons
+
+
+def test_metrics_show_each_workers_realized_kind(tmp_path):
+    port = free_port()
+    with (
+        BackgroundLoop() as bg,
+        running(router_argv("--metrics-port", str(port)), name="router", log_dir=tmp_path) as router,
+    ):
+        address = started(router)
+        a = bg.enter(serving_double(WorkerDouble("a")))
+        with grpc.insecure_channel(address) as channel:
+            worker_pb2_grpc.RegistryStub(channel).Register(ready("a", a.address), timeout=5)
+        with Client(address, timeout=10) as client:
+            assert client.complete("abc", max_tokens=4).token_ids == (3, 4, 5, 6)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert (
+        'kvpact_router_worker_realized{backend="torch",model="tiny",realized_kind="paged",worker_id="a"} 1.0'
+        in text
+    )
+    assert 'kvpact_router_workers{realized_kind="paged",state="admitted"} 1.0' in text
+    assert 'kvpact_router_cluster_state{state="serving"} 1.0' in text
+    assert 'kvpact_router_requests_total{code="OK",model="tiny"} 1.0' in text
+    assert 'kvpact_router_tokens_total{model="tiny"} 4.0' in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--auth-token-file", "/nonexistent/token"], "--auth-token-file /nonexistent/token: cannot read it"),
+        (["--expect-workers", "0"], "must be positive"),
+        (["--listen", "nowhere"], "expected HOST:PORT"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(args, message):
+    out = subprocess.run(module_argv("router", *args), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_the_console_script_is_installed():
+    script = re.sub(r"python[0-9.]*$", "router", sys.executable)
+    out = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "--expect-workers" in out.stdout and "78" in out.stdout
