@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -25,6 +26,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 POLL_INTERVAL_S = 0.05
+
+
+class WaitCancelled(RuntimeError):
+    """The caller's `cancel` event was set while we waited (a signal, another process exiting)."""
 
 
 class ProcessDied(RuntimeError):
@@ -176,11 +181,13 @@ def wait_for_health(
     *,
     service: str = "",
     watch: Sequence[ProcessHandle] = (),
+    cancel: threading.Event | None = None,
 ) -> None:
     """Poll the health service at `address` until it answers SERVING.
 
-    Raises ProcessDied as soon as any process in `watch` exits, TimeoutError (with the last status)
-    after `timeout_s`."""
+    Raises ProcessDied as soon as any process in `watch` exits, WaitCancelled once `cancel` is set,
+    TimeoutError (with the last status) after `timeout_s`."""
+    cancel = cancel or threading.Event()
     deadline = time.monotonic() + timeout_s
     status = "UNREACHABLE"
     while time.monotonic() < deadline:
@@ -190,7 +197,8 @@ def wait_for_health(
         status = health_status(address, service, timeout_s=min(1.0, max(0.05, deadline - time.monotonic())))
         if status == "SERVING":
             return
-        time.sleep(POLL_INTERVAL_S)
+        if cancel.wait(POLL_INTERVAL_S):
+            raise WaitCancelled(f"stopped waiting for {address} to serve")
     raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f}s (last health status: {status})")
 
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import structlog
 from kvpact.v1 import worker_pb2
@@ -36,11 +36,11 @@ from shared.handshake import StartupFailure, StartupFailureCode
 from shared.log import configure_logging
 from shared.spec import WorkerSpec
 from shared.wire import failure_to_pb, mode_from_pb, realized_to_pb, spec_to_pb
+from worker.engine import Engine
 from worker.registration import RouterAuthError, RouterError, RouterLink
 from worker.service import WorkerServer, WorkerService
-
-if TYPE_CHECKING:
-    from worker.engine import Engine
+from worker.startup import build_engine, plan_startup
+from worker.wire import load_from_stats
 
 log = structlog.get_logger(__name__)
 
@@ -206,15 +206,12 @@ class WorkerProcess:
         return None
 
     async def _build_engine(self) -> Engine:
-        """The startup sequence proper (worker.startup): verdict first, then load. Runs in a thread."""
-        from worker import startup
-
-        spec = self.options.spec
+        """The startup sequence proper, in worker/startup.py: the pre-load verdict (it logs how long that
+        took), then weights, cache and scheduler. Both run in a thread, so health answers meanwhile."""
         started = time.monotonic()
-        plan = await _in_daemon_thread(startup.plan_startup, spec)
+        plan = await _in_daemon_thread(plan_startup, self.options.spec)
         self.handshake.capabilities.CopyFrom(plan.capabilities_pb())
-        log.info("pre-load verdict", seconds=round(time.monotonic() - started, 3), **plan.log_fields())
-        engine = await _in_daemon_thread(startup.build_engine, plan)
+        engine = await _in_daemon_thread(build_engine, plan)
         log.info("engine ready", seconds=round(time.monotonic() - started, 3))
         return engine
 
@@ -245,7 +242,9 @@ class WorkerProcess:
                 self.stop.request("the router refused this worker when it registered again", code)
 
         try:
-            reason = await self.link.heartbeats(self._heartbeat_interval_s, lambda: _load(engine), reregister)
+            reason = await self.link.heartbeats(
+                self._heartbeat_interval_s, lambda: load_from_stats(engine.stats()), reregister
+            )
         except RouterAuthError as exc:
             _say(f"worker {self.worker_id}: {exc}", error=True)
             self.stop.request(str(exc), EXIT_FATAL)
@@ -282,12 +281,6 @@ class WorkerProcess:
         if host in _WILDCARD_HOSTS:
             host = socket.gethostname()  # a wildcard bind is reached through the host's name
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _load(engine: Engine):  # type: ignore[no-untyped-def]
-    from worker.wire import load_from_stats
-
-    return load_from_stats(engine.stats())
 
 
 async def _in_daemon_thread(fn: Callable[..., T], *args: object) -> T:

@@ -1,0 +1,150 @@
+"""`make serve`: a router and one worker on this machine, as two processes.
+
+    python -m deploy.local [--port 50051] [--paged-attn auto|on|off] [--model PATH] [--startup-timeout S]
+
+Starts `router --listen 127.0.0.1:PORT --expect-workers 1` and a worker registering with it (the
+default model unless --model), waits (bounded) until the router's health says SERVING, then prints
+where to send requests, the cluster status with each worker's realized KV cache, and copy-paste
+client commands. Ctrl-C (or SIGTERM) stops the worker, then the router, each by pid with a bounded
+wait. If either process exits on its own, the other is stopped and this exits non-zero with the
+dead one's output. The port can also come from $KVPACT_ROUTER_PORT. Logs are written to files in a
+temporary directory named at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+
+from kvpact.client import Client, render_cluster_status
+
+from deploy.processes import ProcessDied, ProcessHandle, WaitCancelled, start_process, stop, wait_for_health
+from shared.cli import add_paged_attn_arg
+from shared.wire import realized_from_pb
+
+DEFAULT_PORT = 50051
+PORT_ENV = "KVPACT_ROUTER_PORT"
+STOP_GRACE_S = 15.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get(PORT_ENV, DEFAULT_PORT)),
+        help=f"the router's port on 127.0.0.1 (default ${PORT_ENV}, else {DEFAULT_PORT})",
+    )
+    add_paged_attn_arg(parser)
+    parser.add_argument(
+        "--model", default="", help="HF directory or .gguf file (default: the bundled SmolLM2)"
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="how long to wait for the cluster to serve, in seconds (default 300)",
+    )
+    return parser
+
+
+def commands(router: str, argv: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The router and worker command lines (this interpreter, so the venv need not be activated)."""
+    router_argv = [
+        sys.executable, "-m", "router.cli", "--listen", router, "--expect-workers", "1",
+        "--paged-attn", argv.paged_attn, "--startup-timeout", f"{argv.startup_timeout:g}",
+    ]  # fmt: skip
+    worker_argv = [
+        sys.executable, "-m", "worker", "--router", router, "--paged-attn", argv.paged_attn,
+        "--worker-id", "local-0", "--router-timeout", f"{argv.startup_timeout:g}",
+    ]  # fmt: skip
+    if argv.model:
+        worker_argv += ["--model", argv.model]
+    return router_argv, worker_argv
+
+
+def describe(router: str, processes: Sequence[ProcessHandle], log_dir: str) -> str:
+    with Client(router, timeout=10) as client:
+        status = client.cluster_status()
+    tables = [
+        realized_from_pb(w.realized).table(title=f"worker {w.worker_id}: realized KV cache")
+        for w in status.workers
+        if w.HasField("realized")
+    ]
+    pids = ", ".join(f"{p.name} pid {p.pid}" for p in processes)
+    return "\n\n".join(
+        [
+            f"kvpact is serving on {router} ({pids}; logs in {log_dir})",
+            render_cluster_status(status),
+            *tables,
+            "Try it:\n"
+            f'  python -c "from kvpact.client import Client; '
+            f"print(Client('{router}').complete('Tell me a joke.', max_tokens=64).text)\"\n"
+            f'  grpcurl -plaintext -d \'{{"text": "Tell me a joke.", "max_tokens": 64}}\' '
+            f"{router} kvpact.v1.Generation/Generate",
+            "Ctrl-C stops both.",
+        ]
+    )
+
+
+def _watch(handle: ProcessHandle, done: threading.Event) -> None:
+    handle.popen.wait()
+    done.set()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    router = f"127.0.0.1:{args.port}"
+    log_dir = tempfile.mkdtemp(prefix="kvpact-serve-")
+    router_argv, worker_argv = commands(router, args)
+
+    done = threading.Event()  # a signal arrived or a process exited
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+
+    print(f"starting a router on {router} and one worker (--paged-attn {args.paged_attn}); logs in {log_dir}")
+    processes = [start_process(router_argv, name="router", log_dir=log_dir)]
+    processes.append(start_process(worker_argv, name="worker", log_dir=log_dir))
+    for handle in processes:
+        threading.Thread(target=_watch, args=(handle, done), daemon=True).start()
+    failure = ""
+    try:
+        wait_for_health(router, args.startup_timeout, watch=processes, cancel=done)
+        print(describe(router, processes, log_dir), flush=True)
+        done.wait()
+    except (ProcessDied, WaitCancelled):
+        pass  # a process died (reported below, with its output) or a signal arrived
+    except TimeoutError as exc:
+        failure = str(exc)
+    finally:
+        dead = [p for p in processes if p.returncode is not None]
+        _stop_all(processes)
+    if failure:
+        print(f"deploy.local: {failure}", file=sys.stderr)
+        _report(processes)
+        return 1
+    if not dead:
+        print("stopped")
+        return 0
+    _report(dead)
+    return next((code for code in (p.returncode for p in dead) if code and code > 0), 1)
+
+
+def _stop_all(processes: Sequence[ProcessHandle]) -> None:
+    """The worker first (it would only log a lost router otherwise), then the router."""
+    for handle in reversed(processes):
+        stop(handle, grace_s=STOP_GRACE_S)
+
+
+def _report(processes: Sequence[ProcessHandle]) -> None:
+    for handle in processes:
+        print(f"{handle.name} exited with code {handle.returncode}\n{handle.output()}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
