@@ -1,0 +1,334 @@
+"""Triton kernels against the torch references.
+
+Not collected directly (no test_ prefix): test_triton_kernels.py runs this file in a
+subprocess, under TRITON_INTERPRET=1 when there is no CUDA device, so that an out-of-bounds
+access that crashes the interpreter fails one test instead of the whole session. On a GPU
+machine it can also be run directly: `pytest tests/kernels/triton_cases.py -m ''`.
+
+Groups (selected with -k): cache_write, decode, prefill, checks, cuda_compile.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kernels import reference
+from tests.kernels.factory import make_paged_batch, make_queries, query_start_loc
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernels = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRETED, reason="no CUDA device and TRITON_INTERPRET is not 1"
+)
+
+# |triton - reference| <= atol + rtol * |reference|, compared in fp32. The references accumulate
+# in fp32 and round once; the kernels also round P to the input dtype before P @ V (fp16/bf16).
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+DTYPES = list(TOLERANCES)
+KV_HEADS = 2
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[expected.dtype])
+
+
+def run_decode(lens, *, head_dim, group, block_size, dtype, num_splits):
+    from kernels import paged_decode_attention
+
+    batch = make_paged_batch(
+        lens, block_size=block_size, kv_heads=KV_HEADS, head_dim=head_dim, dtype=dtype, device=DEVICE
+    )
+    query = make_queries(len(lens), KV_HEADS * group, head_dim, dtype, DEVICE)
+    args = (query, batch.key_cache, batch.value_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
+    out = paged_decode_attention(*args, num_splits=num_splits)
+    assert_matches(out, reference.paged_decode_attention_torch(*args))
+
+
+def run_prefill(seqs, *, head_dim, group, block_size, dtype):
+    from kernels import paged_prefill_attention
+
+    lens = [p + n for p, n in seqs]
+    q_lens = [n for _, n in seqs]
+    batch = make_paged_batch(
+        lens, block_size=block_size, kv_heads=KV_HEADS, head_dim=head_dim, dtype=dtype, device=DEVICE
+    )
+    query = make_queries(sum(q_lens), KV_HEADS * group, head_dim, dtype, DEVICE)
+    args = (
+        query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        query_start_loc(q_lens, DEVICE),
+        batch.context_lens,
+        head_dim**-0.5,
+    )
+    assert_matches(paged_prefill_attention(*args), reference.paged_prefill_attention_torch(*args))
+
+
+# ---- cache_write ---------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 32)])
+def test_cache_write_matches_reference_and_skips_padding(dtype, head_dim, block_size):
+    from kernels import reshape_and_cache
+
+    batch = make_paged_batch(
+        [1, block_size, block_size + 1], block_size=block_size, kv_heads=3, head_dim=head_dim, dtype=dtype,
+        device=DEVICE,
+    )
+    pad = torch.tensor([-1], device=DEVICE)
+    slots = torch.cat([pad, *batch.slot_mappings, pad])
+    garbage = torch.full((1, 3, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    key = torch.cat([garbage, *batch.keys, garbage])
+    value = torch.cat([garbage, *batch.values, -garbage])
+    key_cache = torch.full_like(batch.key_cache, float("nan"))
+    value_cache = torch.full_like(batch.value_cache, float("nan"))
+    reshape_and_cache(key, value, key_cache, value_cache, slots)
+    # The factory wrote the same tokens into the same slots and left the rest NaN.
+    torch.testing.assert_close(key_cache, batch.key_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(value_cache, batch.value_cache, atol=0, rtol=0, equal_nan=True)
+
+
+@needs_kernels
+def test_cache_write_accepts_strided_key_value():
+    from kernels import reshape_and_cache
+
+    batch = make_paged_batch([20], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16, device=DEVICE)
+    qkv = torch.cat([batch.keys[0], batch.keys[0], batch.values[0]], dim=1)  # fused-projection layout
+    key, value = qkv[:, 2:4], qkv[:, 4:6]
+    key_cache = torch.full_like(batch.key_cache, float("nan"))
+    value_cache = torch.full_like(batch.value_cache, float("nan"))
+    reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mappings[0])
+    torch.testing.assert_close(key_cache, batch.key_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(value_cache, batch.value_cache, atol=0, rtol=0, equal_nan=True)
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_matches_reference(head_dim, group, block_size, dtype):
+    # 1 token, exactly a block, a block + 1, and 4 tiles: with 3 splits that is 2 + 2 + empty.
+    lens = [1, block_size, block_size + 1, 101]
+    for num_splits in (1, 3):
+        run_decode(lens, head_dim=head_dim, group=group, block_size=block_size, dtype=dtype, num_splits=num_splits)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_splits", [None, 2, 5, 8])
+def test_decode_split_counts(num_splits):
+    run_decode([200, 7, 64, 129], head_dim=64, group=4, block_size=16, dtype=torch.float16, num_splits=num_splits)
+
+
+@needs_kernels
+def test_decode_choose_num_splits():
+    from kernels.decode_attention import MAX_SPLITS, choose_num_splits
+
+    assert choose_num_splits(num_seqs=256, kv_heads=8, max_context_len=8192, num_sms=132) == 1
+    assert choose_num_splits(num_seqs=1, kv_heads=8, max_context_len=8192, num_sms=132) == MAX_SPLITS
+    assert choose_num_splits(num_seqs=1, kv_heads=8, max_context_len=512, num_sms=132) == 4  # 16 tiles / 4
+    assert choose_num_splits(num_seqs=16, kv_heads=8, max_context_len=2048, num_sms=132) == 3
+    assert choose_num_splits(num_seqs=1, kv_heads=8, max_context_len=1, num_sms=132) == 1
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_decode_other_head_sizes(head_dim, dtype):
+    for num_splits in (1, 2):
+        run_decode([1, 16, 17, 70], head_dim=head_dim, group=4, block_size=16, dtype=dtype, num_splits=num_splits)
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("block_size", [8, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_other_block_sizes(block_size, dtype):
+    for num_splits in (1, 3):
+        run_decode([1, block_size, block_size + 1, 150], head_dim=64, group=4, block_size=block_size, dtype=dtype,
+                   num_splits=num_splits)
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_long_contexts(dtype):
+    lens = [1, 511, 512, 513, 1000, 1024]
+    for num_splits in (1, 7, 16):
+        run_decode(lens, head_dim=128, group=4, block_size=16, dtype=dtype, num_splits=num_splits)
+
+
+# ---- prefill -------------------------------------------------------------------------------
+
+# (cached prefix, new tokens) per sequence
+PREFILL_BATCHES = {
+    "no_prefix": [(0, 1), (0, 16), (0, 17), (0, 70)],
+    "with_prefix": [(16, 1), (32, 5), (31, 40)],
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", sorted(PREFILL_BATCHES))
+def test_prefill_matches_reference(name, head_dim, group, block_size, dtype):
+    run_prefill(PREFILL_BATCHES[name], head_dim=head_dim, group=group, block_size=block_size, dtype=dtype)
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_prefill_other_head_sizes(head_dim, dtype):
+    run_prefill([(0, 20), (17, 30)], head_dim=head_dim, group=4, block_size=16, dtype=dtype)
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("block_size", [8, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_other_block_sizes(block_size, dtype):
+    run_prefill([(0, 1), (block_size, 1), (block_size + 3, 40), (0, 100)], head_dim=64, group=4,
+                block_size=block_size, dtype=dtype)
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("group", [1, 8])
+def test_prefill_long_prompts(group):
+    run_prefill([(0, 300), (250, 80), (500, 1)], head_dim=128, group=group, block_size=16, dtype=torch.float16)
+
+
+# ---- checks --------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "head_dim, block_size, dtype, message",
+    [
+        (48, 16, torch.float16, "support head sizes"),
+        (64, 12, torch.float16, "support block sizes"),
+    ],
+)
+def test_checks_reject_unsupported_shapes(head_dim, block_size, dtype, message):
+    from kernels import paged_decode_attention, paged_prefill_attention
+
+    batch = make_paged_batch([5], block_size=block_size, kv_heads=2, head_dim=head_dim, dtype=dtype, device=DEVICE)
+    query = make_queries(1, 2, head_dim, dtype, DEVICE)
+    args = (query, batch.key_cache, batch.value_cache, batch.block_tables)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(*args, batch.context_lens, 0.125)
+    with pytest.raises(ValueError, match=message):
+        paged_prefill_attention(*args, query_start_loc([1], DEVICE), batch.context_lens, 0.125)
+
+
+@needs_kernels
+def test_checks_reject_bad_arguments_before_launch():
+    from kernels import paged_decode_attention, reshape_and_cache
+
+    batch = make_paged_batch([5], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16, device=DEVICE)
+    query = make_queries(1, 8, 64, torch.float16, DEVICE)
+    with pytest.raises(ValueError, match="block_tables must have dtype"):
+        paged_decode_attention(query, batch.key_cache, batch.value_cache, batch.block_tables.long(),
+                               batch.context_lens, 0.125)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        paged_decode_attention(query, batch.key_cache, batch.value_cache, batch.block_tables,
+                               batch.context_lens, 0.125, num_splits=0)
+    with pytest.raises(ValueError, match="key dtype torch.float32 != cache dtype"):
+        reshape_and_cache(batch.keys[0].float(), batch.values[0], batch.key_cache, batch.value_cache,
+                          batch.slot_mappings[0])
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or INTERPRETED, reason="needs the compiled (not interpreted) kernels")
+def test_checks_reject_cpu_tensors_without_interpreter():
+    from kernels import paged_decode_attention
+
+    batch = make_paged_batch([5], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16)
+    query = make_queries(1, 8, 64, torch.float16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        paged_decode_attention(query, batch.key_cache, batch.value_cache, batch.block_tables,
+                               batch.context_lens, 0.125)
+
+
+# ---- cuda_compile: the real GPU compiler (through ptxas), no GPU needed ----------------------
+
+SM_80_MAX_SHARED = 166912  # bytes of shared memory one block may use on A100 (the smallest target)
+
+
+def compile_for_cuda(kernel, pointer_types: dict[str, str], constexprs: dict, arch: int) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        name: "constexpr" if name in constexprs else pointer_types.get(name, "fp32" if name == "scale" else "i32")
+        for name in kernel.arg_names
+    }
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": 4},
+    )
+    assert compiled.metadata.shared <= SM_80_MAX_SHARED
+
+
+def attention_pointers(dtype: str) -> dict[str, str]:
+    return {
+        "query_ptr": dtype, "key_cache_ptr": dtype, "value_cache_ptr": dtype, "block_tables_ptr": "*i32",
+        "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "lse_ptr": "*fp32",
+    }
+
+
+def compile_all(head_dim: int, dtype: str, group: int, arch: int) -> None:
+    import triton
+
+    from kernels.cache_write import kernel_reshape_and_cache
+    from kernels.decode_attention import kernel_merge_splits, kernel_paged_decode_attention
+    from kernels.prefill_attention import BLOCK_M, kernel_paged_prefill_attention
+
+    pad = triton.next_power_of_2(head_dim)
+    group_pad = triton.next_power_of_2(group)
+    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16, QUERY_GROUP=group, TILE=32, COMPUTE_FP32=False)
+    for splits, out in ((1, dtype), (4, "*fp32")):
+        compile_for_cuda(kernel_paged_decode_attention, {**attention_pointers(dtype), "out_ptr": out},
+                         dict(common, GROUP_PAD=max(16, group_pad), NUM_SPLITS=splits), arch)
+    compile_for_cuda(kernel_merge_splits, {"out_ptr": dtype, "partial_ptr": "*fp32", "lse_ptr": "*fp32"},
+                     dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SPLITS=5, SPLITS_PAD=8), arch)
+    compile_for_cuda(kernel_paged_prefill_attention, {**attention_pointers(dtype), "out_ptr": dtype},
+                     dict(common, GROUP_PAD=group_pad, BLOCK_Q=max(1, BLOCK_M // group_pad)), arch)
+    compile_for_cuda(kernel_reshape_and_cache, {p: dtype for p in ("key_ptr", "value_ptr", "key_cache_ptr",
+                                                                   "value_cache_ptr")} | {"slot_mapping_ptr": "*i64"},
+                     dict(KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16), arch)
+
+
+cuda_compiler = pytest.mark.skipif(INTERPRETED, reason="the interpreter has no compiler")
+
+
+@cuda_compiler
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_cuda_compile(arch, dtype):
+    compile_all(128, dtype, group=4, arch=arch)
+
+
+@pytest.mark.slow
+@cuda_compiler
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["*fp16", "*bf16", "*fp32"])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 256])
+def test_cuda_compile_all_head_sizes(head_dim, dtype, arch):
+    compile_all(head_dim, dtype, group=8, arch=arch)
