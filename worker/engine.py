@@ -296,8 +296,10 @@ class Engine:
         self.scheduler.on_step_done(out)
         for seq, token_id, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
             stream = self._streams[seq.request_id]
-            if stream.on_token(token_id, logprob) is not None:
+            piece = stream.on_token(token_id, logprob)
+            if piece.finish_reason is not None:
                 self._end(stream)
+            stream.sink(piece)
         now = time.monotonic()
         with self._lock:
             self._generated.append((now, len(result.seqs)))

@@ -25,9 +25,10 @@ class OutputStream:
         self._detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.num_prompt_tokens])
         self._stop = StopMatcher(stop)
 
-    def on_token(self, token_id: int, logprob: float | None) -> FinishReason | None:
-        """Append a sampled token, emit its piece; returns the finish reason if it ended the sequence
-        (the caller then frees the cache and calls `finish`)."""
+    def on_token(self, token_id: int, logprob: float | None) -> GenerationOutput:
+        """Append a sampled token and return its piece (not yet emitted). A piece with a finish_reason
+        ended the sequence: the caller frees its cache first, then emits it, so a caller that sees the
+        last piece also sees the cache freed."""
         seq = self.seq
         seq.append_token(token_id, logprob)
         reason = seq.check_stop_token()
@@ -38,17 +39,15 @@ class OutputStream:
                 reason = FinishReason.STOP
         if reason is not None:
             text += self._tail()
-        self.sink(GenerationOutput(
+            seq.finish_reason = reason
+        return GenerationOutput(
             request_id=seq.request_id,
             text=text,
             token_ids=[token_id],
             logprobs=[logprob] if logprob is not None else [],
             finish_reason=reason,
             usage=self.usage() if reason is not None else None,
-        ))
-        if reason is not None:
-            seq.finish_reason = reason
-        return reason
+        )
 
     def finish_early(self, reason: FinishReason) -> None:
         """End a sequence that did not end on a token (aborted): emit the held text and the usage."""

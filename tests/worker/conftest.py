@@ -1,0 +1,85 @@
+"""Fixtures for the engine tests: tiny models on disk (once per session) and engines built through the
+real startup path (`worker.startup.build_engine`), closed at the end of each test."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
+from shared.spec import WorkerSpec
+from tests.factories.tiny_models import make_tiny_llama, make_tiny_qwen2
+from worker.engine import Engine
+from worker.request import GenerationOutput, GenerationRequest, GenerationResult, SamplingParams
+from worker.startup import build_engine
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+def worker_spec(
+    model: Path | str,
+    mode: str = "auto",
+    *,
+    max_model_len: int = 256,
+    max_num_seqs: int = 0,
+    max_num_batched_tokens: int = 0,
+    no_kv_cache: bool = False,
+    **paged: object,
+) -> WorkerSpec:
+    """A CPU WorkerSpec; `paged` are PagedAttentionConfig fields (context_tokens=..., block_size=...)."""
+    settings = PagedAttentionConfig(**paged)  # type: ignore[arg-type]
+    return WorkerSpec(
+        model=str(model),
+        device="cpu",
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        cache=cache_intent(PagedAttentionMode(mode), settings, no_kv_cache=no_kv_cache),
+    )
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Engine]]:
+    """make_engine(model_dir, mode="auto", **worker_spec kwargs) -> a running Engine (closed after the test)."""
+    engines: list[Engine] = []
+
+    def make(model: Path | str, mode: str = "auto", **kwargs: object) -> Engine:
+        engine = build_engine(worker_spec(model, mode, **kwargs))  # type: ignore[arg-type]
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def greedy(request_id: str, prompt: tuple[int, ...] | str, max_tokens: int = 16, **kwargs: object) -> GenerationRequest:
+    return GenerationRequest(request_id, prompt, GREEDY, max_tokens=max_tokens, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
+
+
+async def collect(engine: Engine, request: GenerationRequest, delay: float = 0.0) -> GenerationResult:
+    await asyncio.sleep(delay)
+    pieces: list[GenerationOutput] = [p async for p in engine.generate(request)]
+    return GenerationResult.join(pieces)
+
+
+def run_staggered(engine: Engine, requests: list[GenerationRequest], gap_s: float = 0.01) -> list[GenerationResult]:
+    """Submit request i after i * gap_s seconds (so later ones join a running batch); results in order."""
+
+    async def main() -> list[GenerationResult]:
+        return await asyncio.gather(*(collect(engine, r, i * gap_s) for i, r in enumerate(requests)))
+
+    return asyncio.run(main())
