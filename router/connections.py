@@ -11,7 +11,7 @@ import asyncio
 import grpc
 from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
-from router.registry import WorkerEntry
+from router.registry import WorkerEntry, WorkerState
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 2**20),
@@ -48,7 +48,10 @@ class WorkerChannels:
                 await self.stub(entry).Shutdown(worker_pb2.ShutdownRequest(reason=reason), timeout=timeout_s)
                 return "sent"
             except grpc.aio.AioRpcError as exc:
-                return f"could not be told ({exc.code().name}: {exc.details()})"
+                if entry.state is WorkerState.FAILED and exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    return "already gone (its startup failed; it exits on its own)"
+                first = (exc.details() or "").split(";")[0]
+                return f"could not be told ({exc.code().name}: {first})"
 
         results = await asyncio.gather(*(one(e) for e in entries))
         return {e.worker_id: r for e, r in zip(entries, results, strict=True)}
