@@ -1,0 +1,216 @@
+"""A worker process's life with a router: startup failures, the handshake, heartbeats, stopping, exit codes.
+
+The router here is `RecordingRegistry`: a real Registry gRPC server on loopback, written for these
+tests, that records every Handshake and heartbeat and answers as each test tells it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+
+import grpc
+import pytest
+from kvpact.v1 import cache_pb2, worker_pb2, worker_pb2_grpc
+
+from tests.factories.processes import (
+    free_port,
+    running,
+    stop,
+    wait_for_exit,
+    wait_for_line,
+    wait_until,
+    worker_argv,
+)
+from tests.factories.tiny_models import make_tiny_llama
+
+START_TIMEOUT_S = 60.0
+
+
+class RecordingRegistry(worker_pb2_grpc.RegistryServicer):
+    def __init__(
+        self,
+        admission: worker_pb2.Admission | None = None,
+        heartbeat_replies: tuple[worker_pb2.HeartbeatReply, ...] = (),
+        token: str = "",
+    ) -> None:
+        self.admission = admission or worker_pb2.Admission(
+            admitted=True, cluster_policy=cache_pb2.PAGED_ATTENTION_MODE_AUTO, heartbeat_interval_ms=100
+        )
+        self.heartbeat_replies = list(heartbeat_replies)
+        self.token = token
+        self.handshakes: list[worker_pb2.Handshake] = []
+        self.heartbeats: list[worker_pb2.HeartbeatRequest] = []
+        self._lock = threading.Lock()
+
+    def Register(self, request, context):
+        if request.auth_token != self.token:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
+        with self._lock:
+            self.handshakes.append(request)
+        return self.admission
+
+    def Heartbeat(self, request, context):
+        if request.auth_token != self.token:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
+        with self._lock:
+            self.heartbeats.append(request)
+            return (
+                self.heartbeat_replies.pop(0)
+                if self.heartbeat_replies
+                else worker_pb2.HeartbeatReply(known=True)
+            )
+
+
+@contextmanager
+def serving(registry: RecordingRegistry, port: int = 0) -> Iterator[str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def human_lines(stderr: str) -> list[str]:
+    """stderr without the JSON log lines: what an operator reads."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("{")]
+
+
+def log_events(stderr: str) -> list[str]:
+    return [json.loads(line)["event"] for line in stderr.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("with_router", [False, True], ids=["standalone", "with-router"])
+def test_on_that_cannot_be_honored_exits_78_before_loading(model_dir, tmp_path, with_router):
+    registry = RecordingRegistry()
+    with serving(registry) as router:
+        args = [
+            "--model",
+            str(model_dir),
+            "--paged-attn",
+            "on",
+            "--pa-backend",
+            "triton",
+            "--worker-id",
+            "w-cpu",
+        ]
+        if with_router:
+            args += ["--router", router]
+        with running(worker_argv(*args), log_dir=tmp_path) as worker:
+            assert wait_for_exit(worker, START_TIMEOUT_S) == 78, worker.output()
+            stderr = worker.stderr()
+    reason = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
+    required = "PagedAttention was explicitly requested (--paged-attn on)"
+    assert human_lines(stderr) == [f"worker w-cpu: startup failed: {required}, but {reason}. [device]"]
+    assert "Traceback" not in stderr
+    events = log_events(stderr)
+    assert "startup failed" in events
+    assert "model_loaded" not in events  # refused before a weight was read
+    if not with_router:
+        assert registry.handshakes == []
+        return
+    [handshake] = registry.handshakes
+    assert handshake.WhichOneof("outcome") == "failed"
+    assert handshake.failed.code == worker_pb2.STARTUP_FAILURE_CODE_PAGED_ATTENTION_REQUIRED
+    assert handshake.failed.component == "device"
+    assert handshake.failed.reason == reason
+    assert handshake.worker_id == "w-cpu"
+    assert handshake.spec.cache.mode == cache_pb2.PAGED_ATTENTION_MODE_ON
+    assert handshake.spec.cache.paged.backend == cache_pb2.PAGED_BACKEND_TRITON
+
+
+def test_started_before_its_router_it_retries_registers_and_heartbeats(model_dir, tmp_path):
+    """The router comes up late; its first heartbeat reply forgets the worker (re-register), a later one
+    asks it to stop (exit 0)."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    port = free_port()
+    registry = RecordingRegistry(
+        heartbeat_replies=(
+            worker_pb2.HeartbeatReply(known=False),
+            worker_pb2.HeartbeatReply(known=True),
+            worker_pb2.HeartbeatReply(known=True, shutdown=True),
+        ),
+        token="s3cret",
+    )
+    args = ["--model", str(model_dir), "--router", f"127.0.0.1:{port}", "--worker-id", "w-late"]
+    args += ["--auth-token-file", str(token_file)]
+    with running(worker_argv(*args), log_dir=tmp_path) as worker:
+        wait_for_line(worker, r"router not reachable yet; retrying", START_TIMEOUT_S, stream="stderr")
+        with serving(registry, port):
+            assert wait_for_exit(worker, START_TIMEOUT_S) == 0, worker.output()
+    assert len(registry.handshakes) == 2  # the first registration, and again after known=false
+    for handshake in registry.handshakes:
+        assert handshake.WhichOneof("outcome") == "ready"
+        assert handshake.worker_id == "w-late"
+        assert handshake.model_name == model_dir.name
+        assert handshake.address.startswith("127.0.0.1:")
+        assert handshake.capabilities.device_kind == "cpu"
+        assert handshake.ready.kind == cache_pb2.CACHE_KIND_EAGER  # auto on CPU
+        assert [(f.component, f.reason) for f in handshake.ready.fallbacks] == [
+            ("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")
+        ]
+    assert len(registry.heartbeats) == 3
+    assert all(h.worker_id == "w-late" and h.load.num_total_blocks > 0 for h in registry.heartbeats)
+    assert "admitted by router" in worker.stdout()
+    assert "Traceback" not in worker.stderr()
+
+
+def test_the_routers_shutdown_rpc_stops_it_with_0(model_dir, tmp_path):
+    registry = RecordingRegistry()
+    with (
+        serving(registry) as router,
+        running(
+            worker_argv("--model", str(model_dir), "--router", router, "--paged-attn", "on"), log_dir=tmp_path
+        ) as worker,
+    ):
+        wait_until(lambda: registry.handshakes, START_TIMEOUT_S, "the handshake")
+        address = registry.handshakes[0].address
+        assert registry.handshakes[0].ready.kind == cache_pb2.CACHE_KIND_PAGED
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            stub.Shutdown(worker_pb2.ShutdownRequest(reason="the cluster failed to start"), timeout=10)
+        assert wait_for_exit(worker, 30) == 0, worker.output()
+    assert "shutdown requested" in log_events(worker.stderr())
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "message"),
+    [
+        ("refused", 78, "refused it: policy off admits only EAGER workers"),
+        ("no-token", 1, "refused the handshake: missing or wrong auth token"),
+        ("no-router", 1, "did not answer the handshake within --router-timeout 1s"),
+    ],
+)
+def test_a_router_that_will_not_have_it_ends_it(model_dir, tmp_path, case, code, message):
+    registry = RecordingRegistry(
+        admission=worker_pb2.Admission(admitted=False, reason="policy off admits only EAGER workers"),
+        token="s3cret" if case == "no-token" else "",
+    )
+    with serving(registry) as router:
+        target = f"127.0.0.1:{free_port()}" if case == "no-router" else router
+        args = ["--model", str(model_dir), "--router", target, "--router-timeout", "1", "--paged-attn", "on"]
+        with running(worker_argv(*args), log_dir=tmp_path) as worker:
+            assert wait_for_exit(worker, START_TIMEOUT_S) == code, worker.output()
+    [line] = human_lines(worker.stderr())
+    assert message in line
+    assert "Traceback" not in worker.stderr()
+
+
+def test_sigint_stops_a_serving_worker_with_0(model_dir, tmp_path):
+    with running(worker_argv("--model", str(model_dir)), log_dir=tmp_path) as worker:
+        wait_for_line(worker, r"^worker \S+ serving \S+ on ", START_TIMEOUT_S)
+        assert stop(worker, sig=signal.SIGINT) == 0, worker.output()
+    assert "stopping" in log_events(worker.stderr())
