@@ -48,7 +48,7 @@ class WorkerChannels:
                 await self.stub(entry).Shutdown(worker_pb2.ShutdownRequest(reason=reason), timeout=timeout_s)
                 return "sent"
             except grpc.aio.AioRpcError as exc:
-                if entry.state is WorkerState.FAILED and exc.code() is grpc.StatusCode.UNAVAILABLE:
+                if entry.state is WorkerState.FAILED:
                     return "already gone (its startup failed; it exits on its own)"
                 first = (exc.details() or "").split(";")[0]
                 return f"could not be told ({exc.code().name}: {first})"

@@ -38,6 +38,6 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             return
         log.warning("worker_unauthenticated", worker_id=worker_id, method=method, token_given=bool(given))
         raise Unauthenticated(
-            f'worker "{worker_id}": missing or wrong auth token; start it with --auth-token-file naming the '
-            f"router's secret"
+            f'UNAUTHENTICATED: worker "{worker_id}" gave a missing or wrong auth token; start it with '
+            f"--auth-token-file naming the router's secret"
         )
