@@ -83,13 +83,19 @@ def describe(router: str, processes: Sequence[ProcessHandle], log_dir: str) -> s
             render_cluster_status(status),
             *tables,
             "Try it:\n"
-            f'  python -c "from kvpact.client import Client; '
+            f'  {_python()} -c "from kvpact.client import Client; '
             f"print(Client('{router}').complete('Tell me a joke.', max_tokens=64).text)\"\n"
             f'  grpcurl -plaintext -d \'{{"text": "Tell me a joke.", "max_tokens": 64}}\' '
             f"{router} kvpact.v1.Generation/Generate",
             "Ctrl-C stops both.",
         ]
     )
+
+
+def _python() -> str:
+    """This interpreter as the user would type it (.venv/bin/python from the repository)."""
+    relative = os.path.relpath(sys.executable)
+    return relative if not relative.startswith("..") else sys.executable
 
 
 def _watch(handle: ProcessHandle, done: threading.Event) -> None:
@@ -131,7 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not dead:
         print("stopped")
         return 0
-    _report(dead)
+    failed = [
+        p for p in processes if p in dead or p.returncode != 0
+    ]  # the one that died, and any it took along
+    _report(failed)
     return next((code for code in (p.returncode for p in dead) if code and code > 0), 1)
 
 

@@ -1,0 +1,60 @@
+"""`make serve` (python -m deploy.local): a real router and a real worker as processes, on a tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+from kvpact.client import Client
+
+from tests.factories.processes import free_port, module_argv, running, stop, wait_for_exit, wait_for_line
+from tests.factories.tiny_models import make_tiny_llama
+
+START_TIMEOUT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_serve_starts_both_prints_how_to_use_them_and_ctrl_c_stops_both(model_dir, tmp_path):
+    port = free_port()
+    argv = module_argv("deploy.local", "--port", str(port), "--model", str(model_dir), "--paged-attn", "on")
+    with running(argv, name="serve", log_dir=tmp_path) as serve:
+        wait_for_line(serve, r"^Ctrl-C stops both\.$", START_TIMEOUT_S)
+        out = serve.stdout()
+        assert f"kvpact is serving on 127.0.0.1:{port}" in out
+        assert "cluster SERVING  policy --paged-attn on  workers 1/1 admitted" in out
+        assert re.search(r"^kind\s+PAGED$", out, re.MULTILINE)
+        assert f"Client('127.0.0.1:{port}')" in out
+        assert f"127.0.0.1:{port} kvpact.v1.Generation/Generate" in out
+        pids = [int(p) for p in re.findall(r"(?:router|worker) pid (\d+)", out)]
+        assert len(pids) == 2
+
+        with Client(f"127.0.0.1:{port}", timeout=30) as client:
+            completion = client.complete("Hello", max_tokens=4, temperature=0, ignore_eos=True)
+        assert completion.usage.completion_tokens == 4
+
+        assert stop(serve, sig=signal.SIGINT, grace_s=40) == 0, serve.output()
+    assert serve.stdout().rstrip().endswith("stopped")
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_serve_exits_non_zero_with_the_output_when_the_worker_cannot_start(tmp_path):
+    argv = module_argv("deploy.local", "--port", str(free_port()), "--model", str(tmp_path / "missing"))
+    with running(argv, name="serve", log_dir=tmp_path) as serve:
+        assert wait_for_exit(serve, START_TIMEOUT_S) == 1, serve.output()
+    err = serve.stderr()
+    assert "router exited with code 1" in err
+    assert "does not exist" in err  # the worker's reason, as the router's report and the worker's stderr say
