@@ -33,8 +33,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_ID, EOS_ID = 1, 2
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -48,13 +49,19 @@ _TRAINING_TEXT = [
 @functools.lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_TRAINING_TEXT, trainer)
     return tok.to_str()
 
@@ -64,17 +71,36 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer.from_str(_tokenizer_json())
 
 
-def _hf_config(architecture: str, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-               head_dim: int, intermediate_size: int, attention_bias: bool, tie_word_embeddings: bool,
-               rope_theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int):
+def _hf_config(
+    architecture: str,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    attention_bias: bool,
+    tie_word_embeddings: bool,
+    rope_theta: float,
+    rope_scaling: dict[str, Any] | None,
+    max_position_embeddings: int,
+):
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
-        vocab_size=tiny_tokenizer().get_vocab_size(), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
+        vocab_size=tiny_tokenizer().get_vocab_size(),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
         rope_parameters={"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta},
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
     )
     if architecture == "qwen2":
         if head_dim != hidden_size // num_heads:
@@ -83,21 +109,42 @@ def _hf_config(architecture: str, *, hidden_size: int, num_layers: int, num_head
     return LlamaConfig(**common, head_dim=head_dim, attention_bias=attention_bias)
 
 
-def tiny_hf_model(architecture: str = "llama", *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                  num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
-                  attention_bias: bool = False, tie_word_embeddings: bool = False, rope_theta: float = 10000.0,
-                  rope_scaling: dict[str, Any] | None = None, max_position_embeddings: int = 512,
-                  seed: int = 0, std: float = 0.2):
+def tiny_hf_model(
+    architecture: str = "llama",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    attention_bias: bool = False,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    std: float = 0.2,
+):
     """The transformers model (float32, eval mode) the make_* functions write. `architecture`:
     "llama" or "qwen2". Every parameter is random: matrices N(0, std), biases N(0, std), norm weights
     1 + N(0, 0.1)."""
     from transformers import AutoModelForCausalLM
 
-    config = _hf_config(architecture, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                        num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-                        attention_bias=attention_bias, tie_word_embeddings=tie_word_embeddings,
-                        rope_theta=rope_theta, rope_scaling=rope_scaling,
-                        max_position_embeddings=max_position_embeddings)
+    config = _hf_config(
+        architecture,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        attention_bias=attention_bias,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -109,9 +156,14 @@ def tiny_hf_model(architecture: str = "llama", *, hidden_size: int = 64, num_lay
 
 def _write_tokenizer_files(directory: Path) -> None:
     (directory / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
-    config = {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
-              "pad_token": SPECIAL_TOKENS[EOS_ID], "chat_template": CHATML_TEMPLATE,
-              "model_max_length": 512, "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "pad_token": SPECIAL_TOKENS[EOS_ID],
+        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 512,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
@@ -138,9 +190,15 @@ def _write_hf(architecture: str, directory: Path, dtype: torch.dtype, kwargs: di
 # --- GGUF --------------------------------------------------------------------------------------------
 
 _GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 _GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -158,8 +216,9 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def make_tiny_gguf(path: str | Path, *, architecture: str = "llama", file_type: str = "f32",
-                   **kwargs: Any) -> Path:
+def make_tiny_gguf(
+    path: str | Path, *, architecture: str = "llama", file_type: str = "f32", **kwargs: Any
+) -> Path:
     """Write the tiny model as a GGUF file the way llama.cpp's converter would (llama: Q/K rows
     permuted); returns the path. `architecture`: "llama" or "qwen2" (then q/k/v bias). `file_type`:
     "f32", "f16" or "q8_0" (2-D weights; norms stay f32). Same kwargs as make_tiny_llama; with equal
@@ -189,8 +248,11 @@ def make_tiny_gguf(path: str | Path, *, architecture: str = "llama", file_type: 
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
     _add_gguf_tokenizer(writer)
-    qtypes = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-              "q8_0": gguf.GGMLQuantizationType.Q8_0}
+    qtypes = {
+        "f32": gguf.GGMLQuantizationType.F32,
+        "f16": gguf.GGMLQuantizationType.F16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    }
     qtype = qtypes[file_type]
     heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
     for hf_name, tensor in model.state_dict().items():
@@ -221,7 +283,9 @@ def _add_gguf_tokenizer(writer: Any) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
+    )
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]])
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
@@ -235,9 +299,9 @@ def _add_gguf_tokenizer(writer: Any) -> None:
 class ContiguousAttention:
     """A reference `AttentionStep`: each sequence's K/V kept as contiguous tensors, attention by SDPA.
 
-        attn = ContiguousAttention()
-        hidden = model(ids, positions, attn.step(seq_ids=[0, 1], num_tokens=[5, 3]))  # prefill 2 sequences
-        hidden = model(next_ids, positions, attn.step([0, 1], [1, 1]))                # decode both
+    attn = ContiguousAttention()
+    hidden = model(ids, positions, attn.step(seq_ids=[0, 1], num_tokens=[5, 3]))  # prefill 2 sequences
+    hidden = model(next_ids, positions, attn.step([0, 1], [1, 1]))                # decode both
     """
 
     def __init__(self) -> None:
@@ -252,7 +316,7 @@ class ContiguousAttention:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outputs, start = [], 0
         for seq_id, n in self._layout:
-            keys, values = k[start:start + n], v[start:start + n]
+            keys, values = k[start : start + n], v[start : start + n]
             if (seq_id, layer_idx) in self.kv:
                 old_k, old_v = self.kv[(seq_id, layer_idx)]
                 keys, values = torch.cat([old_k, keys]), torch.cat([old_v, values])
@@ -261,7 +325,7 @@ class ContiguousAttention:
             total = keys.shape[0]
             mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=total - n)
             out = F.scaled_dot_product_attention(
-                q[start:start + n].transpose(0, 1),
+                q[start : start + n].transpose(0, 1),
                 keys.repeat_interleave(group, dim=1).transpose(0, 1),
                 values.repeat_interleave(group, dim=1).transpose(0, 1),
                 attn_mask=mask,

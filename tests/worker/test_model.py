@@ -26,21 +26,40 @@ VARIANTS = {
     "llama": ("llama", {}),
     "llama-tied-bias": ("llama", {"tie_word_embeddings": True, "attention_bias": True, "seed": 1}),
     "llama-mqa-3layers": ("llama", {"num_kv_heads": 1, "num_layers": 3, "seed": 2}),
-    "llama-head64": ("llama", {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "head_dim": 64, "seed": 3}),
-    "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500.0}),
-    "llama-rope-llama3": ("llama", {"rope_theta": 50000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}}),
+    "llama-head64": (
+        "llama",
+        {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "head_dim": 64, "seed": 3},
+    ),
+    "llama-rope-linear": (
+        "llama",
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500.0},
+    ),
+    "llama-rope-llama3": (
+        "llama",
+        {
+            "rope_theta": 50000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     "qwen2": ("qwen2", {}),
 }
 
 
+@torch.inference_mode()
 def hf_greedy(hf_model, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, hf_model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-    return ids[0, len(prompt):].tolist()
+    """transformers' greedy continuation, with its own KV cache."""
+    out = hf_model(torch.tensor([prompt]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(n - 1):
+        out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -56,7 +75,9 @@ def pair(request, tmp_path_factory):
 def test_prefill_logits_match_transformers(pair):
     ours, hf = pair
     prompt = PROMPTS[0]
-    hidden = ours(torch.tensor(prompt), torch.arange(len(prompt)), ContiguousAttention().step([0], [len(prompt)]))
+    hidden = ours(
+        torch.tensor(prompt), torch.arange(len(prompt)), ContiguousAttention().step([0], [len(prompt)])
+    )
     logits = ours.compute_logits(hidden)
     expected = hf(torch.tensor([prompt])).logits[0]
     assert logits.dtype == torch.float32 and logits.shape == expected.shape
@@ -77,7 +98,9 @@ def test_mixed_prefill_and_decode_step_equals_separate_runs():
     a, b = PROMPTS[0], PROMPTS[1]
     attn = ContiguousAttention()
     model(torch.tensor(a[:-1]), torch.arange(len(a) - 1), attn.step([0], [len(a) - 1]))
-    mixed = model(torch.tensor([a[-1], *b]), torch.tensor([len(a) - 1, *range(len(b))]), attn.step([0, 1], [1, len(b)]))
+    mixed = model(
+        torch.tensor([a[-1], *b]), torch.tensor([len(a) - 1, *range(len(b))]), attn.step([0, 1], [1, len(b)])
+    )
     alone_a = model(torch.tensor(a), torch.arange(len(a)), ContiguousAttention().step([0], [len(a)]))
     alone_b = model(torch.tensor(b), torch.arange(len(b)), ContiguousAttention().step([0], [len(b)]))
     torch.testing.assert_close(mixed[0], alone_a[-1], atol=1e-5, rtol=0)
@@ -92,13 +115,30 @@ def test_attention_step_receives_documented_shapes():
 
     class Recorder(ContiguousAttention):
         def forward(self, layer_idx, q, k, v):
-            seen.append((layer_idx, q.shape, k.shape, v.shape, q.is_contiguous(), k.is_contiguous(), v.is_contiguous()))
+            seen.append(
+                (
+                    layer_idx,
+                    q.shape,
+                    k.shape,
+                    v.shape,
+                    q.is_contiguous(),
+                    k.is_contiguous(),
+                    v.is_contiguous(),
+                )
+            )
             return super().forward(layer_idx, q, k, v)
 
     model(torch.tensor([3, 4, 5]), torch.arange(3), Recorder().step([0], [3]))
     assert seen == [
-        (i, (3, c.num_heads, c.head_dim), (3, c.num_kv_heads, c.head_dim), (3, c.num_kv_heads, c.head_dim),
-         True, True, True)
+        (
+            i,
+            (3, c.num_heads, c.head_dim),
+            (3, c.num_kv_heads, c.head_dim),
+            (3, c.num_kv_heads, c.head_dim),
+            True,
+            True,
+            True,
+        )
         for i in range(c.num_layers)
     ]
     assert c.attention_scale == c.head_dim**-0.5
@@ -132,38 +172,77 @@ def _tiny_model():
 # --- config ------------------------------------------------------------------------------------------
 
 LLAMA_V5 = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
     "dtype": "bfloat16",
 }
 
 
 def test_config_from_transformers5_llama():
     c = ModelConfig.from_hf_dict(LLAMA_V5)
-    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == ("LlamaForCausalLM", 30, 9, 3, 64)
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        "LlamaForCausalLM",
+        30,
+        9,
+        3,
+        64,
+    )
     assert (c.rope_theta, c.rope_scaling, c.tie_word_embeddings) == (100000.0, None, True)
     assert (c.bos_token_id, c.eos_token_ids, c.dtype, c.sliding_window) == (1, (2,), "bfloat16", None)
     assert (c.attention_bias, c.attention_out_bias) == (False, False)
 
 
 def test_config_from_transformers4_spelling_with_llama3_scaling_and_eos_list():
-    d = {**LLAMA_V5, "rope_theta": 500000.0, "eos_token_id": [128001, 128009], "torch_dtype": "bfloat16",
-         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 8192}}
+    d = {
+        **LLAMA_V5,
+        "rope_theta": 500000.0,
+        "eos_token_id": [128001, 128009],
+        "torch_dtype": "bfloat16",
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     del d["rope_parameters"], d["dtype"]
     c = ModelConfig.from_hf_dict(d)
     assert c.rope_theta == 500000.0 and c.eos_token_ids == (128001, 128009)
-    assert c.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert c.rope_scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
 
 
 def test_config_mistral_reports_sliding_window_and_qwen2_has_qkv_bias():
-    mistral = ModelConfig.from_hf_dict({**LLAMA_V5, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    mistral = ModelConfig.from_hf_dict(
+        {**LLAMA_V5, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    )
     assert mistral.sliding_window == 4096 and not mistral.attention_bias
-    qwen = ModelConfig.from_hf_dict({**LLAMA_V5, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
-                                     "use_sliding_window": False})
+    qwen = ModelConfig.from_hf_dict(
+        {
+            **LLAMA_V5,
+            "architectures": ["Qwen2ForCausalLM"],
+            "sliding_window": 4096,
+            "use_sliding_window": False,
+        }
+    )
     assert qwen.sliding_window is None and (qwen.attention_bias, qwen.attention_out_bias) == (True, False)
     llama_bias = ModelConfig.from_hf_dict({**LLAMA_V5, "attention_bias": True})
     assert (llama_bias.attention_bias, llama_bias.attention_out_bias) == (True, True)
@@ -177,12 +256,19 @@ def test_config_without_architectures_uses_model_type():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported model architecture GPT2LMHeadModel; kvpact supports "
-                                                 "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-         "RoPE scaling type 'yarn' is not supported; kvpact supports default, linear, llama3"),
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
-         "RoPE scaling 'llama3' lacks low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "unsupported model architecture GPT2LMHeadModel; kvpact supports "
+            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+            "RoPE scaling type 'yarn' is not supported; kvpact supports default, linear, llama3",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+            "RoPE scaling 'llama3' lacks low_freq_factor, high_freq_factor, original_max_position_embeddings",
+        ),
         ({"num_key_value_heads": 4}, "num_attention_heads (9) is not a multiple of num_key_value_heads (4)"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"vocab_size": None}, "required field 'vocab_size' is missing"),
@@ -197,6 +283,15 @@ def test_config_errors_name_the_problem(change, message):
 def test_rope_linear_divides_frequencies_and_llama3_keeps_high_ones():
     plain = rope_inv_freq(64, 10000.0, None)
     torch.testing.assert_close(rope_inv_freq(64, 10000.0, {"rope_type": "linear", "factor": 4.0}), plain / 4)
-    llama3 = rope_inv_freq(64, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    llama3 = rope_inv_freq(
+        64,
+        10000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    )
     assert llama3[0] == plain[0] and llama3[-1] == plain[-1] / 8

@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp's format): metadata -> a Hugging Face config dict, tensors -> Hugging Face-named
-float32 tensors (dequantized with `gguf.quants.dequantize`), vocabulary -> a `tokenizers.Tokenizer`.
+float32 tensors (dequantized with `gguf.quants.dequantize`, see gguf_reader.py), vocabulary -> a
+`tokenizers.Tokenizer`.
 
 Everything leaves this module in Hugging Face shape, so the rest of the loader has one path.
 
@@ -14,12 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from shared.errors import ModelLoadError
+from worker.loader.gguf_reader import GGUFContents, GGUFFormatError
 from worker.loader.gguf_tokenizer import build_tokenizer
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -39,38 +40,38 @@ _PER_LAYER = {
 
 
 class GGUFFile:
-    """An opened GGUF file (memory-mapped; reading the config touches no tensor data)."""
+    """An opened GGUF file (header parsed, tensor data memory-mapped and read only by `tensors()`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(path, "r")
-        except Exception as e:  # ValueError for a bad magic or a short file, OSError, struct errors
+            self.contents = GGUFContents(path)
+        except (GGUFFormatError, OSError) as e:
             raise ModelLoadError(
-                f"{path}: not a readable GGUF file ({e}); it is corrupt or truncated — download it again"
+                f"{path}: not a readable GGUF file: {e}; it is corrupt or truncated — download it again"
             ) from e
-        self._check_extent()
+        self.metadata = self.contents.metadata
         self.arch = str(self.value("general.architecture", ""))
         if self.arch not in GGUF_ARCHITECTURES:
             raise ModelLoadError(
-                f"{path}: unsupported GGUF architecture {self.arch!r}; kvpact supports {', '.join(GGUF_ARCHITECTURES)}"
+                f"{path}: unsupported GGUF architecture {self.arch!r}; "
+                f"kvpact supports {', '.join(GGUF_ARCHITECTURES)}"
             )
-        self.tensor_names = {t.name for t in self.reader.tensors}
+        self.tensor_names = {t.name for t in self.contents.tensors}
 
     def value(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def config_dict(self) -> dict[str, Any]:
         """The model's shape as a Hugging Face config.json dict."""
         a, v = self.arch, self.value
         if "rope_freqs.weight" in self.tensor_names:
             raise ModelLoadError(
-                f"{self.path}: per-dimension RoPE frequencies (rope_freqs, Llama 3.1-style scaling in GGUF) are "
-                f"not supported; use the model's Hugging Face directory instead"
+                f"{self.path}: per-dimension RoPE frequencies (rope_freqs, Llama 3.1-style scaling in GGUF) "
+                f"are not supported; use the model's Hugging Face directory instead"
             )
         hidden, heads = int(v(f"{a}.embedding_length")), int(v(f"{a}.attention.head_count"))
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        tokens = v("tokenizer.ggml.tokens")
         config: dict[str, Any] = {
             "architectures": [GGUF_ARCHITECTURES[a]],
             "hidden_size": hidden,
@@ -79,10 +80,10 @@ class GGUFFile:
             "num_attention_heads": heads,
             "num_key_value_heads": v(f"{a}.attention.head_count_kv", heads),
             "head_dim": v(f"{a}.attention.key_length", hidden // heads),
-            "vocab_size": v(f"{a}.vocab_size", len(tokens.data) if tokens else None),
+            "vocab_size": v(f"{a}.vocab_size", len(tokens) if tokens else None),
             "max_position_embeddings": v(f"{a}.context_length", 2048),
-            "rms_norm_eps": v(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-            "rope_theta": v(f"{a}.rope.freq_base", 10000.0),
+            "rms_norm_eps": _f32(v(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": _f32(v(f"{a}.rope.freq_base", 10000.0)),
             "tie_word_embeddings": "output.weight" not in self.tensor_names,
             "attention_bias": "blk.0.attn_q.bias" in self.tensor_names,
             "bos_token_id": v("tokenizer.ggml.bos_token_id"),
@@ -92,36 +93,40 @@ class GGUFFile:
         }
         scaling = v(f"{a}.rope.scaling.type")
         if scaling not in (None, "none"):
-            config["rope_scaling"] = {"rope_type": scaling, "factor": v(f"{a}.rope.scaling.factor")}
-        missing = [k for k, val in config.items() if val is None and k not in ("bos_token_id", "eos_token_id")]
+            config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(v(f"{a}.rope.scaling.factor"))}
+        missing = [
+            k for k, val in config.items() if val is None and k not in ("bos_token_id", "eos_token_id")
+        ]
         if missing:
-            raise ModelLoadError(f"{self.path}: GGUF metadata lacks {', '.join(missing)} for architecture {a!r}")
+            raise ModelLoadError(
+                f"{self.path}: GGUF metadata lacks {', '.join(missing)} for architecture {a!r}"
+            )
         return config
 
     def weight_numel(self) -> int:
-        return sum(int(t.n_elements) for t in self.reader.tensors)
+        return sum(t.num_elements for t in self.contents.tensors)
 
     def tensors(self, progress: Callable[[], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor) for every tensor, dequantized and un-permuted."""
         config = self.config_dict()
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-        for t in self.reader.tensors:
-            name, kind = self._hf_name(t.name)
+        for info in self.contents.tensors:
+            name, kind = self._hf_name(info.name)
             try:
-                array = gguf.quants.dequantize(t.data, t.tensor_type)
+                array = self.contents.tensor(info)
             except NotImplementedError as e:
-                raise ModelLoadError(f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, "
-                                     f"which the gguf package cannot dequantize") from e
-            array = np.ascontiguousarray(array, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+                raise ModelLoadError(
+                    f"{self.path}: tensor {info.name!r} has type {info.qtype.name}, "
+                    f"which the gguf package cannot dequantize"
+                ) from e
             if self.arch == "llama" and kind in heads:
                 array = _unpermute(array, heads[kind])
             if progress is not None:
                 progress()
-            yield name, torch.from_numpy(array.copy() if not array.flags.writeable else array)
+            yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
 
     def tokenizer(self) -> tuple[Tokenizer, dict[str, Any]]:
-        keys = [k for k in self.reader.fields if k.startswith("tokenizer.")]
-        return build_tokenizer({k: self.value(k) for k in keys}, str(self.path))
+        return build_tokenizer(self.metadata, str(self.path))
 
     def _hf_name(self, name: str) -> tuple[str, str]:
         """GGUF tensor name -> (Hugging Face name, GGUF kind such as "attn_q")."""
@@ -132,14 +137,10 @@ class GGUFFile:
             return f"{_TOP_LEVEL[parts[0]]}.{parts[1]}", parts[0]
         raise ModelLoadError(f"{self.path}: unexpected tensor {name!r} for GGUF architecture {self.arch!r}")
 
-    def _check_extent(self) -> None:
-        size = self.path.stat().st_size
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise ModelLoadError(
-                    f"{self.path}: truncated — tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes} "
-                    f"but the file has {size} bytes; download it again"
-                )
+
+def _f32(value: float | None) -> float | None:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return None if value is None else float(f"{value:.7g}")
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -41,13 +41,19 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
     if split is not None:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre not in _GPT2:
-        log.warning("gguf_pre_tokenizer_unknown", pre=pre, using="gpt2",
-                    note="text may split differently from the original tokenizer")
+        log.warning(
+            "gguf_pre_tokenizer_unknown",
+            pre=pre,
+            using="gpt2",
+            note="text may split differently from the original tokenizer",
+        )
     return byte_level
 
 
@@ -70,21 +76,34 @@ def build_tokenizer(meta: Mapping[str, Any], source: str) -> tuple[Tokenizer, di
     tokenizer.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     tokenizer.decoder = decoders.ByteLevel()
     types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or []
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types, strict=False) if ty == TOKEN_TYPE_CONTROL]
-    plain = [AddedToken(t, special=False, normalized=False)
-             for t, ty in zip(tokens, types, strict=False) if ty == TOKEN_TYPE_USER_DEFINED]
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, types, strict=False)
+        if ty == TOKEN_TYPE_CONTROL
+    ]
+    plain = [
+        AddedToken(t, special=False, normalized=False)
+        for t, ty in zip(tokens, types, strict=False)
+        if ty == TOKEN_TYPE_USER_DEFINED
+    ]
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(plain)
 
-    bos, eos = _token(tokens, meta.get("tokenizer.ggml.bos_token_id")), _token(tokens, meta.get("tokenizer.ggml.eos_token_id"))
+    bos, eos = (
+        _token(tokens, meta.get("tokenizer.ggml.bos_token_id")),
+        _token(tokens, meta.get("tokenizer.ggml.eos_token_id")),
+    )
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     if add_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
         )
-    config = {"bos_token": bos, "eos_token": eos, "add_bos_token": add_bos,
-              "chat_template": meta.get("tokenizer.chat_template")}
+    config = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "add_bos_token": add_bos,
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
     return tokenizer, config
 
 

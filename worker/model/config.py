@@ -128,7 +128,8 @@ def _architecture(d: Mapping[str, Any], source: str) -> str:
             return name
     stated = ", ".join(names) or f"model_type {d.get('model_type')!r}"
     raise ModelLoadError(
-        f"{source}: unsupported model architecture {stated}; kvpact supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"{source}: unsupported model architecture {stated}; "
+        f"kvpact supports {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
 
 
@@ -147,8 +148,10 @@ def _rope(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | No
         )
     if rope_type == "default":
         return theta, None
-    needed = ("factor",) if rope_type == "linear" else (
-        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"
+    needed = (
+        ("factor",)
+        if rope_type == "linear"
+        else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     )
     missing = [k for k in needed if merged.get(k) is None]
     if missing:

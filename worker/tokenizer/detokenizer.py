@@ -32,8 +32,13 @@ class IncrementalDetokenizer:
 
     __slots__ = ("_decode", "_ids", "_prefix_offset", "_read_offset", "_skip_special")
 
-    def __init__(self, tokenizer: Tokenizer | tokenizers.Tokenizer, prompt_ids: Sequence[int] = (),
-                 *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | tokenizers.Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
         backend = tokenizer.backend if isinstance(tokenizer, Tokenizer) else tokenizer
         self._decode = backend.decode
         self._skip_special = skip_special_tokens
@@ -65,4 +70,4 @@ class IncrementalDetokenizer:
             del ids[:start]
             self._prefix_offset -= start
             self._read_offset -= start
-        return after[len(before):]
+        return after[len(before) :]

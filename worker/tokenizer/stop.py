@@ -7,7 +7,9 @@ emits the rest:
     stop "</s>":  feed("Hello <")  -> ("Hello ", None)     "<" might begin "</s>": held
                   feed("/s> bye")  -> ("", "</s>")          matched; the stop string is not emitted
 
-Once a stop matched, the sequence is over: further feeds return ("", stop).
+The stop that ends first in the text wins (on a tie, the one that starts first), so the result does not
+depend on how the text was cut into pieces. Once a stop matched, the sequence is over: further feeds
+return ("", stop).
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ class StopMatcher:
         if not self._stops:
             return piece, None
         text = self._held + piece
-        found = [(i, s) for s in self._stops if (i := text.find(s)) >= 0]
+        found = [(i + len(s), i, s) for s in self._stops if (i := text.find(s)) >= 0]
         if found:
-            index, self.matched = min(found)
+            _, index, self.matched = min(found)
             self._held = ""
             return text[:index], self.matched
         keep = self._partial_tail(text)
-        self._held = text[len(text) - keep:] if keep else ""
+        self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], None
 
     def flush(self) -> str:

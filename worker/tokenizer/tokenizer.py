@@ -40,8 +40,12 @@ class Tokenizer:
         if eos_token and backend.token_to_id(eos_token) is not None:
             eos.add(backend.token_to_id(eos_token))
         self.eos_token_ids = frozenset(eos)
-        self.chat_template = None if chat_template is None else ChatTemplate(
-            chat_template, special_tokens={"bos_token": bos_token, "eos_token": eos_token}, origin=origin
+        self.chat_template = (
+            None
+            if chat_template is None
+            else ChatTemplate(
+                chat_template, special_tokens={"bos_token": bos_token, "eos_token": eos_token}, origin=origin
+            )
         )
 
     @classmethod
@@ -78,14 +82,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         """The prompt text for a conversation, rendered with the model's own template."""
         if self.chat_template is None:
             raise RequestError("this model has no chat template; send a plain prompt instead of messages")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of the rendered conversation. The template writes its own special tokens, so none
         are added (as transformers' `apply_chat_template(tokenize=True)` does)."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
