@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 
 from router.config import RouterConfig
 from shared.auth import read_token
@@ -26,8 +27,8 @@ POLICY_HELP = (
 )
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str) -> object:
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
         value = kind(text)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")

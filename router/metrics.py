@@ -61,8 +61,8 @@ class _ClusterCollector(Collector):
         state = GaugeMetricFamily(
             "kvpact_router_cluster_state", "1 for the cluster's current state", labels=["state"]
         )
-        for s in ClusterState:
-            state.add_metric([s.value], 1.0 if self._startup.state is s else 0.0)
+        for cluster_state in ClusterState:
+            state.add_metric([cluster_state.value], 1.0 if self._startup.state is cluster_state else 0.0)
         yield state
 
         by_state = Tally((e.state.value, e.realized.kind.value if e.realized else NO_CACHE) for e in entries)
@@ -71,8 +71,8 @@ class _ClusterCollector(Collector):
             "Workers by state and realized KV cache kind",
             labels=["state", "realized_kind"],
         )
-        for (s, kind), n in sorted(by_state.items()):
-            workers.add_metric([s, kind], n)
+        for (worker_state, kind), n in sorted(by_state.items()):
+            workers.add_metric([worker_state, kind], n)
         yield workers
 
         realized = GaugeMetricFamily(

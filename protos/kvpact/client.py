@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import grpc
 
@@ -32,6 +32,7 @@ from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, router_pb2_grpc, wo
 
 __all__ = [
     "AsyncClient",
+    "GenerateParams",
     "Chunk",
     "Client",
     "Completion",
@@ -48,6 +49,26 @@ _FINISH = {
     generation_pb2.FINISH_REASON_ABORT: "abort",
 }
 Prompt = str | Sequence[int]
+
+
+class GenerateParams(TypedDict, total=False):
+    """The keyword arguments of complete/generate/chat/chat_stream (unset = the server's default)."""
+
+    model: str | None  # None = the only served model
+    max_tokens: int | None
+    temperature: float | None  # 0 = greedy
+    top_p: float | None
+    top_k: int  # 0 = off
+    min_p: float  # 0 = off
+    repetition_penalty: float | None
+    seed: int | None
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    logprobs: bool
+    request_id: str  # "" = assigned by the router
+
+
 Metadata = Sequence[tuple[str, str]] | Mapping[str, str]
 
 
@@ -220,19 +241,31 @@ class Client:
         self._channel = grpc.insecure_channel(target, options=list(options))
         self._stub = router_pb2_grpc.GenerationStub(self._channel)
 
-    def complete(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Completion:
+    def complete(
+        self, prompt: Prompt, *, timeout: float | None = None, **params: Unpack[GenerateParams]
+    ) -> Completion:
         return self._complete(build_request(prompt, **params), timeout)
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Iterator[Chunk]:
+    def generate(
+        self, prompt: Prompt, *, timeout: float | None = None, **params: Unpack[GenerateParams]
+    ) -> Iterator[Chunk]:
         return self._generate(build_request(prompt, **params), timeout)
 
     def chat(
-        self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None, **params: Any
+        self,
+        messages: Iterable[Mapping[str, str]],
+        *,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
     ) -> Completion:
         return self._complete(build_request(messages=messages, **params), timeout)
 
     def chat_stream(
-        self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None, **params: Any
+        self,
+        messages: Iterable[Mapping[str, str]],
+        *,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
     ) -> Iterator[Chunk]:
         return self._generate(build_request(messages=messages, **params), timeout)
 
@@ -291,21 +324,31 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(target, options=list(options))
         self._stub = router_pb2_grpc.GenerationStub(self._channel)
 
-    async def complete(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Completion:
+    async def complete(
+        self, prompt: Prompt, *, timeout: float | None = None, **params: Unpack[GenerateParams]
+    ) -> Completion:
         return await self._complete(build_request(prompt, **params), timeout)
 
     def generate(
-        self, prompt: Prompt, *, timeout: float | None = None, **params: Any
+        self, prompt: Prompt, *, timeout: float | None = None, **params: Unpack[GenerateParams]
     ) -> AsyncIterator[Chunk]:
         return self._generate(build_request(prompt, **params), timeout)
 
     async def chat(
-        self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None, **params: Any
+        self,
+        messages: Iterable[Mapping[str, str]],
+        *,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
     ) -> Completion:
         return await self._complete(build_request(messages=messages, **params), timeout)
 
     def chat_stream(
-        self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None, **params: Any
+        self,
+        messages: Iterable[Mapping[str, str]],
+        *,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
     ) -> AsyncIterator[Chunk]:
         return self._generate(build_request(messages=messages, **params), timeout)
 
