@@ -25,7 +25,7 @@ from kernels.support import (
     TRITON_MIN_COMPUTE_CAPABILITY,
 )
 from shared.cli import add_log_args, add_paged_attn_arg, host_port
-from shared.errors import EXIT_FATAL, ConfigError
+from shared.errors import ConfigError
 from shared.intent import (
     DEFAULT_BLOCK_SIZE,
     CacheDtype,
@@ -292,6 +292,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     options = parse_args(argv)
     try:
         code = asyncio.run(run_worker(options))
-    except KeyboardInterrupt:  # a second Ctrl-C while stopping
-        code = EXIT_FATAL
+    except KeyboardInterrupt:  # Ctrl-C before the worker's own handlers were installed: a requested stop
+        code = 0
     sys.exit(code)

@@ -117,6 +117,7 @@ class WorkerProcess:
         self.server: WorkerServer | None = None
         self.link: RouterLink | None = None
         self.engine: Engine | None = None
+        self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S  # the router's, once admitted
         self.handshake = worker_pb2.Handshake(worker_id=self.worker_id, spec=spec_to_pb(options.spec))
 
     async def run(self) -> int:
@@ -136,6 +137,7 @@ class WorkerProcess:
         finally:
             if heartbeats is not None:
                 heartbeats.cancel()
+                await asyncio.gather(heartbeats, return_exceptions=True)
             await self._close()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -195,12 +197,12 @@ class WorkerProcess:
                 error=True,
             )
             return EXIT_POLICY
-        self._heartbeat_interval_s = admission.heartbeat_interval_ms / 1000 or DEFAULT_HEARTBEAT_INTERVAL_S
+        self.heartbeat_interval_s = admission.heartbeat_interval_ms / 1000 or DEFAULT_HEARTBEAT_INTERVAL_S
         log.info(
             "admitted",
             router=self.options.router,
             cluster_policy=policy,
-            heartbeat_interval_s=self._heartbeat_interval_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
         )
         _say(f"worker {self.worker_id} admitted by router {self.options.router} (cluster policy: {policy})")
         return None
@@ -243,7 +245,7 @@ class WorkerProcess:
 
         try:
             reason = await self.link.heartbeats(
-                self._heartbeat_interval_s, lambda: load_from_stats(engine.stats()), reregister
+                self.heartbeat_interval_s, lambda: load_from_stats(engine.stats()), reregister
             )
         except RouterAuthError as exc:
             _say(f"worker {self.worker_id}: {exc}", error=True)

@@ -121,9 +121,15 @@ class WorkerServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self._server)
-        self.port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"--listen {host}:{port}: cannot bind (address in use or not local)")
+            raise OSError(
+                f"--listen {address}: cannot bind (the port is in use, or the host is not this machine's)"
+            )
 
     @property
     def address(self) -> str:

@@ -7,7 +7,9 @@ tests, that records every Handshake and heartbeat and answers as each test tells
 from __future__ import annotations
 
 import json
+import re
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -83,9 +85,16 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+GRPC_CORE_LOG = re.compile(r"^[EWI]\d{4} ")  # gRPC C-core's own stderr lines (e.g. a failed bind)
+
+
 def human_lines(stderr: str) -> list[str]:
-    """stderr without the JSON log lines: what an operator reads."""
-    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("{")]
+    """stderr without JSON log lines and gRPC C-core lines: what the worker itself says to an operator."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if line.strip() and not line.startswith("{") and not GRPC_CORE_LOG.match(line)
+    ]
 
 
 def log_events(stderr: str) -> list[str]:
@@ -214,3 +223,21 @@ def test_sigint_stops_a_serving_worker_with_0(model_dir, tmp_path):
         wait_for_line(worker, r"^worker \S+ serving \S+ on ", START_TIMEOUT_S)
         assert stop(worker, sig=signal.SIGINT) == 0, worker.output()
     assert "stopping" in log_events(worker.stderr())
+
+
+def test_a_port_in_use_or_an_unreadable_token_file_ends_it_with_one_clear_line(model_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = worker_argv("--model", str(model_dir), "--listen", f"127.0.0.1:{port}")
+        with running(argv, log_dir=tmp_path, name="in-use") as worker:
+            assert wait_for_exit(worker, START_TIMEOUT_S) == 1, worker.output()
+    [line] = human_lines(worker.stderr())
+    assert f"--listen 127.0.0.1:{port}: cannot bind" in line
+
+    argv = worker_argv("--model", str(model_dir), "--auth-token-file", str(tmp_path / "absent"))
+    with running(argv, log_dir=tmp_path, name="no-token") as worker:
+        assert wait_for_exit(worker, START_TIMEOUT_S) == 78, worker.output()
+    [line] = human_lines(worker.stderr())
+    assert f"--auth-token-file {tmp_path / 'absent'}: cannot read it" in line
