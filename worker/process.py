@@ -37,7 +37,7 @@ from shared.log import configure_logging
 from shared.spec import WorkerSpec
 from shared.wire import failure_to_pb, mode_from_pb, realized_to_pb, spec_to_pb
 from worker.engine import Engine
-from worker.registration import RouterAuthError, RouterError, RouterLink
+from worker.registration import RouterError, RouterLink
 from worker.service import WorkerServer, WorkerService
 from worker.startup import build_engine, plan_startup
 from worker.wire import load_from_stats
@@ -247,12 +247,12 @@ class WorkerProcess:
             reason = await self.link.heartbeats(
                 self.heartbeat_interval_s, lambda: load_from_stats(engine.stats()), reregister
             )
-        except RouterAuthError as exc:
+        except RouterError as exc:  # the token was rejected, or re-registering failed
             _say(f"worker {self.worker_id}: {exc}", error=True)
             self.stop.request(str(exc), EXIT_FATAL)
-        except RouterError as exc:
-            _say(f"worker {self.worker_id}: {exc}", error=True)
-            self.stop.request(str(exc), EXIT_FATAL)
+        except Exception as exc:  # a bug: never serve on silently without heartbeats
+            log.exception("heartbeats failed")
+            self.stop.request(f"heartbeats failed: {type(exc).__name__}: {exc}", EXIT_FATAL)
         else:
             self.stop.request(reason)
 

@@ -6,6 +6,7 @@ tests, that records every Handshake and heartbeat and answers as each test tells
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -17,8 +18,10 @@ from contextlib import contextmanager
 
 import grpc
 import pytest
+import structlog.testing
 from kvpact.v1 import cache_pb2, worker_pb2, worker_pb2_grpc
 
+from shared.handshake import WorkerLoad
 from tests.factories.processes import (
     free_port,
     running,
@@ -29,6 +32,7 @@ from tests.factories.processes import (
     worker_argv,
 )
 from tests.factories.tiny_models import make_tiny_llama
+from worker.registration import RouterLink
 
 START_TIMEOUT_S = 60.0
 
@@ -241,3 +245,27 @@ def test_a_port_in_use_or_an_unreadable_token_file_ends_it_with_one_clear_line(m
         assert wait_for_exit(worker, START_TIMEOUT_S) == 78, worker.output()
     [line] = human_lines(worker.stderr())
     assert f"--auth-token-file {tmp_path / 'absent'}: cannot read it" in line
+
+
+def test_heartbeats_keep_going_while_the_router_is_unreachable_and_say_so_once():
+    """In process (worker/registration.py): nothing listens at the router's address."""
+    router = f"127.0.0.1:{free_port()}"
+
+    async def beat_for_a_while() -> None:
+        link = RouterLink(router, worker_id="w", auth_token=None, timeout_s=0.2)
+        async def reregister() -> None:
+            raise AssertionError("no router answered, so nothing asked to register again")
+
+        task = asyncio.create_task(link.heartbeats(0.05, WorkerLoad, reregister))
+        await asyncio.sleep(1.0)
+        assert not task.done()  # still beating: the router may come back
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await link.close()
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(asyncio.wait_for(beat_for_a_while(), 30))
+    warnings = [e for e in logs if e["event"] == "router unreachable; still serving"]
+    assert len(warnings) == 1
+    assert warnings[0]["log_level"] == "warning"
+    assert warnings[0]["down_s"] >= 0.2

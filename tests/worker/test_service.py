@@ -14,7 +14,7 @@ from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories.processes import started_worker, stop, wait_until
 from tests.factories.tiny_models import make_tiny_llama
 from worker.cli import parse_args
-from worker.request import GenerationRequest, SamplingParams
+from worker.request import GenerationError, GenerationRequest, SamplingParams
 from worker.service import WorkerServer, WorkerService
 from worker.startup import build_engine
 
@@ -208,3 +208,39 @@ def test_health_says_not_serving_until_the_engine_is_attached(model_dir):
                 engine.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+class BrokenEngine:
+    """Stands in for an engine with a bug, to provoke an error the status table does not name."""
+
+    def stats(self):
+        raise ZeroDivisionError("a bug")
+
+    def abort(self, request_id: str) -> bool:
+        raise GenerationError("the engine failed while aborting")
+
+
+def test_unexpected_errors_are_internal_without_a_stack_trace_and_the_server_keeps_serving():
+    async def scenario() -> None:
+        server = WorkerServer(WorkerService("w-broken", lambda reason: None), "127.0.0.1", 0)
+        await server.start()
+        await server.set_serving(BrokenEngine(), "broken")  # type: ignore[arg-type]
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                for _ in range(2):  # the first failure does not take the server down
+                    with pytest.raises(grpc.aio.AioRpcError) as exc:
+                        await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+                    assert exc.value.code() == grpc.StatusCode.INTERNAL
+                    assert (
+                        exc.value.details()
+                        == "internal error in Stats: ZeroDivisionError (see the worker's log)"
+                    )
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await stub.Abort(worker_pb2.AbortRequest(request_id="x"), timeout=5)
+                assert exc.value.code() == grpc.StatusCode.INTERNAL
+                assert exc.value.details() == "the engine failed while aborting"
+        finally:
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
