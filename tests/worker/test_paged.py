@@ -1,0 +1,106 @@
+"""The paged path: the AttentionStep against a plain reference, prefix caching and preemption end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.intent import PagedBackend
+from tests.factories.tiny_models import ContiguousAttention
+from tests.worker.conftest import greedy, run_staggered
+from worker.block_manager import BlockTable
+from worker.kv.paged import PagedCache, paged_ops
+from worker.request import SamplingParams
+from worker.sequence import ScheduledChunk, Sequence
+
+import kernels
+
+HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 4
+
+
+def fake_seq(name: str, num_tokens: int, block_ids: list[int]) -> Sequence:
+    s = Sequence.create(0, name, list(range(num_tokens)), SamplingParams(), 1, frozenset(), torch.device("cpu"))
+    s.block_table = BlockTable(block_ids=block_ids)
+    return s
+
+
+@torch.inference_mode()
+def test_paged_step_equals_contiguous_attention_for_mixed_decode_prefill_and_extend_chunks():
+    cache = PagedCache(1, 32, BS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), PagedBackend.TORCH)
+    ref = ContiguousAttention()
+    torch.manual_seed(0)
+    # blocks deliberately scattered and out of order
+    a, b, c = fake_seq("a", 40, [7, 3, 30, 12, 1, 9, 20, 21, 22, 23]), fake_seq("b", 40, [5, 0, 2, 31, 4, 6]), \
+        fake_seq("c", 40, [8, 10, 11, 13])
+    steps = [
+        [ScheduledChunk(a, 0, 9), ScheduledChunk(b, 0, 6)],  # two prefills
+        [ScheduledChunk(a, 9, 1), ScheduledChunk(b, 6, 1), ScheduledChunk(c, 0, 3)],  # 2 decodes + prefill
+        [ScheduledChunk(a, 10, 1), ScheduledChunk(c, 3, 7), ScheduledChunk(b, 7, 5)],  # decode + 2 extends
+    ]
+    ids = {"a": 0, "b": 1, "c": 2}
+    for chunks in steps:
+        num_decodes = sum(1 for ch in chunks if ch.num_tokens == 1)
+        assert all(ch.num_tokens == 1 for ch in chunks[:num_decodes])
+        n = sum(ch.num_tokens for ch in chunks)
+        q, k, v = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM), torch.randn(n, KV_HEADS, DIM)
+        got = cache.attention_step(chunks, num_decodes).forward(0, q, k, v)
+        want = ref.step([ids[ch.seq.request_id] for ch in chunks], [ch.num_tokens for ch in chunks]).forward(0, q, k, v)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_choice_is_only_which_functions_run():
+    torch_ops = paged_ops(PagedBackend.TORCH)
+    assert (torch_ops.write, torch_ops.decode, torch_ops.prefill) == (
+        kernels.reshape_and_cache_torch, kernels.paged_decode_attention_torch, kernels.paged_prefill_attention_torch)
+    triton_ops = paged_ops(PagedBackend.TRITON)  # imports the Triton wrappers; nothing is launched
+    assert (triton_ops.write, triton_ops.decode, triton_ops.prefill) == (
+        kernels.reshape_and_cache, kernels.paged_decode_attention, kernels.paged_prefill_attention)
+    with pytest.raises(ValueError, match="concrete backend"):
+        paged_ops(PagedBackend.AUTO)
+
+
+def record_chunks(engine) -> dict[str, list[tuple[int, int]]]:
+    seen: dict[str, list[tuple[int, int]]] = {}
+    run = engine.runner.run
+
+    def spy(chunks):  # type: ignore[no-untyped-def]
+        for ch in chunks:
+            seen.setdefault(ch.seq.request_id, []).append((ch.start, ch.num_tokens))
+        return run(chunks)
+
+    engine.runner.run = spy
+    return seen
+
+
+def test_prefix_cache_hit_computes_only_the_rest_and_gives_the_same_output(make_engine, tiny_llama):
+    prefix = tuple(range(10, 58))  # 48 tokens = 3 blocks of 16
+    first, second = prefix + (100, 101, 102, 103, 104), prefix + (200, 201, 202, 203, 204, 205, 206)
+    engine = make_engine(tiny_llama, "on", max_model_len=128, context_tokens=1024)
+    chunks = record_chunks(engine)
+    [one] = engine.run([greedy("first", first, 20)])
+    [two] = engine.run([greedy("second", second, 20)])
+    assert one.usage.cached_prompt_tokens == 0
+    assert two.usage.cached_prompt_tokens == 3 * 16
+    assert chunks["second"][0] == (48, len(second) - 48)  # the prefill skipped the 3 cached blocks
+
+    cold = make_engine(tiny_llama, "on", max_model_len=128, context_tokens=1024, prefix_caching=False)
+    [reference] = cold.run([greedy("second", second, 20)])
+    assert reference.usage.cached_prompt_tokens == 0
+    assert two.token_ids == reference.token_ids and two.text == reference.text
+
+
+def test_preemption_under_a_small_pool_keeps_every_output_exact(make_engine, tiny_llama):
+    requests = [greedy(f"r{i}", tuple(range(3 + i, 23 + i)), 40) for i in range(6)]  # 20 + 40 tokens each
+    roomy = make_engine(tiny_llama, "on", max_model_len=64, context_tokens=4096)
+    expected = roomy.run(requests, timeout=120)
+    assert roomy.stats().num_preemptions == 0
+
+    # 64 tokens = 4 blocks: one max_model_len sequence fits, 6 x 60 tokens do not
+    tight = make_engine(tiny_llama, "on", max_model_len=64, context_tokens=64)
+    assert tight.realized.num_blocks == 4
+    got = run_staggered(tight, requests, gap_s=0.002)
+    stats = tight.stats()
+    assert stats.num_preemptions > 0
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert [r.usage.completion_tokens for r in got] == [40] * 6
+    assert stats.num_free_blocks == stats.num_total_blocks == 4

@@ -1,0 +1,228 @@
+"""worker.startup: the contract inside the worker. Every "cannot" goes through the fallback door
+(auto: recorded, on: PagedAttentionRequiredError), before any weight is loaded; the realized cache
+and scheduler follow what was built."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shared.capability import DeviceInfo
+from shared.errors import ConfigError, PagedAttentionRequiredError
+from shared.intent import PagedBackend
+from shared.scheduler_choice import CacheKind, SchedulerKind
+from tests.factories.tiny_models import make_tiny_llama
+from tests.worker.conftest import greedy, worker_spec
+from worker import startup
+from worker.device import KERNEL_SUPPORT, DeviceProbe
+from worker.kv import sizing
+from worker.scheduler import DefaultScheduler, PagedScheduler
+
+GiB = 2**30
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x 2 layers x 2 kv heads x head_dim 16 x fp32
+
+
+def fallbacks(plan_or_realized) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    items = getattr(plan_or_realized, "fallbacks", None)
+    if items is None:
+        items = plan_or_realized.state.fallbacks
+    return [(f.component, f.reason) for f in items]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything tries to load weights."""
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("weights were loaded before the verdict")
+
+    monkeypatch.setattr(startup, "load_model", refuse)
+
+
+# ---- CPU: the three modes ----
+
+
+def test_cpu_auto_realizes_eager_and_says_why(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama, "auto")
+    r = engine.realized
+    assert (r.kind, r.scheduler, r.backend) == (CacheKind.EAGER, SchedulerKind.DEFAULT, None)
+    assert fallbacks(r) == [("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")]
+    assert "fallback (device)  eager is the CPU default" in r.table()
+    assert isinstance(engine.scheduler, DefaultScheduler)
+    # the CPU defaults: 8 slots reserved at max_model_len
+    assert (r.num_blocks, r.max_concurrency, r.capacity_tokens) == (8, 8, 8 * 256)
+    assert r.memory_bytes == 8 * 256 * BYTES_PER_TOKEN
+
+
+def test_cpu_on_realizes_the_torch_paged_backend(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama, "on", context_tokens=1000)
+    r = engine.realized
+    assert (r.kind, r.scheduler, r.backend, r.block_size) == (CacheKind.PAGED, SchedulerKind.PAGED, PagedBackend.TORCH, 16)
+    assert (r.num_blocks, r.capacity_tokens, r.max_concurrency) == (63, 1008, 3)
+    assert r.memory_bytes == 1008 * BYTES_PER_TOKEN and r.prefix_caching and fallbacks(r) == []
+    assert isinstance(engine.scheduler, PagedScheduler)
+
+
+def test_cpu_off_realizes_eager_with_no_fallback(make_engine, tiny_llama):
+    r = make_engine(tiny_llama, "off").realized
+    assert (r.kind, r.scheduler, fallbacks(r)) == (CacheKind.EAGER, SchedulerKind.DEFAULT, [])
+
+
+def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_llama, no_loading):
+    plan = startup.plan_startup(worker_spec(tiny_llama, "on"))  # no --pa-* budget: min(1 GiB, 10% RAM)
+    assert plan.paged_size is not None
+    assert plan.paged_size.num_blocks == 32 * 256 // 16  # 32 sequences x max_model_len 256
+    assert plan.max_num_seqs == sizing.CPU_DEFAULTS.paged_max_num_seqs
+
+
+# ---- the cache budget ----
+
+
+def test_on_with_a_budget_too_small_fails_before_loading_naming_tokens_and_flag(tiny_llama, no_loading):
+    with pytest.raises(PagedAttentionRequiredError) as info:
+        startup.plan_startup(worker_spec(tiny_llama, "on", context_tokens=100))
+    error = info.value
+    assert error.component == "cache-budget"
+    assert "holds only 112 tokens (7 blocks of 16)" in str(error)
+    assert "--max-model-len 256" in str(error) and "raise --pa-context-tokens" in str(error)
+    assert str(error).startswith("PagedAttention was explicitly requested (--paged-attn on), but")
+
+
+def test_on_with_a_byte_budget_too_small_names_that_flag(tiny_llama, no_loading):
+    with pytest.raises(PagedAttentionRequiredError, match="raise --pa-memory-bytes"):
+        startup.plan_startup(worker_spec(tiny_llama, "on", memory_bytes=64 * BYTES_PER_TOKEN))
+
+
+def test_auto_with_a_budget_too_small_falls_back_to_eager_and_records_why(make_engine, tiny_llama):
+    # --pa-backend torch makes auto try the paged cache on CPU; the budget then cannot hold 256 tokens
+    engine = make_engine(tiny_llama, "auto", backend=PagedBackend.TORCH, context_tokens=100)
+    r = engine.realized
+    assert (r.kind, r.scheduler) == (CacheKind.EAGER, SchedulerKind.DEFAULT)
+    [(component, reason)] = fallbacks(r)
+    assert component == "cache-budget" and "holds only 112 tokens" in reason
+    assert engine.run([greedy("r", (5, 6, 7), 4)])[0].usage.completion_tokens == 4  # and it serves
+
+
+def test_an_eager_cache_that_cannot_fit_names_the_flags(tiny_llama, no_loading):
+    with pytest.raises(ConfigError) as info:
+        startup.plan_startup(worker_spec(tiny_llama, "off", max_num_seqs=1_000_000))
+    assert "--max-num-seqs 1000000 x --max-model-len 256" in str(info.value)
+    assert "lower --max-num-seqs or --max-model-len" in str(info.value)
+
+
+def test_max_model_len_beyond_the_model_is_refused(tiny_llama, no_loading):
+    with pytest.raises(ConfigError, match="--max-model-len 4096 is longer than the model's 512 positions"):
+        startup.plan_startup(worker_spec(tiny_llama, "auto", max_model_len=4096))
+
+
+# ---- --no-kv-cache ----
+
+
+def test_no_kv_cache_with_on_fails_through_the_door(tiny_llama, no_loading):
+    with pytest.raises(PagedAttentionRequiredError, match="--no-kv-cache disables the KV cache") as info:
+        startup.plan_startup(worker_spec(tiny_llama, "on", no_kv_cache=True))
+    assert info.value.component == "device"
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_no_kv_cache_without_on_is_refused_as_not_implemented(tiny_llama, no_loading, mode):
+    with pytest.raises(ConfigError, match="--no-kv-cache .* not implement.*drop --no-kv-cache"):
+        startup.plan_startup(worker_spec(tiny_llama, mode, no_kv_cache=True))
+
+
+# ---- loader findings: sliding window ----
+
+
+@pytest.fixture(scope="module")
+def windowed_llama(tiny_llama, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("windowed")
+    shutil.copytree(tiny_llama, directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "sliding_window": 32}))
+    return directory
+
+
+def test_sliding_window_under_on_fails_naming_the_window(windowed_llama, no_loading):
+    with pytest.raises(PagedAttentionRequiredError, match=r"sliding-window attention \(window 32 tokens\)") as info:
+        startup.plan_startup(worker_spec(windowed_llama, "on", context_tokens=1024))
+    assert info.value.component == "loader" and "lower it to 32" in str(info.value)
+
+
+def test_sliding_window_under_auto_falls_back_to_the_windowed_eager_cache(make_engine, windowed_llama):
+    engine = make_engine(windowed_llama, "auto", backend=PagedBackend.TORCH, context_tokens=1024)
+    assert engine.realized.kind is CacheKind.EAGER
+    assert [c for c, _ in fallbacks(engine.realized)] == ["loader"]
+    assert engine.runner.cache.sliding_window == 32
+
+
+def test_sliding_window_longer_than_max_model_len_is_no_obstacle(windowed_llama, no_loading):
+    plan = startup.plan_startup(worker_spec(windowed_llama, "on", max_model_len=32, context_tokens=1024))
+    assert plan.cache_kind is CacheKind.PAGED and fallbacks(plan) == []
+
+
+# ---- described CUDA devices (decision and sizing only; nothing runs on a GPU) ----
+
+
+def cuda_probe(cc=(9, 0), triton="3.9.0", free=70 * GiB) -> DeviceProbe:  # type: ignore[no-untyped-def]
+    info = DeviceInfo(kind="cuda", name="Described H100", compute_capability=cc, triton_version=triton,
+                      triton_support=KERNEL_SUPPORT)
+    return DeviceProbe(info, torch.device("cpu"), 80 * GiB, free)
+
+
+@pytest.fixture(scope="module")
+def head64_llama(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("head64"), hidden_size=128, num_heads=2, num_kv_heads=1,
+                           head_dim=64)
+
+
+def plan_on(monkeypatch, model, probe, mode="auto", **kwargs):  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(startup, "probe_device", lambda *a, **k: probe)
+    return startup.plan_startup(replace(worker_spec(model, mode, **kwargs), dtype="float16"))
+
+
+def test_a_described_cuda_device_with_triton_selects_the_triton_backend(monkeypatch, head64_llama, no_loading):
+    plan = plan_on(monkeypatch, head64_llama, cuda_probe(), max_model_len=512)
+    assert (plan.cache_kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
+    assert plan.max_num_seqs == sizing.GPU_DEFAULTS.paged_max_num_seqs
+    # the CUDA default budget (0.9 x free - weights - activations) is far more than 256 x 512 tokens
+    assert plan.paged_size is not None and plan.paged_size.num_blocks == 256 * 512 // 16
+    assert plan.capabilities_pb().supported_backends  # torch and triton reported
+
+
+def test_a_described_old_gpu_falls_back_under_auto_and_fails_under_on(monkeypatch, head64_llama, no_loading):
+    plan = plan_on(monkeypatch, head64_llama, cuda_probe(cc=(7, 0)))
+    assert plan.cache_kind is CacheKind.EAGER
+    assert fallbacks(plan) == [("device", "the Triton paged kernels need compute capability >= 8.0 and "
+                                          "Described H100 has 7.0")]
+    with pytest.raises(PagedAttentionRequiredError, match="compute capability >= 8.0"):
+        plan_on(monkeypatch, head64_llama, cuda_probe(cc=(7, 0)), mode="on")
+
+
+def test_a_head_size_the_triton_kernels_cannot_take_is_named(monkeypatch, tiny_llama, no_loading):
+    with pytest.raises(PagedAttentionRequiredError, match="head size 16 is not one the Triton paged kernels take"):
+        plan_on(monkeypatch, tiny_llama, cuda_probe(), mode="on")
+
+
+def test_a_gpu_without_room_for_one_sequence_fails_under_on(monkeypatch, head64_llama, no_loading):
+    with pytest.raises(PagedAttentionRequiredError, match="the CUDA default: 0.9 x") as info:
+        plan_on(monkeypatch, head64_llama, cuda_probe(free=300 * 2**20), mode="on")
+    assert info.value.component == "cache-budget"
+
+
+# ---- the verdict comes before the weights ----
+
+
+def test_build_engine_loads_weights_only_after_a_passing_verdict(tiny_llama, monkeypatch):
+    plan = startup.plan_startup(worker_spec(tiny_llama, "on", context_tokens=1024))
+    loaded = []
+    real = startup.load_model
+    monkeypatch.setattr(startup, "load_model", lambda *a, **k: loaded.append(a) or real(*a, **k))
+    engine = startup.build_engine(plan)
+    try:
+        assert len(loaded) == 1 and engine.realized.kind is CacheKind.PAGED
+    finally:
+        engine.close()
