@@ -84,7 +84,8 @@ def render_failure_report(failed: FailedStartup) -> str:
         if w.failure is not None:
             where = f" [{w.failure.component}]" if w.failure.component else ""
             lines.append(f"  failed:    ({w.failure.code.value}){where} {w.failure.reason}")
-        lines.append(f"  admission: {w.state_reason}")
+        else:  # a failure is its own admission reason; say it once
+            lines.append(f"  admission: {w.state_reason}")
         lines.append(f"  shutdown:  {failed.shutdown.get(w.worker_id, 'not asked')}")
         lines.append("")
     meaning = (

@@ -78,8 +78,7 @@ def test_report_names_every_worker_what_it_was_asked_realized_and_why():
             'worker "b" at 127.0.0.1:5001, model tiny: FAILED',
             "  asked:     --paged-attn on --pa-backend triton --pa-block-size 16",
             f"  failed:    (paged-attention-required) [device] {TRITON_REASON}",
-            f"  admission: its startup failed (paged-attention-required) [device]: {TRITON_REASON}",
-            "  shutdown:  could not be told (UNAVAILABLE: refused)",
+                "  shutdown:  could not be told (UNAVAILABLE: refused)",
             "",
             "exit code 78: the --paged-attn policy cannot be honored by every worker",
         ]
