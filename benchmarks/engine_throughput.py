@@ -61,7 +61,9 @@ def measure(engine: Engine, concurrency: int, prompt_tokens: int, max_tokens: in
         rid = f"{tag}-{i}"
         times[rid] = []
         prompt = tuple((1000 + 7919 * i + 31 * j) % vocab for j in range(prompt_tokens))
-        request = GenerationRequest(rid, prompt, SamplingParams(temperature=0), max_tokens=max_tokens, ignore_eos=True)
+        request = GenerationRequest(
+            rid, prompt, SamplingParams(temperature=0), max_tokens=max_tokens, ignore_eos=True
+        )
         engine.submit(request, sink_for(rid))
     for _ in range(concurrency):
         done.acquire()
@@ -81,7 +83,9 @@ def measure(engine: Engine, concurrency: int, prompt_tokens: int, max_tokens: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--concurrency", default="1,16,32", help="comma-separated request counts")
@@ -93,21 +97,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
 
-    command = "python -m benchmarks.engine_throughput " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    command = "python -m benchmarks.engine_throughput " + " ".join(
+        map(shlex.quote, sys.argv[1:] if argv is None else argv)
+    )
     print(f"# {command}")
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-          f"prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens per request, greedy")
-    base = WorkerSpec(model=args.model, device=args.device, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs)
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
+        f"prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens per request, greedy"
+    )
+    base = WorkerSpec(
+        model=args.model, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs
+    )
     modes = {"eager": PagedAttentionMode.OFF, "paged": PagedAttentionMode.ON}
     rows: list[Row] = []
     for name in args.caches.split(","):
         engine = build_engine(replace(base, cache=cache_intent(modes[name])))
         with engine:
             r = engine.realized
-            print(f"# {name}: {r.kind.value} cache, backend {r.backend.value if r.backend else 'eager'}, "
-                  f"{r.num_blocks} {'blocks' if r.block_size else 'slots'}, {r.memory_bytes / 2**20:.0f} MiB, "
-                  f"max_model_len {r.max_model_len}, model {engine.model_name}")
+            print(
+                f"# {name}: {r.kind.value} cache, backend {r.backend.value if r.backend else 'eager'}, "
+                f"{r.num_blocks} {'blocks' if r.block_size else 'slots'}, {r.memory_bytes / 2**20:.0f} MiB, "
+                f"max_model_len {r.max_model_len}, model {engine.model_name}"
+            )
             measure(engine, 2, args.prompt_tokens, 8, f"{name}-warmup")
             for n in levels:
                 rows.append(measure(engine, n, args.prompt_tokens, args.max_tokens, f"{name}-{n}"))
@@ -116,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| cache | concurrent | decode tok/s | total tok/s | first token s | wall s | preemptions |")
     print("|-------|-----------:|-------------:|------------:|--------------:|-------:|------------:|")
     for row in rows:
-        print(f"| {row.cache} | {row.concurrency} | {row.decode_tps:.1f} | {row.total_tps:.1f} | "
-              f"{row.first_token_s:.2f} | {row.wall_s:.2f} | {row.preemptions} |")
+        print(
+            f"| {row.cache} | {row.concurrency} | {row.decode_tps:.1f} | {row.total_tps:.1f} | "
+            f"{row.first_token_s:.2f} | {row.wall_s:.2f} | {row.preemptions} |"
+        )
     return 0
 
 

@@ -81,7 +81,9 @@ def _resolve(requested: str) -> torch.device:
     try:
         device = torch.device(requested)
     except RuntimeError as e:
-        raise ConfigError(f"--device {requested!r} is not a device (use auto, cpu, cuda, cuda:N or mps)") from e
+        raise ConfigError(
+            f"--device {requested!r} is not a device (use auto, cpu, cuda, cuda:N or mps)"
+        ) from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {requested}: this machine has no usable CUDA device (use --device cpu)")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():

@@ -168,7 +168,9 @@ class Engine:
         if self._thread.is_alive():
             self.log.warning("engine step thread did not stop in time", timeout_s=CLOSE_TIMEOUT_S)
 
-    def run(self, requests: Iterable[GenerationRequest], timeout: float | None = None) -> list[GenerationResult]:
+    def run(
+        self, requests: Iterable[GenerationRequest], timeout: float | None = None
+    ) -> list[GenerationResult]:
         """Synchronous helper for tests and benchmarks: submit all, wait for all, in request order."""
         requests = list(requests)
         outputs: dict[str, list[GenerationOutput]] = {r.request_id: [] for r in requests}
@@ -229,10 +231,13 @@ class Engine:
                 f"the prompt has {n} tokens but max_model_len is {limit}, which leaves no room to generate; "
                 "shorten the prompt (or start the worker with a larger --max-model-len)"
             )
-        max_tokens = request.max_tokens if request.max_tokens is not None else min(DEFAULT_MAX_TOKENS, limit - n)
+        max_tokens = (
+            request.max_tokens if request.max_tokens is not None else min(DEFAULT_MAX_TOKENS, limit - n)
+        )
         if n + max_tokens > limit:
             raise RequestError(
-                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} tokens, more than "
+                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} tokens, "
+                "more than "
                 f"max_model_len {limit}; lower max_tokens to at most {limit - n}"
             )
         return ids, max_tokens

@@ -31,8 +31,8 @@ from typing import Any
 
 import structlog
 import torch
-
 from kvpact.v1 import cache_pb2, worker_pb2
+
 from shared.capability import ModelTraits, PagedDecision, decide_paged_attention
 from shared.errors import ConfigError
 from shared.intent import CacheDtype, PagedAttentionState, PagedBackend, disable_paged_attention
@@ -45,7 +45,13 @@ from worker.engine import Engine
 from worker.kv import sizing
 from worker.kv.eager import EagerCache
 from worker.kv.paged import PagedCache
-from worker.loader import estimate_weight_bytes, load_model, read_model_config, resolve_dtype, resolve_model_path
+from worker.loader import (
+    estimate_weight_bytes,
+    load_model,
+    read_model_config,
+    resolve_dtype,
+    resolve_model_path,
+)
 from worker.model import ModelConfig
 from worker.model_runner import ModelRunner
 from worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
@@ -143,20 +149,31 @@ def plan_startup(spec: WorkerSpec, *, log: Any = None) -> WorkerPlan:
     max_num_batched_tokens = spec.max_num_batched_tokens or defaults.max_num_batched_tokens
     weight_bytes = estimate_weight_bytes(path, dtype=dtype)
     itemsize = torch.empty((), dtype=cache_dtype).element_size()
-    bytes_per_token = sizing.kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, itemsize)
+    bytes_per_token = sizing.kv_bytes_per_token(
+        config.num_layers, config.num_kv_heads, config.head_dim, itemsize
+    )
     paged_size = None
     if state.paged_config is not None:
         max_num_seqs = spec.max_num_seqs or defaults.paged_max_num_seqs
         activations = sizing.activation_headroom_bytes(
-            device_kind=probe.info.kind, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            device_kind=probe.info.kind,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
             dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         )
         paged_size = sizing.size_paged_cache(
-            state.paged_config, device_kind=probe.info.kind, memory_total_bytes=probe.memory_total_bytes,
-            memory_free_bytes=probe.memory_free_bytes, weight_bytes=weight_bytes, activation_bytes=activations,
-            bytes_per_token=bytes_per_token, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            state.paged_config,
+            device_kind=probe.info.kind,
+            memory_total_bytes=probe.memory_total_bytes,
+            memory_free_bytes=probe.memory_free_bytes,
+            weight_bytes=weight_bytes,
+            activation_bytes=activations,
+            bytes_per_token=bytes_per_token,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
         )
         reason = sizing.shortfall(paged_size, max_model_len)
         if reason:
@@ -165,14 +182,29 @@ def plan_startup(spec: WorkerSpec, *, log: Any = None) -> WorkerPlan:
     if state.paged_config is None:
         max_num_seqs = spec.max_num_seqs or defaults.eager_max_num_seqs
         sizing.check_eager_fits(
-            num_slots=max_num_seqs, max_model_len=max_model_len, bytes_per_token=bytes_per_token,
-            weight_bytes=weight_bytes, memory_free_bytes=probe.memory_free_bytes, device_kind=probe.info.kind,
+            num_slots=max_num_seqs,
+            max_model_len=max_model_len,
+            bytes_per_token=bytes_per_token,
+            weight_bytes=weight_bytes,
+            memory_free_bytes=probe.memory_free_bytes,
+            device_kind=probe.info.kind,
         )
     plan = WorkerPlan(
-        spec=spec, probe=probe, model_path=path, model_config=config, state=state, decision=decision,
-        dtype=dtype, cache_dtype=cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, weight_bytes=weight_bytes,
-        bytes_per_token=bytes_per_token, paged_size=paged_size, verdict_seconds=time.monotonic() - started,
+        spec=spec,
+        probe=probe,
+        model_path=path,
+        model_config=config,
+        state=state,
+        decision=decision,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        weight_bytes=weight_bytes,
+        bytes_per_token=bytes_per_token,
+        paged_size=paged_size,
+        verdict_seconds=time.monotonic() - started,
     )
     log.info("pre-load verdict", seconds=round(plan.verdict_seconds, 3), **plan.log_fields())
     return plan
@@ -188,13 +220,25 @@ def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
     if plan.state.paged_config is not None:
         assert plan.paged_size is not None and plan.backend is not None
         cache = PagedCache(
-            config.num_layers, plan.paged_size.num_blocks, plan.paged_size.block_size, config.num_kv_heads,
-            config.head_dim, plan.cache_dtype, plan.probe.device, plan.backend,
+            config.num_layers,
+            plan.paged_size.num_blocks,
+            plan.paged_size.block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            plan.cache_dtype,
+            plan.probe.device,
+            plan.backend,
         )
     else:
         cache = EagerCache(
-            config.num_layers, plan.max_num_seqs, plan.max_model_len, config.num_kv_heads, config.head_dim,
-            plan.cache_dtype, plan.probe.device, sliding_window=config.sliding_window,
+            config.num_layers,
+            plan.max_num_seqs,
+            plan.max_model_len,
+            config.num_kv_heads,
+            config.head_dim,
+            plan.cache_dtype,
+            plan.probe.device,
+            sliding_window=config.sliding_window,
         )
     scheduler_kind = select_scheduler(plan.spec.cache, cache.kind)  # the backstop: from what was built
     scheduler: Scheduler
@@ -205,42 +249,65 @@ def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
     else:
         scheduler = DefaultScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
     realized = realized_cache(plan, cache, scheduler_kind)
-    log.info("realized KV cache\n" + realized.table(), model=loaded.name, load_seconds=round(loaded.load_seconds, 2))
+    log.info(
+        "realized KV cache\n" + realized.table(),
+        model=loaded.name,
+        load_seconds=round(loaded.load_seconds, 2),
+    )
     runner = ModelRunner(loaded.model, cache, plan.probe.device)
     return Engine(
-        runner, scheduler, loaded.tokenizer, realized=realized, model_name=loaded.name,
-        max_model_len=plan.max_model_len, vocab_size=config.vocab_size, log=log,
+        runner,
+        scheduler,
+        loaded.tokenizer,
+        realized=realized,
+        model_name=loaded.name,
+        max_model_len=plan.max_model_len,
+        vocab_size=config.vocab_size,
+        log=log,
     )
 
 
-def realized_cache(plan: WorkerPlan, cache: PagedCache | EagerCache, scheduler: SchedulerKind) -> RealizedCache:
+def realized_cache(
+    plan: WorkerPlan, cache: PagedCache | EagerCache, scheduler: SchedulerKind
+) -> RealizedCache:
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
     common = dict(
-        scheduler=scheduler, max_model_len=plan.max_model_len, memory_bytes=cache.memory_bytes,
-        cache_dtype=cache_dtype, fallbacks=tuple(plan.state.fallbacks),
+        scheduler=scheduler,
+        max_model_len=plan.max_model_len,
+        memory_bytes=cache.memory_bytes,
+        cache_dtype=cache_dtype,
+        fallbacks=tuple(plan.state.fallbacks),
     )
     if isinstance(cache, PagedCache):
         capacity = cache.num_blocks * cache.block_size
         return RealizedCache(
-            kind=CacheKind.PAGED, capacity_tokens=capacity, max_concurrency=capacity // plan.max_model_len,
-            num_blocks=cache.num_blocks, backend=cache.backend, block_size=cache.block_size,
+            kind=CacheKind.PAGED,
+            capacity_tokens=capacity,
+            max_concurrency=capacity // plan.max_model_len,
+            num_blocks=cache.num_blocks,
+            backend=cache.backend,
+            block_size=cache.block_size,
             prefix_caching=plan.state.paged_config is not None and plan.state.paged_config.prefix_caching,
             **common,
         )
     return RealizedCache(
-        kind=CacheKind.EAGER, capacity_tokens=cache.num_slots * cache.max_model_len,
-        max_concurrency=cache.num_slots, num_blocks=cache.num_slots, **common,
+        kind=CacheKind.EAGER,
+        capacity_tokens=cache.num_slots * cache.max_model_len,
+        max_concurrency=cache.num_slots,
+        num_blocks=cache.num_slots,
+        **common,
     )
 
 
 def loader_findings(config: ModelConfig, max_model_len: int) -> list[str]:
     """Model properties the paged kernels cannot honor (each becomes a fallback or, under `on`, the error)."""
     findings = []
-    if config.sliding_window is not None and config.sliding_window < max_model_len:
+    window = config.sliding_window
+    if window is not None and window < max_model_len:
         findings.append(
-            f"the model uses sliding-window attention (window {config.sliding_window} tokens) and the paged "
-            f"kernels attend over the whole context, which differs once a sequence passes {config.sliding_window} "
-            f"tokens (--max-model-len is {max_model_len}; lower it to {config.sliding_window} to use PagedAttention)"
+            f"the model uses sliding-window attention (window {window} tokens) and the paged kernels "
+            f"attend over the whole context, which differs once a sequence passes {window} tokens "
+            f"(--max-model-len is {max_model_len}; lower it to {window} to use PagedAttention)"
         )
     return findings
 

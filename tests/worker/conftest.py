@@ -53,7 +53,7 @@ def worker_spec(
 
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., Engine]]:
-    """make_engine(model_dir, mode="auto", **worker_spec kwargs) -> a running Engine (closed after the test)."""
+    """make_engine(model_dir, mode="auto", **worker_spec kwargs) -> an Engine, closed after the test."""
     engines: list[Engine] = []
 
     def make(model: Path | str, mode: str = "auto", **kwargs: object) -> Engine:
@@ -66,7 +66,9 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
         engine.close()
 
 
-def greedy(request_id: str, prompt: tuple[int, ...] | str, max_tokens: int = 16, **kwargs: object) -> GenerationRequest:
+def greedy(
+    request_id: str, prompt: tuple[int, ...] | str, max_tokens: int = 16, **kwargs: object
+) -> GenerationRequest:
     return GenerationRequest(request_id, prompt, GREEDY, max_tokens=max_tokens, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
 
 
@@ -76,7 +78,9 @@ async def collect(engine: Engine, request: GenerationRequest, delay: float = 0.0
     return GenerationResult.join(pieces)
 
 
-def run_staggered(engine: Engine, requests: list[GenerationRequest], gap_s: float = 0.01) -> list[GenerationResult]:
+def run_staggered(
+    engine: Engine, requests: list[GenerationRequest], gap_s: float = 0.01
+) -> list[GenerationResult]:
     """Submit request i after i * gap_s seconds (so later ones join a running batch); results in order."""
 
     async def main() -> list[GenerationResult]:

@@ -44,7 +44,10 @@ def test_eager_step_equals_contiguous_attention():
     cache = EagerCache(1, 4, 64, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
     ref = ContiguousAttention()
     ids = {"a": 0, "b": 1, "c": 2}
-    run_steps(cache, lambda step, q, k, v: ref.step([ids[s[0]] for s in step], [s[2] for s in step]).forward(0, q, k, v))
+    run_steps(
+        cache,
+        lambda step, q, k, v: ref.step([ids[s[0]] for s in step], [s[2] for s in step]).forward(0, q, k, v),
+    )
 
 
 @torch.inference_mode()
@@ -57,14 +60,20 @@ def test_sliding_window_sees_only_the_last_window_positions():
         outs, offset = [], 0
         for name, start, n in step:
             old_k, old_v = history.get(name, (k[:0], v[:0]))
-            keys, values = torch.cat([old_k, k[offset:offset + n]]), torch.cat([old_v, v[offset:offset + n]])
+            keys, values = (
+                torch.cat([old_k, k[offset : offset + n]]),
+                torch.cat([old_v, v[offset : offset + n]]),
+            )
             history[name] = (keys, values)
             t = torch.arange(start + n)
             p = torch.arange(start, start + n)[:, None]
             mask = (t <= p) & (t > p - window)
             out = F.scaled_dot_product_attention(
-                q[offset:offset + n].transpose(0, 1), keys.repeat_interleave(2, 1).transpose(0, 1),
-                values.repeat_interleave(2, 1).transpose(0, 1), attn_mask=mask)
+                q[offset : offset + n].transpose(0, 1),
+                keys.repeat_interleave(2, 1).transpose(0, 1),
+                values.repeat_interleave(2, 1).transpose(0, 1),
+                attn_mask=mask,
+            )
             outs.append(out.transpose(0, 1))
             offset += n
         return torch.cat(outs)

@@ -57,7 +57,9 @@ def all_blocks_free(engine: Engine) -> bool:
 def test_a_request_that_can_never_fit_is_refused_naming_both_numbers(engine):
     error = first_error(engine, greedy("long", tuple(range(3, 123)), max_tokens=20))
     assert isinstance(error, RequestError)
-    assert "120 tokens" in str(error) and "max_tokens (20)" in str(error) and "max_model_len 128" in str(error)
+    assert (
+        "120 tokens" in str(error) and "max_tokens (20)" in str(error) and "max_model_len 128" in str(error)
+    )
     error = first_error(engine, greedy("longer", tuple([5] * 128), max_tokens=1))
     assert isinstance(error, RequestError) and "128 tokens but max_model_len is 128" in str(error)
 
@@ -80,9 +82,14 @@ def test_bad_requests_raise_before_the_first_piece(engine, request_, message):
 
 
 def test_max_tokens_defaults_to_what_fits(engine):
-    [result] = engine.run([GenerationRequest("r", tuple(range(3, 103)), SamplingParams(temperature=0), ignore_eos=True)])
+    [result] = engine.run(
+        [GenerationRequest("r", tuple(range(3, 103)), SamplingParams(temperature=0), ignore_eos=True)]
+    )
     assert (result.finish_reason, result.usage.prompt_tokens, result.usage.completion_tokens) == (
-        FinishReason.LENGTH, 100, 28)
+        FinishReason.LENGTH,
+        100,
+        28,
+    )
 
 
 def test_a_request_id_already_in_flight_is_refused(engine):
@@ -103,7 +110,9 @@ def test_a_request_id_already_in_flight_is_refused(engine):
 
 
 def test_text_usage_and_logprobs(engine):
-    request = GenerationRequest("r", TEXT, SamplingParams(temperature=0, logprobs=True), max_tokens=12, ignore_eos=True)
+    request = GenerationRequest(
+        "r", TEXT, SamplingParams(temperature=0, logprobs=True), max_tokens=12, ignore_eos=True
+    )
     [result] = engine.run([request])
     assert result.usage.prompt_tokens == len(engine.tokenizer.encode(TEXT))
     assert (result.usage.completion_tokens, result.usage.cached_prompt_tokens) == (12, 0)
@@ -149,18 +158,26 @@ def stream_pieces(engine: Engine, request: GenerationRequest) -> tuple[list[str]
 
 
 def test_a_seeded_request_gives_the_same_tokens_whatever_else_is_in_the_batch(engine):
-    seeded = GenerationRequest("x", TEXT, SamplingParams(temperature=1.0, top_k=50, seed=42), max_tokens=24,
-                               ignore_eos=True)
+    seeded = GenerationRequest(
+        "x", TEXT, SamplingParams(temperature=1.0, top_k=50, seed=42), max_tokens=24, ignore_eos=True
+    )
     [alone] = engine.run([seeded])
     others = [
-        GenerationRequest(f"o{i}", tuple(range(3 + i, 20 + 3 * i)), SamplingParams(temperature=0.8, seed=i if i % 2 else None),
-                          max_tokens=30, ignore_eos=True)
+        GenerationRequest(
+            f"o{i}",
+            tuple(range(3 + i, 20 + 3 * i)),
+            SamplingParams(temperature=0.8, seed=i if i % 2 else None),
+            max_tokens=30,
+            ignore_eos=True,
+        )
         for i in range(5)
     ]
     crowd = run_staggered(engine, [*others[:2], seeded, *others[2:]], gap_s=0.005)
     assert crowd[2].token_ids == alone.token_ids
-    unseeded = [GenerationRequest(f"u{i}", TEXT, SamplingParams(temperature=1.0), max_tokens=24, ignore_eos=True)
-                for i in range(3)]
+    unseeded = [
+        GenerationRequest(f"u{i}", TEXT, SamplingParams(temperature=1.0), max_tokens=24, ignore_eos=True)
+        for i in range(3)
+    ]
     assert len({tuple(r.token_ids) for r in engine.run(unseeded)}) > 1  # without a seed they differ
 
 

@@ -1,12 +1,12 @@
-"""worker.output_stream: how sampled tokens become streamed pieces (EOS, ignore_eos, max_tokens, stop strings)."""
+"""worker.output_stream: sampled tokens -> streamed pieces (EOS, ignore_eos, max_tokens, stop strings)."""
 
 from __future__ import annotations
 
 import torch
 
 from tests.factories.tiny_models import EOS_ID, tiny_tokenizer
-from worker.request import FinishReason, SamplingParams
 from worker.output_stream import OutputStream
+from worker.request import FinishReason, SamplingParams
 from worker.sequence import Sequence
 from worker.tokenizer import Tokenizer
 
@@ -14,7 +14,9 @@ from worker.tokenizer import Tokenizer
 def stream(stop_token_ids=frozenset({EOS_ID}), max_tokens=10, stop=()) -> OutputStream:  # type: ignore[no-untyped-def]
     tokenizer = Tokenizer(tiny_tokenizer(), eos_token="<|im_end|>")
     prompt = tokenizer.encode("Hello")
-    seq = Sequence.create(0, "r", prompt, SamplingParams(), max_tokens, frozenset(stop_token_ids), torch.device("cpu"))
+    seq = Sequence.create(
+        0, "r", prompt, SamplingParams(), max_tokens, frozenset(stop_token_ids), torch.device("cpu")
+    )
     return OutputStream(seq, tokenizer, stop, lambda item: None)
 
 
@@ -27,7 +29,12 @@ def test_eos_ends_with_stop_keeps_the_token_id_and_shows_no_text():
     pieces = [s.on_token(t, None) for t in ids_of(" world")]
     last = s.on_token(EOS_ID, -0.5)
     assert all(p.finish_reason is None for p in pieces)
-    assert (last.finish_reason, last.token_ids, last.logprobs, last.text) == (FinishReason.STOP, [EOS_ID], [-0.5], "")
+    assert (last.finish_reason, last.token_ids, last.logprobs, last.text) == (
+        FinishReason.STOP,
+        [EOS_ID],
+        [-0.5],
+        "",
+    )
     assert "".join(p.text for p in pieces) == " world"
     assert last.usage is not None and last.usage.completion_tokens == len(pieces) + 1
 

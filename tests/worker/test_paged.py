@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
 from shared.intent import PagedBackend
 from tests.factories.tiny_models import ContiguousAttention
 from tests.worker.conftest import greedy, run_staggered
@@ -13,13 +14,13 @@ from worker.kv.paged import PagedCache, paged_ops
 from worker.request import SamplingParams
 from worker.sequence import ScheduledChunk, Sequence
 
-import kernels
-
 HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 4
 
 
 def fake_seq(name: str, num_tokens: int, block_ids: list[int]) -> Sequence:
-    s = Sequence.create(0, name, list(range(num_tokens)), SamplingParams(), 1, frozenset(), torch.device("cpu"))
+    s = Sequence.create(
+        0, name, list(range(num_tokens)), SamplingParams(), 1, frozenset(), torch.device("cpu")
+    )
     s.block_table = BlockTable(block_ids=block_ids)
     return s
 
@@ -30,8 +31,11 @@ def test_paged_step_equals_contiguous_attention_for_mixed_decode_prefill_and_ext
     ref = ContiguousAttention()
     torch.manual_seed(0)
     # blocks deliberately scattered and out of order
-    a, b, c = fake_seq("a", 40, [7, 3, 30, 12, 1, 9, 20, 21, 22, 23]), fake_seq("b", 40, [5, 0, 2, 31, 4, 6]), \
-        fake_seq("c", 40, [8, 10, 11, 13])
+    a, b, c = (
+        fake_seq("a", 40, [7, 3, 30, 12, 1, 9, 20, 21, 22, 23]),
+        fake_seq("b", 40, [5, 0, 2, 31, 4, 6]),
+        fake_seq("c", 40, [8, 10, 11, 13]),
+    )
     steps = [
         [ScheduledChunk(a, 0, 9), ScheduledChunk(b, 0, 6)],  # two prefills
         [ScheduledChunk(a, 9, 1), ScheduledChunk(b, 6, 1), ScheduledChunk(c, 0, 3)],  # 2 decodes + prefill
@@ -44,17 +48,25 @@ def test_paged_step_equals_contiguous_attention_for_mixed_decode_prefill_and_ext
         n = sum(ch.num_tokens for ch in chunks)
         q, k, v = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM), torch.randn(n, KV_HEADS, DIM)
         got = cache.attention_step(chunks, num_decodes).forward(0, q, k, v)
-        want = ref.step([ids[ch.seq.request_id] for ch in chunks], [ch.num_tokens for ch in chunks]).forward(0, q, k, v)
+        want = ref.step([ids[ch.seq.request_id] for ch in chunks], [ch.num_tokens for ch in chunks]).forward(
+            0, q, k, v
+        )
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_backend_choice_is_only_which_functions_run():
     torch_ops = paged_ops(PagedBackend.TORCH)
     assert (torch_ops.write, torch_ops.decode, torch_ops.prefill) == (
-        kernels.reshape_and_cache_torch, kernels.paged_decode_attention_torch, kernels.paged_prefill_attention_torch)
+        kernels.reshape_and_cache_torch,
+        kernels.paged_decode_attention_torch,
+        kernels.paged_prefill_attention_torch,
+    )
     triton_ops = paged_ops(PagedBackend.TRITON)  # imports the Triton wrappers; nothing is launched
     assert (triton_ops.write, triton_ops.decode, triton_ops.prefill) == (
-        kernels.reshape_and_cache, kernels.paged_decode_attention, kernels.paged_prefill_attention)
+        kernels.reshape_and_cache,
+        kernels.paged_decode_attention,
+        kernels.paged_prefill_attention,
+    )
     with pytest.raises(ValueError, match="concrete backend"):
         paged_ops(PagedBackend.AUTO)
 

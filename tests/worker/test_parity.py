@@ -34,10 +34,16 @@ def hf_generate(model_dir, prompt_list):
     for prompt in prompt_list:
         ids = torch.tensor([prompt])
         out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, eos_token_id=[], pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=[],
+            pad_token_id=0,
         )
-        results.append((out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()))
+        results.append((out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()))
     return results
 
 
@@ -94,7 +100,9 @@ def check(engine: Engine, expected, staggered: bool) -> None:
     requests = [greedy(f"p{i}", p, NEW_TOKENS) for i, p in enumerate(prompts())]
     results = run_staggered(engine, requests) if staggered else engine.run(requests, timeout=120)
     for i, (result, (tokens, hf_logits)) in enumerate(zip(results, expected, strict=True)):
-        assert result.token_ids == tokens, f"prompt {i} ({PROMPT_LENGTHS[i]} tokens) diverged from transformers"
+        assert result.token_ids == tokens, (
+            f"prompt {i} ({PROMPT_LENGTHS[i]} tokens) diverged from transformers"
+        )
         ours = torch.stack(logits[f"p{i}"])
         torch.testing.assert_close(ours, hf_logits, atol=LOGITS_ATOL, rtol=0)
     stats = engine.stats()
@@ -117,6 +125,12 @@ def test_default_smollm2_matches_transformers(make_engine, mode):
     results = engine.run([greedy(f"d{i}", tuple(p), 16) for i, p in enumerate(chat)], timeout=300)
     for prompt, result in zip(chat, results, strict=True):
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                          eos_token_id=[], pad_token_id=0)
-        assert result.token_ids == out[0, len(prompt):].tolist()
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=[],
+            pad_token_id=0,
+        )
+        assert result.token_ids == out[0, len(prompt) :].tolist()

@@ -94,7 +94,9 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
         gens = {i: make_generator(1000 + i, torch.device("cpu")) for i in batch_rows}
         out = []
         for _ in range(20):
-            ids, _ = sample(logits[batch_rows], [row(generator=gens[i], temperature=1.0, top_k=20) for i in batch_rows])
+            ids, _ = sample(
+                logits[batch_rows], [row(generator=gens[i], temperature=1.0, top_k=20) for i in batch_rows]
+            )
             out.append(ids)
         return [seq[batch_rows.index(3)] for seq in out]
 

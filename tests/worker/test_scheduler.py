@@ -15,7 +15,9 @@ from worker.sequence import Sequence, SequenceStatus
 
 def seq(name: str, num_prompt: int, max_tokens: int = 100, first_token: int = 10) -> Sequence:
     prompt = list(range(first_token, first_token + num_prompt))
-    return Sequence.create(0, name, prompt, SamplingParams(temperature=0), max_tokens, frozenset(), torch.device("cpu"))
+    return Sequence.create(
+        0, name, prompt, SamplingParams(temperature=0), max_tokens, frozenset(), torch.device("cpu")
+    )
 
 
 def step(scheduler: Scheduler) -> list[tuple[str, int, int]]:
@@ -72,7 +74,9 @@ def test_default_scheduler_abort_frees_the_slot_and_waiting_aborts_leave_the_que
 # ---- paged scheduler ----
 
 
-def paged(num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, budget: int = 100, prefix: bool = True):
+def paged(
+    num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, budget: int = 100, prefix: bool = True
+):
     return PagedScheduler(BlockManager(num_blocks, block_size, prefix, debug=True), max_num_seqs, budget)
 
 

@@ -50,7 +50,9 @@ def test_cpu_auto_realizes_eager_and_says_why(make_engine, tiny_llama):
     engine = make_engine(tiny_llama, "auto")
     r = engine.realized
     assert (r.kind, r.scheduler, r.backend) == (CacheKind.EAGER, SchedulerKind.DEFAULT, None)
-    assert fallbacks(r) == [("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")]
+    assert fallbacks(r) == [
+        ("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")
+    ]
     assert "fallback (device)  eager is the CPU default" in r.table()
     assert isinstance(engine.scheduler, DefaultScheduler)
     # the CPU defaults: 8 slots reserved at max_model_len
@@ -61,7 +63,12 @@ def test_cpu_auto_realizes_eager_and_says_why(make_engine, tiny_llama):
 def test_cpu_on_realizes_the_torch_paged_backend(make_engine, tiny_llama):
     engine = make_engine(tiny_llama, "on", context_tokens=1000)
     r = engine.realized
-    assert (r.kind, r.scheduler, r.backend, r.block_size) == (CacheKind.PAGED, SchedulerKind.PAGED, PagedBackend.TORCH, 16)
+    assert (r.kind, r.scheduler, r.backend, r.block_size) == (
+        CacheKind.PAGED,
+        SchedulerKind.PAGED,
+        PagedBackend.TORCH,
+        16,
+    )
     assert (r.num_blocks, r.capacity_tokens, r.max_concurrency) == (63, 1008, 3)
     assert r.memory_bytes == 1008 * BYTES_PER_TOKEN and r.prefix_caching and fallbacks(r) == []
     assert isinstance(engine.scheduler, PagedScheduler)
@@ -147,7 +154,9 @@ def windowed_llama(tiny_llama, tmp_path_factory):
 
 
 def test_sliding_window_under_on_fails_naming_the_window(windowed_llama, no_loading):
-    with pytest.raises(PagedAttentionRequiredError, match=r"sliding-window attention \(window 32 tokens\)") as info:
+    with pytest.raises(
+        PagedAttentionRequiredError, match=r"sliding-window attention \(window 32 tokens\)"
+    ) as info:
         startup.plan_startup(worker_spec(windowed_llama, "on", context_tokens=1024))
     assert info.value.component == "loader" and "lower it to 32" in str(info.value)
 
@@ -168,15 +177,21 @@ def test_sliding_window_longer_than_max_model_len_is_no_obstacle(windowed_llama,
 
 
 def cuda_probe(cc=(9, 0), triton="3.9.0", free=70 * GiB) -> DeviceProbe:  # type: ignore[no-untyped-def]
-    info = DeviceInfo(kind="cuda", name="Described H100", compute_capability=cc, triton_version=triton,
-                      triton_support=KERNEL_SUPPORT)
+    info = DeviceInfo(
+        kind="cuda",
+        name="Described H100",
+        compute_capability=cc,
+        triton_version=triton,
+        triton_support=KERNEL_SUPPORT,
+    )
     return DeviceProbe(info, torch.device("cpu"), 80 * GiB, free)
 
 
 @pytest.fixture(scope="module")
 def head64_llama(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("head64"), hidden_size=128, num_heads=2, num_kv_heads=1,
-                           head_dim=64)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("head64"), hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64
+    )
 
 
 def plan_on(monkeypatch, model, probe, mode="auto", **kwargs):  # type: ignore[no-untyped-def]
@@ -184,7 +199,9 @@ def plan_on(monkeypatch, model, probe, mode="auto", **kwargs):  # type: ignore[n
     return startup.plan_startup(replace(worker_spec(model, mode, **kwargs), dtype="float16"))
 
 
-def test_a_described_cuda_device_with_triton_selects_the_triton_backend(monkeypatch, head64_llama, no_loading):
+def test_a_described_cuda_device_with_triton_selects_the_triton_backend(
+    monkeypatch, head64_llama, no_loading
+):
     plan = plan_on(monkeypatch, head64_llama, cuda_probe(), max_model_len=512)
     assert (plan.cache_kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
     assert plan.max_num_seqs == sizing.GPU_DEFAULTS.paged_max_num_seqs
@@ -196,14 +213,17 @@ def test_a_described_cuda_device_with_triton_selects_the_triton_backend(monkeypa
 def test_a_described_old_gpu_falls_back_under_auto_and_fails_under_on(monkeypatch, head64_llama, no_loading):
     plan = plan_on(monkeypatch, head64_llama, cuda_probe(cc=(7, 0)))
     assert plan.cache_kind is CacheKind.EAGER
-    assert fallbacks(plan) == [("device", "the Triton paged kernels need compute capability >= 8.0 and "
-                                          "Described H100 has 7.0")]
+    assert fallbacks(plan) == [
+        ("device", "the Triton paged kernels need compute capability >= 8.0 and Described H100 has 7.0")
+    ]
     with pytest.raises(PagedAttentionRequiredError, match="compute capability >= 8.0"):
         plan_on(monkeypatch, head64_llama, cuda_probe(cc=(7, 0)), mode="on")
 
 
 def test_a_head_size_the_triton_kernels_cannot_take_is_named(monkeypatch, tiny_llama, no_loading):
-    with pytest.raises(PagedAttentionRequiredError, match="head size 16 is not one the Triton paged kernels take"):
+    with pytest.raises(
+        PagedAttentionRequiredError, match="head size 16 is not one the Triton paged kernels take"
+    ):
         plan_on(monkeypatch, tiny_llama, cuda_probe(), mode="on")
 
 

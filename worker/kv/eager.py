@@ -98,7 +98,9 @@ class EagerAttentionStep:
             # query j sits at position start + j and sees keys 0..start + j (within the window)
             mask = None
             if start or (self.cache.sliding_window is not None and end > self.cache.sliding_window):
-                mask = self.cache.visible(torch.arange(end, device=q.device), torch.arange(start, end, device=q.device))
+                mask = self.cache.visible(
+                    torch.arange(end, device=q.device), torch.arange(start, end, device=q.device)
+                )
             out[offset : offset + n] = self._attend(q[None, offset : offset + n], keys, values, mask)[0]
         return out
 

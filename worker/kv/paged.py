@@ -34,10 +34,14 @@ class PagedOps:
 def paged_ops(backend: PagedBackend) -> PagedOps:
     if backend is PagedBackend.TORCH:
         return PagedOps(
-            kernels.reshape_and_cache_torch, kernels.paged_decode_attention_torch, kernels.paged_prefill_attention_torch
+            kernels.reshape_and_cache_torch,
+            kernels.paged_decode_attention_torch,
+            kernels.paged_prefill_attention_torch,
         )
     if backend is PagedBackend.TRITON:  # imports triton: only on a worker whose decision chose it
-        return PagedOps(kernels.reshape_and_cache, kernels.paged_decode_attention, kernels.paged_prefill_attention)
+        return PagedOps(
+            kernels.reshape_and_cache, kernels.paged_decode_attention, kernels.paged_prefill_attention
+        )
     raise ValueError(f"the paged cache needs a concrete backend (torch or triton), got {backend}")
 
 
@@ -114,7 +118,9 @@ class PagedAttentionStep:
         cache = self.cache
         key_cache, value_cache = cache.key[layer_idx], cache.value[layer_idx]
         dtype = key_cache.dtype
-        cache.ops.write(k.to(dtype).contiguous(), v.to(dtype).contiguous(), key_cache, value_cache, self.slot_mapping)
+        cache.ops.write(
+            k.to(dtype).contiguous(), v.to(dtype).contiguous(), key_cache, value_cache, self.slot_mapping
+        )
         query = q.to(dtype).contiguous()
         out = torch.empty_like(query)
         d = self.num_decodes

@@ -54,8 +54,14 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 
 
 def activation_headroom_bytes(
-    *, device_kind: str, hidden_size: int, intermediate_size: int, vocab_size: int,
-    max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int,
+    *,
+    device_kind: str,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    dtype_bytes: int,
 ) -> int:
     """A generous estimate of one step's transient tensors (a few hidden-sized and MLP-sized
     activations per token, fp32 logits and sampler work per sequence) plus fixed slack on CUDA."""
@@ -99,21 +105,35 @@ def size_paged_cache(
     bs = config.block_size
     block_bytes = bs * bytes_per_token
     if config.context_tokens is not None:
-        return PagedSize(-(-config.context_tokens // bs), bs, bytes_per_token,
-                         f"--pa-context-tokens {config.context_tokens}", "--pa-context-tokens")
+        return PagedSize(
+            -(-config.context_tokens // bs),
+            bs,
+            bytes_per_token,
+            f"--pa-context-tokens {config.context_tokens}",
+            "--pa-context-tokens",
+        )
     if config.memory_bytes is not None:
-        return PagedSize(config.memory_bytes // block_bytes, bs, bytes_per_token,
-                         f"--pa-memory-bytes {config.memory_bytes}", "--pa-memory-bytes")
+        return PagedSize(
+            config.memory_bytes // block_bytes,
+            bs,
+            bytes_per_token,
+            f"--pa-memory-bytes {config.memory_bytes}",
+            "--pa-memory-bytes",
+        )
     left = memory_free_bytes
     if config.memory_fraction is not None:
         budget = int(config.memory_fraction * memory_free_bytes) - weight_bytes - activation_bytes
-        source = (f"--pa-memory-fraction {config.memory_fraction} of {_mib(memory_free_bytes)} free, "
-                  f"less {_mib(weight_bytes)} weights and {_mib(activation_bytes)} activations")
+        source = (
+            f"--pa-memory-fraction {config.memory_fraction} of {_mib(memory_free_bytes)} free, "
+            f"less {_mib(weight_bytes)} weights and {_mib(activation_bytes)} activations"
+        )
         return PagedSize(max(0, budget) // block_bytes, bs, bytes_per_token, source, "--pa-memory-fraction")
     if device_kind == "cuda":
         budget = int(GPU_DEFAULT_MEMORY_FRACTION * left) - weight_bytes - activation_bytes
-        source = (f"the CUDA default: {GPU_DEFAULT_MEMORY_FRACTION} x {_mib(left)} free, less {_mib(weight_bytes)} "
-                  f"weights and {_mib(activation_bytes)} activations")
+        source = (
+            f"the CUDA default: {GPU_DEFAULT_MEMORY_FRACTION} x {_mib(left)} free, less {_mib(weight_bytes)} "
+            f"weights and {_mib(activation_bytes)} activations"
+        )
     else:
         budget = min(CPU_PAGED_BUDGET_BYTES, int(CPU_PAGED_BUDGET_RAM_FRACTION * memory_total_bytes))
         source = f"the {device_kind.upper()} default: min(1 GiB, 10% of RAM) = {_mib(budget)}"
@@ -123,19 +143,26 @@ def size_paged_cache(
 
 
 def shortfall(size: PagedSize, max_model_len: int) -> str:
-    """"" when the pool holds one max_model_len sequence, else the reason (for the fallback door)."""
+    """ "" when the pool holds one max_model_len sequence, else the reason (for the fallback door)."""
     if size.capacity_tokens >= max_model_len:
         return ""
     needed = -(-max_model_len // size.block_size) * size.block_size * size.bytes_per_token
-    return (f"the KV cache budget ({size.budget}) holds only {size.capacity_tokens} tokens "
-            f"({size.num_blocks} blocks of {size.block_size}), fewer than one --max-model-len {max_model_len} "
-            f"sequence; raise {size.flag} (at least {max_model_len} tokens = {_mib(needed)}) "
-            "or lower --max-model-len")
+    return (
+        f"the KV cache budget ({size.budget}) holds only {size.capacity_tokens} tokens "
+        f"({size.num_blocks} blocks of {size.block_size}), fewer than one --max-model-len {max_model_len} "
+        f"sequence; raise {size.flag} (at least {max_model_len} tokens = {_mib(needed)}) "
+        "or lower --max-model-len"
+    )
 
 
 def check_eager_fits(
-    *, num_slots: int, max_model_len: int, bytes_per_token: int, weight_bytes: int,
-    memory_free_bytes: int, device_kind: str,
+    *,
+    num_slots: int,
+    max_model_len: int,
+    bytes_per_token: int,
+    weight_bytes: int,
+    memory_free_bytes: int,
+    device_kind: str,
 ) -> int:
     """Bytes of the eager cache; raises ConfigError when weights + cache exceed 90% of free memory."""
     cache_bytes = num_slots * max_model_len * bytes_per_token

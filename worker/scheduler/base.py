@@ -36,7 +36,8 @@ class Scheduler(ABC):
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
-                f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens ({max_num_batched_tokens}) must be >= 1"
+                f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens ({max_num_batched_tokens}) "
+                "must be >= 1"
             )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -76,7 +77,7 @@ class Scheduler(ABC):
     def _release(self, seq: Sequence) -> None:
         """Free the cache a running sequence holds."""
 
-    def _computed(self, seq: Sequence) -> None:
+    def _computed(self, seq: Sequence) -> None:  # noqa: B027 - an optional hook, empty by default
         """Hook after a sequence's chunk was computed (the paged scheduler registers full blocks)."""
 
     @property
