@@ -1,6 +1,7 @@
 """worker.loader: Hugging Face directories, GGUF files (round trip against the HF copy), the conversion
 cache, fail-fast config reading, size estimates, and the errors a bad model path gets."""
 
+import io
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from tests.worker.test_model import hf_greedy
 from worker.loader import estimate_weight_bytes, load_model, read_model_config, resolve_dtype
 from worker.loader.cache import entry_dir
 from worker.loader.gguf_reader import GGUFContents
+from worker.loader.progress import Progress
 
 TEXTS = [
     "Hello, world! How are you? 12 + 34 = 46",
@@ -353,3 +355,25 @@ def test_own_gguf_reader_agrees_with_the_gguf_package(tmp_path):
     for info, t in zip(ours.tensors, theirs.tensors, strict=True):
         expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(info.shape)
         assert (ours.tensor(info) == expected).all(), info.name
+
+
+def test_directory_holding_a_gguf_points_at_the_file(llama_gguf):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"no config\.json; .* \(for tiny-llama\.f32\.gguf, pass the \.gguf file itself\)",
+    ):
+        read_model_config(llama_gguf.parent)
+
+
+def test_progress_is_shown_only_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    shown, hidden = Terminal(), io.StringIO()
+    for stream in (shown, hidden):
+        progress = Progress("loading m", total=4, stream=stream)
+        for _ in range(4):
+            progress.step()
+        progress.close()
+    assert shown.getvalue().endswith("\rloading m: 100% (4/4)\n") and hidden.getvalue() == ""

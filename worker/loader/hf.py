@@ -36,8 +36,10 @@ def read_hf_config(directory: Path) -> ModelConfig:
     """config.json parsed and checked; eos ids from generation_config.json are added when present."""
     file = directory / "config.json"
     if not file.is_file():
+        ggufs = sorted(p.name for p in directory.glob("*.gguf"))
+        hint = f" (for {ggufs[0]}, pass the .gguf file itself)" if ggufs else ""
         raise ModelLoadError(
-            f"{directory}: no config.json; a model directory needs config.json and *.safetensors"
+            f"{directory}: no config.json; a model directory needs config.json and *.safetensors{hint}"
         )
     config = ModelConfig.from_hf_dict(read_json(file), source=str(file))
     generation = directory / "generation_config.json"
