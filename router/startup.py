@@ -7,7 +7,8 @@
     FAILED   is final.
 
 All-or-nothing while starting: one worker that cannot meet the policy fails the whole cluster at once,
-without waiting out the timeout.
+without waiting out the timeout. A worker counts once admitted, even if it later misses heartbeats
+before the N-th arrives (the balancer skips it while it is DEAD).
 """
 
 from __future__ import annotations
