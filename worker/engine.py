@@ -247,11 +247,10 @@ class Engine:
     def _loop(self) -> None:
         with torch.inference_mode():
             while not self._closed.is_set():
-                self._drain(block=not self.scheduler.has_work())
-                if self._closed.is_set() or not self.scheduler.has_work():
-                    continue
                 try:
-                    self._step()
+                    self._drain(block=not self.scheduler.has_work())
+                    if not self._closed.is_set() and self.scheduler.has_work():
+                        self._step()
                 except Exception as e:  # a bug outside the model call: nothing's state can be trusted
                     self.log.exception("engine step failed; failing every request in flight")
                     self._fail(list(self._streams.values()), e)
@@ -301,7 +300,12 @@ class Engine:
         self.scheduler.on_step_done(out)
         for seq, token_id, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
             stream = self._streams[seq.request_id]
-            piece = stream.on_token(token_id, logprob)
+            try:
+                piece = stream.on_token(token_id, logprob)
+            except Exception as e:  # e.g. the detokenizer: only this request is affected
+                self.log.exception("output processing failed", request_id=seq.request_id)
+                self._fail([stream], e)
+                continue
             if piece.finish_reason is not None:
                 self._end(stream)
             stream.sink(piece)

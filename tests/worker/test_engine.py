@@ -95,10 +95,8 @@ def test_max_tokens_defaults_to_what_fits(engine):
 def test_a_request_id_already_in_flight_is_refused(engine):
     async def main() -> None:
         first = asyncio.create_task(collect(engine, greedy("same", (5, 6, 7), 60)))
-        await asyncio.sleep(0)
-        while not engine.abort("__none__") and engine.stats().num_running == 0 and not first.done():
-            await asyncio.sleep(0.001)
-        with pytest.raises(RequestError, match="already in flight"):
+        assert await asyncio.to_thread(wait_until, lambda: engine.stats().num_running == 1)
+        with pytest.raises(RequestError, match="request_id 'same' is already in flight"):
             async for _ in engine.generate(greedy("same", (5, 6, 7), 1)):
                 pass
         assert (await first).usage.completion_tokens == 60
