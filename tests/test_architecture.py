@@ -96,6 +96,4 @@ def test_dependencies_run_one_way(package):
 
 def test_client_library_does_not_import_torch_or_the_worker():
     client = ROOT / "protos" / "kvpact" / "client.py"
-    if not client.exists():
-        pytest.skip("kvpact.client not written yet")
     assert not imported_roots(ast.parse(client.read_text())) & {"torch", "worker", "kernels", "router"}
