@@ -71,7 +71,7 @@ def build_tokenizer(meta: Mapping[str, Any], source: str) -> tuple[Tokenizer, di
     if not tokens or not merges:
         raise ModelLoadError(f"{source}: the GGUF file has no tokenizer vocabulary or merges")
     vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [_merge(m, source) for m in merges]
     tokenizer = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     tokenizer.decoder = decoders.ByteLevel()
@@ -94,7 +94,7 @@ def build_tokenizer(meta: Mapping[str, Any], source: str) -> tuple[Tokenizer, di
         _token(tokens, meta.get("tokenizer.ggml.eos_token_id")),
     )
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    if add_bos:
+    if add_bos and bos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
         )
@@ -111,3 +111,12 @@ def _token(tokens: Sequence[str], index: Any) -> str | None:
     if index is None or not 0 <= int(index) < len(tokens):
         return None
     return tokens[int(index)]
+
+
+def _merge(merge: str, source: str) -> tuple[str, str]:
+    left, space, right = merge.partition(" ")
+    if not space:
+        raise ModelLoadError(
+            f"{source}: GGUF tokenizer merge {merge!r} is not two tokens separated by a space"
+        )
+    return left, right

@@ -148,9 +148,9 @@ def load_model(
         raise ConfigError(f"device {device!r} is not a torch device: {e}") from e
     torch_dtype = resolve_dtype(device, dtype)
     cached = False
-    if source.is_dir():
-        name, directory = source.name, source
-    else:
+    directory: Path | None = source
+    name = source.name
+    if not source.is_dir():
         name = source.name.removesuffix(".gguf")
         directory, cached = _converted(source, cache_dir)
     if directory is None:

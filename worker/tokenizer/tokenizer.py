@@ -37,8 +37,9 @@ class Tokenizer:
         self.eos_token = eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         eos = set(eos_token_ids)
-        if eos_token and backend.token_to_id(eos_token) is not None:
-            eos.add(backend.token_to_id(eos_token))
+        eos_id = backend.token_to_id(eos_token) if eos_token else None
+        if eos_id is not None:
+            eos.add(eos_id)
         self.eos_token_ids = frozenset(eos)
         self.chat_template = (
             None
