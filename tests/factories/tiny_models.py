@@ -15,6 +15,7 @@ from ties and greedy decoding is stable across backends.
 
     ContiguousAttention    a plain AttentionStep: per-sequence contiguous K/V, SDPA. Slow, obviously right.
     greedy_generate(model, prompts, n)  prefill all prompts as one flat batch, then decode them together.
+    transformers_greedy(hf_model, prompt, n)  the reference continuation from a transformers model.
 """
 
 from __future__ import annotations
@@ -355,3 +356,14 @@ def greedy_generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
         for out, t in zip(outputs, next_ids, strict=True):
             out.append(int(t))
     return outputs
+
+
+@torch.inference_mode()
+def transformers_greedy(hf_model: Any, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """The reference: transformers' greedy continuation of one prompt (its own KV cache, no eos stop)."""
+    out = hf_model(torch.tensor([list(prompt)]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(max_new_tokens - 1):
+        out = hf_model(torch.tensor([tokens[-1:]]), cache=out.cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens

@@ -14,6 +14,7 @@ from tests.factories.tiny_models import (
     make_tiny_llama,
     make_tiny_qwen2,
     tiny_hf_model,
+    transformers_greedy,
 )
 from worker.loader import load_model
 from worker.model import ModelConfig, build_model
@@ -51,17 +52,6 @@ VARIANTS = {
 }
 
 
-@torch.inference_mode()
-def hf_greedy(hf_model, prompt, n):
-    """transformers' greedy continuation, with its own KV cache."""
-    out = hf_model(torch.tensor([prompt]), use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
-    for _ in range(n - 1):
-        out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
-
-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def pair(request, tmp_path_factory):
     """(our loaded model, the transformers model with the same weights)."""
@@ -87,7 +77,7 @@ def test_prefill_logits_match_transformers(pair):
 def test_batched_greedy_matches_transformers(pair):
     ours, hf = pair
     got = greedy_generate(ours, PROMPTS, max_new_tokens=24)
-    assert got == [hf_greedy(hf, p, 24) for p in PROMPTS]
+    assert got == [transformers_greedy(hf, p, 24) for p in PROMPTS]
 
 
 @torch.inference_mode()
