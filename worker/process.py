@@ -8,11 +8,13 @@
     -> stop: health NOT_SERVING, in-flight calls get STOP_GRACE_S, the engine is closed
 
 A startup that fails prints one line on stderr (no stack trace), reports Handshake{failed} to the
-router when there is one, and exits: 78 when the configuration cannot be honored (--paged-attn on
-not realizable, ConfigError), 1 for other failures (model load, out of memory, internal). The
-router refusing admission exits 78; an unreachable router (after --router-timeout) or a rejected
-auth token exits 1. SIGINT/SIGTERM and the router's Shutdown RPC or heartbeat reply stop it with 0:
-a worker told to stop did nothing wrong, and the router's own exit code carries a cluster failure.
+router when there is one (retrying for up to --router-timeout if the router is not up yet), and
+exits 78 when the configuration cannot be honored (--paged-attn on not realizable, ConfigError),
+1 for other failures (model load, out of memory, internal). The router refusing admission exits 78;
+an unreachable router (after --router-timeout) or a rejected auth token exits 1. SIGINT/SIGTERM and
+the router's Shutdown RPC or heartbeat reply stop it with 0: a worker told to stop did nothing
+wrong, and the router's own exit code carries a cluster failure. A router that stops answering
+heartbeats is logged once it has been silent for --router-timeout; the worker keeps serving.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ log = structlog.get_logger(__name__)
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # not up yet, or slow
 
 
 class RouterError(KvpactError):
@@ -76,7 +76,7 @@ class RouterLink:
                     raise RouterAuthError(
                         f"router {self.router} refused the handshake: {exc.details()}"
                     ) from None
-                if code not in _RETRYABLE and code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                if code not in _RETRYABLE:
                     raise RouterError(
                         f"router {self.router} answered the handshake with {code.name}: {exc.details()}"
                     ) from None

@@ -63,9 +63,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def attach(self, engine: Engine, model_name: str) -> None:
         self._engine, self._model_name = engine, model_name
 
-    def detach(self) -> None:
-        self._engine = None
-
     def _ready(self) -> Engine:
         if self._engine is None:
             raise WorkerNotReadyError(f"worker {self.worker_id} is not serving (still loading, or stopping)")
@@ -148,7 +145,6 @@ class WorkerServer:
         """NOT_SERVING at once, let in-flight calls finish for `grace_s`, then cancel them."""
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
-        self.service.detach()
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for name in ("", WORKER_SERVICE):
