@@ -38,12 +38,17 @@ def kernel_reshape_and_cache(
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads[:, None] < KV_HEADS) & (dims[None, :] < HEAD_DIM)
 
-    key = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
+    key = tl.load(
+        key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask
+    )
     value = tl.load(
         value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask
     )
     cache_offsets = (
-        block * stride_cache_block + offset * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
+        block * stride_cache_block
+        + offset * stride_cache_slot
+        + heads[:, None] * stride_cache_head
+        + dims[None, :]
     )
     tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
     tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
@@ -80,4 +85,3 @@ def reshape_and_cache(
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
     )
-

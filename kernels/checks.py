@@ -140,8 +140,10 @@ def check_triton_support(kernel: object, key_cache: torch.Tensor, *tensors: torc
         if t.device != device:
             _fail(f"all tensors must be on one device; got {t.device} and {device}")
     if device.type == "cpu" and not is_interpreted(kernel):
-        _fail("Triton kernels need CUDA tensors; CPU tensors only run with TRITON_INTERPRET=1 "
-              "set before triton is imported (use kernels.reference on CPU)")
+        _fail(
+            "Triton kernels need CUDA tensors; CPU tensors only run with TRITON_INTERPRET=1 "
+            "set before triton is imported (use kernels.reference on CPU)"
+        )
     if device.type not in ("cuda", "cpu"):
         _fail(f"Triton kernels run on CUDA devices, got {device}")
     dtype = str(key_cache.dtype).removeprefix("torch.")

@@ -22,7 +22,7 @@ INTERPRETER_NUM_SMS = 4  # stand-in SM count when running under TRITON_INTERPRET
 
 @triton.jit
 def kernel_paged_decode_attention(
-    out_ptr,  # [num_seqs, q_heads, head_dim] (NUM_SPLITS == 1) or fp32 [num_seqs, q_heads, NUM_SPLITS, head_dim]
+    out_ptr,  # [num_seqs, q_heads, head_dim], or fp32 [num_seqs, q_heads, NUM_SPLITS, head_dim] if split
     lse_ptr,  # fp32 [num_seqs, q_heads, NUM_SPLITS], log2-sum-exp2 of scaled scores (NUM_SPLITS > 1 only)
     query_ptr,  # [num_seqs, q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -72,8 +72,8 @@ def kernel_paged_decode_attention(
         q = q.to(tl.float32)
     qk_scale = scale * 1.4426950408889634  # log2(e): softmax with exp2
 
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     for tile in range(tile_start, tile_end):
         pos = tile * TILE + tl.arange(0, TILE)
@@ -96,20 +96,24 @@ def kernel_paged_decode_attention(
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [GROUP_PAD, TILE]
         s = tl.where(pos_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        row_max_new = tl.maximum(row_max, tl.max(s, 1))
+        p = tl.exp2(s - row_max_new[:, None])
+        alpha = tl.exp2(row_max - row_max_new)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        row_max = row_max_new
 
-    # An empty split (short context) has l == 0: it writes zeros and lse = -inf, which the merge ignores.
-    l_safe = tl.where(l > 0, l, 1.0)
-    out = acc / l_safe[:, None]
-    out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + split * stride_out_split + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+    # An empty split (short context) has row_sum == 0: it writes zeros and lse = -inf (merge ignores it).
+    row_sum_safe = tl.where(row_sum > 0, row_sum, 1.0)
+    out = acc / row_sum_safe[:, None]
+    out_offsets = (
+        seq * stride_out_seq + heads[:, None] * stride_out_head + split * stride_out_split + dims[None, :]
+    )
+    tl.store(
+        out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :]
+    )
     if NUM_SPLITS > 1:
-        lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
+        lse = tl.where(row_sum > 0, row_max + tl.log2(row_sum_safe), float("-inf"))
         q_heads = tl.num_programs(1) * QUERY_GROUP
         tl.store(lse_ptr + (seq * q_heads + heads) * NUM_SPLITS + split, lse, mask=head_mask)
 
@@ -187,9 +191,11 @@ def paged_decode_attention(
         return out
     if num_splits == 1:
         partial, lse = out, out  # lse is unused with one split
-        partial_strides = (out.stride(0), out.stride(1), 0)
+        partial_strides: tuple[int, ...] = (out.stride(0), out.stride(1), 0)
     else:
-        partial = torch.empty(num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        partial = torch.empty(
+            num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        )
         lse = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=query.device)
         partial_strides = partial.stride()[:3]
     group = q_heads // kv_heads

@@ -77,8 +77,8 @@ def kernel_paged_prefill_attention(
     q_pos = prefix_len + tokens  # absolute position of each row's token
     kv_end = tl.minimum(prefix_len + (q_tile + 1) * BLOCK_Q, context_len)  # causal bound of the tile
 
-    m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    row_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     for tile in range(0, tl.cdiv(kv_end, TILE)):
         pos = tile * TILE + tl.arange(0, TILE)
@@ -101,15 +101,15 @@ def kernel_paged_prefill_attention(
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE]
         s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        row_max_new = tl.maximum(row_max, tl.max(s, 1))
+        p = tl.exp2(s - row_max_new[:, None])
+        alpha = tl.exp2(row_max - row_max_new)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        row_max = row_max_new
 
-    # Every real row sees position 0, so l > 0 there; padding rows are not stored.
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    # Every real row sees position 0, so row_sum > 0 there; padding rows are not stored.
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(
         out_ptr
         + (query_start + tokens)[:, None] * stride_out_token

@@ -47,21 +47,21 @@ def paged_decode_attention_torch(
     num_blocks = -(-int(context_lens.max()) // block_size)
     num_tokens = num_blocks * block_size
 
-    # Gather every sequence's blocks, padded to the longest context; padding is masked below.
+    # Gather every sequence's blocks, padded to the longest context (padding is masked below),
+    # KV-head-major so both batched matmuls run over (kv_head, seq) without copies.
     pos = torch.arange(num_tokens, device=query.device)
-    valid = pos[None, :] < context_lens[:, None]  # [num_seqs, num_tokens]
-    block_valid = valid[:, ::block_size]  # [num_seqs, num_blocks]
-    block_ids = torch.where(block_valid, block_tables[:, :num_blocks], 0).long()
-    k = key_cache[block_ids].view(num_seqs, num_tokens, kv_heads, head_dim).float()
-    v = value_cache[block_ids].view(num_seqs, num_tokens, kv_heads, head_dim).float()
-    v = v.masked_fill(~valid[:, :, None, None], 0.0)  # unused slots may hold NaN; 0 * NaN = NaN
+    invalid = pos[None, :] >= context_lens[:, None]  # [num_seqs, num_tokens]
+    block_ids = block_tables[:, :num_blocks].masked_fill(invalid[:, ::block_size], 0).long().flatten()
+    kv_shape = (kv_heads, num_seqs, num_tokens, head_dim)
+    k = key_cache.permute(2, 0, 1, 3).index_select(1, block_ids).view(kv_shape).float()
+    v = value_cache.permute(2, 0, 1, 3).index_select(1, block_ids).view(kv_shape).float()
+    v.masked_fill_(invalid[None, :, :, None], 0.0)  # unused slots may hold NaN, and 0 * NaN = NaN
 
-    q = query.float().view(num_seqs, kv_heads, group, head_dim)
-    scores = q @ k.permute(0, 2, 3, 1) * scale  # [num_seqs, kv_heads, group, num_tokens]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = probs @ v.transpose(1, 2)  # [num_seqs, kv_heads, group, head_dim]
-    return out.view(num_seqs, q_heads, head_dim).to(query.dtype)
+    q = (query.float() * scale).view(num_seqs, kv_heads, group, head_dim).transpose(0, 1)
+    scores = q @ k.transpose(2, 3)  # [kv_heads, num_seqs, group, num_tokens]
+    scores.masked_fill_(invalid[None, :, None, :], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v  # [kv_heads, num_seqs, group, head_dim]
+    return out.transpose(0, 1).reshape(num_seqs, q_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_attention_torch(

@@ -57,7 +57,9 @@ def test_prefill_matches_dense_attention(head_dim, group, block_size, name):
     seqs = PREFILL_BATCHES[name]
     lens = [p + n for p, n in seqs]
     q_lens = [n for _, n in seqs]
-    batch = make_paged_batch(lens, block_size=block_size, kv_heads=KV_HEADS, head_dim=head_dim, dtype=torch.float32)
+    batch = make_paged_batch(
+        lens, block_size=block_size, kv_heads=KV_HEADS, head_dim=head_dim, dtype=torch.float32
+    )
     query = make_queries(sum(q_lens), KV_HEADS * group, head_dim, torch.float32)
     qsl = query_start_loc(q_lens)
     scale = head_dim**-0.5
@@ -109,7 +111,9 @@ def test_unused_block_table_entries_are_never_used(unused):
     )
     tables = batch.block_tables.clone()
     tables[tables == batch.poison_block] = unused
-    out = paged_decode_attention_torch(query, batch.key_cache, batch.value_cache, tables, batch.context_lens, 0.125)
+    out = paged_decode_attention_torch(
+        query, batch.key_cache, batch.value_cache, tables, batch.context_lens, 0.125
+    )
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     prefill = paged_prefill_attention_torch(
         query, batch.key_cache, batch.value_cache, tables, query_start_loc([1] * 4), batch.context_lens, 0.125
@@ -169,7 +173,10 @@ def bad_decode_args(**overrides):
         ({"query": lambda a: a["query"][:1]}, "query has 1 sequences but context_lens has 2"),
         ({"value_cache": lambda a: a["value_cache"][:-1]}, "value_cache shape"),
         ({"key_cache": lambda a: a["key_cache"][0]}, "key_cache must be 4-D"),
-        ({"query": lambda a: a["query"].transpose(1, 2).contiguous().transpose(1, 2)}, "contiguous in its last dim"),
+        (
+            {"query": lambda a: a["query"].transpose(1, 2).contiguous().transpose(1, 2)},
+            "contiguous in its last dim",
+        ),
     ],
 )
 def test_decode_rejects_bad_arguments(override, message):
@@ -181,8 +188,13 @@ def test_prefill_rejects_wrong_query_start_loc_length():
     args = bad_decode_args()
     with pytest.raises(ValueError, match="needs num_seqs \\+ 1 = 3"):
         paged_prefill_attention_torch(
-            args["query"], args["key_cache"], args["value_cache"], args["block_tables"],
-            query_start_loc([1, 1])[:2], args["context_lens"], 0.125,
+            args["query"],
+            args["key_cache"],
+            args["value_cache"],
+            args["block_tables"],
+            query_start_loc([1, 1])[:2],
+            args["context_lens"],
+            0.125,
         )
 
 

@@ -25,7 +25,19 @@ def run_cases(keyword: str, marker: str, interpret: bool) -> None:
     env.pop("TRITON_INTERPRET", None)
     if interpret and not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-k", keyword, "-m", marker]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(CASES),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        keyword,
+        "-m",
+        marker,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     report = f"{' '.join(cmd)} exited {done.returncode}\n{done.stdout[-8000:]}\n{done.stderr[-4000:]}"
     if done.returncode != 0 or " passed" not in done.stdout:  # a run that only skips proves nothing
@@ -45,7 +57,7 @@ def test_compiled_kernels_checks_and_cuda_compile():
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("group", INTERPRETED_GROUPS)
+@pytest.mark.parametrize("group", ["decode", "prefill"])  # the groups with slow cases
 def test_triton_kernels_slow(group):
     run_cases(group, "slow", interpret=True)
 

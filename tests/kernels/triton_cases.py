@@ -30,6 +30,13 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
 }
 DTYPES = list(TOLERANCES)
+LOW_PRECISION = [torch.float16, torch.bfloat16]
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 KV_HEADS = 2
 
 
@@ -75,13 +82,17 @@ def run_prefill(seqs, *, head_dim, group, block_size, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 32)])
 def test_cache_write_matches_reference_and_skips_padding(dtype, head_dim, block_size):
     from kernels import reshape_and_cache
 
     batch = make_paged_batch(
-        [1, block_size, block_size + 1], block_size=block_size, kv_heads=3, head_dim=head_dim, dtype=dtype,
+        [1, block_size, block_size + 1],
+        block_size=block_size,
+        kv_heads=3,
+        head_dim=head_dim,
+        dtype=dtype,
         device=DEVICE,
     )
     pad = torch.tensor([-1], device=DEVICE)
@@ -115,7 +126,7 @@ def test_cache_write_accepts_strided_key_value():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -123,13 +134,17 @@ def test_decode_matches_reference(head_dim, group, block_size, dtype):
     # 1 token, exactly a block, a block + 1, and 4 tiles: with 3 splits that is 2 + 2 + empty.
     lens = [1, block_size, block_size + 1, 101]
     for num_splits in (1, 3):
-        run_decode(lens, head_dim=head_dim, group=group, block_size=block_size, dtype=dtype, num_splits=num_splits)
+        run_decode(
+            lens, head_dim=head_dim, group=group, block_size=block_size, dtype=dtype, num_splits=num_splits
+        )
 
 
 @needs_kernels
 @pytest.mark.parametrize("num_splits", [None, 2, 5, 8])
 def test_decode_split_counts(num_splits):
-    run_decode([200, 7, 64, 129], head_dim=64, group=4, block_size=16, dtype=torch.float16, num_splits=num_splits)
+    run_decode(
+        [200, 7, 64, 129], head_dim=64, group=4, block_size=16, dtype=torch.float16, num_splits=num_splits
+    )
 
 
 @needs_kernels
@@ -145,26 +160,34 @@ def test_decode_choose_num_splits():
 
 @pytest.mark.slow
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
 @pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
 def test_decode_other_head_sizes(head_dim, dtype):
     for num_splits in (1, 2):
-        run_decode([1, 16, 17, 70], head_dim=head_dim, group=4, block_size=16, dtype=dtype, num_splits=num_splits)
+        run_decode(
+            [1, 16, 17, 70], head_dim=head_dim, group=4, block_size=16, dtype=dtype, num_splits=num_splits
+        )
 
 
 @pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("block_size", [8, 64])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_decode_other_block_sizes(block_size, dtype):
     for num_splits in (1, 3):
-        run_decode([1, block_size, block_size + 1, 150], head_dim=64, group=4, block_size=block_size, dtype=dtype,
-                   num_splits=num_splits)
+        run_decode(
+            [1, block_size, block_size + 1, 150],
+            head_dim=64,
+            group=4,
+            block_size=block_size,
+            dtype=dtype,
+            num_splits=num_splits,
+        )
 
 
 @pytest.mark.slow
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
 def test_decode_long_contexts(dtype):
     lens = [1, 511, 512, 513, 1000, 1024]
     for num_splits in (1, 7, 16):
@@ -181,7 +204,7 @@ PREFILL_BATCHES = {
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -192,7 +215,7 @@ def test_prefill_matches_reference(name, head_dim, group, block_size, dtype):
 
 @pytest.mark.slow
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
 @pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
 def test_prefill_other_head_sizes(head_dim, dtype):
     run_prefill([(0, 20), (17, 30)], head_dim=head_dim, group=4, block_size=16, dtype=dtype)
@@ -201,17 +224,24 @@ def test_prefill_other_head_sizes(head_dim, dtype):
 @pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("block_size", [8, 64])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_prefill_other_block_sizes(block_size, dtype):
-    run_prefill([(0, 1), (block_size, 1), (block_size + 3, 40), (0, 100)], head_dim=64, group=4,
-                block_size=block_size, dtype=dtype)
+    run_prefill(
+        [(0, 1), (block_size, 1), (block_size + 3, 40), (0, 100)],
+        head_dim=64,
+        group=4,
+        block_size=block_size,
+        dtype=dtype,
+    )
 
 
 @pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("group", [1, 8])
 def test_prefill_long_prompts(group):
-    run_prefill([(0, 300), (250, 80), (500, 1)], head_dim=128, group=group, block_size=16, dtype=torch.float16)
+    run_prefill(
+        [(0, 300), (250, 80), (500, 1)], head_dim=128, group=group, block_size=16, dtype=torch.float16
+    )
 
 
 # ---- checks --------------------------------------------------------------------------------
@@ -228,7 +258,9 @@ def test_prefill_long_prompts(group):
 def test_checks_reject_unsupported_shapes(head_dim, block_size, dtype, message):
     from kernels import paged_decode_attention, paged_prefill_attention
 
-    batch = make_paged_batch([5], block_size=block_size, kv_heads=2, head_dim=head_dim, dtype=dtype, device=DEVICE)
+    batch = make_paged_batch(
+        [5], block_size=block_size, kv_heads=2, head_dim=head_dim, dtype=dtype, device=DEVICE
+    )
     query = make_queries(1, 2, head_dim, dtype, DEVICE)
     args = (query, batch.key_cache, batch.value_cache, batch.block_tables)
     with pytest.raises(ValueError, match=message):
@@ -244,14 +276,23 @@ def test_checks_reject_bad_arguments_before_launch():
     batch = make_paged_batch([5], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16, device=DEVICE)
     query = make_queries(1, 8, 64, torch.float16, DEVICE)
     with pytest.raises(ValueError, match="block_tables must have dtype"):
-        paged_decode_attention(query, batch.key_cache, batch.value_cache, batch.block_tables.long(),
-                               batch.context_lens, 0.125)
+        paged_decode_attention(
+            query, batch.key_cache, batch.value_cache, batch.block_tables.long(), batch.context_lens, 0.125
+        )
     with pytest.raises(ValueError, match="num_splits must be >= 1"):
-        paged_decode_attention(query, batch.key_cache, batch.value_cache, batch.block_tables,
-                               batch.context_lens, 0.125, num_splits=0)
+        paged_decode_attention(
+            query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.context_lens,
+            0.125,
+            num_splits=0,
+        )
     with pytest.raises(ValueError, match="key dtype torch.float32 != cache dtype"):
-        reshape_and_cache(batch.keys[0].float(), batch.values[0], batch.key_cache, batch.value_cache,
-                          batch.slot_mappings[0])
+        reshape_and_cache(
+            batch.keys[0].float(), batch.values[0], batch.key_cache, batch.value_cache, batch.slot_mappings[0]
+        )
 
 
 @pytest.mark.skipif(DEVICE != "cpu" or INTERPRETED, reason="needs the compiled (not interpreted) kernels")
@@ -261,8 +302,9 @@ def test_checks_reject_cpu_tensors_without_interpreter():
     batch = make_paged_batch([5], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16)
     query = make_queries(1, 8, 64, torch.float16)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        paged_decode_attention(query, batch.key_cache, batch.value_cache, batch.block_tables,
-                               batch.context_lens, 0.125)
+        paged_decode_attention(
+            query, batch.key_cache, batch.value_cache, batch.block_tables, batch.context_lens, 0.125
+        )
 
 
 # ---- cuda_compile: the real GPU compiler (through ptxas), no GPU needed ----------------------
@@ -276,11 +318,14 @@ def compile_for_cuda(kernel, pointer_types: dict[str, str], constexprs: dict, ar
     from triton.compiler import ASTSource
 
     signature = {
-        name: "constexpr" if name in constexprs else pointer_types.get(name, "fp32" if name == "scale" else "i32")
+        name: "constexpr"
+        if name in constexprs
+        else pointer_types.get(name, "fp32" if name == "scale" else "i32")
         for name in kernel.arg_names
     }
     compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
+        ASTSource(kernel, signature, constexprs=constexprs),
+        target=GPUTarget("cuda", arch, 32),
         options={"num_warps": 4},
     )
     assert compiled.metadata.shared <= SM_80_MAX_SHARED
@@ -288,8 +333,13 @@ def compile_for_cuda(kernel, pointer_types: dict[str, str], constexprs: dict, ar
 
 def attention_pointers(dtype: str) -> dict[str, str]:
     return {
-        "query_ptr": dtype, "key_cache_ptr": dtype, "value_cache_ptr": dtype, "block_tables_ptr": "*i32",
-        "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "lse_ptr": "*fp32",
+        "query_ptr": dtype,
+        "key_cache_ptr": dtype,
+        "value_cache_ptr": dtype,
+        "block_tables_ptr": "*i32",
+        "context_lens_ptr": "*i32",
+        "query_start_loc_ptr": "*i32",
+        "lse_ptr": "*fp32",
     }
 
 
@@ -302,17 +352,35 @@ def compile_all(head_dim: int, dtype: str, group: int, arch: int) -> None:
 
     pad = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)
-    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16, QUERY_GROUP=group, TILE=32, COMPUTE_FP32=False)
+    common = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16, QUERY_GROUP=group, TILE=32, COMPUTE_FP32=False
+    )
     for splits, out in ((1, dtype), (4, "*fp32")):
-        compile_for_cuda(kernel_paged_decode_attention, {**attention_pointers(dtype), "out_ptr": out},
-                         dict(common, GROUP_PAD=max(16, group_pad), NUM_SPLITS=splits), arch)
-    compile_for_cuda(kernel_merge_splits, {"out_ptr": dtype, "partial_ptr": "*fp32", "lse_ptr": "*fp32"},
-                     dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SPLITS=5, SPLITS_PAD=8), arch)
-    compile_for_cuda(kernel_paged_prefill_attention, {**attention_pointers(dtype), "out_ptr": dtype},
-                     dict(common, GROUP_PAD=group_pad, BLOCK_Q=max(1, BLOCK_M // group_pad)), arch)
-    compile_for_cuda(kernel_reshape_and_cache, {p: dtype for p in ("key_ptr", "value_ptr", "key_cache_ptr",
-                                                                   "value_cache_ptr")} | {"slot_mapping_ptr": "*i64"},
-                     dict(KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16), arch)
+        compile_for_cuda(
+            kernel_paged_decode_attention,
+            {**attention_pointers(dtype), "out_ptr": out},
+            dict(common, GROUP_PAD=max(16, group_pad), NUM_SPLITS=splits),
+            arch,
+        )
+    compile_for_cuda(
+        kernel_merge_splits,
+        {"out_ptr": dtype, "partial_ptr": "*fp32", "lse_ptr": "*fp32"},
+        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, NUM_SPLITS=5, SPLITS_PAD=8),
+        arch,
+    )
+    compile_for_cuda(
+        kernel_paged_prefill_attention,
+        {**attention_pointers(dtype), "out_ptr": dtype},
+        dict(common, GROUP_PAD=group_pad, BLOCK_Q=max(1, BLOCK_M // group_pad)),
+        arch,
+    )
+    compile_for_cuda(
+        kernel_reshape_and_cache,
+        {p: dtype for p in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
+        | {"slot_mapping_ptr": "*i64"},
+        dict(KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16),
+        arch,
+    )
 
 
 cuda_compiler = pytest.mark.skipif(INTERPRETED, reason="the interpreter has no compiler")

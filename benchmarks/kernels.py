@@ -1,0 +1,192 @@
+"""Paged decode attention: Triton kernel vs the torch reference.
+
+    python benchmarks/kernels.py            (or python -m benchmarks.kernels)
+
+On CUDA: batch 1/16/64/256 x context 512/2k/8k, GQA 32:8, head 128, bf16, block 16; prints
+time, achieved GB/s of K/V read, the fraction of the device's peak memory bandwidth (when the
+device is in PEAK_GBPS) and the max difference from the reference. Without CUDA: re-runs itself
+under TRITON_INTERPRET=1 for a small correctness pass; exits 0 when it passes, 1 when not.
+"""
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+# This file is named kernels.py: run as a script, its folder would shadow the `kernels` package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch  # noqa: E402
+
+# Peak HBM bandwidth (GB/s) by a substring of torch.cuda.get_device_name(); first match wins.
+PEAK_GBPS = (
+    ("H200", 4800),
+    ("H100 NVL", 3900),
+    ("H100 PCIe", 2000),
+    ("H100", 3350),  # SXM
+    ("A100-SXM4-80GB", 2039),
+    ("A100 80GB PCIe", 1935),
+    ("A100", 1555),  # 40GB SXM4 / PCIe
+    ("L40S", 864),
+    ("A10G", 600),
+    ("L4", 300),
+)
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def peak_gbps(device_name: str) -> float | None:
+    return next((gbps for key, gbps in PEAK_GBPS if key in device_name), None)
+
+
+def decode_inputs(batch: int, context: int, block_size: int, dtype: torch.dtype, device: str):
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks, device=device)  # scattered blocks, as after some churn
+    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    return query, key_cache, value_cache, block_tables, context_lens, HEAD_DIM**-0.5
+
+
+def benchmark(args: argparse.Namespace) -> int:
+    import triton
+    import triton.testing
+
+    from kernels import paged_decode_attention
+    from kernels.decode_attention import choose_num_splits
+    from kernels.reference import paged_decode_attention_torch
+
+    dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name()
+    peak = peak_gbps(name)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{name} ({num_sms} SMs), peak {peak or 'n/a'} GB/s")
+    print(f"triton {triton.__version__}, torch {torch.__version__}")
+    print(f"decode: GQA {Q_HEADS}:{KV_HEADS}, head {HEAD_DIM}, {args.dtype}, block {args.block_size}\n")
+    header = (
+        f"{'batch':>5} {'context':>7} {'splits':>6} | {'triton ms':>9} {'GB/s':>7} {'% peak':>6} | "
+        f"{'torch ms':>9} {'GB/s':>7} | {'speedup':>7} {'max err':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for batch in args.batches:
+        for context in args.contexts:
+            inputs = decode_inputs(batch, context, args.block_size, dtype, "cuda")
+            kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * inputs[1].element_size()
+            splits = choose_num_splits(batch, KV_HEADS, context, num_sms)
+            out = paged_decode_attention(*inputs)
+            t_ms = triton.testing.do_bench(functools.partial(paged_decode_attention, *inputs))
+            gbps = kv_bytes / t_ms / 1e6
+            pct = f"{100 * gbps / peak:5.1f}%" if peak else "n/a"
+            # The reference materializes fp32 copies of every sequence's K/V: skip it when that cannot fit.
+            ref_bytes = 3 * kv_bytes * (1 + 4 / inputs[1].element_size())
+            reference = functools.partial(paged_decode_attention_torch, *inputs)
+            if ref_bytes < 0.8 * torch.cuda.mem_get_info()[0]:
+                err = (out.float() - reference().float()).abs().max().item()
+                r_ms = triton.testing.do_bench(reference, rep=50)
+                ref = f"{r_ms:9.3f} {kv_bytes / r_ms / 1e6:7.0f} | {r_ms / t_ms:6.1f}x {err:8.1e}"
+            else:
+                ref = f"{'(skip)':>9} {'':>7} | {'':>7} {'':>8}"
+            print(f"{batch:5d} {context:7d} {splits:6d} | {t_ms:9.3f} {gbps:7.0f} {pct:>6} | {ref}")
+            del inputs, out, reference
+            torch.cuda.empty_cache()
+    return 0
+
+
+def correctness_pass() -> int:
+    """A few small shapes through the interpreter; the same comparisons as tests/kernels."""
+    from kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+    from kernels.reference import (
+        paged_decode_attention_torch,
+        paged_prefill_attention_torch,
+        reshape_and_cache_torch,
+    )
+
+    torch.manual_seed(0)
+    kv_heads, group, head_dim, block_size = 2, 4, 128, 16
+    context_lens = [1, 16, 17, 150]
+    failures = 0
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 3e-2)):
+        total = sum(context_lens)
+        num_blocks = sum(-(-n // block_size) for n in context_lens)
+        key_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        value_cache = torch.zeros_like(key_cache)
+        key = torch.randn(total, kv_heads, head_dim).to(dtype)
+        value = torch.randn(total, kv_heads, head_dim).to(dtype)
+        block_tables = torch.zeros(
+            len(context_lens), max(-(-n // block_size) for n in context_lens), dtype=torch.int32
+        )
+        slots, next_block = [], 0
+        for i, n in enumerate(context_lens):
+            for b in range(-(-n // block_size)):
+                block_tables[i, b] = next_block
+                next_block += 1
+            slots += [int(block_tables[i, p // block_size]) * block_size + p % block_size for p in range(n)]
+        slot_mapping = torch.tensor(slots)
+        ref_k, ref_v = key_cache.clone(), value_cache.clone()
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        reshape_and_cache_torch(key, value, ref_k, ref_v, slot_mapping)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        cache = (key_cache, value_cache, block_tables)
+        query = torch.randn(len(context_lens), kv_heads * group, head_dim).to(dtype)
+        prefill_query = torch.randn(total, kv_heads * group, head_dim).to(dtype)
+        qsl = torch.tensor([0, *torch.tensor(context_lens).cumsum(0).tolist()], dtype=torch.int32)
+        checks = {
+            "reshape_and_cache": max(
+                (key_cache.float() - ref_k.float()).abs().max().item(),
+                (value_cache.float() - ref_v.float()).abs().max().item(),
+            ),
+            "decode (2 splits)": (
+                paged_decode_attention(query, *cache, lens, head_dim**-0.5, num_splits=2).float()
+                - paged_decode_attention_torch(query, *cache, lens, head_dim**-0.5).float()
+            )
+            .abs()
+            .max()
+            .item(),
+            "prefill": (
+                paged_prefill_attention(prefill_query, *cache, qsl, lens, head_dim**-0.5).float()
+                - paged_prefill_attention_torch(prefill_query, *cache, qsl, lens, head_dim**-0.5).float()
+            )
+            .abs()
+            .max()
+            .item(),
+        }
+        for kernel, err in checks.items():
+            ok = err <= tol
+            failures += not ok
+            print(
+                f"  {str(dtype).removeprefix('torch.'):>8} {kernel:<18} max |triton - torch| {err:.1e}  "
+                f"{'ok' if ok else f'FAIL (> {tol})'}"
+            )
+    return 1 if failures else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    args = parser.parse_args()
+    if torch.cuda.is_available():
+        return benchmark(args)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # TRITON_INTERPRET is read when triton is imported: start over with it set.
+        print(
+            "no CUDA device present: running a small correctness pass under the Triton interpreter",
+            flush=True,
+        )
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    return correctness_pass()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
