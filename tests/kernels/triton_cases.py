@@ -147,6 +147,28 @@ def test_decode_split_counts(num_splits):
     )
 
 
+def fused_qkv_batch():
+    """A query that is a slice of a fused QKV projection: token stride != q_heads * head_dim."""
+    batch = make_paged_batch(
+        [3, 40], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16, device=DEVICE
+    )
+    qkv = make_queries(2, 8 + 2 + 2, 64, torch.float16, DEVICE)
+    return batch, qkv[:, :8]
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_accepts_strided_query(num_splits):
+    from kernels import paged_decode_attention
+
+    batch, query = fused_qkv_batch()
+    cache = (batch.key_cache, batch.value_cache, batch.block_tables)
+    out = paged_decode_attention(query, *cache, batch.context_lens, 0.125, num_splits=num_splits)
+    assert_matches(
+        out, reference.paged_decode_attention_torch(query.contiguous(), *cache, batch.context_lens, 0.125)
+    )
+
+
 @needs_kernels
 def test_decode_choose_num_splits():
     from kernels.decode_attention import MAX_SPLITS, choose_num_splits
@@ -213,6 +235,22 @@ def test_prefill_matches_reference(name, head_dim, group, block_size, dtype):
     run_prefill(PREFILL_BATCHES[name], head_dim=head_dim, group=group, block_size=block_size, dtype=dtype)
 
 
+@needs_kernels
+def test_prefill_accepts_strided_query():
+    from kernels import paged_prefill_attention
+
+    batch, query = fused_qkv_batch()
+    args = (
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        query_start_loc([1, 1], DEVICE),
+        batch.context_lens,
+    )
+    out = paged_prefill_attention(query, *args, 0.125)
+    assert_matches(out, reference.paged_prefill_attention_torch(query.contiguous(), *args, 0.125))
+
+
 @pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
@@ -267,6 +305,14 @@ def test_checks_reject_unsupported_shapes(head_dim, block_size, dtype, message):
         paged_decode_attention(*args, batch.context_lens, 0.125)
     with pytest.raises(ValueError, match=message):
         paged_prefill_attention(*args, query_start_loc([1], DEVICE), batch.context_lens, 0.125)
+
+
+def test_checks_triton_version_is_the_installed_one():
+    import triton
+
+    from kernels.support import triton_version
+
+    assert triton_version() == triton.__version__
 
 
 @needs_kernels
