@@ -52,9 +52,10 @@ def paged_decode_attention_torch(
     pos = torch.arange(num_tokens, device=query.device)
     invalid = pos[None, :] >= context_lens[:, None]  # [num_seqs, num_tokens]
     block_ids = block_tables[:, :num_blocks].masked_fill(invalid[:, ::block_size], 0).long().flatten()
-    kv_shape = (kv_heads, num_seqs, num_tokens, head_dim)
-    k = key_cache.permute(2, 0, 1, 3).index_select(1, block_ids).view(kv_shape).float()
-    v = value_cache.permute(2, 0, 1, 3).index_select(1, block_ids).view(kv_shape).float()
+    # Gather first, then permute: index_select on a permuted pool would copy the whole pool each call.
+    gathered_shape = (num_seqs, num_tokens, kv_heads, head_dim)
+    k = key_cache.index_select(0, block_ids).view(gathered_shape).permute(2, 0, 1, 3).float()
+    v = value_cache.index_select(0, block_ids).view(gathered_shape).permute(2, 0, 1, 3).float()
     v.masked_fill_(invalid[None, :, :, None], 0.0)  # unused slots may hold NaN, and 0 * NaN = NaN
 
     q = (query.float() * scale).view(num_seqs, kv_heads, group, head_dim).transpose(0, 1)
