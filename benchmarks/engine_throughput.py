@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from shared.intent import PagedAttentionMode, cache_intent
+from shared.log import configure_logging
 from shared.spec import WorkerSpec
 from worker.engine import Engine
 from worker.request import GenerationOutput, GenerationRequest, SamplingParams
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caches", default="eager,paged", help="which of eager,paged to run")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
+    configure_logging("console", "WARNING")  # logs to stderr; the table alone on stdout
 
     command = "python -m benchmarks.engine_throughput " + " ".join(
         map(shlex.quote, sys.argv[1:] if argv is None else argv)

@@ -38,7 +38,10 @@ class DeviceProbe:
 def probe_device(requested: str = "auto", device_map: tuple[LayerPlacement, ...] = ()) -> DeviceProbe:
     """Raises ConfigError naming --device when the requested device does not exist here."""
     device = _resolve(requested)
-    map_kinds = frozenset(torch.device(p.device).type for p in device_map)
+    try:
+        map_kinds = frozenset(torch.device(p.device).type for p in device_map)
+    except RuntimeError as e:
+        raise ConfigError(f"--device-map names a device torch does not know: {e}") from e
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)

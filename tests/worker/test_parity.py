@@ -110,20 +110,20 @@ def check(engine: Engine, expected, staggered: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["off", "on"])
-def test_default_smollm2_matches_transformers(make_engine, mode):
-    """The bundled SmolLM2-135M GGUF (dequantized to fp32): 2 prompts, 16 tokens, vs transformers
-    reading the same GGUF file."""
+def test_default_smollm2_eager_and_paged_match_transformers(make_engine):
+    """The bundled SmolLM2-135M GGUF (dequantized to fp32): 2 prompts, 16 tokens; eager == paged ==
+    transformers reading the same GGUF file."""
     from transformers import AutoModelForCausalLM
 
     from worker.loader import default_model_path
 
+    engines = [make_engine("", mode, max_model_len=512) for mode in ("off", "on")]
+    tokenizer = engines[0].tokenizer
+    prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
     path = default_model_path()
-    engine = make_engine("", mode, max_model_len=512)
-    chat = [engine.tokenizer.encode("The capital of France is"), engine.tokenizer.encode("def fibonacci(n):")]
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    results = engine.run([greedy(f"d{i}", tuple(p), 16) for i, p in enumerate(chat)], timeout=300)
-    for prompt, result in zip(chat, results, strict=True):
+    expected = []
+    for prompt in prompts:
         ids = torch.tensor([prompt])
         out = hf.generate(
             ids,
@@ -133,4 +133,7 @@ def test_default_smollm2_matches_transformers(make_engine, mode):
             eos_token_id=[],
             pad_token_id=0,
         )
-        assert result.token_ids == out[0, len(prompt) :].tolist()
+        expected.append(out[0, len(prompt) :].tolist())
+    for engine in engines:
+        results = engine.run([greedy(f"d{i}", tuple(p), 16) for i, p in enumerate(prompts)], timeout=300)
+        assert [r.token_ids for r in results] == expected, engine.realized.kind
