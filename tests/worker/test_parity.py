@@ -109,10 +109,9 @@ def check(engine: Engine, expected, staggered: bool) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-@pytest.mark.slow
 def test_default_smollm2_eager_and_paged_match_transformers(make_engine):
     """The bundled SmolLM2-135M GGUF (dequantized to fp32): 2 prompts, 16 tokens; eager == paged ==
-    transformers reading the same GGUF file."""
+    transformers reading the same GGUF file. ~20 s (more on the first run, which converts the GGUF)."""
     from transformers import AutoModelForCausalLM
 
     from worker.loader import default_model_path
