@@ -209,12 +209,16 @@ class Engine:
     def _prepare(self, request: GenerationRequest) -> tuple[list[int], int]:
         request.validate()
         prompt = request.prompt
+        messages = [m for m in prompt if isinstance(m, ChatMessage)] if isinstance(prompt, tuple) else []
+        token_ids = (
+            [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)] if messages == [] else []
+        )
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif all(isinstance(m, ChatMessage) for m in prompt):
-            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in prompt])
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif len(messages) == len(prompt):
+            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+        elif len(token_ids) == len(prompt):
+            ids = token_ids
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")

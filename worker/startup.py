@@ -271,31 +271,34 @@ def realized_cache(
     plan: WorkerPlan, cache: PagedCache | EagerCache, scheduler: SchedulerKind
 ) -> RealizedCache:
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
-    common = dict(
-        scheduler=scheduler,
-        max_model_len=plan.max_model_len,
-        memory_bytes=cache.memory_bytes,
-        cache_dtype=cache_dtype,
-        fallbacks=tuple(plan.state.fallbacks),
-    )
+    fallbacks = tuple(plan.state.fallbacks)
     if isinstance(cache, PagedCache):
         capacity = cache.num_blocks * cache.block_size
+        config = plan.state.paged_config
         return RealizedCache(
             kind=CacheKind.PAGED,
+            scheduler=scheduler,
+            max_model_len=plan.max_model_len,
             capacity_tokens=capacity,
             max_concurrency=capacity // plan.max_model_len,
             num_blocks=cache.num_blocks,
+            memory_bytes=cache.memory_bytes,
+            cache_dtype=cache_dtype,
             backend=cache.backend,
             block_size=cache.block_size,
-            prefix_caching=plan.state.paged_config is not None and plan.state.paged_config.prefix_caching,
-            **common,
+            prefix_caching=config is not None and config.prefix_caching,
+            fallbacks=fallbacks,
         )
     return RealizedCache(
         kind=CacheKind.EAGER,
+        scheduler=scheduler,
+        max_model_len=plan.max_model_len,
         capacity_tokens=cache.num_slots * cache.max_model_len,
         max_concurrency=cache.num_slots,
         num_blocks=cache.num_slots,
-        **common,
+        memory_bytes=cache.memory_bytes,
+        cache_dtype=cache_dtype,
+        fallbacks=fallbacks,
     )
 
 

@@ -39,9 +39,11 @@ def paged_ops(backend: PagedBackend) -> PagedOps:
             kernels.paged_prefill_attention_torch,
         )
     if backend is PagedBackend.TRITON:  # imports triton: only on a worker whose decision chose it
-        return PagedOps(
-            kernels.reshape_and_cache, kernels.paged_decode_attention, kernels.paged_prefill_attention
-        )
+        from kernels.cache_write import reshape_and_cache
+        from kernels.decode_attention import paged_decode_attention
+        from kernels.prefill_attention import paged_prefill_attention
+
+        return PagedOps(reshape_and_cache, paged_decode_attention, paged_prefill_attention)
     raise ValueError(f"the paged cache needs a concrete backend (torch or triton), got {backend}")
 
 
