@@ -28,13 +28,13 @@ import structlog
 import torch
 
 from shared.errors import RequestError
+from shared.handshake import WorkerLoad
 from shared.realized import RealizedCache
 from worker.model_runner import ModelRunner
 from worker.output_stream import OutputStream, Sink
 from worker.request import (
     ChatMessage,
     EngineClosedError,
-    EngineStats,
     FinishReason,
     GenerationError,
     GenerationOutput,
@@ -142,13 +142,15 @@ class Engine:
             self._commands.put(("abort", request_id))
         return found
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> WorkerLoad:
+        """A snapshot of the load, as the router sees it (EAGER: blocks are slots, one per sequence);
+        tokens_per_second is over the last TPS_WINDOW_S seconds."""
         now = time.monotonic()
         with self._lock:
             window = [(t, n) for t, n in self._generated if now - t <= TPS_WINDOW_S]
             running, waiting = self._counts
         tps = sum(n for _, n in window) / (now - window[0][0]) if len(window) > 1 else 0.0
-        return EngineStats(
+        return WorkerLoad(
             num_running=running,
             num_waiting=waiting,
             num_free_blocks=self.scheduler.num_free_blocks,

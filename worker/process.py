@@ -42,7 +42,6 @@ from worker.engine import Engine
 from worker.registration import RouterError, RouterLink
 from worker.service import WorkerServer, WorkerService
 from worker.startup import build_engine, plan_startup
-from worker.wire import load_from_stats
 
 log = structlog.get_logger(__name__)
 
@@ -246,9 +245,7 @@ class WorkerProcess:
                 self.stop.request("the router refused this worker when it registered again", code)
 
         try:
-            reason = await self.link.heartbeats(
-                self.heartbeat_interval_s, lambda: load_from_stats(engine.stats()), reregister
-            )
+            reason = await self.link.heartbeats(self.heartbeat_interval_s, engine.stats, reregister)
         except RouterError as exc:  # the token was rejected, or re-registering failed
             _say(f"worker {self.worker_id}: {exc}", error=True)
             self.stop.request(str(exc), EXIT_FATAL)

@@ -113,18 +113,6 @@ class GenerationOutput:
     usage: Usage | None = None
 
 
-@dataclass(slots=True)
-class EngineStats:
-    """EAGER: blocks are slots (one per running sequence)."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    tokens_per_second: float  # generated tokens per second over the last few seconds
-
-
 class GenerationError(KvpactError):
     """The engine failed while serving a request (a step raised); the message says what failed."""
 

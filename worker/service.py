@@ -24,9 +24,10 @@ from grpc_reflection.v1alpha import reflection
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 from shared.errors import KvpactError, RequestError
+from shared.wire import load_to_pb
 from worker.interceptors import ErrorInterceptor, LogContextInterceptor
 from worker.request import EngineClosedError, GenerationError
-from worker.wire import chunk_to_pb, request_from_pb, stats_to_pb
+from worker.wire import chunk_to_pb, request_from_pb
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -90,7 +91,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
-        return stats_to_pb(self._ready().stats())
+        return load_to_pb(self._ready().stats())
 
     async def Shutdown(
         self, request: worker_pb2.ShutdownRequest, context: grpc.aio.ServicerContext

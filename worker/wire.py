@@ -1,5 +1,6 @@
-"""Protobuf at the worker's edge: GenerateRequest -> GenerationRequest, GenerationOutput -> GenerateChunk,
-EngineStats -> WorkerLoad. One place per type; the engine never sees a protobuf message.
+"""Protobuf at the worker's edge: GenerateRequest -> GenerationRequest, GenerationOutput -> GenerateChunk.
+One place per type; the engine never sees a protobuf message. The engine's load is already the shared
+WorkerLoad, sent by shared.wire.load_to_pb.
 
 Unset optional sampling fields take the defaults the proto documents (temperature 1, top_p 1,
 repetition_penalty 1, no seed); an unset max_tokens stays None (the engine picks).
@@ -7,14 +8,11 @@ repetition_penalty 1, no seed); an unset max_tokens stays None (the engine picks
 
 from __future__ import annotations
 
-from kvpact.v1 import generation_pb2, worker_pb2
+from kvpact.v1 import generation_pb2
 
 from shared.errors import RequestError
-from shared.handshake import WorkerLoad
-from shared.wire import load_to_pb
 from worker.request import (
     ChatMessage,
-    EngineStats,
     FinishReason,
     GenerationOutput,
     GenerationRequest,
@@ -84,18 +82,3 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
             )
         )
     return chunk
-
-
-def load_from_stats(stats: EngineStats) -> WorkerLoad:
-    return WorkerLoad(
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting,
-        num_free_blocks=stats.num_free_blocks,
-        num_total_blocks=stats.num_total_blocks,
-        tokens_per_second=stats.tokens_per_second,
-        num_preemptions=stats.num_preemptions,
-    )
-
-
-def stats_to_pb(stats: EngineStats) -> worker_pb2.WorkerLoad:
-    return load_to_pb(load_from_stats(stats))

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from shared.errors import RequestError
+from shared.handshake import WorkerLoad
 from tests.worker.conftest import collect, greedy, run_staggered
 from worker.engine import Engine
 from worker.request import (
@@ -246,6 +247,14 @@ def test_every_request_finished_or_aborted_leaves_all_blocks_free(engine):
 
     asyncio.run(main())
     assert wait_until(lambda: all_blocks_free(engine))
+
+
+def test_stats_is_the_load_the_router_sees(engine):
+    engine.run([greedy("s", tuple(range(3, 10)), 4)], timeout=30)
+    stats = engine.stats()
+    assert type(stats) is WorkerLoad  # the heartbeat and the Stats RPC send it as is
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_total_blocks > 0
 
 
 # ---- failures and shutdown ----
