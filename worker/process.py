@@ -1,6 +1,7 @@
 """A worker process from start to exit.
 
     bind the gRPC server (Worker + health NOT_SERVING + reflection), print "worker ID listening on ADDR"
+    -> probe the device (its Capabilities go into every Handshake from here on, a failed one too)
     -> capability check and pre-load verdict (worker.startup; fast, before any weight is read)
     -> load the model, build the KV cache, choose the scheduler (in a thread; health answers meanwhile)
     -> health SERVING, print the realized cache table
@@ -38,10 +39,12 @@ from shared.handshake import StartupFailure, StartupFailureCode
 from shared.log import configure_logging
 from shared.spec import WorkerSpec
 from shared.wire import failure_to_pb, mode_from_pb, realized_to_pb, spec_to_pb
+from worker.device import probe_device
 from worker.engine import Engine
 from worker.registration import RouterError, RouterLink
 from worker.service import WorkerServer, WorkerService
 from worker.startup import build_engine, plan_startup
+from worker.wire import capabilities_to_pb
 
 log = structlog.get_logger(__name__)
 
@@ -209,11 +212,14 @@ class WorkerProcess:
         return None
 
     async def _build_engine(self) -> Engine:
-        """The startup sequence proper, in worker/startup.py: the pre-load verdict (it logs how long that
-        took), then weights, cache and scheduler. Both run in a thread, so health answers meanwhile."""
+        """The startup sequence proper, in worker/startup.py: the device probe (its capabilities go into
+        every handshake from then on, a failed one too), the pre-load verdict (it logs how long that
+        took), then weights, cache and scheduler. All run in a thread, so health answers meanwhile."""
         started = time.monotonic()
-        plan = await _in_daemon_thread(plan_startup, self.options.spec)
-        self.handshake.capabilities.CopyFrom(plan.capabilities_pb())
+        spec = self.options.spec
+        probe = await _in_daemon_thread(probe_device, spec.device, spec.device_map)
+        self.handshake.capabilities.CopyFrom(capabilities_to_pb(probe))
+        plan = await _in_daemon_thread(plan_startup, spec, probe=probe)
         engine = await _in_daemon_thread(build_engine, plan)
         log.info("engine ready", seconds=round(time.monotonic() - started, 3))
         return engine
@@ -284,7 +290,7 @@ class WorkerProcess:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def _in_daemon_thread(fn: Callable[..., T], *args: object) -> T:
+async def _in_daemon_thread(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
     """Run blocking `fn` in a daemon thread, so a worker stopped mid-load can exit without waiting for it."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
@@ -299,7 +305,7 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: object) -> T:
 
     def target() -> None:
         try:
-            result, exc = fn(*args), None
+            result, exc = fn(*args, **kwargs), None
         except BaseException as error:  # handed to the awaiting task
             result, exc = None, error
         try:

@@ -1,8 +1,8 @@
 """Start a worker's engine, honoring --paged-attn as a policy. Two halves, so the worker process can
 report a failure before it spends minutes loading weights:
 
-    plan = plan_startup(spec)    every reason knowable before loading (fast; no weights are read):
-        probe device (worker/device.py)
+    plan = plan_startup(spec, probe=probe)   every reason knowable before loading (fast; no weights read):
+        probe device (worker/device.py), unless the caller already did
         -> PagedAttentionState.from_intent(spec.cache)
         -> read_model_config (config only)
         -> decide_paged_attention(device, state, ModelTraits)          [door, component "device"]
@@ -31,7 +31,6 @@ from typing import Any
 
 import structlog
 import torch
-from kvpact.v1 import cache_pb2, worker_pb2
 
 from shared.capability import ModelTraits, PagedDecision, decide_paged_attention
 from shared.errors import ConfigError
@@ -92,24 +91,6 @@ class WorkerPlan:
     def backend(self) -> PagedBackend | None:
         return self.decision.backend if self.state.enabled else None
 
-    def capabilities_pb(self) -> worker_pb2.Capabilities:
-        info = self.probe.info
-        cc = info.compute_capability or (0, 0)
-        backends = [cache_pb2.PAGED_BACKEND_TORCH]
-        if info.kind == "cuda" and info.triton_version:
-            backends.append(cache_pb2.PAGED_BACKEND_TRITON)
-        return worker_pb2.Capabilities(
-            device_kind=info.kind,
-            device_name=info.name,
-            memory_total_bytes=self.probe.memory_total_bytes,
-            memory_free_bytes=self.probe.memory_free_bytes,
-            compute_capability_major=cc[0],
-            compute_capability_minor=cc[1],
-            torch_version=self.probe.torch_version,
-            triton_version=info.triton_version or "",
-            supported_backends=backends,
-        )
-
     def log_fields(self) -> dict[str, Any]:
         return {
             "device": str(self.probe.device),
@@ -123,10 +104,13 @@ class WorkerPlan:
         }
 
 
-def plan_startup(spec: WorkerSpec, *, log: Any = None) -> WorkerPlan:
+def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any = None) -> WorkerPlan:
+    """`probe`: the device as already probed (the worker process probes first, so a failed plan can still
+    report the device's capabilities); None probes `spec.device` here."""
     log = log or structlog.get_logger("worker.startup")
     started = time.monotonic()
-    probe = probe_device(spec.device, spec.device_map)
+    if probe is None:
+        probe = probe_device(spec.device, spec.device_map)
     state = PagedAttentionState.from_intent(spec.cache)
     path = resolve_model_path(spec.model or None)
     config = read_model_config(path)

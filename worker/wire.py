@@ -1,6 +1,6 @@
-"""Protobuf at the worker's edge: GenerateRequest -> GenerationRequest, GenerationOutput -> GenerateChunk.
-One place per type; the engine never sees a protobuf message. The engine's load is already the shared
-WorkerLoad, sent by shared.wire.load_to_pb.
+"""Protobuf at the worker's edge: GenerateRequest -> GenerationRequest, GenerationOutput -> GenerateChunk,
+DeviceProbe -> Capabilities. One place per type; the engine never sees a protobuf message. The
+engine's load is already the shared WorkerLoad, sent by shared.wire.load_to_pb.
 
 Unset optional sampling fields take the defaults the proto documents (temperature 1, top_p 1,
 repetition_penalty 1, no seed); an unset max_tokens stays None (the engine picks).
@@ -8,9 +8,10 @@ repetition_penalty 1, no seed); an unset max_tokens stays None (the engine picks
 
 from __future__ import annotations
 
-from kvpact.v1 import generation_pb2
+from kvpact.v1 import cache_pb2, generation_pb2, worker_pb2
 
 from shared.errors import RequestError
+from worker.device import DeviceProbe
 from worker.request import (
     ChatMessage,
     FinishReason,
@@ -82,3 +83,23 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
             )
         )
     return chunk
+
+
+def capabilities_to_pb(probe: DeviceProbe) -> worker_pb2.Capabilities:
+    """What the device can do, for the handshake (sent whether startup then succeeds or fails)."""
+    info = probe.info
+    cc = info.compute_capability or (0, 0)
+    backends = [cache_pb2.PAGED_BACKEND_TORCH]
+    if info.kind == "cuda" and info.triton_version:
+        backends.append(cache_pb2.PAGED_BACKEND_TRITON)
+    return worker_pb2.Capabilities(
+        device_kind=info.kind,
+        device_name=info.name,
+        memory_total_bytes=probe.memory_total_bytes,
+        memory_free_bytes=probe.memory_free_bytes,
+        compute_capability_major=cc[0],
+        compute_capability_minor=cc[1],
+        torch_version=probe.torch_version,
+        triton_version=info.triton_version or "",
+        supported_backends=backends,
+    )

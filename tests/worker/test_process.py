@@ -142,6 +142,9 @@ def test_on_that_cannot_be_honored_exits_78_before_loading(model_dir, tmp_path, 
     assert handshake.worker_id == "w-cpu"
     assert handshake.spec.cache.mode == cache_pb2.PAGED_ATTENTION_MODE_ON
     assert handshake.spec.cache.paged.backend == cache_pb2.PAGED_BACKEND_TRITON
+    # the device was probed before the plan failed, so the router still learns what it is
+    assert handshake.capabilities.device_kind == "cpu"
+    assert handshake.capabilities.torch_version != ""
 
 
 def test_started_before_its_router_it_retries_registers_and_heartbeats(model_dir, tmp_path):

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from kvpact.v1 import cache_pb2
 
 from shared.capability import DeviceInfo
 from shared.errors import ConfigError, PagedAttentionRequiredError
@@ -21,6 +22,7 @@ from worker import startup
 from worker.device import KERNEL_SUPPORT, DeviceProbe
 from worker.kv import sizing
 from worker.scheduler import DefaultScheduler, PagedScheduler
+from worker.wire import capabilities_to_pb
 
 GiB = 2**30
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x 2 layers x 2 kv heads x head_dim 16 x fp32
@@ -194,42 +196,42 @@ def head64_llama(tmp_path_factory):
     )
 
 
-def plan_on(monkeypatch, model, probe, mode="auto", **kwargs):  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(startup, "probe_device", lambda *a, **k: probe)
-    return startup.plan_startup(replace(worker_spec(model, mode, **kwargs), dtype="float16"))
+def plan_on(model, probe, mode="auto", **kwargs):  # type: ignore[no-untyped-def]
+    return startup.plan_startup(replace(worker_spec(model, mode, **kwargs), dtype="float16"), probe=probe)
 
 
-def test_a_described_cuda_device_with_triton_selects_the_triton_backend(
-    monkeypatch, head64_llama, no_loading
-):
-    plan = plan_on(monkeypatch, head64_llama, cuda_probe(), max_model_len=512)
+def test_a_described_cuda_device_with_triton_selects_the_triton_backend(head64_llama, no_loading):
+    plan = plan_on(head64_llama, cuda_probe(), max_model_len=512)
     assert (plan.cache_kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
     assert plan.max_num_seqs == sizing.GPU_DEFAULTS.paged_max_num_seqs
     # the CUDA default budget (0.9 x free - weights - activations) is far more than 256 x 512 tokens
     assert plan.paged_size is not None and plan.paged_size.num_blocks == 256 * 512 // 16
-    assert plan.capabilities_pb().supported_backends  # torch and triton reported
+    assert capabilities_to_pb(plan.probe).supported_backends == [
+        cache_pb2.PAGED_BACKEND_TORCH,
+        cache_pb2.PAGED_BACKEND_TRITON,
+    ]
 
 
-def test_a_described_old_gpu_falls_back_under_auto_and_fails_under_on(monkeypatch, head64_llama, no_loading):
-    plan = plan_on(monkeypatch, head64_llama, cuda_probe(cc=(7, 0)))
+def test_a_described_old_gpu_falls_back_under_auto_and_fails_under_on(head64_llama, no_loading):
+    plan = plan_on(head64_llama, cuda_probe(cc=(7, 0)))
     assert plan.cache_kind is CacheKind.EAGER
     assert fallbacks(plan) == [
         ("device", "the Triton paged kernels need compute capability >= 8.0 and Described H100 has 7.0")
     ]
     with pytest.raises(PagedAttentionRequiredError, match="compute capability >= 8.0"):
-        plan_on(monkeypatch, head64_llama, cuda_probe(cc=(7, 0)), mode="on")
+        plan_on(head64_llama, cuda_probe(cc=(7, 0)), mode="on")
 
 
-def test_a_head_size_the_triton_kernels_cannot_take_is_named(monkeypatch, tiny_llama, no_loading):
+def test_a_head_size_the_triton_kernels_cannot_take_is_named(tiny_llama, no_loading):
     with pytest.raises(
         PagedAttentionRequiredError, match="head size 16 is not one the Triton paged kernels take"
     ):
-        plan_on(monkeypatch, tiny_llama, cuda_probe(), mode="on")
+        plan_on(tiny_llama, cuda_probe(), mode="on")
 
 
-def test_a_gpu_without_room_for_one_sequence_fails_under_on(monkeypatch, head64_llama, no_loading):
+def test_a_gpu_without_room_for_one_sequence_fails_under_on(head64_llama, no_loading):
     with pytest.raises(PagedAttentionRequiredError, match="the CUDA default: 0.9 x") as info:
-        plan_on(monkeypatch, head64_llama, cuda_probe(free=300 * 2**20), mode="on")
+        plan_on(head64_llama, cuda_probe(free=300 * 2**20), mode="on")
     assert info.value.component == "cache-budget"
 
 
