@@ -7,7 +7,6 @@ The generated files are checked in; tests/test_protos_sync.py fails when they dr
 """
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 

@@ -3,11 +3,11 @@
 A pure function over a description of the device, the build and the model, so every case is testable
 on a CPU. Defaults mirror the seed write-up:
 
-    CUDA + Triton (supported compute capability, head size, dtype, block size) -> auto enables Triton
-    CUDA without a usable Triton                                              -> auto falls back, on fails
-    CPU / MPS                                                                 -> auto stays eager; on uses torch
-    a device map mixing CPU and accelerator layers                            -> unsupported
-    --pa-backend triton without CUDA, --no-kv-cache                            -> unsupported
+    CUDA + Triton (supported capability, head size, dtype, block size) -> auto enables Triton
+    CUDA without a usable Triton                                       -> auto falls back, on fails
+    CPU / MPS                                                          -> auto stays eager; on uses torch
+    a device map mixing CPU and accelerator layers                     -> unsupported
+    --pa-backend triton without CUDA, --no-kv-cache                    -> unsupported
 
 Every "unsupported" goes through `disable_paged_attention`, so `auto` records the reason and `on` raises.
 """
@@ -92,7 +92,10 @@ def _choose_backend(
         return (None, reason) if reason else (PagedBackend.TRITON, "")
     # CPU or MPS with backend auto.
     if not config.required:
-        return None, f"eager is the {device.kind.upper()} default (use --paged-attn on for the torch paged backend)"
+        return (
+            None,
+            f"eager is the {device.kind.upper()} default (use --paged-attn on for the torch paged backend)",
+        )
     return PagedBackend.TORCH, ""
 
 
@@ -109,7 +112,8 @@ def _triton_unsupported(device: DeviceInfo, block_size: int, model: ModelTraits 
     if cc is None or cc < support.min_compute_capability:
         need = ".".join(map(str, support.min_compute_capability))
         have = ".".join(map(str, cc)) if cc else "unknown"
-        return f"the Triton paged kernels need compute capability >= {need} and {device.name or 'this GPU'} has {have}"
+        name = device.name or "this GPU"
+        return f"the Triton paged kernels need compute capability >= {need} and {name} has {have}"
     if block_size not in support.block_sizes:
         sizes = ", ".join(map(str, sorted(support.block_sizes)))
         return f"the Triton paged kernels take block sizes {sizes}, not --pa-block-size {block_size}"

@@ -59,7 +59,8 @@ class PagedAttentionConfig:
         budgets = [b for b in (self.memory_fraction, self.memory_bytes, self.context_tokens) if b is not None]
         if len(budgets) > 1:
             raise ConfigError(
-                "--pa-memory-fraction, --pa-memory-bytes and --pa-context-tokens are mutually exclusive; give one"
+                "--pa-memory-fraction, --pa-memory-bytes and --pa-context-tokens are mutually exclusive; "
+                "give one"
             )
         if self.block_size <= 0:
             raise ConfigError(f"--pa-block-size must be positive, got {self.block_size}")
@@ -81,7 +82,9 @@ class CacheIntent:
 
     def __post_init__(self) -> None:
         if (self.paged is None) != (self.mode is PagedAttentionMode.OFF):
-            raise ValueError(f"CacheIntent: paged config must be present exactly when mode is not off ({self})")
+            raise ValueError(
+                f"CacheIntent: paged config must be present exactly when mode is not off ({self})"
+            )
         if self.paged is not None and self.paged.required != (self.mode is PagedAttentionMode.ON):
             raise ValueError(f"CacheIntent: required must be true exactly when mode is on ({self})")
 
@@ -90,7 +93,9 @@ class CacheIntent:
         return self.mode is PagedAttentionMode.ON
 
 
-def paged_config_for_mode(mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None) -> PagedAttentionConfig | None:
+def paged_config_for_mode(
+    mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None
+) -> PagedAttentionConfig | None:
     """The CLI mapping: auto -> config(required=False), on -> config(required=True), off -> None.
 
     `settings` carries the other --pa-* flags; its `required` is overwritten by the mode."""

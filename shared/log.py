@@ -19,7 +19,9 @@ LogFormat = Literal["auto", "json", "console"]
 LOG_FORMATS = ("auto", "json", "console")
 
 
-def resolve_format(requested: str = "auto", environ: dict[str, str] | None = None, isatty: bool | None = None) -> str:
+def resolve_format(
+    requested: str = "auto", environ: dict[str, str] | None = None, isatty: bool | None = None
+) -> str:
     env = os.environ if environ is None else environ
     if requested != "auto":
         return requested

@@ -31,6 +31,8 @@ def parse_device_map(text: str) -> tuple[LayerPlacement, ...]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         device, sep, count = part.rpartition("=")
         if not sep or not device or not count.isdigit() or int(count) == 0:
-            raise ValueError(f"--device-map expects DEVICE=NUM_LAYERS[,...] (e.g. cuda:0=20,cpu=10), got {part!r}")
+            raise ValueError(
+                f"--device-map expects DEVICE=NUM_LAYERS[,...] (e.g. cuda:0=20,cpu=10), got {part!r}"
+            )
         placements.append(LayerPlacement(device=device, num_layers=int(count)))
     return tuple(placements)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpact.v1 import cache_pb2, worker_pb2
+
 from shared.handshake import StartupFailure, StartupFailureCode, WorkerLoad
 from shared.intent import (
     CacheDtype,
@@ -35,7 +36,9 @@ _DTYPE_TO_PB = {
     CacheDtype.FLOAT16: cache_pb2.CACHE_DTYPE_FLOAT16,
     CacheDtype.BFLOAT16: cache_pb2.CACHE_DTYPE_BFLOAT16,
 }
-_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()} | {cache_pb2.CACHE_DTYPE_UNSPECIFIED: CacheDtype.AUTO}
+_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()} | {
+    cache_pb2.CACHE_DTYPE_UNSPECIFIED: CacheDtype.AUTO
+}
 _BACKEND_TO_PB = {
     PagedBackend.AUTO: cache_pb2.PAGED_BACKEND_AUTO,
     PagedBackend.TRITON: cache_pb2.PAGED_BACKEND_TRITON,
@@ -150,7 +153,9 @@ def spec_to_pb(spec: WorkerSpec) -> worker_pb2.WorkerSpec:
     return worker_pb2.WorkerSpec(
         model=spec.model,
         device=spec.device,
-        device_map=[worker_pb2.LayerPlacement(device=p.device, num_layers=p.num_layers) for p in spec.device_map],
+        device_map=[
+            worker_pb2.LayerPlacement(device=p.device, num_layers=p.num_layers) for p in spec.device_map
+        ],
         dtype=spec.dtype,
         max_model_len=spec.max_model_len,
         max_num_seqs=spec.max_num_seqs,

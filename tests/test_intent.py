@@ -23,14 +23,18 @@ H100_SUPPORT = KernelSupport(
     dtypes=frozenset({"float16", "bfloat16", "float32"}),
     min_compute_capability=(8, 0),
 )
-CUDA = DeviceInfo(kind="cuda", name="H100", compute_capability=(9, 0), triton_version="3.9.0", triton_support=H100_SUPPORT)
+CUDA = DeviceInfo(
+    kind="cuda", name="H100", compute_capability=(9, 0), triton_version="3.9.0", triton_support=H100_SUPPORT
+)
 CPU = DeviceInfo(kind="cpu")
 MPS = DeviceInfo(kind="mps")
 SMOL = ModelTraits(head_size=64, dtype="bfloat16")
 
 
 def state(mode: str, **settings) -> PagedAttentionState:
-    return PagedAttentionState.from_intent(cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(**settings)))
+    return PagedAttentionState.from_intent(
+        cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(**settings))
+    )
 
 
 def test_cli_mapping_of_auto_on_off():
@@ -43,7 +47,9 @@ def test_default_and_required_config_construction():
     default = PagedAttentionConfig()
     assert (default.required, default.block_size, default.prefix_caching) == (False, 16, True)
     assert default.backend is PagedBackend.AUTO
-    required = paged_config_for_mode(PagedAttentionMode.ON, PagedAttentionConfig(block_size=32, context_tokens=4096))
+    required = paged_config_for_mode(
+        PagedAttentionMode.ON, PagedAttentionConfig(block_size=32, context_tokens=4096)
+    )
     assert required == PagedAttentionConfig(required=True, block_size=32, context_tokens=4096)
 
 
@@ -61,9 +67,13 @@ def test_intent_keeps_required_tied_to_mode():
 
 def test_auto_fallback_records_reason_in_disable_paged_attention():
     s = state("auto")
-    disable_paged_attention(s, "device mapping includes CPU and PagedAttention has no CPU KV cache", component="loader")
+    disable_paged_attention(
+        s, "device mapping includes CPU and PagedAttention has no CPU KV cache", component="loader"
+    )
     assert s.paged_config is None and not s.enabled
-    assert s.fallbacks == [Fallback("loader", "device mapping includes CPU and PagedAttention has no CPU KV cache")]
+    assert s.fallbacks == [
+        Fallback("loader", "device mapping includes CPU and PagedAttention has no CPU KV cache")
+    ]
 
 
 def test_required_failure_in_disable_paged_attention_names_flag_and_reason():
@@ -116,11 +126,19 @@ def test_unsupported_build_without_triton():
 
 
 def test_unsupported_build_old_compute_capability():
-    old = DeviceInfo(kind="cuda", name="Tesla P100", compute_capability=(6, 0), triton_version="3.9.0",
-                     triton_support=H100_SUPPORT)
+    old = DeviceInfo(
+        kind="cuda",
+        name="Tesla P100",
+        compute_capability=(6, 0),
+        triton_version="3.9.0",
+        triton_support=H100_SUPPORT,
+    )
     auto = state("auto")
     assert not decide_paged_attention(old, auto, SMOL).enabled
-    assert auto.fallbacks[0].reason == "the Triton paged kernels need compute capability >= 8.0 and Tesla P100 has 6.0"
+    assert (
+        auto.fallbacks[0].reason
+        == "the Triton paged kernels need compute capability >= 8.0 and Tesla P100 has 6.0"
+    )
     with pytest.raises(PagedAttentionRequiredError, match="compute capability >= 8.0"):
         decide_paged_attention(old, state("on"), SMOL)
 
@@ -143,8 +161,13 @@ def test_kernel_limits_are_named_reasons(settings, model, needle):
 
 @pytest.mark.parametrize("mode", ["auto", "on"])
 def test_mixed_cpu_gpu_device_map(mode):
-    mixed = DeviceInfo(kind="cuda", compute_capability=(9, 0), triton_version="3.9.0", triton_support=H100_SUPPORT,
-                       device_map_kinds=frozenset({"cuda", "cpu"}))
+    mixed = DeviceInfo(
+        kind="cuda",
+        compute_capability=(9, 0),
+        triton_version="3.9.0",
+        triton_support=H100_SUPPORT,
+        device_map_kinds=frozenset({"cuda", "cpu"}),
+    )
     s = state(mode)
     if mode == "on":
         with pytest.raises(PagedAttentionRequiredError, match="device mapping includes CPU"):
@@ -167,7 +190,9 @@ def test_no_kv_cache_is_unsupported():
 
 def test_scheduler_rejects_required_request_without_realized_cache():
     on = cache_intent(PagedAttentionMode.ON)
-    with pytest.raises(PagedAttentionRequiredError, match="the worker built an eager KV cache, not a paged one"):
+    with pytest.raises(
+        PagedAttentionRequiredError, match="the worker built an eager KV cache, not a paged one"
+    ):
         select_scheduler(on, CacheKind.EAGER)
     with pytest.raises(PagedAttentionRequiredError, match="no KV cache"):
         select_scheduler(on, None)

@@ -3,8 +3,8 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kvpact.v1 import cache_pb2
+
 from shared.intent import (
     CacheDtype,
     CacheIntent,
@@ -58,8 +58,16 @@ def test_intent_round_trip_for_every_mode_and_budget(intent: CacheIntent):
 
 @given(intents, st.text(max_size=20), st.sampled_from(["auto", "cpu", "cuda:1"]))
 def test_worker_spec_round_trip(intent, model, device):
-    spec = WorkerSpec(model=model, device=device, device_map=(LayerPlacement("cuda:0", 20), LayerPlacement("cpu", 10)),
-                      dtype="float32", max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512, cache=intent)
+    spec = WorkerSpec(
+        model=model,
+        device=device,
+        device_map=(LayerPlacement("cuda:0", 20), LayerPlacement("cpu", 10)),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        cache=intent,
+    )
     assert spec_from_pb(spec_to_pb(spec)) == spec
 
 
@@ -78,14 +86,23 @@ def test_on_without_paged_message_is_still_required():
 @given(
     st.sampled_from(list(CacheKind)),
     st.sampled_from(list(SchedulerKind)),
-    st.lists(st.tuples(st.sampled_from(["device", "loader", "cache-budget"]), st.text(max_size=40)), max_size=3),
+    st.lists(
+        st.tuples(st.sampled_from(["device", "loader", "cache-budget"]), st.text(max_size=40)), max_size=3
+    ),
 )
 def test_realized_cache_round_trip(kind, scheduler, fallbacks):
     realized = RealizedCache(
-        kind=kind, scheduler=scheduler, max_model_len=2048, capacity_tokens=65536, max_concurrency=32,
-        num_blocks=4096, memory_bytes=3 << 30, cache_dtype=CacheDtype.FLOAT32,
+        kind=kind,
+        scheduler=scheduler,
+        max_model_len=2048,
+        capacity_tokens=65536,
+        max_concurrency=32,
+        num_blocks=4096,
+        memory_bytes=3 << 30,
+        cache_dtype=CacheDtype.FLOAT32,
         backend=PagedBackend.TORCH if kind is CacheKind.PAGED else None,
-        block_size=16 if kind is CacheKind.PAGED else 0, prefix_caching=kind is CacheKind.PAGED,
+        block_size=16 if kind is CacheKind.PAGED else 0,
+        prefix_caching=kind is CacheKind.PAGED,
         fallbacks=tuple(Fallback(c, r) for c, r in fallbacks),
     )
     assert realized_from_pb(realized_to_pb(realized)) == realized
@@ -93,8 +110,14 @@ def test_realized_cache_round_trip(kind, scheduler, fallbacks):
 
 def test_realized_table_names_kind_and_fallback():
     table = RealizedCache(
-        kind=CacheKind.EAGER, scheduler=SchedulerKind.DEFAULT, max_model_len=2048, capacity_tokens=16384,
-        max_concurrency=8, num_blocks=8, memory_bytes=1 << 30, cache_dtype=CacheDtype.FLOAT32,
+        kind=CacheKind.EAGER,
+        scheduler=SchedulerKind.DEFAULT,
+        max_model_len=2048,
+        capacity_tokens=16384,
+        max_concurrency=8,
+        num_blocks=8,
+        memory_bytes=1 << 30,
+        cache_dtype=CacheDtype.FLOAT32,
         fallbacks=(Fallback("device", "eager is the CPU default"),),
     ).table()
     assert "EAGER" in table and "fallback (device)  eager is the CPU default" in table
