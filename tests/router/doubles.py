@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+from kvpact.client import AsyncClient
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 from router.config import RouterConfig
@@ -221,3 +222,20 @@ def failed(
 async def registry_stub(router: RouterServer) -> AsyncIterator[worker_pb2_grpc.RegistryStub]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
         yield worker_pb2_grpc.RegistryStub(channel)
+
+
+@asynccontextmanager
+async def one_worker_router(
+    double: WorkerDouble, *, client_timeout: float | None = None, **overrides: Any
+) -> AsyncIterator[tuple[RouterServer, AsyncClient]]:
+    """A router (`overrides` as for running_router) that has admitted `double` with the default `ready`
+    handshake, and a client of it."""
+    async with (
+        running_router(**overrides) as router,
+        serving_double(double),
+        registry_stub(router) as registry,
+        AsyncClient(f"127.0.0.1:{router.port}", timeout=client_timeout) as client,
+    ):
+        admission = await registry.Register(ready(double.worker_id, double.address))
+        assert admission.admitted, admission.reason
+        yield router, client

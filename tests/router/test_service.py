@@ -17,6 +17,7 @@ from tests.router.doubles import (
     WorkerDouble,
     eager_realized,
     failed,
+    one_worker_router,
     ready,
     registry_stub,
     run_async,
@@ -238,13 +239,8 @@ async def test_balancer_spreads_concurrent_streams():
 
 @run_async
 async def test_client_cancellation_cancels_the_worker_call():
-    async with (
-        running_router() as router,
-        serving_double(WorkerDouble("a", delay_s=0.05)) as a,
-        registry_stub(router) as registry,
-        AsyncClient(target(router)) as client,
-    ):
-        await registry.Register(ready("a", a.address))
+    a = WorkerDouble("a", delay_s=0.05)
+    async with one_worker_router(a) as (router, client):
         stream = client.generate("hello", max_tokens=1000)
         first = await anext(stream)
         assert first.token_ids and len(a.active) == 1
@@ -256,13 +252,8 @@ async def test_client_cancellation_cancels_the_worker_call():
 
 @run_async
 async def test_a_deadline_shorter_than_the_generation_is_deadline_exceeded_and_reaches_the_worker():
-    async with (
-        running_router() as router,
-        serving_double(WorkerDouble("a", delay_s=0.05)) as a,
-        registry_stub(router) as registry,
-        AsyncClient(target(router)) as client,
-    ):
-        await registry.Register(ready("a", a.address))
+    a = WorkerDouble("a", delay_s=0.05)
+    async with one_worker_router(a) as (_, client):
         with pytest.raises(KvpactRpcError) as err:
             await client.complete("hello", max_tokens=1000, timeout=0.5)
         assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
@@ -366,13 +357,7 @@ async def test_bad_handshakes_are_invalid_argument():
 
 @run_async
 async def test_hundreds_of_concurrent_streams_share_one_worker_channel():
-    async with (
-        running_router() as router,
-        serving_double(WorkerDouble("a", delay_s=0.01)) as a,
-        registry_stub(router) as registry,
-        AsyncClient(target(router), timeout=30) as client,
-    ):
-        await registry.Register(ready("a", a.address))
+    async with one_worker_router(WorkerDouble("a", delay_s=0.01), client_timeout=30) as (router, client):
 
         async def one(i):
             return [c.token_ids[0] async for c in client.generate("p" * i, max_tokens=20)]
