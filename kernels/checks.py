@@ -30,6 +30,14 @@ def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         _fail(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
 
 
+def _check_index_vector(name: str, t: torch.Tensor, dtype: torch.dtype, layout: str) -> None:
+    """A 1-D, contiguous tensor of `dtype` (slot mappings, lengths, offsets)."""
+    _check_dim(name, t, 1, layout)
+    _check_dtype(name, t, (dtype,))
+    if not t.is_contiguous():
+        _fail(f"{name} must be contiguous")
+
+
 def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     _check_dim("key_cache", key_cache, 4, "[num_blocks, block_size, kv_heads, head_dim]")
     if value_cache.shape != key_cache.shape:
@@ -60,12 +68,9 @@ def check_cache_write(
         if t.dtype != key_cache.dtype:
             _fail(f"{name} dtype {t.dtype} != cache dtype {key_cache.dtype}")
         _check_last_dim_contiguous(name, t)
-    _check_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    _check_dtype("slot_mapping", slot_mapping, (torch.int64,))
+    _check_index_vector("slot_mapping", slot_mapping, torch.int64, "[num_tokens]")
     if slot_mapping.shape[0] != key.shape[0]:
         _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
-    if not slot_mapping.is_contiguous():
-        _fail("slot_mapping must be contiguous")
 
 
 def _check_attention(
@@ -90,10 +95,7 @@ def _check_attention(
     if block_tables.shape[0] != num_seqs:
         _fail(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
     _check_last_dim_contiguous("block_tables", block_tables)
-    _check_dim("context_lens", context_lens, 1, "[num_seqs] int32")
-    _check_dtype("context_lens", context_lens, (torch.int32,))
-    if not context_lens.is_contiguous():
-        _fail("context_lens must be contiguous")
+    _check_index_vector("context_lens", context_lens, torch.int32, "[num_seqs] int32")
 
 
 def check_decode(
@@ -118,15 +120,12 @@ def check_prefill(
     context_lens: torch.Tensor,
 ) -> None:
     _check_dim("query", query, 3, "[num_tokens, q_heads, head_dim]")
-    _check_dim("query_start_loc", query_start_loc, 1, "[num_seqs + 1] int32")
-    _check_dtype("query_start_loc", query_start_loc, (torch.int32,))
+    _check_index_vector("query_start_loc", query_start_loc, torch.int32, "[num_seqs + 1] int32")
     if query_start_loc.shape[0] != context_lens.shape[0] + 1:
         _fail(
             f"query_start_loc has {query_start_loc.shape[0]} entries; "
             f"needs num_seqs + 1 = {context_lens.shape[0] + 1}"
         )
-    if not query_start_loc.is_contiguous():
-        _fail("query_start_loc must be contiguous")
     _check_attention(query, key_cache, value_cache, block_tables, context_lens)
 
 

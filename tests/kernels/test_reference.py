@@ -167,6 +167,10 @@ def bad_decode_args(**overrides):
     [
         ({"block_tables": lambda a: a["block_tables"].long()}, "block_tables must have dtype"),
         ({"context_lens": lambda a: a["context_lens"].long()}, "context_lens must have dtype"),
+        (
+            {"context_lens": lambda a: a["context_lens"].repeat_interleave(2)[::2]},
+            "context_lens must be contiguous",
+        ),
         ({"query": lambda a: a["query"][:, :7]}, "multiple of kv_heads"),
         ({"query": lambda a: a["query"][..., :32]}, "head_dim 32 != cache head_dim 64"),
         ({"query": lambda a: a["query"].half()}, "query dtype torch.float16 != cache dtype"),
