@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.factories.tiny_models import transformers_greedy
 from tests.worker.conftest import greedy, run_staggered
 from worker.engine import Engine
 from worker.model_runner import StepResult
@@ -121,18 +122,7 @@ def test_default_smollm2_eager_and_paged_match_transformers(make_engine):
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=16,
-            do_sample=False,
-            eos_token_id=[],
-            pad_token_id=0,
-        )
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = [transformers_greedy(hf, prompt, 16) for prompt in prompts]
     for engine in engines:
         results = engine.run([greedy(f"d{i}", tuple(p), 16) for i, p in enumerate(prompts)], timeout=300)
         assert [r.token_ids for r in results] == expected, engine.realized.kind
