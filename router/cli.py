@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable
 
 from router.config import RouterConfig
 from shared.auth import read_token
-from shared.cli import add_log_args, add_paged_attn_arg, host_port
+from shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
 from shared.errors import ConfigError
 from shared.intent import PagedAttentionMode
 from shared.log import configure_logging
@@ -27,14 +26,11 @@ POLICY_HELP = (
 )
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,28 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_paged_attn_arg(parser, POLICY_HELP)
     parser.add_argument(
         "--expect-workers",
-        type=_positive(int),
+        type=_positive_int,
         default=1,
         metavar="N",
         help="serving starts when N workers are admitted (default 1)",
     )
     parser.add_argument(
         "--startup-timeout",
-        type=_positive(float),
+        type=seconds,
         default=300.0,
         metavar="SECONDS",
         help="exit 1 naming who is missing if N workers are not admitted by then (default 300)",
     )
     parser.add_argument(
         "--heartbeat-interval",
-        type=_positive(float),
+        type=seconds,
         default=2.0,
         metavar="SECONDS",
         help="how often workers send heartbeats (told to them on admission; default 2)",
     )
     parser.add_argument(
         "--heartbeat-timeout",
-        type=_positive(float),
+        type=seconds,
         default=10.0,
         metavar="SECONDS",
         help="a worker silent this long is marked DEAD and gets no new requests (default 10)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from shared.intent import PagedAttentionMode
 from shared.log import LOG_FORMATS
@@ -40,3 +41,14 @@ def host_port(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return host.strip("[]"), int(port)
+
+
+def seconds(value: str) -> float:
+    """A duration in seconds: a finite number > 0 (nan and inf would make a timeout never fire)."""
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = math.nan
+    if not (math.isfinite(parsed) and parsed > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return parsed

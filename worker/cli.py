@@ -24,7 +24,7 @@ from kernels.support import (
     TRITON_HEAD_SIZES,
     TRITON_MIN_COMPUTE_CAPABILITY,
 )
-from shared.cli import add_log_args, add_paged_attn_arg, host_port
+from shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
 from shared.errors import ConfigError
 from shared.intent import (
     DEFAULT_BLOCK_SIZE,
@@ -65,16 +65,6 @@ def _positive_int(value: str) -> int:
     if not value.isdigit() or int(value) == 0:
         raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {value!r}")
     return int(value)
-
-
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
-    return seconds
 
 
 def _listing(values: frozenset[int] | frozenset[str]) -> str:
@@ -228,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serving.add_argument(
         "--router-timeout",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_ROUTER_TIMEOUT_S,
         metavar="SECONDS",
         help="retry the handshake this long before giving up with exit 1; also how long the router may be "

@@ -13,6 +13,7 @@ import pytest
 from kvpact.client import Client
 from kvpact.v1 import worker_pb2_grpc
 
+from router.cli import build_parser
 from tests.factories.processes import (
     free_port,
     health_status,
@@ -125,6 +126,16 @@ def test_bad_flags_exit_2_naming_the_flag(args, message):
     out = subprocess.run(module_argv("router", *args), capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--startup-timeout", "--heartbeat-interval", "--heartbeat-timeout"])
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "soon"])
+def test_a_duration_must_be_a_finite_positive_number(flag, value, capsys):
+    """nan and inf would make the startup timer or the heartbeat monitor never fire."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([flag, value])
+    assert exc.value.code == 2
+    assert f"expected a number of seconds > 0, got '{value}'" in capsys.readouterr().err
 
 
 def test_the_console_script_is_installed():

@@ -103,6 +103,8 @@ def test_every_flag_reaches_the_spec():
         (["--listen", "nowhere"], "expected HOST:PORT"),
         (["--pa-block-size", "0"], "expected a whole number > 0"),
         (["--router-timeout", "0"], "expected a number of seconds > 0"),
+        (["--router-timeout", "inf"], "expected a number of seconds > 0"),
+        (["--router-timeout", "nan"], "expected a number of seconds > 0"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
