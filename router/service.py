@@ -2,13 +2,16 @@
 
 Generate forwards the request to one worker's Worker.Generate and relays its chunks; Complete does the
 same and aggregates. The client's remaining deadline becomes the worker call's timeout, and a client
-that cancels cancels the worker call (the worker aborts the request and frees its cache).
+that cancels cancels the worker call (the worker aborts the request and frees its cache). The relay
+is closed with `aclosing`, so the worker call ends when the client's call does, not whenever the
+garbage collector finalizes an abandoned generator.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 import structlog
@@ -34,22 +37,24 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         entry = self._route(request)
-        async for chunk in self._forward(entry, request, context):
-            yield chunk
+        async with aclosing(self._forward(entry, request, context)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
         entry = self._route(request)
         response = generation_pb2.CompleteResponse(request_id=request.request_id, worker_id=entry.worker_id)
-        async for chunk in self._forward(entry, request, context):
-            response.text += chunk.text
-            response.token_ids.extend(chunk.token_ids)
-            response.logprobs.extend(chunk.logprobs)
-            if chunk.finish_reason:
-                response.finish_reason = chunk.finish_reason
-            if chunk.HasField("usage"):
-                response.usage.CopyFrom(chunk.usage)
+        async with aclosing(self._forward(entry, request, context)) as chunks:
+            async for chunk in chunks:
+                response.text += chunk.text
+                response.token_ids.extend(chunk.token_ids)
+                response.logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason:
+                    response.finish_reason = chunk.finish_reason
+                if chunk.HasField("usage"):
+                    response.usage.CopyFrom(chunk.usage)
         return response
 
     async def ListModels(

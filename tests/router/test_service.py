@@ -9,8 +9,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvpact.client import AsyncClient, KvpactRpcError
-from kvpact.v1 import router_pb2, worker_pb2
+from kvpact.v1 import generation_pb2, router_pb2, worker_pb2
 
+from router.service import GenerationService
 from shared.intent import Fallback
 from tests.router.doubles import (
     EAGER_CPU_REASON,
@@ -248,6 +249,29 @@ async def test_client_cancellation_cancels_the_worker_call():
         await wait_until(lambda: not a.active, what="the worker's request to be cancelled")
         assert len(a.cancelled) == 1
         await wait_until(lambda: router.cluster.registry.get("a").num_outstanding == 0, what="outstanding 0")
+
+
+class _NoDeadline:
+    """The little of a grpc.aio ServicerContext that the relay reads."""
+
+    def time_remaining(self):
+        return None
+
+
+@run_async
+async def test_closing_the_relay_ends_the_worker_call_before_close_returns():
+    """What the gRPC server does when a client goes away mid-stream: it closes the handler's generator.
+    The worker call must be over when that returns, not whenever an abandoned generator is finalized."""
+    a = WorkerDouble("a", delay_s=0.05)
+    async with one_worker_router(a) as (router, _):
+        service = GenerationService(router.cluster)
+        relay = service.Generate(generation_pb2.GenerateRequest(text="hello", max_tokens=1000), _NoDeadline())
+        assert (await anext(relay)).token_ids
+        entry = router.cluster.registry.get("a")
+        assert entry.num_outstanding == 1
+        await relay.aclose()
+        assert entry.num_outstanding == 0
+        await wait_until(lambda: a.cancelled, what="the worker's request to be cancelled")
 
 
 @run_async
