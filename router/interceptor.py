@@ -2,12 +2,14 @@
 
 A `RouterError` aborts with its own code and message; `shared.errors.RequestError` with
 INVALID_ARGUMENT; anything else is logged with its stack and answered INTERNAL without the stack.
+Streams are wrapped with `aclosing`: closing the wrapper (a call that ended early) closes the handler.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -65,8 +67,9 @@ def _wrap_stream(
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in behavior(request, context):
-                yield item
+            async with aclosing(behavior(request, context)) as items:
+                async for item in items:
+                    yield item
         except Exception as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise

@@ -11,6 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvpact.client import AsyncClient, KvpactRpcError
 from kvpact.v1 import generation_pb2, router_pb2, worker_pb2
 
+from router.interceptor import _wrap_stream
 from router.service import GenerationService
 from shared.intent import Fallback
 from tests.router.doubles import (
@@ -258,14 +259,17 @@ class _NoDeadline:
         return None
 
 
+@pytest.mark.parametrize("intercepted", [False, True], ids=["handler", "through-the-interceptor"])
 @run_async
-async def test_closing_the_relay_ends_the_worker_call_before_close_returns():
+async def test_closing_the_relay_ends_the_worker_call_before_close_returns(intercepted):
     """What the gRPC server does when a client goes away mid-stream: it closes the handler's generator.
     The worker call must be over when that returns, not whenever an abandoned generator is finalized."""
     a = WorkerDouble("a", delay_s=0.05)
     async with one_worker_router(a) as (router, _):
-        service = GenerationService(router.cluster)
-        relay = service.Generate(generation_pb2.GenerateRequest(text="hello", max_tokens=1000), _NoDeadline())
+        handler = GenerationService(router.cluster).Generate
+        if intercepted:
+            handler = _wrap_stream(handler, "/kvpact.v1.Generation/Generate")
+        relay = handler(generation_pb2.GenerateRequest(text="hello", max_tokens=1000), _NoDeadline())
         assert (await anext(relay)).token_ids
         entry = router.cluster.registry.get("a")
         assert entry.num_outstanding == 1
