@@ -1,6 +1,6 @@
 """Admission: does a worker's realized state meet the cluster's --paged-attn policy? Pure.
 
-    cluster on   -> realized PAGED only
+    cluster on   -> realized PAGED only (with the paged scheduler)
     cluster off  -> realized EAGER only
     cluster auto -> either
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from shared.handshake import StartupFailure, StartupFailureCode
 from shared.intent import CacheIntent, PagedAttentionMode
 from shared.realized import RealizedCache
-from shared.scheduler_choice import CacheKind
+from shared.scheduler_choice import CacheKind, SchedulerKind
 
 ON, OFF, AUTO = PagedAttentionMode.ON, PagedAttentionMode.OFF, PagedAttentionMode.AUTO
 
@@ -54,6 +54,11 @@ def admit(
         return _refuse(
             f"the cluster policy is --paged-attn on and it realized {built} under --paged-attn "
             f"{mode.value} because {why}"
+        )
+    if policy is ON and outcome.scheduler is not SchedulerKind.PAGED:
+        return _refuse(
+            f"the cluster policy is --paged-attn on and it realized {built} but runs the "
+            f"{outcome.scheduler.value} scheduler, not the paged one, so it does not run PagedAttention"
         )
     if policy is OFF and outcome.kind is not CacheKind.EAGER:
         return _refuse(
