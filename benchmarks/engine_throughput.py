@@ -29,6 +29,8 @@ from worker.engine import Engine
 from worker.request import GenerationOutput, GenerationRequest, SamplingParams
 from worker.startup import build_engine
 
+MEASURE_TIMEOUT_S = 1800.0
+
 
 @dataclass(slots=True)
 class Row:
@@ -41,15 +43,27 @@ class Row:
     preemptions: int
 
 
-def measure(engine: Engine, concurrency: int, prompt_tokens: int, max_tokens: int, tag: str) -> Row:
+def measure(
+    engine: Engine,
+    concurrency: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    tag: str,
+    timeout_s: float = MEASURE_TIMEOUT_S,
+) -> Row:
+    """Raises SystemExit naming the first request that failed, TimeoutError past `timeout_s`."""
     vocab = engine.vocab_size
     times: dict[str, list[float]] = {}
+    failures: list[str] = []
     done = threading.Semaphore(0)
 
     def sink_for(rid: str):  # type: ignore[no-untyped-def]
         def sink(item: GenerationOutput | BaseException) -> None:
+            # Called on the engine's step thread: report to the waiting thread, never raise here.
             if isinstance(item, BaseException):
-                raise SystemExit(f"request {rid} failed: {item}")
+                failures.append(f"request {rid} failed: {item}")
+                done.release()
+                return
             times[rid].extend([time.perf_counter()] * len(item.token_ids))
             if item.finish_reason is not None:
                 done.release()
@@ -66,8 +80,12 @@ def measure(engine: Engine, concurrency: int, prompt_tokens: int, max_tokens: in
             rid, prompt, SamplingParams(temperature=0), max_tokens=max_tokens, ignore_eos=True
         )
         engine.submit(request, sink_for(rid))
+    deadline = time.monotonic() + timeout_s
     for _ in range(concurrency):
-        done.acquire()
+        if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"{tag}: {concurrency} requests did not finish within {timeout_s:g} s")
+    if failures:
+        raise SystemExit(failures[0])
     end = max(t[-1] for t in times.values())
     decode_start = max(t[0] for t in times.values())
     decode_tokens = sum(1 for t in times.values() for x in t if x > decode_start)
