@@ -13,6 +13,8 @@ PACKAGES = ("router", "worker", "kernels", "shared", "deploy")
 DOOR = ROOT / "shared" / "intent.py"
 # Building an intent from the wire for mode OFF legitimately has no paged config.
 MAY_BUILD_OFF_INTENT = {ROOT / "shared" / "wire.py"}
+# Constructors whose paged config can also be given positionally: its index.
+PAGED_POSITION = {"PagedAttentionState": 1, "CacheIntent": 1}
 
 
 def sources(*packages: str) -> list[Path]:
@@ -43,6 +45,11 @@ def fallback_violations(path: Path, tree: ast.AST) -> list[str]:
                 clears = isinstance(kw.value, ast.Constant) and kw.value.value is None
                 if kw.arg in {"paged_config", "paged"} and clears and path not in MAY_BUILD_OFF_INTENT:
                     found.append(f"{path.name}:{node.lineno} builds an intent/state with {kw.arg}=None")
+            index = PAGED_POSITION.get(name)
+            if index is not None and len(node.args) > index and path not in MAY_BUILD_OFF_INTENT:
+                arg = node.args[index]
+                if isinstance(arg, ast.Constant) and arg.value is None:
+                    found.append(f"{path.name}:{node.lineno} builds {name} with a None paged config")
     return found
 
 
@@ -61,6 +68,8 @@ def test_every_paged_fallback_goes_through_disable_paged_attention():
         "setattr(state, 'paged_config', None)",
         "replace(intent, paged=None)",
         "PagedAttentionState(intent=i, paged_config=None)",
+        "PagedAttentionState(i, None)",
+        "CacheIntent(PagedAttentionMode.OFF, None)",
     ],
 )
 def test_guard_catches_a_planted_bypass(code):
