@@ -8,7 +8,7 @@ Streams are wrapped with `aclosing`: closing the wrapper (a call that ended earl
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -63,7 +63,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callabl
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]], method: str
+    behavior: Callable[..., AsyncGenerator[Any, None]], method: str
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:

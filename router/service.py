@@ -10,7 +10,7 @@ garbage collector finalizes an abandoned generator.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 import grpc
@@ -96,7 +96,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
 
     async def _forward(
         self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+    ) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
         stub = self.cluster.channels.stub(entry)
         code = grpc.StatusCode.OK
         num_tokens = 0
