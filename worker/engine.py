@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import structlog
@@ -79,6 +79,8 @@ class Engine:
         self._closed = threading.Event()
         self._generated: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
         self._counts = (0, 0)  # (running, waiting) after the last step
+        # Called from the step thread, once, if the engine stops on an internal error (the worker exits).
+        self.on_fatal: Callable[[str], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="kvpact-engine", daemon=True)
         self._thread.start()
 
@@ -258,8 +260,12 @@ class Engine:
                     if not self._closed.is_set() and self.scheduler.has_work():
                         self._step()
                 except Exception as e:  # a bug outside the model call: nothing's state can be trusted
-                    self.log.exception("engine step failed; failing every request in flight")
+                    self.log.exception("engine step failed; the engine stops and fails every request")
+                    with self._lock:
+                        self._closed.set()  # new requests get EngineClosedError (UNAVAILABLE)
                     self._fail(list(self._streams.values()), e)
+                    if self.on_fatal is not None:
+                        self.on_fatal(f"the engine failed: {type(e).__name__}: {e}")
         self._fail(list(self._streams.values()), EngineClosedError("the engine was closed"))
         self._drain(block=False)
 

@@ -34,13 +34,21 @@ import structlog
 from kvpact.v1 import worker_pb2
 
 from shared.auth import read_token
-from shared.errors import EXIT_FATAL, EXIT_POLICY, ConfigError, ModelLoadError, PagedAttentionRequiredError
+from shared.errors import (
+    EXIT_FATAL,
+    EXIT_POLICY,
+    ConfigError,
+    KvpactError,
+    ModelLoadError,
+    PagedAttentionRequiredError,
+)
 from shared.handshake import StartupFailure, StartupFailureCode
 from shared.log import configure_logging
 from shared.spec import WorkerSpec
 from shared.wire import failure_to_pb, mode_from_pb, realized_to_pb, spec_to_pb
 from worker.device import probe_device
 from worker.engine import Engine
+from worker.loader import model_name, resolve_model_path
 from worker.registration import RouterError, RouterLink
 from worker.service import WorkerServer, WorkerService
 from worker.startup import build_engine, plan_startup
@@ -100,6 +108,14 @@ def classify_failure(exc: BaseException) -> tuple[StartupFailure, int]:
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
         return StartupFailure(StartupFailureCode.OUT_OF_MEMORY, str(exc), "memory"), EXIT_FATAL
     return StartupFailure(StartupFailureCode.INTERNAL, f"{type(exc).__name__}: {exc}", ""), EXIT_FATAL
+
+
+def _default_model_name(model: str) -> str:
+    """The model's name before it is loaded, so a failure report names it too."""
+    try:
+        return model_name(resolve_model_path(model or None))
+    except KvpactError:
+        return model or "the default model"
 
 
 def _say(message: str, *, error: bool = False) -> None:
@@ -165,7 +181,7 @@ class WorkerProcess:
             return EXIT_FATAL
         await self.server.start()
         self.handshake.address = self._advertised_address(self.server.port)
-        self.handshake.model_name = options.model_name or options.spec.model
+        self.handshake.model_name = options.model_name or _default_model_name(options.spec.model)
         _say(f"worker {self.worker_id} listening on {self.handshake.address}")
 
         try:
@@ -175,12 +191,14 @@ class WorkerProcess:
         if engine is None:
             return self.stop.exit_code
         self.engine = engine
-        model_name = options.model_name or engine.model_name
-        self.handshake.model_name = model_name
+        loop = asyncio.get_running_loop()
+        engine.on_fatal = lambda reason: loop.call_soon_threadsafe(self.stop.request, reason, EXIT_FATAL)
+        served_name = options.model_name or engine.model_name
+        self.handshake.model_name = served_name
         self.handshake.ready.CopyFrom(realized_to_pb(engine.realized))
-        await self.server.set_serving(engine, model_name)
-        log.info("serving", address=self.handshake.address, model_name=model_name)
-        _say(f"worker {self.worker_id} serving {model_name} on {self.handshake.address}")
+        await self.server.set_serving(engine, served_name)
+        log.info("serving", address=self.handshake.address, model_name=served_name)
+        _say(f"worker {self.worker_id} serving {served_name} on {self.handshake.address}")
         _say(engine.realized.table())
         if self.link is None:
             return None

@@ -291,3 +291,22 @@ def test_close_fails_in_flight_requests_and_refuses_new_ones(engine):
     engine.close()  # idempotent
     with pytest.raises(EngineClosedError):
         engine.run([greedy("late", TEXT, 2)])
+
+
+def test_an_internal_scheduler_fault_stops_the_engine_once_instead_of_spinning(engine):
+    """A bug outside the model call (here the scheduler, also broken when freeing) leaves no state to
+    trust: the engine fails what is in flight, refuses new work and tells its owner, exactly once."""
+    fatal: list[str] = []
+    engine.on_fatal = fatal.append
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("scheduler bug")
+
+    engine.scheduler.schedule = broken  # type: ignore[method-assign]
+    engine.scheduler.finish = broken  # type: ignore[method-assign]
+    with pytest.raises(GenerationError, match="RuntimeError: scheduler bug"):
+        engine.run([greedy("doomed", TEXT, 4)], timeout=30)
+    assert wait_until(lambda: not engine._thread.is_alive())
+    assert fatal == ["the engine failed: RuntimeError: scheduler bug"]
+    with pytest.raises(EngineClosedError):
+        engine.run([greedy("late", TEXT, 2)])

@@ -140,6 +140,7 @@ def test_on_that_cannot_be_honored_exits_78_before_loading(model_dir, tmp_path, 
     assert handshake.failed.component == "device"
     assert handshake.failed.reason == reason
     assert handshake.worker_id == "w-cpu"
+    assert handshake.model_name == model_dir.name  # named before loading, so the router's report names it
     assert handshake.spec.cache.mode == cache_pb2.PAGED_ATTENTION_MODE_ON
     assert handshake.spec.cache.paged.backend == cache_pb2.PAGED_BACKEND_TRITON
     # the device was probed before the plan failed, so the router still learns what it is

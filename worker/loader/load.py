@@ -74,6 +74,11 @@ def default_model_path() -> Path:
     return file
 
 
+def model_name(source: Path) -> str:
+    """The name clients use for a model by default: its directory's name, or its GGUF file's without .gguf."""
+    return source.name.removesuffix(".gguf")
+
+
 def resolve_model_path(path: str | Path | None) -> Path:
     """The model's file or directory; ModelLoadError when it does not exist."""
     if path is None:
@@ -149,9 +154,8 @@ def load_model(
     torch_dtype = resolve_dtype(device, dtype)
     cached = False
     directory: Path | None = source
-    name = source.name
+    name = model_name(source)
     if not source.is_dir():
-        name = source.name.removesuffix(".gguf")
         directory, cached = _converted(source, cache_dir)
     if directory is None:
         gguf_file = GGUFFile(source)
