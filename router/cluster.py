@@ -24,6 +24,7 @@ from router.registry import Registry, WorkerEntry, WorkerState
 from router.report import FailedStartup, describe_intent, describe_realized, render_failure_report
 from router.startup import ClusterState, Startup
 from shared import wire
+from shared.errors import ConfigError
 
 log = structlog.get_logger("router")
 
@@ -152,11 +153,15 @@ class Cluster:
             realized = wire.realized_from_pb(hs.ready) if outcome == "ready" else None
         except KeyError as exc:
             raise InvalidRequest(f'worker "{hs.worker_id}": its RealizedCache has no kind/scheduler') from exc
+        try:
+            spec = wire.spec_from_pb(hs.spec)
+        except (KeyError, ValueError, ConfigError) as exc:  # an unknown enum, or --pa-* values out of range
+            raise InvalidRequest(f'worker "{hs.worker_id}": its WorkerSpec is malformed: {exc}') from exc
         return WorkerEntry(
             worker_id=hs.worker_id,
             address=hs.address,
             model_name=hs.model_name,
-            spec=wire.spec_from_pb(hs.spec),
+            spec=spec,
             capabilities=hs.capabilities,
             realized=realized,
             failure=wire.failure_from_pb(hs.failed) if outcome == "failed" else None,

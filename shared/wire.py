@@ -11,6 +11,7 @@ from kvpact.v1 import cache_pb2, worker_pb2
 
 from shared.handshake import StartupFailure, StartupFailureCode, WorkerLoad
 from shared.intent import (
+    DEFAULT_BLOCK_SIZE,
     CacheDtype,
     CacheIntent,
     Fallback,
@@ -85,7 +86,7 @@ def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionC
     budget = msg.WhichOneof("budget")
     return PagedAttentionConfig(
         required=msg.required,
-        block_size=msg.block_size or PagedAttentionConfig.block_size,
+        block_size=msg.block_size or DEFAULT_BLOCK_SIZE,
         memory_fraction=msg.memory_fraction if budget == "memory_fraction" else None,
         memory_bytes=msg.memory_bytes if budget == "memory_bytes" else None,
         context_tokens=msg.context_tokens if budget == "context_tokens" else None,

@@ -78,6 +78,13 @@ def test_unspecified_mode_is_read_as_auto_and_written_back_as_auto():
     assert intent_to_pb(intent).mode == cache_pb2.PAGED_ATTENTION_MODE_AUTO
 
 
+def test_unset_block_size_reads_as_the_default():
+    msg = cache_pb2.CacheIntent(mode=cache_pb2.PAGED_ATTENTION_MODE_ON)
+    msg.paged.context_tokens = 4096
+    expected = PagedAttentionConfig(required=True, block_size=16, context_tokens=4096)
+    assert intent_from_pb(msg).paged == expected
+
+
 def test_on_without_paged_message_is_still_required():
     intent = intent_from_pb(cache_pb2.CacheIntent(mode=cache_pb2.PAGED_ATTENTION_MODE_ON))
     assert intent.paged == PagedAttentionConfig(required=True)

@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvpact.client import AsyncClient, KvpactRpcError
-from kvpact.v1 import generation_pb2, router_pb2, worker_pb2
+from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, worker_pb2
 
 from router.interceptor import _wrap_stream
 from router.service import GenerationService
@@ -371,12 +371,22 @@ async def test_startup_timeout_names_who_is_missing():
         assert a.shutdown_reasons
 
 
+def bad_spec_handshake(*, mode: int = cache_pb2.PAGED_ATTENTION_MODE_ON, memory_fraction: float = 0.5):
+    """A failed-outcome handshake whose spec an honest worker could never send."""
+    hs = worker_pb2.Handshake(worker_id="w", failed=worker_pb2.StartupFailure(reason="x"))
+    hs.spec.cache.mode = mode  # type: ignore[assignment]
+    hs.spec.cache.paged.memory_fraction = memory_fraction
+    return hs
+
+
 @run_async
 async def test_bad_handshakes_are_invalid_argument():
     async with running_router() as router, registry_stub(router) as registry:
         for handshake, words in [
             (worker_pb2.Handshake(address="x:1"), "worker_id is empty"),
             (worker_pb2.Handshake(worker_id="w"), "neither `ready` nor `failed`"),
+            (bad_spec_handshake(mode=42), "WorkerSpec is malformed"),
+            (bad_spec_handshake(memory_fraction=7.0), "--pa-memory-fraction must be in (0, 1]"),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await registry.Register(handshake)
