@@ -90,6 +90,11 @@ def epilog() -> str:
             "mixed device map",
             "--device-map puts layers on CPU and on an accelerator (no CPU paged cache for GPU kernels)",
         ),
+        (
+            "sliding window",
+            "the model's attention window is shorter than --max-model-len (the paged kernels attend "
+            "over the whole context; lower --max-model-len to the window)",
+        ),
         ("--no-kv-cache", "there is no KV cache to page"),
         ("KV budget", "the --pa-* budget cannot hold one --max-model-len sequence"),
     ]

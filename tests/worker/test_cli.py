@@ -26,6 +26,7 @@ def test_help_shows_the_policy_flag_and_every_reason():
         "--pa-block-size 8, 16, 32, 64",
         "KV dtypes bfloat16, float16, float32",
         "mixed device map",
+        "sliding window",
         "--no-kv-cache",
         "KV budget",
     ):
