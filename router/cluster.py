@@ -25,6 +25,7 @@ from router.report import FailedStartup, describe_intent, describe_realized, ren
 from router.startup import ClusterState, Startup
 from shared import wire
 from shared.errors import ConfigError
+from shared.handshake import WorkerLoad
 
 log = structlog.get_logger("router")
 
@@ -168,6 +169,10 @@ class Cluster:
             state=WorkerState.REFUSED,
             state_reason="",
             last_heartbeat=self.clock(),
+            # Until its first heartbeat (one interval away) a worker that just registered counts as idle.
+            load=WorkerLoad(num_free_blocks=realized.num_blocks, num_total_blocks=realized.num_blocks)
+            if realized is not None
+            else WorkerLoad(),
         )
 
     # -- Startup transitions --------------------------------------------------------------------------

@@ -316,6 +316,9 @@ async def test_heartbeats_keep_workers_alive_and_silence_marks_them_dead():
     ):
         admission = await registry.Register(ready("a", a.address))
         assert admission.heartbeat_interval_ms == 100
+        before_first_beat = (await client.cluster_status()).workers[0].load
+        realized_blocks = ready("a", a.address).ready.num_blocks
+        assert before_first_beat.num_free_blocks == before_first_beat.num_total_blocks == realized_blocks > 0
         assert (await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="nobody"))).known is False
         load = worker_pb2.WorkerLoad(
             num_running=2, num_waiting=1, num_free_blocks=40, num_total_blocks=64, tokens_per_second=12.5
