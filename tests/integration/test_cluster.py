@@ -306,3 +306,37 @@ def test_a_worker_without_the_auth_token_is_not_admitted(model: Path, tmp_path: 
         with Client(address, timeout=10) as client:
             assert list(client.cluster_status().workers) == []
         assert "s3cret-value" not in r.output()
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_unavailable_and_is_marked_dead(
+    model: Path, tmp_path: Path
+):
+    """kill -9 of the serving worker: the client's stream ends promptly with UNAVAILABLE naming the
+    worker (no hang), the router keeps running, and after --heartbeat-timeout the worker is DEAD."""
+    argv = router_argv("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1")
+    with running(argv, name="router", log_dir=tmp_path) as r:
+        address = router_address(r)
+        args = worker_args(model, address, "w-doomed", "--paged-attn", "on")
+        with started_worker(
+            args, log_dir=tmp_path, name="w-doomed", wait_serving=False, timeout_s=START_S
+        ) as w:
+            wait_for_health(address, START_S, watch=[r, w.handle])
+            with Client(address, timeout=60) as client:
+                stream = client.generate("Once upon", max_tokens=1800, temperature=0.0, ignore_eos=True)
+                assert next(stream).finish_reason is None
+                w.handle.popen.kill()
+                started = time.monotonic()
+                with pytest.raises(KvpactRpcError) as err:
+                    for _ in stream:
+                        pass
+                assert time.monotonic() - started < 10
+                assert err.value.code is grpc.StatusCode.UNAVAILABLE
+                assert 'worker "w-doomed"' in err.value.details
+                deadline = time.monotonic() + 15
+                while client.cluster_status().workers[0].state != router_pb2.WORKER_STATE_DEAD:
+                    assert time.monotonic() < deadline, "the killed worker was never marked DEAD"
+                    time.sleep(0.1)
+                with pytest.raises(KvpactRpcError) as err:
+                    client.complete("hi", max_tokens=2)
+                assert err.value.code is grpc.StatusCode.UNAVAILABLE and "no live worker" in err.value.details
+        assert r.returncode is None  # the router is still up
