@@ -90,7 +90,12 @@ def _sample_rows(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
     device = logits.device
     n, vocab = logits.shape
     temperature = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
-    logits = logits / temperature
+    # Softmax is unchanged by shifting a row so its best logit is 0; then a tiny temperature sends the rest
+    # towards -inf (its greedy limit) instead of overflowing them to +inf, where softmax gives nan. The
+    # clamp first turns a tiny repetition penalty's +inf into the largest finite logit.
+    finite = torch.finfo(logits.dtype)
+    logits = logits.clamp(finite.min, finite.max)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     # Work in descending order: top-k and top-p are prefixes of it, and min-p keeps a prefix too.
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)[None, :]

@@ -73,6 +73,17 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert sample(logits_of(LOGITS), [row(history=[0], temperature=0, repetition_penalty=0.1)])[0] == [0]
 
 
+@pytest.mark.parametrize(
+    ("history", "params"),
+    [((), dict(temperature=1e-45)), ((7, 0), dict(repetition_penalty=1e-38)), ((7,), dict(temperature=1e-38))],
+)
+def test_a_temperature_or_penalty_that_overflows_the_logits_still_samples_the_best(history, params):
+    """logits / 1e-45 is +-inf; unclamped, softmax made nan and the draw failed the whole batch."""
+    logits = logits_of(LOGITS, LOGITS)
+    ids, _ = sample(logits, [row(history=history, **params), row(temperature=0)])
+    assert ids == [7, 7]
+
+
 def test_repetition_penalty_applies_only_to_its_own_row():
     logits = logits_of(LOGITS, LOGITS)
     ids, _ = sample(logits, [row(history=[7], temperature=0, repetition_penalty=4.0), row(temperature=0)])
