@@ -50,9 +50,12 @@ class SamplingParams:
             raise RequestError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 @dataclass(slots=True)
 class ChatMessage:
-    role: str  # "system", "user", "assistant"
+    role: str  # one of CHAT_ROLES
     content: str
 
 
@@ -77,9 +80,16 @@ class GenerationRequest:
         if not self.request_id:
             raise RequestError("request_id must not be empty")
         if isinstance(self.prompt, str) and not self.prompt:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty; send some text (or chat messages, or token ids)")
         if isinstance(self.prompt, tuple) and not self.prompt:
-            raise RequestError("the prompt is empty (no messages or token ids)")
+            raise RequestError(
+                "the prompt is empty (no messages or token ids); send at least one chat message or token id"
+            )
+        for i, message in enumerate(self.prompt if isinstance(self.prompt, tuple) else ()):
+            if isinstance(message, ChatMessage) and message.role not in CHAT_ROLES:
+                raise RequestError(
+                    f"chat message {i} has role {message.role!r}; use one of {', '.join(CHAT_ROLES)}"
+                )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):

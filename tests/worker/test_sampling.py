@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared.errors import RequestError
-from worker.request import GenerationRequest, SamplingParams
+from worker.request import ChatMessage, GenerationRequest, SamplingParams
 from worker.sampling import SampleRow, make_generator, sample
 
 VOCAB = 8
@@ -149,6 +149,10 @@ def test_bad_sampling_values_are_refused_naming_the_field(params, message):
         (dict(prompt=()), "the prompt is empty"),
         (dict(max_tokens=0), "max_tokens must be >= 1"),
         (dict(stop=("",)), "stop strings must not be empty"),
+        (
+            dict(prompt=(ChatMessage("user", "hi"), ChatMessage("wizard", "x"))),
+            "chat message 1 has role 'wizard'; use one of system, user, assistant",
+        ),
     ],
 )
 def test_bad_requests_are_refused(kwargs, message):
