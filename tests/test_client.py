@@ -67,6 +67,23 @@ def test_build_request_from_messages_and_bad_prompts():
         build_request([1.5])
 
 
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("x", dict(top_k=-1), "top_k must be in [0, 4294967295] (0 = disabled), got -1"),
+        ("x", dict(seed=-1), "seed must be in [0, 18446744073709551615], got -1"),
+        ("x", dict(max_tokens=2**32), "max_tokens must be in [0, 4294967295], got 4294967296"),
+        ("x", dict(stop_token_ids=[2, -1]), "stop_token_ids must be in [0, 4294967295], got [-1]"),
+        ([1, -5], {}, "prompt token ids must be in [0, 4294967295], got [-5]"),
+    ],
+)
+def test_a_value_the_wire_cannot_carry_is_invalid_argument_naming_the_field(prompt, params, message):
+    """The proto's unsigned fields: protobuf itself would raise a bare ValueError naming no field."""
+    with pytest.raises(KvpactRpcError) as exc:
+        build_request(prompt, **params)
+    assert exc.value.code is grpc.StatusCode.INVALID_ARGUMENT and exc.value.details == message
+
+
 def test_chunk_and_completion_conversions():
     chunk = generation_pb2.GenerateChunk(
         request_id="r", text="a", token_ids=[1], logprobs=[-0.5],

@@ -13,7 +13,9 @@
 
 Errors: every failed call raises `KvpactRpcError`, a `grpc.RpcError` subclass carrying the server's
 status as `.code` (a `grpc.StatusCode`) and `.details` (its message), e.g. NOT_FOUND naming the served
-models, UNAVAILABLE while the cluster is starting, DEADLINE_EXCEEDED past `timeout`.
+models, UNAVAILABLE while the cluster is starting, DEADLINE_EXCEEDED past `timeout`. A value the wire
+cannot carry (a negative top_k, seed or token id; max_tokens past 2**32 - 1) raises it too, with
+INVALID_ARGUMENT, before anything is sent.
 Breaking out of `generate()` early (or cancelling the async task) cancels the request on the server,
 which aborts it and frees its KV cache.
 
@@ -50,6 +52,7 @@ _FINISH = {
     generation_pb2.FINISH_REASON_ABORT: "abort",
 }
 Prompt = str | Sequence[int]
+UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
 
 
 class GenerateParams(TypedDict, total=False):
@@ -147,7 +150,12 @@ def build_request(
     logprobs: bool = False,
     request_id: str = "",
 ) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest from a prompt (text or token ids) or chat messages ({"role", "content"} dicts)."""
+    """A GenerateRequest from a prompt (text or token ids) or chat messages ({"role", "content"} dicts).
+    Raises KvpactRpcError(INVALID_ARGUMENT) for an integer outside its unsigned wire type."""
+    _check_unsigned("max_tokens", max_tokens, UINT32_MAX)
+    _check_unsigned("top_k", top_k, UINT32_MAX, " (0 = disabled)")
+    _check_unsigned("seed", seed, UINT64_MAX)
+    _check_unsigned("stop_token_ids", stop_token_ids, UINT32_MAX)
     sampling = generation_pb2.SamplingParams(top_k=top_k, min_p=min_p, logprobs=logprobs)
     if temperature is not None:
         sampling.temperature = temperature
@@ -176,10 +184,22 @@ def build_request(
     elif isinstance(prompt, str):
         request.text = prompt
     elif prompt is not None and all(isinstance(t, int) for t in prompt):
+        _check_unsigned("prompt token ids", prompt, UINT32_MAX)
         request.token_ids.ids.extend(prompt)
     else:
         raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
     return request
+
+
+def _check_unsigned(name: str, value: int | Sequence[int] | None, limit: int, note: str = "") -> None:
+    """An integer (or each of a sequence) must fit its unsigned protobuf field."""
+    values = () if value is None else (value,) if isinstance(value, int) else value
+    bad = [v for v in values if isinstance(v, int) and not 0 <= v <= limit]
+    if bad:
+        got = value if isinstance(value, int) else bad[:5]
+        raise KvpactRpcError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be in [0, {limit}]{note}, got {got}"
+        )
 
 
 def usage_from_pb(msg: generation_pb2.Usage) -> Usage:

@@ -75,7 +75,11 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
 
 @pytest.mark.parametrize(
     ("history", "params"),
-    [((), dict(temperature=1e-45)), ((7, 0), dict(repetition_penalty=1e-38)), ((7,), dict(temperature=1e-38))],
+    [
+        ((), dict(temperature=1e-45)),
+        ((7, 0), dict(repetition_penalty=1e-38)),
+        ((7,), dict(temperature=1e-38)),
+    ],
 )
 def test_a_temperature_or_penalty_that_overflows_the_logits_still_samples_the_best(history, params):
     """logits / 1e-45 is +-inf; unclamped, softmax made nan and the draw failed the whole batch."""
