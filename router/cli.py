@@ -2,7 +2,7 @@
 
 Exit codes: 0 stopped by SIGINT/SIGTERM; 78 the --paged-attn policy cannot be honored by every
 worker (the report names each worker and why); 1 the cluster did not come up otherwise (startup
-timeout, a worker that failed to load); 2 bad flags.
+timeout, a worker that failed to load, a port that cannot be bound); 2 bad flags.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from router.config import RouterConfig
 from shared.auth import read_token
 from shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
-from shared.errors import ConfigError
+from shared.errors import EXIT_FATAL, BindError, ConfigError
 from shared.intent import PagedAttentionMode
 from shared.log import configure_logging
 
@@ -24,6 +24,12 @@ POLICY_HELP = (
     "(exit 78, naming each worker and reason); off: admit only workers with the eager KV cache. "
     "Default: auto."
 )
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {text!r}")
+    return int(text)
 
 
 def _positive_int(text: str) -> int:
@@ -83,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         metavar="PORT",
         help="serve Prometheus metrics on this port (default: off)",
     )
@@ -118,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return asyncio.run(serve(config))
-    except ConfigError as exc:
+    except BindError as exc:
         print(f"router: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_FATAL
 
 
 if __name__ == "__main__":

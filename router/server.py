@@ -18,7 +18,7 @@ from router.interceptor import ErrorInterceptor
 from router.metrics import RouterMetrics
 from router.registry_service import RegistryService
 from router.service import GenerationService
-from shared.errors import ConfigError
+from shared.errors import BindError
 
 log = structlog.get_logger("router")
 
@@ -47,18 +47,21 @@ class RouterServer:
         self.port = 0
 
     async def start(self) -> int:
-        """Bind and start serving; returns the bound port."""
+        """Bind (both ports, before anything starts: BindError) and start serving; returns the bound port."""
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         try:
             self.port = self._server.add_insecure_port(f"{host}:{self.config.port}")
-        except RuntimeError as exc:
-            raise ConfigError(f"--listen {self.config.host}:{self.config.port}: cannot bind ({exc})") from exc
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            self.port = 0
         if not self.port:
-            raise ConfigError(f"--listen {self.config.host}:{self.config.port}: cannot bind (in use?)")
+            raise BindError("--listen", f"{host}:{self.config.port}")
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics.serve(self.config.metrics_port, self.config.host)
+            except OSError as exc:
+                raise BindError("--metrics-port", f"{host}:{self.config.metrics_port}") from exc
         await self.cluster.start()
         await self._server.start()
-        if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port, self.config.host)
         print(f"router listening on {host}:{self.port}", flush=True)  # tests and deploy read it
         log.info("router_listening", address=f"{host}:{self.port}", metrics_port=self.config.metrics_port)
         return self.port

@@ -22,6 +22,16 @@ class ConfigError(KvpactError):
     """Flags that contradict each other, the device or the model. The message names the flags."""
 
 
+class BindError(KvpactError):
+    """A port the process should listen on cannot be bound (exit 1: the flag is fine, the machine is not)."""
+
+    def __init__(self, flag: str, address: str) -> None:
+        super().__init__(
+            f"{flag} {address}: cannot bind (the port is in use, or the host is not this machine's); "
+            "stop what holds it or choose another port"
+        )
+
+
 class ModelLoadError(KvpactError):
     """A model file is missing, corrupt or of an unsupported architecture."""
 

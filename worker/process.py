@@ -37,6 +37,7 @@ from shared.auth import read_token
 from shared.errors import (
     EXIT_FATAL,
     EXIT_POLICY,
+    BindError,
     ConfigError,
     KvpactError,
     ModelLoadError,
@@ -176,7 +177,7 @@ class WorkerProcess:
             )
         try:
             self.server = WorkerServer(self.service, options.listen_host, options.listen_port)
-        except OSError as exc:
+        except BindError as exc:
             _say(f"worker {self.worker_id}: {exc}", error=True)
             return EXIT_FATAL
         await self.server.start()

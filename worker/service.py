@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
-from shared.errors import KvpactError, RequestError
+from shared.errors import BindError, KvpactError, RequestError
 from shared.wire import load_to_pb
 from worker.interceptors import ErrorInterceptor, LogContextInterceptor
 from worker.request import EngineClosedError, GenerationError
@@ -125,9 +125,7 @@ class WorkerServer:
         except RuntimeError:  # grpc's "Failed to bind to address"
             self.port = 0
         if self.port == 0:
-            raise OSError(
-                f"--listen {address}: cannot bind (the port is in use, or the host is not this machine's)"
-            )
+            raise BindError("--listen", address)
 
     @property
     def address(self) -> str:

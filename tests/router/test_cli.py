@@ -3,6 +3,7 @@ real Worker servers on loopback (WorkerDouble) hosted in a background loop."""
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,12 +121,26 @@ def test_metrics_show_each_workers_realized_kind(tmp_path):
         (["--auth-token-file", "/nonexistent/token"], "--auth-token-file /nonexistent/token: cannot read it"),
         (["--expect-workers", "0"], "must be positive"),
         (["--listen", "nowhere"], "expected HOST:PORT"),
+        (["--metrics-port", "70000"], "expected a port in [1, 65535], got '70000'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     out = subprocess.run(module_argv("router", *args), capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--listen", "--metrics-port"])
+def test_a_port_in_use_exits_1_with_one_line_naming_the_flag(flag):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        value = f"127.0.0.1:{port}" if flag == "--listen" else str(port)
+        out = subprocess.run(router_argv(flag, value), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1, out.stderr
+    assert f"router: {flag} 127.0.0.1:{port}: cannot bind (the port is in use" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("flag", ["--startup-timeout", "--heartbeat-interval", "--heartbeat-timeout"])
