@@ -30,9 +30,14 @@ def parse_device_map(text: str) -> tuple[LayerPlacement, ...]:
     placements = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         device, sep, count = part.rpartition("=")
-        if not sep or not device or not count.isdigit() or int(count) == 0:
+        if not sep or not device or not count.isdigit() or not 0 < int(count) < 2**32:
             raise ValueError(
                 f"--device-map expects DEVICE=NUM_LAYERS[,...] (e.g. cuda:0=20,cpu=10), got {part!r}"
+            )
+        kind, colon, index = device.partition(":")
+        if not (device in ("cpu", "cuda", "mps") or (kind == "cuda" and colon and index.isdigit())):
+            raise ValueError(
+                f"--device-map: unknown device {device!r} in {part!r}; use cpu, cuda, cuda:N or mps"
             )
         placements.append(LayerPlacement(device=device, num_layers=int(count)))
     return tuple(placements)

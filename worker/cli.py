@@ -16,7 +16,7 @@ import asyncio
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kernels.support import (
     TRITON_BLOCK_SIZES,
@@ -39,6 +39,7 @@ from worker.kv.sizing import CPU_DEFAULTS, CPU_PAGED_BUDGET_BYTES, CPU_PAGED_BUD
 from worker.process import DEFAULT_ROUTER_TIMEOUT_S, WorkerOptions, run_worker
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # what the WorkerSpec's fields carry on the wire
 
 
 def _device(value: str) -> str:
@@ -55,16 +56,21 @@ def _device_map(value: str) -> tuple[LayerPlacement, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _count(value: str) -> int:
-    if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value!r}")
-    return int(value)
+def _whole_number(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [minimum, maximum] (minimum 0 or 1)."""
+
+    def parse(value: str) -> int:
+        if not value.isdigit() or not minimum <= int(value) <= maximum:
+            low = "> 0" if minimum else ">= 0"
+            raise argparse.ArgumentTypeError(f"expected a whole number {low} and <= {maximum}, got {value!r}")
+        return int(value)
+
+    return parse
 
 
-def _positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) == 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {value!r}")
-    return int(value)
+_count = _whole_number(0, UINT32_MAX)
+_positive_int = _whole_number(1, UINT32_MAX)
+_positive_int64 = _whole_number(1, UINT64_MAX)
 
 
 def _listing(values: frozenset[int] | frozenset[str]) -> str:
@@ -183,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument(
         "--pa-memory-fraction", type=float, help="KV cache budget: a fraction (0, 1] of device memory"
     )
-    budget.add_argument("--pa-memory-bytes", type=_positive_int, help="KV cache budget in bytes")
-    budget.add_argument("--pa-context-tokens", type=_positive_int, help="KV cache budget in tokens")
+    budget.add_argument("--pa-memory-bytes", type=_positive_int64, help="KV cache budget in bytes")
+    budget.add_argument("--pa-context-tokens", type=_positive_int64, help="KV cache budget in tokens")
     cache.add_argument(
         "--pa-cache-dtype",
         choices=[d.value for d in CacheDtype],

@@ -103,6 +103,13 @@ def test_every_flag_reaches_the_spec():
         (["--device", "tpu"], "expected auto, cpu, cuda, cuda:N or mps"),
         (["--listen", "nowhere"], "expected HOST:PORT"),
         (["--pa-block-size", "0"], "expected a whole number > 0"),
+        (["--max-model-len", "99999999999999999999"], "expected a whole number >= 0 and <= 4294967295"),
+        (["--pa-context-tokens", str(2**64)], "expected a whole number > 0 and <= 18446744073709551615"),
+        (
+            ["--device-map", "foo=2"],
+            "--device-map: unknown device 'foo' in 'foo=2'; use cpu, cuda, cuda:N or mps",
+        ),
+        (["--device-map", "cpu=99999999999"], "--device-map expects DEVICE=NUM_LAYERS"),
         (["--router-timeout", "0"], "expected a number of seconds > 0"),
         (["--router-timeout", "inf"], "expected a number of seconds > 0"),
         (["--router-timeout", "nan"], "expected a number of seconds > 0"),
