@@ -30,6 +30,9 @@ from shared.wire import realized_from_pb
 DEFAULT_PORT = 50051
 PORT_ENV = "KVPACT_ROUTER_PORT"
 STOP_GRACE_S = 15.0
+# The "Try it" request: a chat turn (an instruct model often ends a plain-text prompt at once, empty).
+TRY_MESSAGES = "[{'role': 'user', 'content': 'Tell me a joke.'}]"
+TRY_JSON = '{"chat": {"messages": [{"role": "user", "content": "Tell me a joke."}]}, "maxTokens": 64}'
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +87,8 @@ def describe(router: str, processes: Sequence[ProcessHandle], log_dir: str) -> s
             *tables,
             "Try it:\n"
             f'  {_python()} -c "from kvpact.client import Client; '
-            f"print(Client('{router}').complete('Tell me a joke.', max_tokens=64).text)\"\n"
-            f'  grpcurl -plaintext -d \'{{"text": "Tell me a joke.", "max_tokens": 64}}\' '
+            f"print(Client('{router}').chat({TRY_MESSAGES}, max_tokens=64).text)\"\n"
+            f"  grpcurl -plaintext -d '{TRY_JSON}' "
             f"{router} kvpact.v1.Generation/Generate",
             "Ctrl-C stops both.",
         ]
