@@ -162,6 +162,14 @@ def choose_num_splits(num_seqs: int, kv_heads: int, max_context_len: int, num_sm
     return max(1, min(wanted, worth, MAX_SPLITS))
 
 
+def default_num_splits(num_seqs: int, kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """choose_num_splits rounded down to a power of two: NUM_SPLITS is a constexpr, so every value
+    compiles its own kernel, and as contexts grow a server would otherwise compile up to MAX_SPLITS
+    of them mid-request. Rounding down keeps the bounds (>= MIN_TILES_PER_SPLIT tiles, <= MAX_SPLITS)."""
+    wanted = choose_num_splits(num_seqs, kv_heads, max_context_len, num_sms)
+    return 1 << (wanted.bit_length() - 1)
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -172,7 +180,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, q_heads, head_dim]
     """Triton twin of reference.paged_decode_attention_torch. num_splits=None picks by heuristic
-    from shapes only (block_tables' width bounds the context; no device sync)."""
+    (default_num_splits) from shapes only (block_tables' width bounds the context; no device sync)."""
     checks.check_decode(query, key_cache, value_cache, block_tables, context_lens)
     checks.check_triton_support(kernel_paged_decode_attention, key_cache, query, block_tables, context_lens)
     num_seqs, q_heads, head_dim = query.shape
@@ -183,7 +191,7 @@ def paged_decode_attention(
             if query.device.type == "cuda"
             else INTERPRETER_NUM_SMS
         )
-        num_splits = choose_num_splits(num_seqs, kv_heads, block_tables.shape[1] * block_size, num_sms)
+        num_splits = default_num_splits(num_seqs, kv_heads, block_tables.shape[1] * block_size, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -128,9 +128,11 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative offsets into query
     context_lens: torch.Tensor,  # [num_seqs] int32, cached tokens including the new ones
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, q_heads, head_dim]
-    """Triton twin of reference.paged_prefill_attention_torch. Syncs once to size the grid
-    (longest new-token run)."""
+    """Triton twin of reference.paged_prefill_attention_torch. `max_query_len`, the longest
+    new-token run (at least it: it sizes the grid), as the caller knows it on the host; None reads
+    it from query_start_loc, one device sync."""
     checks.check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
     checks.check_triton_support(
         kernel_paged_prefill_attention, key_cache, query, block_tables, query_start_loc, context_lens
@@ -141,7 +143,10 @@ def paged_prefill_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1 for {num_tokens} query tokens, got {max_query_len}")
     group = q_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, BLOCK_M // group_pad)

@@ -38,8 +38,10 @@ def paged_decode_attention_torch(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     context_lens: torch.Tensor,  # [num_seqs] int32, >= 1, includes the current token
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, q_heads, head_dim]
-    """One query token per sequence attends to its first context_lens[i] cached tokens."""
+    """One query token per sequence attends to its first context_lens[i] cached tokens.
+    `num_splits` is accepted for the Triton twin's signature; this computes in one pass."""
     checks.check_decode(query, key_cache, value_cache, block_tables, context_lens)
     num_seqs, q_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
@@ -73,11 +75,13 @@ def paged_prefill_attention_torch(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative offsets into query
     context_lens: torch.Tensor,  # [num_seqs] int32, cached tokens including the new ones
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, q_heads, head_dim]
     """Causal attention for a ragged batch of new tokens whose K/V are already in the cache.
 
     Sequence i's j-th new token sits at position context_lens[i] - q_len_i + j and attends to
-    positions 0..that position (cached prefix + new tokens up to itself).
+    positions 0..that position (cached prefix + new tokens up to itself). `max_query_len` is
+    accepted for the Triton twin's signature and not needed here (this reads the offsets itself).
     """
     checks.check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
     _, q_heads, head_dim = query.shape

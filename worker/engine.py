@@ -30,6 +30,7 @@ import torch
 from shared.errors import RequestError
 from shared.handshake import WorkerLoad
 from shared.realized import RealizedCache
+from worker.device import bind_thread
 from worker.model_runner import ModelRunner
 from worker.output_stream import OutputStream, Sink
 from worker.request import (
@@ -254,20 +255,27 @@ class Engine:
 
     def _loop(self) -> None:
         with torch.inference_mode():
+            try:
+                bind_thread(self.runner.device)  # Triton launches on this thread's current CUDA device
+            except Exception as e:
+                self._stop_on_error(e)
             while not self._closed.is_set():
                 try:
                     self._drain(block=not self.scheduler.has_work())
                     if not self._closed.is_set() and self.scheduler.has_work():
                         self._step()
                 except Exception as e:  # a bug outside the model call: nothing's state can be trusted
-                    self.log.exception("engine step failed; the engine stops and fails every request")
-                    with self._lock:
-                        self._closed.set()  # new requests get EngineClosedError (UNAVAILABLE)
-                    self._fail(list(self._streams.values()), e)
-                    if self.on_fatal is not None:
-                        self.on_fatal(f"the engine failed: {type(e).__name__}: {e}")
+                    self._stop_on_error(e)
         self._fail(list(self._streams.values()), EngineClosedError("the engine was closed"))
         self._drain(block=False)
+
+    def _stop_on_error(self, e: Exception) -> None:
+        self.log.exception("engine step failed; the engine stops and fails every request")
+        with self._lock:
+            self._closed.set()  # new requests get EngineClosedError (UNAVAILABLE)
+        self._fail(list(self._streams.values()), e)
+        if self.on_fatal is not None:
+            self.on_fatal(f"the engine failed: {type(e).__name__}: {e}")
 
     def _drain(self, block: bool) -> None:
         try:

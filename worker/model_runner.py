@@ -4,6 +4,10 @@ The flat batch puts the one-token chunks (decodes) first, then the longer chunks
 AttentionStep sees `num_decodes` decode rows followed by prefill/extend rows. Logits are computed only
 for the last token of chunks that reach their sequence's end (a middle chunk of a long prompt samples
 nothing).
+
+On CUDA a step synchronizes with the device once, when the sampler reads the token ids back: every
+host tensor goes over with `worker.device.to_device` (no stream sync), and the caches' AttentionSteps
+keep their metadata on the host side too.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.device import to_device
 from worker.kv import KVCache
 from worker.model import LlamaForCausalLM
 from worker.sampling import sample
@@ -47,13 +52,14 @@ class ModelRunner:
             positions += range(c.start, c.end)
             if c.samples:
                 sample_rows.append(len(input_ids) - 1)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
+        pos = to_device(torch.tensor(positions, dtype=torch.long), self.device)
+        rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         attn = self.cache.attention_step(ordered, len(decodes))
         hidden = self.model(ids, pos, attn)
         seqs = [c.seq for c in ordered if c.samples]
         if not seqs:
             return StepResult([], [], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[rows])
         token_ids, logprobs = sample(logits, [s.sample_row() for s in seqs])
         return StepResult(seqs, token_ids, logprobs, logits if self.keep_logits else None)

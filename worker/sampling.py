@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.device import to_device
 from worker.request import SamplingParams
 
 
@@ -47,17 +48,13 @@ def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> tuple[list[int], list[
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
     logits = _apply_repetition_penalty(logits, rows)
-    token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        token_ids[idx] = logits[idx].argmax(dim=-1)
+    token_ids = logits.argmax(dim=-1)  # every row greedy is the common case; sampled rows are overwritten
     if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
+        idx = _indices(sampled, logits.device)
         token_ids[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
 
-    ids = token_ids.tolist()
+    ids = token_ids.tolist()  # the step's one device sync
     logprobs: list[float | None] = [None] * num_rows
     if raw_logprobs is not None:
         picked = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
@@ -73,12 +70,13 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Seq[SampleRow]) -> tor
         return logits
     logits = logits.clone()
     device = logits.device
-    seen = torch.zeros(len(penalized), logits.shape[1], dtype=torch.bool, device=device)
-    for j, i in enumerate(penalized):
-        ids = torch.as_tensor(rows[i].token_ids, dtype=torch.long, device=device)
-        seen[j, ids] = True
-    penalty = torch.tensor([rows[i].params.repetition_penalty for i in penalized], device=device)[:, None]
-    idx = torch.tensor(penalized, device=device)
+    seen_rows = torch.cat([torch.full((len(rows[i].token_ids),), j) for j, i in enumerate(penalized)])
+    seen_ids = torch.cat([torch.as_tensor(rows[i].token_ids, dtype=torch.long) for i in penalized])
+    seen = torch.zeros(len(penalized), logits.shape[1], dtype=torch.bool)
+    seen[seen_rows, seen_ids] = True
+    seen = to_device(seen, device)
+    penalty = _values([rows[i].params.repetition_penalty for i in penalized], device)[:, None]
+    idx = _indices(penalized, device)
     sub = logits[idx]
     sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     logits[idx] = sub
@@ -89,7 +87,7 @@ def _sample_rows(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p over [n, vocab] logits, then one draw per row."""
     device = logits.device
     n, vocab = logits.shape
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
+    temperature = _values([r.params.temperature for r in rows], device)[:, None]
     # Softmax is unchanged by shifting a row so its best logit is 0; then a tiny temperature sends the rest
     # towards -inf (its greedy limit) instead of overflowing them to +inf, where softmax gives nan. The
     # clamp first turns a tiny repetition penalty's +inf into the largest finite logit.
@@ -99,13 +97,13 @@ def _sample_rows(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
     # Work in descending order: top-k and top-p are prefixes of it, and min-p keeps a prefix too.
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)[None, :]
-    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)[:, None]
+    top_k = _indices([r.params.top_k or vocab for r in rows], device)[:, None]
     remove = rank >= top_k
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    top_p = torch.tensor([r.params.top_p for r in rows], device=device)[:, None]
+    top_p = _values([r.params.top_p for r in rows], device)[:, None]
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly better tokens
     remove |= mass_before >= top_p
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
+    min_p = _values([r.params.min_p for r in rows], device)[:, None]
     remove |= probs < min_p * probs[:, :1]
     remove[:, 0] = False  # the most likely token always survives
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
@@ -113,9 +111,17 @@ def _sample_rows(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
     choice = torch.empty(n, dtype=torch.long, device=device)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
-        idx = torch.tensor(unseeded, device=device)
+        idx = _indices(unseeded, device)
         choice[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
     for i, r in enumerate(rows):
         if r.generator is not None:
             choice[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
     return sorted_ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def _indices(values: Seq[int], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def _values(values: Seq[float], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=torch.float32), device)

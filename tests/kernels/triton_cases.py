@@ -170,6 +170,20 @@ def test_decode_accepts_strided_query(num_splits):
 
 
 @needs_kernels
+def test_decode_default_num_splits_is_a_power_of_two_within_the_heuristic():
+    from kernels.decode_attention import MAX_SPLITS, choose_num_splits, default_num_splits
+
+    seen = set()
+    for num_seqs in (1, 2, 3, 16, 64, 256):
+        for context in (1, 100, 512, 2048, 5000, 8192, 100_000):
+            wanted = choose_num_splits(num_seqs, 8, context, 132)
+            got = default_num_splits(num_seqs, 8, context, 132)
+            assert got & (got - 1) == 0 and wanted / 2 < got <= wanted <= MAX_SPLITS
+            seen.add(got)
+    assert seen == {1, 2, 4, 8, 16, 32}  # six decode kernels at most, however long contexts grow
+
+
+@needs_kernels
 def test_decode_choose_num_splits():
     from kernels.decode_attention import MAX_SPLITS, choose_num_splits
 

@@ -54,6 +54,34 @@ def test_paged_step_equals_contiguous_attention_for_mixed_decode_prefill_and_ext
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_step_metadata_is_what_the_kernels_check_and_each_group_is_only_as_wide_as_it_needs():
+    cache = PagedCache(1, 32, BS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), PagedBackend.TORCH)
+    a, b, c = fake_seq("a", 40, [7, 3, 30]), fake_seq("b", 40, [5]), fake_seq("c", 40, [8, 10, 11, 13, 2])
+    # a decodes its 10th token, b its 3rd; c extends 6 cached tokens by 11 (blocks for 17 tokens)
+    chunks = [ScheduledChunk(a, 9, 1), ScheduledChunk(b, 2, 1), ScheduledChunk(c, 6, 11)]
+    step = cache.attention_step(chunks, 2)
+    assert step.slot_mapping.dtype is torch.int64
+    assert step.slot_mapping.tolist() == [30 * BS + 1, 5 * BS + 2] + [  # BS 4: position 9 is block 2
+        [8, 10, 11, 13, 2][p // BS] * BS + p % BS for p in range(6, 17)
+    ]
+    assert step.decode_tables.dtype is step.prefill_tables.dtype is torch.int32
+    assert step.decode_tables.tolist() == [[7, 3, 30], [5, 0, 0]]  # zero-padded to the longest decode table
+    assert step.prefill_tables.tolist() == [[8, 10, 11, 13, 2]]
+    assert step.decode_context_lens.dtype is step.prefill_context_lens.dtype is torch.int32
+    assert (step.decode_context_lens.tolist(), step.prefill_context_lens.tolist()) == ([10, 3], [17])
+    assert step.prefill_start_loc.dtype is torch.int32 and step.prefill_start_loc.tolist() == [0, 11]
+    assert step.max_prefill_len == 11
+    for t in (step.slot_mapping, step.decode_tables, step.prefill_tables, step.prefill_start_loc):
+        assert t.is_contiguous()
+
+
+def test_a_decode_only_step_has_empty_prefill_metadata():
+    cache = PagedCache(1, 32, BS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), PagedBackend.TORCH)
+    step = cache.attention_step([ScheduledChunk(fake_seq("a", 40, [7, 3]), 5, 1)], 1)
+    assert (step.has_prefills, step.max_prefill_len, step.prefill_start_loc.tolist()) == (False, 0, [0])
+    assert tuple(step.prefill_tables.shape) == (0, 1) and step.decode_tables.tolist() == [[7, 3]]
+
+
 def test_backend_choice_is_only_which_functions_run():
     torch_ops = paged_ops(PagedBackend.TORCH)
     assert (torch_ops.write, torch_ops.decode, torch_ops.prefill) == (

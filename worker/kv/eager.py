@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.scheduler_choice import CacheKind
+from worker.device import to_device
 from worker.sequence import ScheduledChunk
 
 
@@ -65,8 +66,8 @@ class EagerAttentionStep:
         self.num_decodes = num_decodes
         dev = cache.device
         decodes = chunks[:num_decodes]
-        self.decode_slots = torch.tensor([c.seq.slot for c in decodes], dtype=torch.long, device=dev)
-        self.decode_positions = torch.tensor([c.start for c in decodes], dtype=torch.long, device=dev)
+        self.decode_slots = to_device(torch.tensor([c.seq.slot for c in decodes], dtype=torch.long), dev)
+        self.decode_positions = to_device(torch.tensor([c.start for c in decodes], dtype=torch.long), dev)
         self.decode_len = max((c.end for c in decodes), default=0)
         # [num_decodes, 1, 1, decode_len]
         self.decode_mask = cache.visible(torch.arange(self.decode_len, device=dev), self.decode_positions)[

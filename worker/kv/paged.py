@@ -21,6 +21,7 @@ import torch
 import kernels
 from shared.intent import PagedBackend
 from shared.scheduler_choice import CacheKind
+from worker.device import to_device
 from worker.sequence import ScheduledChunk
 
 
@@ -28,7 +29,7 @@ from worker.sequence import ScheduledChunk
 class PagedOps:
     write: Callable[..., None]  # reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     decode: Callable[..., torch.Tensor]  # (query, key_cache, value_cache, block_tables, context_lens, scale)
-    prefill: Callable[..., torch.Tensor]  # (query, ..., block_tables, query_start_loc, context_lens, scale)
+    prefill: Callable[..., torch.Tensor]  # (query, ..., query_start_loc, context_lens, scale, max_query_len=)
 
 
 def paged_ops(backend: PagedBackend) -> PagedOps:
@@ -81,40 +82,48 @@ class PagedCache:
 
 
 class PagedAttentionStep:
-    """One step's metadata, built once and used by every layer:
-    slot_mapping [num_tokens] int64; per group (decodes, then prefill chunks) block_tables
-    [num_seqs, max_blocks] int32 and context_lens [num_seqs] int32 (tokens in the cache after the
-    write, the new ones included); prefill_start_loc [num_prefills + 1] int32 offsets into the
-    prefill part of the batch."""
+    """One step's metadata, built once on the host, copied to the device without a stream sync and
+    used by every layer: slot_mapping [num_tokens] int64; per group (decodes, then prefill chunks)
+    block_tables [num_seqs, max_blocks] int32, as wide as that group's longest table (the decode
+    kernel sizes its split-K from the width) and zero-padded (the kernels never read past a context),
+    and context_lens [num_seqs] int32 (tokens in the cache after the write, the new ones included);
+    prefill_start_loc [num_prefills + 1] int32 offsets into the prefill part of the batch and
+    max_prefill_len, its longest chunk (so the prefill kernel need not read it back from the device)."""
 
     def __init__(self, cache: PagedCache, chunks: list[ScheduledChunk], num_decodes: int) -> None:
         self.cache = cache
         self.num_decodes = num_decodes
         dev, bs = cache.device, cache.block_size
-        max_blocks = max((len(c.seq.block_table.block_ids) for c in chunks), default=1)
-        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            ids = c.seq.block_table.block_ids
-            assert len(ids) * bs >= c.end, f"sequence {c.seq.request_id}: blocks do not cover {c.end} tokens"
-            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        for c in chunks:
+            covered = len(c.seq.block_table.block_ids) * bs
+            assert covered >= c.end, f"sequence {c.seq.request_id}: blocks do not cover {c.end} tokens"
+        decodes, prefills = chunks[:num_decodes], chunks[num_decodes:]
+        decode_tables, tables = _block_tables(decodes), _block_tables(prefills)
         lengths = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
         starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
+        context_lens = (starts + lengths).to(torch.int32)
+
+        # Slots, per token: its chunk's block table at position // block_size, then the offset.
+        width = max(decode_tables.shape[1], tables.shape[1])
+        all_tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+        all_tables[:num_decodes, : decode_tables.shape[1]] = decode_tables
+        all_tables[num_decodes:, : tables.shape[1]] = tables
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
         first_token = torch.cumsum(lengths, 0) - lengths
         positions = starts[seq_of_token] + torch.arange(int(lengths.sum())) - first_token[seq_of_token]
-        slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
-        context_lens = (starts + lengths).to(torch.int32)
+        slots = all_tables[seq_of_token, positions // bs].long() * bs + positions % bs
 
-        self.slot_mapping = slots.to(dev)
-        self.decode_tables = tables[:num_decodes].to(dev)
-        self.decode_context_lens = context_lens[:num_decodes].to(dev)
-        self.prefill_tables = tables[num_decodes:].to(dev)
-        self.prefill_context_lens = context_lens[num_decodes:].to(dev)
         prefill_lengths = lengths[num_decodes:]
-        self.prefill_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), prefill_lengths.cumsum(0)]).to(
-            device=dev, dtype=torch.int32
+        self.slot_mapping = to_device(slots, dev)
+        self.decode_tables = to_device(decode_tables, dev)
+        self.decode_context_lens = to_device(context_lens[:num_decodes], dev)
+        self.prefill_tables = to_device(tables, dev)
+        self.prefill_context_lens = to_device(context_lens[num_decodes:], dev)
+        self.prefill_start_loc = to_device(
+            torch.cat([torch.zeros(1, dtype=torch.long), prefill_lengths.cumsum(0)]).to(torch.int32), dev
         )
-        self.has_prefills = len(chunks) > num_decodes
+        self.max_prefill_len = int(prefill_lengths.max()) if len(prefills) else 0
+        self.has_prefills = len(prefills) > 0
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -139,5 +148,13 @@ class PagedAttentionStep:
                 self.prefill_start_loc,
                 self.prefill_context_lens,
                 cache.scale,
+                max_query_len=self.max_prefill_len,
             )
         return out.to(q.dtype)
+
+
+def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
+    """[len(chunks), longest table (at least 1)] int32, each row zero-padded."""
+    width = max((len(c.seq.block_table.block_ids) for c in chunks), default=1)
+    rows = [c.seq.block_table.block_ids + [0] * (width - len(c.seq.block_table.block_ids)) for c in chunks]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(chunks), width)
