@@ -114,7 +114,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     state = PagedAttentionState.from_intent(spec.cache)
     path = resolve_model_path(spec.model or None)
     config = read_model_config(path)
-    dtype = resolve_dtype(probe.device, spec.dtype)
+    dtype = resolve_dtype(probe.device, spec.dtype, probe.info.compute_capability)
     cache_dtype = _cache_dtype(spec, dtype)
     traits = ModelTraits(head_size=config.head_dim, dtype=str(cache_dtype).removeprefix("torch."))
     decision = decide_paged_attention(probe.info, state, traits)

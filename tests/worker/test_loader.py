@@ -94,6 +94,15 @@ def test_resolve_dtype():
         resolve_dtype("cpu", "float8")
 
 
+def test_resolve_dtype_on_cuda_follows_the_probed_compute_capability():
+    # bf16 needs sm_80 natively (an emulated bf16 is slow and has no tensor cores for the kernels)
+    assert resolve_dtype("cuda:0", "auto", (9, 0)) is torch.bfloat16  # H100 / H200
+    assert resolve_dtype("cuda:1", None, (8, 0)) is torch.bfloat16  # A100
+    assert resolve_dtype("cuda:0", "auto", (7, 5)) is torch.float16  # T4
+    assert resolve_dtype("cuda:0", "float32", (7, 5)) is torch.float32  # asked for explicitly
+    assert resolve_dtype("mps", "auto") is torch.float16
+
+
 # --- errors ------------------------------------------------------------------------------------------
 
 

