@@ -35,7 +35,14 @@ from shared.intent import (
     cache_intent,
 )
 from shared.spec import LayerPlacement, WorkerSpec, parse_device_map
-from worker.kv.sizing import CPU_DEFAULTS, CPU_PAGED_BUDGET_BYTES, CPU_PAGED_BUDGET_RAM_FRACTION, GiB
+from worker.kv.sizing import (
+    CPU_DEFAULTS,
+    CPU_PAGED_BUDGET_BYTES,
+    CPU_PAGED_BUDGET_RAM_FRACTION,
+    GPU_DEFAULT_MEMORY_FRACTION,
+    GPU_DEFAULTS,
+    GiB,
+)
 from worker.process import DEFAULT_ROUTER_TIMEOUT_S, WorkerOptions, run_worker
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -103,9 +110,24 @@ def epilog() -> str:
         ),
         ("--no-kv-cache", "there is no KV cache to page"),
         ("KV budget", "the --pa-* budget cannot hold one --max-model-len sequence"),
+        (
+            "kernel self-test",
+            "the Triton paged kernels, run once at startup with the model's shapes, failed or disagreed "
+            "with the torch reference on this GPU (--pa-backend torch avoids them)",
+        ),
     ]
     width = max(len(name) for name, _ in reasons)
-    cpu = CPU_DEFAULTS
+    cpu, gpu = CPU_DEFAULTS, GPU_DEFAULTS
+    cuda_defaults = [
+        "  --max-model-len 0           the model's max positions",
+        f"  --max-num-seqs 0            eager: {gpu.eager_max_num_seqs} slots; "
+        f"paged: {gpu.paged_max_num_seqs} sequences",
+        f"  --max-num-batched-tokens 0  {gpu.max_num_batched_tokens}",
+        f"  paged budget (no --pa-*)    {GPU_DEFAULT_MEMORY_FRACTION:g} x the GPU memory free at startup, "
+        "less the weights and activation",
+        "                              headroom; at most max-num-seqs x max-model-len tokens",
+        "  dtype auto                  bfloat16 (compute capability >= 8.0), else float16",
+    ]
     cpu_defaults = [
         f"  --max-model-len 0           the model's max positions, capped at {cpu.max_model_len_cap}",
         f"  --max-num-seqs 0            eager: {cpu.eager_max_num_seqs} slots; "
@@ -122,6 +144,9 @@ def epilog() -> str:
         "",
         "CPU/MPS defaults the engine chooses (worker/kv/sizing.py):",
         *cpu_defaults,
+        "",
+        "CUDA defaults:",
+        *cuda_defaults,
         "",
         "Exit codes:",
         "  0   stopped on request (SIGINT/SIGTERM, or the router asked it to stop)",
@@ -187,7 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     budget = cache.add_mutually_exclusive_group()
     budget.add_argument(
-        "--pa-memory-fraction", type=float, help="KV cache budget: a fraction (0, 1] of device memory"
+        "--pa-memory-fraction",
+        type=float,
+        metavar="F",
+        help="KV cache budget: F x the memory free at startup (GPU memory, or available RAM on CPU), less "
+        "the weights and activation headroom; F in (0, 1] is the share of free memory this worker may use "
+        f"in all (the CUDA default is {GPU_DEFAULT_MEMORY_FRACTION:g})",
     )
     budget.add_argument("--pa-memory-bytes", type=_positive_int64, help="KV cache budget in bytes")
     budget.add_argument("--pa-context-tokens", type=_positive_int64, help="KV cache budget in tokens")

@@ -8,9 +8,13 @@ report a failure before it spends minutes loading weights:
         -> decide_paged_attention(device, state, ModelTraits)          [door, component "device"]
         -> loader compatibility findings, e.g. sliding window          [door, component "loader"]
         -> --no-kv-cache without `on` is refused (no recompute mode)
-        -> size the cache from the budget (weights estimated from file sizes):
+        -> size the cache from the budget (weights estimated from file sizes, subtracted from the memory
+           free before loading, so once):
            a pool that cannot hold one max_model_len sequence          [door, component "cache-budget"]
-           an eager cache that does not fit is a ConfigError naming --max-model-len / --max-num-seqs
+        -> Triton backend: run the kernels once on the device with the model's shapes and compare
+           with the torch references (worker/kernel_check.py; seconds) [door, component "kernels"]
+        -> eager (what is left): a cache that does not fit is a ConfigError naming --max-model-len /
+           --max-num-seqs
     engine = build_engine(plan)  load weights -> build the realized cache -> select_scheduler(requested,
                                  realized kind) -> Engine; logs the realized table once.
 
@@ -41,6 +45,7 @@ from shared.spec import WorkerSpec
 from worker.block_manager import BlockManager
 from worker.device import DeviceProbe, probe_device
 from worker.engine import Engine
+from worker.kernel_check import triton_self_test
 from worker.kv import sizing
 from worker.kv.eager import EagerCache
 from worker.kv.paged import PagedCache
@@ -162,6 +167,18 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
         reason = sizing.shortfall(paged_size, max_model_len)
         if reason:
             disable_paged_attention(state, reason, component="cache-budget")
+            paged_size = None
+    if state.paged_config is not None and decision.backend is PagedBackend.TRITON:
+        reason = triton_self_test(
+            probe.device,
+            cache_dtype,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            block_size=state.paged_config.block_size,
+        )
+        if reason:
+            disable_paged_attention(state, reason, component="kernels")
             paged_size = None
     if state.paged_config is None:
         max_num_seqs = spec.max_num_seqs or defaults.eager_max_num_seqs

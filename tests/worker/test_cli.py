@@ -35,6 +35,9 @@ def test_help_shows_the_policy_flag_and_every_reason():
     assert "eager: 8 slots; paged: 32 sequences" in text
     assert "min(1 GiB, 10% of system RAM)" in text
     assert "78 configuration cannot be honored" in text
+    assert "kernel self-test the Triton paged kernels, run once at startup" in text
+    assert "0.9 x the GPU memory free at startup, less the weights and activation headroom" in text
+    assert "--pa-memory-fraction F KV cache budget: F x the memory free at startup" in text
 
 
 @pytest.mark.parametrize(("mode", "required"), [("auto", False), ("on", True)])

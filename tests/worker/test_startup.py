@@ -178,6 +178,13 @@ def test_sliding_window_longer_than_max_model_len_is_no_obstacle(windowed_llama,
 # ---- described CUDA devices (decision and sizing only; nothing runs on a GPU) ----
 
 
+@pytest.fixture(autouse=True)
+def described_gpus_pass_the_kernel_self_test(monkeypatch):
+    """A described CUDA device has no GPU to run the Triton self-test on: it passes unless a test
+    says otherwise (tests/worker/test_kernel_check.py tests the self-test itself)."""
+    monkeypatch.setattr(startup, "triton_self_test", lambda *args, **kwargs: "")
+
+
 def cuda_probe(cc=(9, 0), triton="3.9.0", free=70 * GiB) -> DeviceProbe:  # type: ignore[no-untyped-def]
     info = DeviceInfo(
         kind="cuda",
@@ -233,6 +240,96 @@ def test_a_gpu_without_room_for_one_sequence_fails_under_on(head64_llama, no_loa
     with pytest.raises(PagedAttentionRequiredError, match="the CUDA default: 0.9 x") as info:
         plan_on(head64_llama, cuda_probe(free=300 * 2**20), mode="on")
     assert info.value.component == "cache-budget"
+
+
+def h200_probe(free: int) -> DeviceProbe:
+    """A described H200 whose device is cuda:0 (nothing here touches it)."""
+    info = DeviceInfo(
+        kind="cuda",
+        name="Described H200",
+        compute_capability=(9, 0),
+        triton_version="3.9.0",
+        triton_support=KERNEL_SUPPORT,
+    )
+    return DeviceProbe(info, torch.device("cuda", 0), 141 * GiB, free)
+
+
+def test_a_described_h200_plans_bf16_triton_and_the_cuda_default_budget(
+    head64_llama, no_loading, monkeypatch
+):
+    tested = []
+    monkeypatch.setattr(startup, "triton_self_test", lambda *a, **k: tested.append((a, k)) or "")
+    free = 320 * 2**20  # small enough that the budget, not max_num_seqs x max_model_len, sets the size
+    plan = startup.plan_startup(worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(free))
+    assert (plan.dtype, plan.cache_dtype) == (torch.bfloat16, torch.bfloat16)  # auto on sm_90
+    assert (plan.cache_kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
+    # weights estimated in bf16 (2 bytes a parameter; the checkpoint on disk is fp32)
+    assert plan.weight_bytes == startup.estimate_weight_bytes(head64_llama, dtype=torch.float32) // 2
+    assert plan.bytes_per_token == 2 * 2 * 1 * 64 * 2  # K+V x 2 layers x 1 kv head x head_dim 64 x bf16
+    activations = sizing.activation_headroom_bytes(
+        device_kind="cuda",
+        hidden_size=128,
+        intermediate_size=128,
+        vocab_size=plan.model_config.vocab_size,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        dtype_bytes=2,
+    )
+    # 0.9 x the memory free before loading, less the weights once and the activation headroom
+    budget = int(0.9 * free) - plan.weight_bytes - activations
+    assert plan.paged_size is not None
+    assert plan.paged_size.num_blocks == budget // (16 * plan.bytes_per_token) < 256 * 512 // 16
+    assert plan.paged_size.budget.startswith("the CUDA default: 0.9 x 320.0 MiB free")
+    # the self-test ran once, on the probed device, with the model's shapes and the KV dtype
+    assert tested == [
+        (
+            (torch.device("cuda", 0), torch.bfloat16),
+            dict(num_heads=2, num_kv_heads=1, head_dim=64, block_size=16),
+        )
+    ]
+
+
+def test_pa_memory_fraction_is_that_fraction_of_free_memory_less_weights_and_activations(
+    head64_llama, no_loading
+):
+    free = 2 * GiB
+    plan = startup.plan_startup(
+        worker_spec(head64_llama, "on", max_model_len=512, memory_fraction=0.25), probe=h200_probe(free)
+    )
+    activations = sizing.activation_headroom_bytes(
+        device_kind="cuda",
+        hidden_size=128,
+        intermediate_size=128,
+        vocab_size=plan.model_config.vocab_size,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        dtype_bytes=2,
+    )
+    assert plan.paged_size is not None
+    budget = int(0.25 * free) - plan.weight_bytes - activations
+    assert plan.paged_size.num_blocks == budget // (16 * plan.bytes_per_token)
+    assert plan.paged_size.budget.startswith("--pa-memory-fraction 0.25 of 2.00 GiB free, less")
+
+
+def test_a_failing_kernel_self_test_falls_back_under_auto_and_fails_under_on(
+    head64_llama, no_loading, monkeypatch
+):
+    reason = "the Triton paged kernels failed a startup self-test on Described H200 (cuda:0): RuntimeError: x"
+    monkeypatch.setattr(startup, "triton_self_test", lambda *a, **k: reason)
+    plan = startup.plan_startup(worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(GiB))
+    assert (plan.cache_kind, plan.backend, plan.paged_size) == (CacheKind.EAGER, None, None)
+    assert fallbacks(plan) == [("kernels", reason)]
+    assert plan.max_num_seqs == sizing.GPU_DEFAULTS.eager_max_num_seqs
+    with pytest.raises(PagedAttentionRequiredError, match="failed a startup self-test") as info:
+        startup.plan_startup(worker_spec(head64_llama, "on", max_model_len=512), probe=h200_probe(GiB))
+    assert info.value.component == "kernels"
+
+
+def test_the_torch_backend_on_a_gpu_runs_no_triton_self_test(head64_llama, no_loading, monkeypatch):
+    monkeypatch.setattr(startup, "triton_self_test", lambda *a, **k: pytest.fail("self-test ran"))
+    spec = worker_spec(head64_llama, "on", max_model_len=512, backend=PagedBackend.TORCH)
+    plan = startup.plan_startup(spec, probe=h200_probe(GiB))
+    assert (plan.cache_kind, plan.backend) == (CacheKind.PAGED, PagedBackend.TORCH)
 
 
 # ---- the verdict comes before the weights ----
