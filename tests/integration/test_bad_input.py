@@ -1,0 +1,121 @@
+"""Bad input through a real router to a real worker (tiny Llama, `--paged-attn on`, 2 sequences at
+once), with the real client: each gets a specific status and a message naming what was wrong, never
+INTERNAL or a stack trace, and every KV block is free afterwards. DESIGN.md §5."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from kvpact.client import AsyncClient, Client, KvpactRpcError
+
+from tests.factories.processes import running, started_worker, wait_for_health
+from tests.factories.tiny_models import make_tiny_llama
+from tests.integration.test_cluster import START_S, router_address, router_argv, wait_all_blocks_free
+
+MAX_MODEL_LEN = 2048
+LONG = 1800  # new tokens: seconds of work for the tiny model, so a request is surely still in flight
+MAX_NUM_SEQS = 2
+VOCAB = 384  # the tiny tokenizer's
+INVALID, NOT_FOUND, DEADLINE = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+USER = [{"role": "user", "content": "hi"}]
+
+
+class Cluster:
+    def __init__(self, address: str, worker_address: str) -> None:
+        self.address, self.worker_address = address, worker_address
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("bad-input")
+    model = make_tiny_llama(log_dir / "model", max_position_embeddings=MAX_MODEL_LEN)
+    worker_args = ["--model", str(model), "--model-name", "tiny", "--worker-id", "w-bad", "--paged-attn",
+                   "on", "--max-num-seqs", str(MAX_NUM_SEQS), "--router-timeout", "30"]  # fmt: skip
+    with running(router_argv("--paged-attn", "on"), name="router", log_dir=log_dir) as router:
+        address = router_address(router)
+        with started_worker(
+            [*worker_args, "--router", address], log_dir=log_dir, wait_serving=False, timeout_s=START_S
+        ) as worker:
+            wait_for_health(address, START_S, watch=[router, worker.handle])
+            yield Cluster(address, worker.address)
+            assert router.returncode is None and worker.handle.returncode is None
+
+
+CASES: list[tuple[str, Callable[[Client], object], grpc.StatusCode, str]] = [
+    ("empty prompt", lambda c: c.complete(""), INVALID, "the prompt is empty"),
+    ("empty prompt, streamed", lambda c: list(c.generate("")), INVALID, "the prompt is empty"),
+    ("prompt past max_model_len", lambda c: c.complete("hello " * MAX_MODEL_LEN), INVALID,
+     f"but max_model_len is {MAX_MODEL_LEN}, which leaves no room to generate; shorten the prompt"),
+    ("max_tokens 0", lambda c: c.complete("hi", max_tokens=0), INVALID, "max_tokens must be >= 1, got 0"),
+    ("max_tokens huge", lambda c: c.complete("hi", max_tokens=10**9), INVALID,
+     f"more than max_model_len {MAX_MODEL_LEN}; lower max_tokens to at most"),
+    ("temperature -1", lambda c: c.complete("hi", temperature=-1), INVALID, "temperature must be >= 0"),
+    ("top_p 0", lambda c: c.complete("hi", top_p=0), INVALID, "top_p must be in (0, 1], got 0.0"),
+    ("top_p 1.5", lambda c: c.complete("hi", top_p=1.5), INVALID, "top_p must be in (0, 1], got 1.5"),
+    ("top_k -1 (uint32 on the wire)", lambda c: c.complete("hi", top_k=-1), INVALID,
+     "top_k must be in [0, 4294967295] (0 = disabled), got -1"),
+    ("repetition_penalty 0", lambda c: c.complete("hi", repetition_penalty=0), INVALID,
+     "repetition_penalty must be > 0"),
+    ("stop token id out of vocab", lambda c: c.complete("hi", stop_token_ids=[VOCAB]), INVALID,
+     f"stop_token_ids must be in [0, {VOCAB}), got [{VOCAB}]"),
+    ("prompt token id out of vocab", lambda c: c.complete([1, VOCAB + 5]), INVALID,
+     f"prompt token ids must be in [0, {VOCAB}), got [{VOCAB + 5}]"),
+    ("unknown model", lambda c: c.complete("hi", model="nope"), NOT_FOUND,
+     "model 'nope' is not served here; served models: tiny"),
+    ("chat, unknown role", lambda c: c.chat([*USER, {"role": "wizard", "content": "x"}]), INVALID,
+     "chat message 1 has role 'wizard'; use one of system, user, assistant"),
+    ("chat, no messages", lambda c: c.chat([]), INVALID, "send at least one chat message"),
+    ("deadline 1 ms", lambda c: c.complete("hi", max_tokens=64, timeout=0.001), DEADLINE, "Deadline"),
+    ("deadline mid-generation", lambda c: c.complete("hi", max_tokens=LONG, ignore_eos=True, timeout=0.2),
+     DEADLINE, "Deadline"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "code", "phrase"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gets_a_specific_status_and_says_what_was_wrong(cluster, call, code, phrase):
+    with Client(cluster.address, timeout=30) as client, pytest.raises(KvpactRpcError) as exc:
+        call(client)
+    assert (exc.value.code, phrase in exc.value.details) == (code, True), exc.value.details
+    assert "Traceback" not in exc.value.details
+    wait_all_blocks_free(cluster.worker_address)
+
+
+def test_a_request_id_reused_while_in_flight_is_refused_and_the_first_goes_on(cluster):
+    with Client(cluster.address, timeout=30) as client:
+        first = client.generate("hi", max_tokens=LONG, ignore_eos=True, request_id="same")
+        assert next(first).finish_reason is None  # in flight
+        with pytest.raises(KvpactRpcError) as exc:
+            client.complete("hi", max_tokens=4, request_id="same")
+        assert exc.value.code is INVALID and "request_id 'same' is already in flight" in exc.value.details
+        assert next(first).finish_reason is None  # still going
+        first.close()  # cancels it
+    wait_all_blocks_free(cluster.worker_address)
+
+
+def test_extreme_but_valid_sampling_values_are_served(cluster):
+    """A tiny temperature or repetition penalty once overflowed the logits to nan and failed the
+    whole batch (this request and everyone else's in the step) with INTERNAL."""
+    with Client(cluster.address, timeout=30) as client:
+        for params in (dict(temperature=1e-45), dict(repetition_penalty=1e-38), dict(top_k=10**6)):
+            reply = client.complete("hello hello", max_tokens=4, ignore_eos=True, **params)
+            assert reply.usage is not None and reply.usage.completion_tokens == 4, params
+    wait_all_blocks_free(cluster.worker_address)
+
+
+def test_many_more_requests_than_sequences_queue_and_all_finish(cluster):
+    async def run() -> list[int]:
+        async with AsyncClient(cluster.address, timeout=60) as client:
+            replies = await asyncio.gather(
+                *(client.complete(f"n {i}", max_tokens=8, ignore_eos=True) for i in range(8 * MAX_NUM_SEQS))
+            )
+        return [r.usage.completion_tokens for r in replies if r.usage is not None]
+
+    assert asyncio.run(run()) == [8] * (8 * MAX_NUM_SEQS)
+    wait_all_blocks_free(cluster.worker_address)
