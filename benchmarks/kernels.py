@@ -2,10 +2,12 @@
 
     python benchmarks/kernels.py            (or python -m benchmarks.kernels)
 
-On CUDA: batch 1/16/64/256 x context 512/2k/8k, GQA 32:8, head 128, bf16, block 16; prints
+On CUDA: first the small correctness pass below, compiled on the GPU (fp32, fp16 and the native
+bf16 tl.dot path); then batch 1/16/64/256 x context 512/2k/8k, GQA 32:8, head 128, bf16, block 16:
 time, achieved GB/s of K/V read, the fraction of the device's peak memory bandwidth (when the
-device is in PEAK_GBPS) and the max difference from the reference. Without CUDA: re-runs itself
-under TRITON_INTERPRET=1 for a small correctness pass; exits 0 when it passes, 1 when not.
+device is in PEAK_GBPS) and the max difference from the reference. Exits 1 when the correctness
+pass fails (the table is still printed). Without CUDA: re-runs itself under TRITON_INTERPRET=1 for
+the correctness pass alone; exits 0 when it passes, 1 when not.
 """
 
 import argparse
@@ -58,7 +60,7 @@ def benchmark(args: argparse.Namespace) -> int:
     import triton.testing
 
     from kernels import paged_decode_attention
-    from kernels.decode_attention import choose_num_splits
+    from kernels.decode_attention import default_num_splits
     from kernels.reference import paged_decode_attention_torch
 
     dtype = getattr(torch, args.dtype)
@@ -78,7 +80,7 @@ def benchmark(args: argparse.Namespace) -> int:
         for context in args.contexts:
             inputs = decode_inputs(batch, context, args.block_size, dtype, "cuda")
             kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * inputs[1].element_size()
-            splits = choose_num_splits(batch, KV_HEADS, context, num_sms)
+            splits = default_num_splits(batch, KV_HEADS, context, num_sms)  # what num_splits=None runs
             out = paged_decode_attention(*inputs)
             t_ms = triton.testing.do_bench(functools.partial(paged_decode_attention, *inputs))
             gbps = kv_bytes / t_ms / 1e6
@@ -98,8 +100,8 @@ def benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
-def correctness_pass() -> int:
-    """A few small shapes through the interpreter; the same comparisons as tests/kernels."""
+def correctness_pass(device: str = "cpu") -> int:
+    """A few small shapes (the interpreter on the CPU, compiled on CUDA); the comparisons of tests/kernels."""
     from kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
     from kernels.reference import (
         paged_decode_attention_torch,
@@ -114,10 +116,10 @@ def correctness_pass() -> int:
     for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 3e-2)):
         total = sum(context_lens)
         num_blocks = sum(-(-n // block_size) for n in context_lens)
-        key_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        key_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
         value_cache = torch.zeros_like(key_cache)
-        key = torch.randn(total, kv_heads, head_dim).to(dtype)
-        value = torch.randn(total, kv_heads, head_dim).to(dtype)
+        key = torch.randn(total, kv_heads, head_dim).to(dtype).to(device)
+        value = torch.randn(total, kv_heads, head_dim).to(dtype).to(device)
         block_tables = torch.zeros(
             len(context_lens), max(-(-n // block_size) for n in context_lens), dtype=torch.int32
         )
@@ -127,15 +129,17 @@ def correctness_pass() -> int:
                 block_tables[i, b] = next_block
                 next_block += 1
             slots += [int(block_tables[i, p // block_size]) * block_size + p % block_size for p in range(n)]
-        slot_mapping = torch.tensor(slots)
+        slot_mapping = torch.tensor(slots).to(device)
+        block_tables = block_tables.to(device)
         ref_k, ref_v = key_cache.clone(), value_cache.clone()
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         reshape_and_cache_torch(key, value, ref_k, ref_v, slot_mapping)
-        lens = torch.tensor(context_lens, dtype=torch.int32)
+        lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
         cache = (key_cache, value_cache, block_tables)
-        query = torch.randn(len(context_lens), kv_heads * group, head_dim).to(dtype)
-        prefill_query = torch.randn(total, kv_heads * group, head_dim).to(dtype)
-        qsl = torch.tensor([0, *torch.tensor(context_lens).cumsum(0).tolist()], dtype=torch.int32)
+        query = torch.randn(len(context_lens), kv_heads * group, head_dim).to(dtype).to(device)
+        prefill_query = torch.randn(total, kv_heads * group, head_dim).to(dtype).to(device)
+        offsets = [0, *torch.tensor(context_lens).cumsum(0).tolist()]
+        qsl = torch.tensor(offsets, dtype=torch.int32, device=device)
         checks = {
             "reshape_and_cache": max(
                 (key_cache.float() - ref_k.float()).abs().max().item(),
@@ -176,7 +180,10 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     args = parser.parse_args()
     if torch.cuda.is_available():
-        return benchmark(args)
+        print("correctness on the GPU (compiled kernels vs the torch reference):", flush=True)
+        failed = correctness_pass("cuda")
+        print(flush=True)
+        return benchmark(args) or failed
     if os.environ.get("TRITON_INTERPRET") != "1":
         # TRITON_INTERPRET is read when triton is imported: start over with it set.
         print(

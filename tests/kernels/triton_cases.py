@@ -3,7 +3,12 @@
 Not collected directly (no test_ prefix): test_triton_kernels.py runs this file in a
 subprocess, under TRITON_INTERPRET=1 when there is no CUDA device, so that an out-of-bounds
 access that crashes the interpreter fails one test instead of the whole session. On a GPU
-machine it can also be run directly: `pytest tests/kernels/triton_cases.py -m ''`.
+machine run it directly, compiled (the native bf16 tl.dot path runs only there):
+
+    KVPACT_KERNEL_DEVICE=cuda pytest tests/kernels/triton_cases.py -m '' -k 'not cuda_compile'
+
+KVPACT_KERNEL_DEVICE: `cuda` (every case on the GPU; an error, not a skip, when there is none or
+TRITON_INTERPRET is set), `cpu` (interpreter only), unset: CUDA when available, else the CPU.
 
 Groups (selected with -k): cache_write, decode, prefill, checks, cuda_compile.
 """
@@ -16,8 +21,25 @@ import torch
 from kernels import reference
 from tests.kernels.factory import make_paged_batch, make_queries, query_start_loc
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE_ENV = "KVPACT_KERNEL_DEVICE"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_device() -> str:
+    wanted = os.environ.get(DEVICE_ENV, "")
+    if wanted == "cuda":
+        if not torch.cuda.is_available() or INTERPRETED:
+            raise RuntimeError(
+                f"{DEVICE_ENV}=cuda, but torch sees no CUDA device or TRITON_INTERPRET=1 is set "
+                f"(torch {torch.__version__}, cuda available: {torch.cuda.is_available()})"
+            )
+        return "cuda"
+    if wanted not in ("", "cpu"):
+        raise RuntimeError(f"{DEVICE_ENV} must be cuda or cpu, got {wanted!r}")
+    return "cuda" if torch.cuda.is_available() and wanted != "cpu" else "cpu"
+
+
+DEVICE = kernel_device()
 needs_kernels = pytest.mark.skipif(
     DEVICE == "cpu" and not INTERPRETED, reason="no CUDA device and TRITON_INTERPRET is not 1"
 )
@@ -355,7 +377,7 @@ def test_checks_reject_bad_arguments_before_launch():
         )
 
 
-@pytest.mark.skipif(DEVICE != "cpu" or INTERPRETED, reason="needs the compiled (not interpreted) kernels")
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled (not interpreted) kernels")
 def test_checks_reject_cpu_tensors_without_interpreter():
     from kernels import paged_decode_attention
 

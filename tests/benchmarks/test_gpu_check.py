@@ -1,0 +1,41 @@
+"""benchmarks/gpu_check.sh: the script a GPU session gets one try with runs every step here, on the
+CPU with CPU expectations (--dry-run), so a typo cannot spend that try."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ["a) environment", "b) kernel tests", "c) benchmarks/kernels.py", "d) engine", "e) end to end"]
+
+
+@pytest.mark.timeout(600)
+def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
+    pytest.importorskip("triton")
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    summary = (tmp_path / "summary.txt").read_text()
+    assert proc.returncode == 0, summary + proc.stdout[-4000:] + proc.stderr[-4000:]
+    for step in STEPS:
+        assert any(line.startswith(f"PASS  {step}") for line in summary.splitlines()), (step, summary)
+    assert "RESULT e2e: PASS on: paged/torch; on-torch: paged/torch; auto: eager/None" in summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a_env.txt",
+        "b_kernels.txt",
+        "c_bench.txt",
+        "d_engine.txt",
+        "e_e2e.txt",
+        "summary.txt",
+    ]
