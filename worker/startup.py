@@ -341,7 +341,10 @@ def _check_device_map(spec: WorkerSpec, config: ModelConfig) -> None:
         return
     total = sum(p.num_layers for p in spec.device_map)
     if total != config.num_layers:
-        raise ConfigError(f"--device-map places {total} layers but the model has {config.num_layers}")
+        raise ConfigError(
+            f"--device-map places {total} layers but the model has {config.num_layers}; "
+            f"make the counts add up to {config.num_layers}"
+        )
     if len({p.device for p in spec.device_map}) > 1:
         raise ConfigError(
             "--device-map across several devices is not implemented by this worker yet; "

@@ -16,6 +16,7 @@ from shared.capability import DeviceInfo
 from shared.errors import ConfigError, PagedAttentionRequiredError
 from shared.intent import PagedBackend
 from shared.scheduler_choice import CacheKind, SchedulerKind
+from shared.spec import LayerPlacement
 from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import greedy, worker_spec
 from worker import startup
@@ -126,6 +127,14 @@ def test_an_eager_cache_that_cannot_fit_names_the_flags(tiny_llama, no_loading):
 def test_max_model_len_beyond_the_model_is_refused(tiny_llama, no_loading):
     with pytest.raises(ConfigError, match="--max-model-len 4096 is longer than the model's 512 positions"):
         startup.plan_startup(worker_spec(tiny_llama, "auto", max_model_len=4096))
+
+
+def test_a_device_map_that_does_not_cover_the_model_says_what_the_counts_must_add_up_to(
+    tiny_llama, no_loading
+):
+    spec = replace(worker_spec(tiny_llama), device_map=(LayerPlacement("cpu", 1),))
+    with pytest.raises(ConfigError, match="places 1 layers but the model has 2; make the counts add up to 2"):
+        startup.plan_startup(spec)
 
 
 # ---- --no-kv-cache ----
