@@ -133,7 +133,10 @@ class Engine:
             if self._closed.is_set():
                 raise EngineClosedError("the engine is closed")
             if request.request_id in self._live:
-                raise RequestError(f"request_id {request.request_id!r} is already in flight")
+                raise RequestError(
+                    f"request_id {request.request_id!r} is already in flight; send a new request_id "
+                    "(or none: the server assigns one)"
+                )
             self._live.add(request.request_id)
             self._commands.put(("add", stream))
 

@@ -93,7 +93,8 @@ def test_a_request_id_reused_while_in_flight_is_refused_and_the_first_goes_on(cl
         assert next(first).finish_reason is None  # in flight
         with pytest.raises(KvpactRpcError) as exc:
             client.complete("hi", max_tokens=4, request_id="same")
-        assert exc.value.code is INVALID and "request_id 'same' is already in flight" in exc.value.details
+        assert exc.value.code is INVALID
+        assert "request_id 'same' is already in flight; send a new request_id" in exc.value.details
         assert next(first).finish_reason is None  # still going
         first.close()  # cancels it
     wait_all_blocks_free(cluster.worker_address)
