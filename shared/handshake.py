@@ -1,12 +1,16 @@
-"""What a worker tells the router besides its spec and realized cache: a startup failure, and its load.
+"""What a worker tells the router besides its spec and realized cache: its pre-load plan, a startup
+failure, and its load.
 
-Converted to and from protobuf in shared/wire.py (`failure_*_pb`, `load_*_pb`).
+Converted to and from protobuf in shared/wire.py (`plan_*_pb`, `failure_*_pb`, `load_*_pb`).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from shared.intent import Fallback, PagedBackend
+from shared.scheduler_choice import CacheKind
 
 
 class StartupFailureCode(enum.Enum):
@@ -15,6 +19,17 @@ class StartupFailureCode(enum.Enum):
     MODEL_LOAD = "model-load"
     OUT_OF_MEMORY = "out-of-memory"
     INTERNAL = "internal"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadingPlan:
+    """The pre-load verdict a worker announces before it loads weights: what it will build.
+    `backend` is set for a PAGED plan only; `fallbacks` are those the plan took (under auto)."""
+
+    kind: CacheKind
+    backend: PagedBackend | None = None
+    fallbacks: tuple[Fallback, ...] = field(default_factory=tuple)
+    verdict_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from kvpact.v1 import cache_pb2, worker_pb2
 
-from shared.handshake import StartupFailure, StartupFailureCode, WorkerLoad
+from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode, WorkerLoad
 from shared.intent import (
     DEFAULT_BLOCK_SIZE,
     CacheDtype,
@@ -147,6 +147,26 @@ def realized_from_pb(msg: cache_pb2.RealizedCache) -> RealizedCache:
         block_size=msg.block_size,
         prefix_caching=msg.prefix_caching,
         fallbacks=tuple(Fallback(component=f.component, reason=f.reason) for f in msg.fallbacks),
+    )
+
+
+def plan_to_pb(plan: LoadingPlan) -> worker_pb2.LoadingPlan:
+    return worker_pb2.LoadingPlan(
+        planned_kind=_KIND_TO_PB[plan.kind],
+        planned_backend=_BACKEND_TO_PB[plan.backend] if plan.backend else cache_pb2.PAGED_BACKEND_UNSPECIFIED,
+        fallbacks=[cache_pb2.Fallback(component=f.component, reason=f.reason) for f in plan.fallbacks],
+        verdict_seconds=plan.verdict_seconds,
+    )
+
+
+def plan_from_pb(msg: worker_pb2.LoadingPlan) -> LoadingPlan:
+    """Raises KeyError for a plan without a kind."""
+    kind = _KIND_FROM_PB[msg.planned_kind]
+    return LoadingPlan(
+        kind=kind,
+        backend=_BACKEND_FROM_PB[msg.planned_backend] if kind is CacheKind.PAGED else None,
+        fallbacks=tuple(Fallback(component=f.component, reason=f.reason) for f in msg.fallbacks),
+        verdict_seconds=msg.verdict_seconds,
     )
 
 

@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvpact.v1 import cache_pb2
 
+from shared.handshake import LoadingPlan
 from shared.intent import (
     CacheDtype,
     CacheIntent,
@@ -21,6 +22,8 @@ from shared.wire import (
     intent_from_pb,
     intent_to_pb,
     mode_from_pb,
+    plan_from_pb,
+    plan_to_pb,
     realized_from_pb,
     realized_to_pb,
     spec_from_pb,
@@ -134,3 +137,19 @@ def test_device_map_parsing():
     assert parse_device_map("cuda:0=20,cpu=10") == (LayerPlacement("cuda:0", 20), LayerPlacement("cpu", 10))
     with pytest.raises(ValueError, match="--device-map"):
         parse_device_map("cuda:0")
+
+
+@given(
+    st.sampled_from(list(CacheKind)),
+    st.sampled_from([PagedBackend.TORCH, PagedBackend.TRITON]),
+    st.lists(st.tuples(st.sampled_from(["device", "loader", "kernels"]), st.text(max_size=40)), max_size=3),
+    st.floats(min_value=0, max_value=100, allow_nan=False),
+)
+def test_loading_plan_round_trip(kind, backend, fallbacks, seconds):
+    plan = LoadingPlan(
+        kind=kind,
+        backend=backend if kind is CacheKind.PAGED else None,
+        fallbacks=tuple(Fallback(c, r) for c, r in fallbacks),
+        verdict_seconds=seconds,
+    )
+    assert plan_from_pb(plan_to_pb(plan)) == plan

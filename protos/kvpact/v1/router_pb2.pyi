@@ -54,6 +54,8 @@ class _WorkerStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerSta
     """reported a startup failure"""
     WORKER_STATE_DEAD: _WorkerState.ValueType  # 4
     """missed its heartbeats"""
+    WORKER_STATE_LOADING: _WorkerState.ValueType  # 5
+    """announced a plan that meets the policy; still loading its weights"""
 
 class WorkerState(_WorkerState, metaclass=_WorkerStateEnumTypeWrapper): ...
 
@@ -65,6 +67,8 @@ WORKER_STATE_FAILED: WorkerState.ValueType  # 3
 """reported a startup failure"""
 WORKER_STATE_DEAD: WorkerState.ValueType  # 4
 """missed its heartbeats"""
+WORKER_STATE_LOADING: WorkerState.ValueType  # 5
+"""announced a plan that meets the policy; still loading its weights"""
 Global___WorkerState: _TypeAlias = WorkerState  # noqa: Y015
 
 @_typing.final
@@ -143,6 +147,7 @@ class WorkerStatus(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _builtins.int
     NUM_OUTSTANDING_FIELD_NUMBER: _builtins.int
+    PLANNED_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
     model_name: _builtins.str
@@ -160,6 +165,10 @@ class WorkerStatus(_message.Message):
     def failure(self) -> _worker_pb2.StartupFailure: ...
     @_builtins.property
     def load(self) -> _worker_pb2.WorkerLoad: ...
+    @_builtins.property
+    def planned(self) -> _worker_pb2.LoadingPlan:
+        """the pre-load plan it announced, if any"""
+
     def __init__(
         self,
         *,
@@ -175,10 +184,11 @@ class WorkerStatus(_message.Message):
         load: _worker_pb2.WorkerLoad | None = ...,
         seconds_since_heartbeat: _builtins.float = ...,
         num_outstanding: _builtins.int = ...,
+        planned: _worker_pb2.LoadingPlan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failure", b"failure", "load", b"load", "realized", b"realized", "requested", b"requested"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failure", b"failure", "load", b"load", "planned", b"planned", "realized", b"realized", "requested", b"requested"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capabilities", b"capabilities", "failure", b"failure", "load", b"load", "model_name", b"model_name", "num_outstanding", b"num_outstanding", "realized", b"realized", "requested", b"requested", "seconds_since_heartbeat", b"seconds_since_heartbeat", "state", b"state", "state_reason", b"state_reason", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capabilities", b"capabilities", "failure", b"failure", "load", b"load", "model_name", b"model_name", "num_outstanding", b"num_outstanding", "planned", b"planned", "realized", b"realized", "requested", b"requested", "seconds_since_heartbeat", b"seconds_since_heartbeat", "state", b"state", "state_reason", b"state_reason", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

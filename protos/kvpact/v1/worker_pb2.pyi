@@ -201,8 +201,45 @@ class StartupFailure(_message.Message):
 Global___StartupFailure: _TypeAlias = StartupFailure  # noqa: Y015
 
 @_typing.final
+class LoadingPlan(_message.Message):
+    """The pre-load verdict: what the worker will build, announced before it reads a weight."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLANNED_KIND_FIELD_NUMBER: _builtins.int
+    PLANNED_BACKEND_FIELD_NUMBER: _builtins.int
+    FALLBACKS_FIELD_NUMBER: _builtins.int
+    VERDICT_SECONDS_FIELD_NUMBER: _builtins.int
+    planned_kind: _cache_pb2.CacheKind.ValueType
+    planned_backend: _cache_pb2.PagedBackend.ValueType
+    """PAGED only"""
+    verdict_seconds: _builtins.float
+    """how long the pre-load checks took"""
+    @_builtins.property
+    def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[_cache_pb2.Fallback]:
+        """every fallback the plan took (under auto)"""
+
+    def __init__(
+        self,
+        *,
+        planned_kind: _cache_pb2.CacheKind.ValueType = ...,
+        planned_backend: _cache_pb2.PagedBackend.ValueType = ...,
+        fallbacks: _abc.Iterable[_cache_pb2.Fallback] | None = ...,
+        verdict_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fallbacks", b"fallbacks", "planned_backend", b"planned_backend", "planned_kind", b"planned_kind", "verdict_seconds", b"verdict_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadingPlan: _TypeAlias = LoadingPlan  # noqa: Y015
+
+@_typing.final
 class Handshake(_message.Message):
-    """Sent by a worker to the router once it is ready, or once its startup failed."""
+    """Sent by a worker to the router when its plan is known (`loading`, before it loads weights), once it
+    is ready, or once its startup failed.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -213,6 +250,7 @@ class Handshake(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
+    LOADING_FIELD_NUMBER: _builtins.int
     AUTH_TOKEN_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
@@ -229,6 +267,10 @@ class Handshake(_message.Message):
     def ready(self) -> _cache_pb2.RealizedCache: ...
     @_builtins.property
     def failed(self) -> Global___StartupFailure: ...
+    @_builtins.property
+    def loading(self) -> Global___LoadingPlan:
+        """the plan meets the policy? register again with `ready` when loaded"""
+
     def __init__(
         self,
         *,
@@ -239,13 +281,14 @@ class Handshake(_message.Message):
         capabilities: Global___Capabilities | None = ...,
         ready: _cache_pb2.RealizedCache | None = ...,
         failed: Global___StartupFailure | None = ...,
+        loading: Global___LoadingPlan | None = ...,
         auth_token: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failed", b"failed", "outcome", b"outcome", "ready", b"ready", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failed", b"failed", "loading", b"loading", "outcome", b"outcome", "ready", b"ready", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "auth_token", b"auth_token", "capabilities", b"capabilities", "failed", b"failed", "model_name", b"model_name", "outcome", b"outcome", "ready", b"ready", "spec", b"spec", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "auth_token", b"auth_token", "capabilities", b"capabilities", "failed", b"failed", "loading", b"loading", "model_name", b"model_name", "outcome", b"outcome", "ready", b"ready", "spec", b"spec", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["ready", "failed"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["ready", "failed", "loading"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
@@ -259,10 +302,13 @@ class Admission(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     CLUSTER_POLICY_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
     admitted: _builtins.bool
     reason: _builtins.str
     cluster_policy: _cache_pb2.PagedAttentionMode.ValueType
     heartbeat_interval_ms: _builtins.int
+    pending: _builtins.bool
+    """(to `loading`) the plan meets the policy; register again with `ready` when loaded"""
     def __init__(
         self,
         *,
@@ -270,10 +316,11 @@ class Admission(_message.Message):
         reason: _builtins.str = ...,
         cluster_policy: _cache_pb2.PagedAttentionMode.ValueType = ...,
         heartbeat_interval_ms: _builtins.int = ...,
+        pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "cluster_policy", b"cluster_policy", "heartbeat_interval_ms", b"heartbeat_interval_ms", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "cluster_policy", b"cluster_policy", "heartbeat_interval_ms", b"heartbeat_interval_ms", "pending", b"pending", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
