@@ -7,13 +7,16 @@
 A worker whose own intent contradicts the policy (worker off under cluster on, worker on under cluster
 off) is refused for that, whatever it built. A worker that reported a startup failure is refused with
 its failure. Every reason is a sentence an operator can act on.
+
+A worker's pre-load plan (Handshake.loading) is judged by the same rules (`admit_plan`): refused, or
+pending until the worker registers again with `ready`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.handshake import StartupFailure, StartupFailureCode
+from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from shared.intent import CacheIntent, PagedAttentionMode
 from shared.realized import RealizedCache
 from shared.scheduler_choice import CacheKind, SchedulerKind
@@ -26,6 +29,7 @@ class Decision:
     admitted: bool
     reason: str
     policy_failure: bool = False  # refused because of --paged-attn (exit 78), not a crash or bad model
+    pending: bool = False  # a pre-load plan that meets the policy: not admitted until the worker is ready
 
 
 def admit(
@@ -35,6 +39,29 @@ def admit(
     (or why it could not start)."""
     if isinstance(outcome, StartupFailure):
         return _failed(outcome)
+    return _judge(policy, requested, outcome, outcome.scheduler, "realized")
+
+
+def admit_plan(policy: PagedAttentionMode, requested: CacheIntent, plan: LoadingPlan) -> Decision:
+    """Decide on a worker's pre-load plan (Handshake.loading), by the same rules as `admit`: a planned
+    PAGED cache runs the paged scheduler (select_scheduler follows the cache). A plan that meets the
+    policy is `pending` (not admitted yet: the worker registers again with `ready` once loaded); one that
+    does not is refused, so the cluster fails before that worker reads a weight."""
+    scheduler = SchedulerKind.PAGED if plan.kind is CacheKind.PAGED else SchedulerKind.DEFAULT
+    decision = _judge(policy, requested, plan, scheduler, "plans")
+    if not decision.admitted:
+        return decision
+    return Decision(admitted=False, reason=f"loading: {decision.reason}", pending=True)
+
+
+def _judge(
+    policy: PagedAttentionMode,
+    requested: CacheIntent,
+    outcome: RealizedCache | LoadingPlan,
+    scheduler: SchedulerKind,
+    verb: str,
+) -> Decision:
+    """`verb`: "realized" (a ready worker) or "plans" (a worker announcing its pre-load plan)."""
     mode = requested.mode
     if policy is ON and mode is OFF:
         return _refuse(
@@ -50,35 +77,35 @@ def admit(
     if policy is ON and outcome.kind is not CacheKind.PAGED:
         why = fallback_reasons(outcome) or "it reported no fallback reason"
         if mode is ON:
-            return _refuse(f"it was started with --paged-attn on yet realized {built} ({why})")
+            return _refuse(f"it was started with --paged-attn on yet {verb} {built} ({why})")
         return _refuse(
-            f"the cluster policy is --paged-attn on and it realized {built} under --paged-attn "
+            f"the cluster policy is --paged-attn on and it {verb} {built} under --paged-attn "
             f"{mode.value} because {why}"
         )
-    if policy is ON and outcome.scheduler is not SchedulerKind.PAGED:
+    if policy is ON and scheduler is not SchedulerKind.PAGED:
         return _refuse(
-            f"the cluster policy is --paged-attn on and it realized {built} but runs the "
-            f"{outcome.scheduler.value} scheduler, not the paged one, so it does not run PagedAttention"
+            f"the cluster policy is --paged-attn on and it {verb} {built} but runs the "
+            f"{scheduler.value} scheduler, not the paged one, so it does not run PagedAttention"
         )
     if policy is OFF and outcome.kind is not CacheKind.EAGER:
         return _refuse(
-            f"the cluster policy is --paged-attn off and it realized {built} under --paged-attn "
+            f"the cluster policy is --paged-attn off and it {verb} {built} under --paged-attn "
             f"{mode.value}; start it with --paged-attn off"
         )
-    reason = f"realized {built} under cluster policy --paged-attn {policy.value}"
+    reason = f"{verb} {built} under cluster policy --paged-attn {policy.value}"
     if outcome.fallbacks:
         reason += f" (fell back: {fallback_reasons(outcome)})"
     return Decision(admitted=True, reason=reason)
 
 
-def describe_kind(realized: RealizedCache) -> str:
+def describe_kind(realized: RealizedCache | LoadingPlan) -> str:
     if realized.kind is CacheKind.PAGED:
         backend = realized.backend.value if realized.backend else "unknown"
         return f"a PAGED KV cache ({backend} backend)"
     return "an EAGER KV cache"
 
 
-def fallback_reasons(realized: RealizedCache) -> str:
+def fallback_reasons(realized: RealizedCache | LoadingPlan) -> str:
     return "; ".join(f"[{f.component}] {f.reason}" if f.component else f.reason for f in realized.fallbacks)
 
 

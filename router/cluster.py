@@ -16,12 +16,18 @@ import structlog
 from grpc_health.v1 import health, health_pb2
 from kvpact.v1 import worker_pb2
 
-from router.admission import admit
+from router.admission import admit, admit_plan
 from router.config import RouterConfig
 from router.connections import WorkerChannels
 from router.errors import InvalidRequest
 from router.registry import Registry, WorkerEntry, WorkerState
-from router.report import FailedStartup, describe_intent, describe_realized, render_failure_report
+from router.report import (
+    FailedStartup,
+    describe_intent,
+    describe_plan,
+    describe_realized,
+    render_failure_report,
+)
 from router.startup import ClusterState, Startup
 from shared import wire
 from shared.errors import ConfigError
@@ -90,15 +96,33 @@ class Cluster:
         if self.state is ClusterState.FAILED:
             entry.state, entry.state_reason = WorkerState.REFUSED, self.startup.describe()
             return self._admission(False, entry.state_reason)
-        outcome = entry.realized if entry.realized is not None else entry.failure
-        assert outcome is not None
-        decision = admit(policy, entry.spec.cache, outcome)
+        if entry.plan is not None and entry.realized is None and entry.failure is None:
+            decision = admit_plan(policy, entry.spec.cache, entry.plan)
+        else:
+            outcome = entry.realized if entry.realized is not None else entry.failure
+            assert outcome is not None
+            decision = admit(policy, entry.spec.cache, outcome)
         if decision.admitted:
             entry.state = WorkerState.ADMITTED
+        elif decision.pending:
+            entry.state = WorkerState.LOADING
         else:
             entry.state = WorkerState.FAILED if entry.failure is not None else WorkerState.REFUSED
         entry.state_reason = decision.reason
         self.registry.add(entry)
+        if decision.pending:  # not admitted yet: the startup state machine hears of it once it is ready
+            log.info(
+                "worker_loading",
+                worker_id=entry.worker_id,
+                address=entry.address,
+                model=entry.model_name,
+                asked=describe_intent(entry.spec.cache),
+                planned=describe_plan(entry.plan) if entry.plan else None,
+                verdict_seconds=entry.plan.verdict_seconds if entry.plan else None,
+                reason=decision.reason,
+                cluster_state=self.state.value,
+            )
+            return self._admission(False, decision.reason, pending=True)
         before = self.state
         after = self.startup.on_decision(entry.worker_id, decision)
         emit = log.info if decision.admitted else log.error
@@ -109,6 +133,7 @@ class Cluster:
             model=entry.model_name,
             asked=describe_intent(entry.spec.cache),
             realized=describe_realized(entry.realized) if entry.realized else None,
+            planned=describe_plan(entry.plan) if entry.plan else None,
             reason=decision.reason,
             cluster_state=after.value,
             admitted=f"{self.startup.num_admitted}/{self.startup.num_expected}",
@@ -132,9 +157,10 @@ class Cluster:
         stop = entry.state in (WorkerState.REFUSED, WorkerState.FAILED) or self.state is ClusterState.FAILED
         return worker_pb2.HeartbeatReply(known=True, shutdown=stop)
 
-    def _admission(self, admitted: bool, reason: str) -> worker_pb2.Admission:
+    def _admission(self, admitted: bool, reason: str, *, pending: bool = False) -> worker_pb2.Admission:
         return worker_pb2.Admission(
             admitted=admitted,
+            pending=pending,
             reason=reason,
             cluster_policy=wire.mode_to_pb(self.config.policy),
             heartbeat_interval_ms=int(self.config.heartbeat_interval_s * 1000),
@@ -145,7 +171,10 @@ class Cluster:
             raise InvalidRequest("Handshake.worker_id is empty; every worker needs a --worker-id")
         outcome = hs.WhichOneof("outcome")
         if outcome is None:
-            raise InvalidRequest(f'worker "{hs.worker_id}": Handshake has neither `ready` nor `failed`')
+            raise InvalidRequest(
+                f'worker "{hs.worker_id}": Handshake has no outcome: '
+                "neither `ready` nor `failed` nor `loading`"
+            )
         if outcome == "ready" and not hs.address:
             raise InvalidRequest(
                 f'worker "{hs.worker_id}": a ready Handshake needs the Worker service address'
@@ -154,6 +183,10 @@ class Cluster:
             realized = wire.realized_from_pb(hs.ready) if outcome == "ready" else None
         except KeyError as exc:
             raise InvalidRequest(f'worker "{hs.worker_id}": its RealizedCache has no kind/scheduler') from exc
+        try:
+            plan = wire.plan_from_pb(hs.loading) if outcome == "loading" else None
+        except KeyError as exc:
+            raise InvalidRequest(f'worker "{hs.worker_id}": its LoadingPlan has no planned kind') from exc
         try:
             spec = wire.spec_from_pb(hs.spec)
         except (KeyError, ValueError, ConfigError) as exc:  # an unknown enum, or --pa-* values out of range
@@ -166,6 +199,7 @@ class Cluster:
             capabilities=hs.capabilities,
             realized=realized,
             failure=wire.failure_from_pb(hs.failed) if outcome == "failed" else None,
+            plan=plan,
             state=WorkerState.REFUSED,
             state_reason="",
             last_heartbeat=self.clock(),
@@ -195,7 +229,8 @@ class Cluster:
         )
 
     async def _fail(self) -> None:
-        """Tell every registered worker to stop (bounded), print the one report, and exit."""
+        """Tell every registered worker to stop (bounded), those still LOADING included, print the one
+        report, and exit."""
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         workers = self.registry.entries()
@@ -222,9 +257,11 @@ class Cluster:
 
     async def _startup_timer(self) -> None:
         await asyncio.sleep(self.config.startup_timeout_s)
-        registered = [e.worker_id for e in self.registry.entries()]
+        entries = self.registry.entries()
+        registered = [e.worker_id for e in entries]
+        loading = [e.worker_id for e in entries if e.state is WorkerState.LOADING]
         if self.state is ClusterState.STARTING:
-            self.startup.on_timeout(self.config.startup_timeout_s, registered)
+            self.startup.on_timeout(self.config.startup_timeout_s, registered, loading)
             await self._fail()
 
     async def _watch_heartbeats(self) -> None:

@@ -3,7 +3,9 @@
 No I/O here: the Registry servicer and the heartbeat monitor update it; the balancer and the status
 page read it. Times are `time.monotonic()` seconds passed in by the caller.
 
-States: ADMITTED (serving) <-> DEAD (missed heartbeats for --heartbeat-timeout; a later heartbeat
+States: LOADING (announced a pre-load plan that meets the policy; not admitted, gets no requests, sends
+no heartbeats yet, so it is never marked DEAD; its `ready` registration replaces it) -> ADMITTED (serving)
+<-> DEAD (missed heartbeats for --heartbeat-timeout; a later heartbeat
 revives it); REFUSED (did not meet the policy) and FAILED (reported a startup failure) are final for
 that registration. A worker that registers again under the same id replaces its entry.
 """
@@ -15,12 +17,13 @@ from dataclasses import dataclass, field
 
 from kvpact.v1 import worker_pb2
 
-from shared.handshake import StartupFailure, WorkerLoad
+from shared.handshake import LoadingPlan, StartupFailure, WorkerLoad
 from shared.realized import RealizedCache
 from shared.spec import WorkerSpec
 
 
 class WorkerState(enum.Enum):
+    LOADING = "loading"
     ADMITTED = "admitted"
     REFUSED = "refused"
     FAILED = "failed"
@@ -42,6 +45,7 @@ class WorkerEntry:
     last_heartbeat: float
     load: WorkerLoad = field(default_factory=WorkerLoad)
     num_outstanding: int = 0  # requests the router is forwarding to it right now
+    plan: LoadingPlan | None = None  # the pre-load plan it announced (Handshake.loading)
 
     @property
     def serving(self) -> bool:

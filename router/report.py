@@ -1,8 +1,9 @@
 """The one report the router prints when the cluster fails to start. Pure text.
 
 For each registered worker: what it was asked (its spec's intent, as the flags that say it), what it
-realized (or why it failed), its admission, and whether it was told to shut down; then the cause and
-the exit code. Operators read it top to bottom; a Ray job fails with the same text.
+realized (or, still loading, what it planned; or why it failed), its admission, and whether it was
+told to shut down; then the cause and the exit code. Operators read it top to bottom; a Ray job
+fails with the same text.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from router.admission import fallback_reasons
 from router.registry import WorkerEntry
 from shared.errors import EXIT_POLICY
+from shared.handshake import LoadingPlan
 from shared.intent import CacheIntent, PagedAttentionMode
 from shared.realized import RealizedCache
 from shared.scheduler_choice import CacheKind
@@ -63,6 +65,17 @@ def describe_realized(realized: RealizedCache) -> str:
     return text
 
 
+def describe_plan(plan: LoadingPlan) -> str:
+    """A pre-load plan, e.g. `PAGED (torch backend)` or `EAGER; fell back because [device] ...`."""
+    if plan.kind is CacheKind.PAGED:
+        text = f"PAGED ({plan.backend.value if plan.backend else 'unknown'} backend)"
+    else:
+        text = "EAGER"
+    if plan.fallbacks:
+        text += f"; fell back because {fallback_reasons(plan)}"
+    return text
+
+
 def render_failure_report(failed: FailedStartup) -> str:
     admitted = sum(1 for w in failed.workers if w.serving)
     lines = [
@@ -81,6 +94,8 @@ def render_failure_report(failed: FailedStartup) -> str:
         lines.append(f"  asked:     {describe_intent(w.spec.cache)}")
         if w.realized is not None:
             lines.append(f"  realized:  {describe_realized(w.realized)}")
+        elif w.plan is not None:
+            lines.append(f"  planned:   {describe_plan(w.plan)}")
         if w.failure is not None:
             where = f" [{w.failure.component}]" if w.failure.component else ""
             lines.append(f"  failed:    ({w.failure.code.value}){where} {w.failure.reason}")

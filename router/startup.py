@@ -2,7 +2,8 @@
 
     STARTING --(N distinct workers admitted)-------------------------> SERVING
     STARTING --(a worker refused by policy, or failed, while starting)-> FAILED  (exit 78 for policy, else 1)
-    STARTING --(startup timeout)-------------------------------------> FAILED  (exit 1)
+    STARTING --(startup timeout)-------------------------------------> FAILED  (exit 1; names who is still
+                                                                        loading apart from who is missing)
     SERVING  --(anything)--------------------------------------------> SERVING (late workers refused alone)
     FAILED   is final.
 
@@ -53,14 +54,21 @@ class Startup:
             )
         return self.state
 
-    def on_timeout(self, timeout_s: float, registered_ids: list[str]) -> ClusterState:
+    def on_timeout(
+        self, timeout_s: float, registered_ids: list[str], loading_ids: list[str] | None = None
+    ) -> ClusterState:
+        """`loading_ids`: workers that announced a plan and had not finished loading (named apart from the
+        missing ones: they are slow, not absent)."""
         if self.state is ClusterState.STARTING:
-            missing = self.num_expected - self.num_admitted
+            loading = loading_ids or []
+            missing = max(self.num_expected - self.num_admitted - len(loading), 0)
             who = ", ".join(f'"{w}"' for w in registered_ids) or "none"
+            names = ", ".join(f'"{w}"' for w in loading)
+            still = f"{len(loading)} still loading ({names}), " if loading else ""
             self._fail(
                 f"startup timed out after {timeout_s:g} s with {self.num_admitted} of {self.num_expected} "
-                f"workers admitted: {missing} missing (registered: {who}); start the missing workers with "
-                f"--router pointing here, or raise --startup-timeout",
+                f"workers admitted: {still}{missing} missing (registered: {who}); start the missing workers "
+                f"with --router pointing here, or raise --startup-timeout",
                 EXIT_FATAL,
             )
         return self.state

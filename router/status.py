@@ -19,6 +19,7 @@ _WORKER_STATE_TO_PB = {
     WorkerState.REFUSED: router_pb2.WORKER_STATE_REFUSED,
     WorkerState.FAILED: router_pb2.WORKER_STATE_FAILED,
     WorkerState.DEAD: router_pb2.WORKER_STATE_DEAD,
+    WorkerState.LOADING: router_pb2.WORKER_STATE_LOADING,
 }
 
 
@@ -39,6 +40,8 @@ def worker_status_to_pb(entry: WorkerEntry, now: float) -> router_pb2.WorkerStat
         msg.realized.CopyFrom(wire.realized_to_pb(entry.realized))
     if entry.failure is not None:
         msg.failure.CopyFrom(wire.failure_to_pb(entry.failure))
+    if entry.plan is not None:
+        msg.planned.CopyFrom(wire.plan_to_pb(entry.plan))
     return msg
 
 

@@ -23,7 +23,7 @@ from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
 from router.server import RouterServer
 from shared import wire
-from shared.handshake import StartupFailure, StartupFailureCode
+from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from shared.intent import (
     CacheDtype,
     Fallback,
@@ -195,6 +195,27 @@ def ready(
         capabilities=worker_pb2.Capabilities(device_kind="cpu", torch_version="2.13.0"),
         ready=wire.realized_to_pb(realized or paged_realized()),
         auth_token=token,
+    )
+
+
+def loading(
+    worker_id: str,
+    address: str,
+    plan: LoadingPlan | None = None,
+    *,
+    mode: str = "on",
+    model: str = "tiny",
+) -> worker_pb2.Handshake:
+    """A worker announcing its pre-load plan (default: PAGED, torch backend) before it loads weights."""
+    return worker_pb2.Handshake(
+        worker_id=worker_id,
+        address=address,
+        model_name=model,
+        spec=wire.spec_to_pb(spec(mode)),
+        capabilities=worker_pb2.Capabilities(device_kind="cpu", torch_version="2.13.0"),
+        loading=wire.plan_to_pb(
+            plan or LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH, verdict_seconds=0.2)
+        ),
     )
 
 

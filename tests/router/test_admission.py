@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from router.admission import admit
-from shared.handshake import StartupFailure, StartupFailureCode
-from shared.intent import Fallback, PagedAttentionMode, cache_intent
-from shared.scheduler_choice import SchedulerKind
+from router.admission import admit, admit_plan
+from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
+from shared.intent import Fallback, PagedAttentionMode, PagedBackend, cache_intent
+from shared.scheduler_choice import CacheKind, SchedulerKind
 from tests.router.doubles import EAGER_CPU_REASON, eager_realized, paged_realized
 
 AUTO, ON, OFF = PagedAttentionMode.AUTO, PagedAttentionMode.ON, PagedAttentionMode.OFF
@@ -98,3 +98,41 @@ def test_a_model_load_failure_is_not_a_policy_failure():
 def test_eager_without_any_reported_reason_says_so():
     decision = admit(ON, cache_intent(AUTO), EAGER_PLAIN)
     assert "it reported no fallback reason" in decision.reason
+
+
+# -- a worker's pre-load plan (Handshake.loading) --------------------------------------------------
+
+PLANNED_PAGED = LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH)
+PLANNED_EAGER = LoadingPlan(CacheKind.EAGER, fallbacks=(Fallback("device", EAGER_CPU_REASON),))
+
+
+def test_on_refuses_a_plan_for_an_eager_cache_with_its_fallback_reason():
+    decision = admit_plan(ON, cache_intent(AUTO), PLANNED_EAGER)
+    assert not decision.admitted and not decision.pending and decision.policy_failure
+    assert decision.reason == (
+        "the cluster policy is --paged-attn on and it plans an EAGER KV cache under --paged-attn auto "
+        f"because [device] {EAGER_CPU_REASON}"
+    )
+
+
+@pytest.mark.parametrize("intent", [ON, AUTO])
+def test_on_keeps_a_plan_for_a_paged_cache_pending(intent):
+    decision = admit_plan(ON, cache_intent(intent), PLANNED_PAGED)
+    assert not decision.admitted and decision.pending and not decision.policy_failure
+    assert "plans a PAGED KV cache (torch backend)" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("policy", "intent", "plan", "pending"),
+    [
+        (OFF, AUTO, PLANNED_PAGED, False),
+        (OFF, AUTO, PLANNED_EAGER, True),
+        (ON, OFF, PLANNED_EAGER, False),
+        (AUTO, AUTO, PLANNED_EAGER, True),
+        (AUTO, ON, PLANNED_PAGED, True),
+    ],
+)
+def test_a_plan_is_judged_by_the_same_rules_as_a_realized_cache(policy, intent, plan, pending):
+    decision = admit_plan(policy, cache_intent(intent), plan)
+    assert decision.pending is pending and not decision.admitted
+    assert decision.policy_failure is (not pending)

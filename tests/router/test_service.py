@@ -13,12 +13,15 @@ from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, worker_pb2
 
 from router.interceptor import _wrap_stream
 from router.service import GenerationService
+from shared.handshake import LoadingPlan
 from shared.intent import Fallback
+from shared.scheduler_choice import CacheKind
 from tests.router.doubles import (
     EAGER_CPU_REASON,
     WorkerDouble,
     eager_realized,
     failed,
+    loading,
     one_worker_router,
     ready,
     registry_stub,
@@ -371,6 +374,100 @@ async def test_startup_timeout_names_who_is_missing():
         assert await asyncio.wait_for(router.wait(), 5.0) == 1
         report = router.report.getvalue()
         assert '1 of 3 workers admitted: 2 missing (registered: "a")' in report
+        assert a.shutdown_reasons
+
+
+@run_async
+async def test_a_loading_worker_is_told_to_stop_when_another_fails_and_named_in_the_report():
+    async with (
+        running_router(policy=_mode("on"), num_expected_workers=2, startup_timeout_s=60) as router,
+        serving_double(WorkerDouble("a")) as a,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+    ):
+        announced = await registry.Register(loading("a", a.address))
+        assert not announced.admitted and announced.pending
+        assert "plans a PAGED KV cache (torch backend)" in announced.reason
+        status = await _status(router)
+        assert status.state == router_pb2.CLUSTER_STATE_STARTING
+        [a_status] = status.workers
+        assert a_status.state == router_pb2.WORKER_STATE_LOADING
+        assert a_status.planned.planned_kind == cache_pb2.CACHE_KIND_PAGED
+        assert a_status.planned.planned_backend == cache_pb2.PAGED_BACKEND_TORCH
+        assert not a_status.HasField("realized")
+        with pytest.raises(KvpactRpcError, match=r"0 of 2 workers admitted"):  # loading is not admitted
+            async with AsyncClient(target(router)) as client:
+                await client.complete("hi")
+        assert a.requests == []
+
+        started = time.monotonic()
+        refused = await registry.Register(failed("b", TRITON_REASON, address=b.address))
+        assert not refused.admitted and not refused.pending
+        assert await asyncio.wait_for(router.wait(), 2.0) == 78
+        assert time.monotonic() - started < 2.0
+        assert a.shutdown_reasons and TRITON_REASON in a.shutdown_reasons[0]  # the loading worker too
+        report = router.report.getvalue()
+        a_block = report.split('worker "a"')[1].split('worker "b"')[0]
+        assert ": LOADING" in a_block
+        assert "planned:   PAGED (torch backend)" in a_block
+        assert "shutdown:  sent" in a_block
+        assert "0 admitted" in report
+
+
+@run_async
+async def test_a_plan_that_misses_the_policy_fails_the_cluster_before_it_loads():
+    plan = LoadingPlan(CacheKind.EAGER, fallbacks=(Fallback("device", EAGER_CPU_REASON),))
+    async with (
+        running_router(policy=_mode("on"), num_expected_workers=2, startup_timeout_s=60) as router,
+        serving_double(WorkerDouble("a")) as a,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+    ):
+        assert (await registry.Register(loading("a", a.address))).pending
+        refused = await registry.Register(loading("b", b.address, plan, mode="auto"))
+        assert not refused.admitted and not refused.pending
+        assert f"plans an EAGER KV cache under --paged-attn auto because [device] {EAGER_CPU_REASON}" in (
+            refused.reason
+        )
+        assert await asyncio.wait_for(router.wait(), 2.0) == 78
+        assert a.shutdown_reasons and b.shutdown_reasons
+        report = router.report.getvalue()
+        assert 'worker "b" was refused while the cluster was starting' in report
+        assert f"planned:   EAGER; fell back because [device] {EAGER_CPU_REASON}" in report
+
+
+@run_async
+async def test_loading_then_ready_is_admitted_and_serves():
+    async with (
+        running_router(policy=_mode("on"), num_expected_workers=1) as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+        AsyncClient(target(router)) as client,
+    ):
+        assert (await registry.Register(loading("a", a.address))).pending
+        admission = await registry.Register(ready("a", a.address))
+        assert admission.admitted and not admission.pending
+        status = await client.cluster_status()
+        assert status.state == router_pb2.CLUSTER_STATE_SERVING
+        assert [(w.worker_id, w.state) for w in status.workers] == [("a", router_pb2.WORKER_STATE_ADMITTED)]
+        assert [c.token_ids[0] async for c in client.generate("hey", max_tokens=2)] == [3, 4]
+
+
+@run_async
+async def test_a_loading_worker_is_never_marked_dead_and_the_timeout_names_it_as_loading():
+    async with (
+        running_router(
+            num_expected_workers=2, startup_timeout_s=1.0, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.2
+        ) as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+    ):
+        assert (await registry.Register(loading("a", a.address))).pending
+        await asyncio.sleep(0.5)  # past --heartbeat-timeout without a heartbeat
+        assert router.cluster.registry.get("a").state.value == "loading"
+        assert await asyncio.wait_for(router.wait(), 5.0) == 1
+        report = router.report.getvalue()
+        assert '0 of 2 workers admitted: 1 still loading ("a"), 1 missing (registered: "a")' in report
         assert a.shutdown_reasons
 
 

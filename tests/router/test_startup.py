@@ -60,3 +60,12 @@ def test_timeout_after_serving_changes_nothing():
     s = Startup(num_expected=1)
     s.on_decision("a", ADMIT)
     assert s.on_timeout(1, ["a"]) is ClusterState.SERVING
+
+
+def test_timeout_names_the_workers_still_loading_apart_from_the_missing():
+    s = Startup(num_expected=3)
+    s.on_decision("a", ADMIT)
+    assert s.on_timeout(2.5, ["a", "b"], loading_ids=["b"]) is ClusterState.FAILED
+    assert (
+        'with 1 of 3 workers admitted: 1 still loading ("b"), 1 missing (registered: "a", "b")' in s.cause
+    )
