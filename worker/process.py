@@ -3,6 +3,8 @@
     bind the gRPC server (Worker + health NOT_SERVING + reflection), print "worker ID listening on ADDR"
     -> probe the device (its Capabilities go into every Handshake from here on, a failed one too)
     -> capability check and pre-load verdict (worker.startup; fast, before any weight is read)
+    -> with --router: Handshake{loading=plan} (one attempt, ANNOUNCE_TIMEOUT_S): refused -> exit 78 before a
+       weight is read; pending, or no answer -> go on (a Shutdown while loading stops it with 0)
     -> load the model, build the KV cache, choose the scheduler (in a thread; health answers meanwhile)
     -> health SERVING, print the realized cache table
     -> with --router: Handshake{ready} -> Admission, then heartbeats until asked to stop
@@ -11,7 +13,8 @@
 A startup that fails prints one line on stderr (no stack trace), reports Handshake{failed} to the
 router when there is one (retrying for up to --router-timeout if the router is not up yet), and
 exits 78 when the configuration cannot be honored (--paged-attn on not realizable, ConfigError),
-1 for other failures (model load, out of memory, internal). The router refusing admission exits 78;
+1 for other failures (model load, out of memory, internal). The router refusing admission (of the
+plan, before loading, or of the ready worker) exits 78;
 an unreachable router (after --router-timeout) or a rejected auth token exits 1. SIGINT/SIGTERM and
 the router's Shutdown RPC or heartbeat reply stop it with 0: a worker told to stop did nothing
 wrong, and the router's own exit code carries a cluster failure. A router that stops answering
@@ -43,16 +46,16 @@ from shared.errors import (
     ModelLoadError,
     PagedAttentionRequiredError,
 )
-from shared.handshake import StartupFailure, StartupFailureCode
+from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from shared.log import configure_logging
 from shared.spec import WorkerSpec
-from shared.wire import failure_to_pb, mode_from_pb, realized_to_pb, spec_to_pb
+from shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
 from worker.device import probe_device
 from worker.engine import Engine
 from worker.loader import model_name, resolve_model_path
 from worker.registration import RouterError, RouterLink
 from worker.service import WorkerServer, WorkerService
-from worker.startup import build_engine, plan_startup
+from worker.startup import WorkerPlan, build_engine, plan_startup
 from worker.wire import capabilities_to_pb
 
 log = structlog.get_logger(__name__)
@@ -80,6 +83,14 @@ class WorkerOptions:
     auth_token_file: str | None = None
     log_format: str = "auto"
     log_level: str = "INFO"
+
+
+class PlanRefused(Exception):
+    """The router refused this worker's pre-load plan: it exits 78 without loading."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class _Stop:
@@ -187,6 +198,17 @@ class WorkerProcess:
 
         try:
             engine = await self._until_stopped(self._build_engine())
+        except PlanRefused as exc:
+            log.error("plan refused", router=options.router, reason=exc.reason)
+            _say(
+                f"worker {self.worker_id}: router {options.router} refused its plan before loading: "
+                f"{exc.reason}",
+                error=True,
+            )
+            return EXIT_POLICY
+        except RouterError as exc:  # the token was rejected while announcing the plan
+            _say(f"worker {self.worker_id}: {exc}", error=True)
+            return EXIT_FATAL
         except Exception as exc:
             return await self._fail(exc)
         if engine is None:
@@ -239,9 +261,31 @@ class WorkerProcess:
         probe = await _in_daemon_thread(probe_device, spec.device, spec.device_map)
         self.handshake.capabilities.CopyFrom(capabilities_to_pb(probe))
         plan = await _in_daemon_thread(plan_startup, spec, probe=probe)
+        await self._announce(plan)
         engine = await _in_daemon_thread(build_engine, plan)
         log.info("engine ready", seconds=round(time.monotonic() - started, 3))
         return engine
+
+    async def _announce(self, plan: WorkerPlan) -> None:
+        """With a router: tell it the plan before loading. Raises PlanRefused if the plan cannot meet the
+        cluster policy; an unreachable router (or one that does not know `loading`) is logged and ignored."""
+        if self.link is None:
+            return
+        announced = LoadingPlan(
+            kind=plan.cache_kind,
+            backend=plan.backend,
+            fallbacks=tuple(plan.state.fallbacks),
+            verdict_seconds=plan.verdict_seconds,
+        )
+        self.handshake.loading.CopyFrom(plan_to_pb(announced))
+        admission = await self.link.announce(self.handshake)
+        if admission is None:
+            return
+        if not admission.admitted and not admission.pending:
+            raise PlanRefused(admission.reason)
+        log.info(
+            "plan announced", router=self.options.router, pending=admission.pending, reason=admission.reason
+        )
 
     async def _fail(self, exc: Exception) -> int:
         failure, code = classify_failure(exc)

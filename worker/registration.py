@@ -4,6 +4,9 @@
   is retried with backoff until the link's timeout (--router-timeout), then RouterUnreachableError.
   UNAUTHENTICATED (no or wrong --auth-token-file) raises RouterAuthError at once; any other status
   raises RouterError. A failed startup is reported the same way (Handshake.failed).
+- `announce` sends the pre-load plan (Handshake.loading) once, bounded (ANNOUNCE_TIMEOUT_S): None when
+  the router cannot be reached or does not understand it (the worker keeps loading; its `ready`
+  registration keeps the retries). UNAUTHENTICATED raises RouterAuthError, as for `register`.
 - `heartbeats` calls Registry.Heartbeat every interval with the worker's load until the router asks
   the worker to stop. A reply `known=false` (the router restarted or forgot us) re-registers. A router
   that cannot be reached is logged (once when the outage passes the timeout) and retried: the worker
@@ -30,6 +33,7 @@ log = structlog.get_logger(__name__)
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
+ANNOUNCE_TIMEOUT_S = 3.0  # one attempt: the plan is an early warning, never a reason to wait
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # not up yet, or slow
 
 
@@ -91,6 +95,29 @@ class RouterLink:
                     )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def announce(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission | None:
+        """Send `handshake` (its `loading` plan) once, waiting up to ANNOUNCE_TIMEOUT_S (no longer than
+        --router-timeout) for the router to be up."""
+        timeout_s = min(ANNOUNCE_TIMEOUT_S, self.timeout_s)
+        message = worker_pb2.Handshake()
+        message.CopyFrom(handshake)
+        message.auth_token = self._auth_token
+        try:
+            return await self._stub.Register(message, timeout=timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code is grpc.StatusCode.UNAUTHENTICATED:
+                raise RouterAuthError(
+                    f"router {self.router} refused the handshake: {exc.details()}"
+                ) from None
+            log.warning(
+                "could not announce the plan to the router; loading anyway",
+                router=self.router,
+                status=code.name,
+                detail=exc.details(),
+            )
+            return None
 
     async def heartbeats(
         self,

@@ -201,12 +201,13 @@ def test_a_late_worker_that_misses_the_policy_is_refused_alone(on_cluster: OnClu
         module_argv("worker", *args, "--log-format", "json"), name="w-late", log_dir=tmp_path
     ) as late:
         assert wait_for_exit(late, START_S) == 78
+    assert not log_events(late, "model_loaded")  # its plan was refused: no weight was read
     with Client(on_cluster.address, timeout=30) as client:
         status = client.cluster_status()
         by_id = {w.worker_id: w for w in status.workers}
         refused = by_id["w-late"]
         assert refused.state == router_pb2.WORKER_STATE_REFUSED
-        assert refused.realized.kind == cache_pb2.CACHE_KIND_EAGER
+        assert refused.planned.planned_kind == cache_pb2.CACHE_KIND_EAGER  # auto on CPU plans EAGER
         assert "cluster policy is --paged-attn on" in refused.state_reason
         assert EAGER_CPU_REASON in refused.state_reason
         assert status.state == router_pb2.CLUSTER_STATE_SERVING
@@ -275,7 +276,8 @@ def test_auto_cluster_admits_eager_workers_with_their_reasons_and_off_without(mo
                 assert client.complete("hi", max_tokens=3, temperature=0.0).usage.completion_tokens == 3
 
 
-def test_on_cluster_refuses_a_worker_started_auto_that_realized_eager(model: Path, tmp_path: Path):
+def test_on_cluster_refuses_a_worker_started_auto_before_it_loads(model: Path, tmp_path: Path):
+    """auto on CPU plans EAGER: the router refuses the plan, so the worker never reads a weight."""
     with running(router_argv("--paged-attn", "on"), name="router", log_dir=tmp_path) as r:
         address = router_address(r)
         args = worker_args(model, address, "w-auto", "--paged-attn", "auto")
@@ -285,9 +287,14 @@ def test_on_cluster_refuses_a_worker_started_auto_that_realized_eager(model: Pat
             assert wait_for_exit(w, START_S) == 78
             assert wait_for_exit(r, 10) == 78
         assert EAGER_CPU_REASON in w.output()
+        assert "refused its plan before loading" in w.output()
+        assert not log_events(w, "model_loaded")
+        assert log_events(w, "plan refused")
     report = r.stderr()
     assert 'worker "w-auto"' in report and "under --paged-attn auto because [" in report
     assert EAGER_CPU_REASON in report
+    assert "plans an EAGER KV cache" in report
+    assert "planned:   EAGER; fell back because [device]" in report
 
 
 def test_a_worker_without_the_auth_token_is_not_admitted(model: Path, tmp_path: Path):

@@ -1,7 +1,8 @@
 """A worker process's life with a router: startup failures, the handshake, heartbeats, stopping, exit codes.
 
 The router here is `RecordingRegistry`: a real Registry gRPC server on loopback, written for these
-tests, that records every Handshake and heartbeat and answers as each test tells it.
+tests, that records every Handshake and heartbeat and answers as each test tells it (a `loading` plan
+is answered `pending` unless told otherwise).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -43,10 +45,17 @@ class RecordingRegistry(worker_pb2_grpc.RegistryServicer):
         admission: worker_pb2.Admission | None = None,
         heartbeat_replies: tuple[worker_pb2.HeartbeatReply, ...] = (),
         token: str = "",
+        plan_admission: worker_pb2.Admission | None = None,
+        plan_delay_s: float = 0.0,
     ) -> None:
         self.admission = admission or worker_pb2.Admission(
             admitted=True, cluster_policy=cache_pb2.PAGED_ATTENTION_MODE_AUTO, heartbeat_interval_ms=100
         )
+        # The answer to a `loading` handshake (the pre-load plan), after `plan_delay_s`.
+        self.plan_admission = plan_admission or worker_pb2.Admission(
+            pending=True, cluster_policy=cache_pb2.PAGED_ATTENTION_MODE_AUTO
+        )
+        self.plan_delay_s = plan_delay_s
         self.heartbeat_replies = list(heartbeat_replies)
         self.token = token
         self.handshakes: list[worker_pb2.Handshake] = []
@@ -58,6 +67,9 @@ class RecordingRegistry(worker_pb2_grpc.RegistryServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
         with self._lock:
             self.handshakes.append(request)
+        if request.WhichOneof("outcome") == "loading":
+            time.sleep(self.plan_delay_s)
+            return self.plan_admission
         return self.admission
 
     def Heartbeat(self, request, context):
@@ -193,14 +205,73 @@ def test_the_routers_shutdown_rpc_stops_it_with_0(model_dir, tmp_path):
             worker_argv("--model", str(model_dir), "--router", router, "--paged-attn", "on"), log_dir=tmp_path
         ) as worker,
     ):
-        wait_until(lambda: registry.handshakes, START_TIMEOUT_S, "the handshake")
-        address = registry.handshakes[0].address
-        assert registry.handshakes[0].ready.kind == cache_pb2.CACHE_KIND_PAGED
+        wait_until(lambda: len(registry.handshakes) == 2, START_TIMEOUT_S, "the ready handshake")
+        address = registry.handshakes[1].address
+        assert registry.handshakes[1].ready.kind == cache_pb2.CACHE_KIND_PAGED
         with grpc.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             stub.Shutdown(worker_pb2.ShutdownRequest(reason="the cluster failed to start"), timeout=10)
         assert wait_for_exit(worker, 30) == 0, worker.output()
     assert "shutdown requested" in log_events(worker.stderr())
+
+
+def test_the_plan_is_announced_before_loading_then_ready(model_dir, tmp_path):
+    registry = RecordingRegistry(heartbeat_replies=(worker_pb2.HeartbeatReply(known=True, shutdown=True),))
+    with serving(registry) as router:
+        args = ["--model", str(model_dir), "--router", router, "--paged-attn", "on", "--worker-id", "w-on"]
+        with running(worker_argv(*args), log_dir=tmp_path) as worker:
+            assert wait_for_exit(worker, START_TIMEOUT_S) == 0, worker.output()
+    assert [h.WhichOneof("outcome") for h in registry.handshakes] == ["loading", "ready"]
+    announced, ready = registry.handshakes
+    assert announced.loading.planned_kind == cache_pb2.CACHE_KIND_PAGED
+    assert announced.loading.planned_backend == cache_pb2.PAGED_BACKEND_TORCH
+    assert list(announced.loading.fallbacks) == []
+    assert announced.loading.verdict_seconds > 0
+    assert announced.worker_id == ready.worker_id == "w-on"
+    assert announced.address == ready.address and announced.address.startswith("127.0.0.1:")
+    assert announced.model_name == model_dir.name
+    assert announced.capabilities.device_kind == "cpu"
+    assert announced.spec.cache.mode == cache_pb2.PAGED_ATTENTION_MODE_ON
+    assert ready.ready.kind == cache_pb2.CACHE_KIND_PAGED
+    events = log_events(worker.stderr())
+    assert events.index("plan announced") < events.index("model_loaded")
+
+
+def test_a_refused_plan_exits_78_before_loading(model_dir, tmp_path):
+    reason = "the cluster policy is --paged-attn on and it plans an EAGER KV cache under --paged-attn auto"
+    registry = RecordingRegistry(plan_admission=worker_pb2.Admission(admitted=False, reason=reason))
+    with serving(registry) as router:
+        args = ["--model", str(model_dir), "--router", router, "--paged-attn", "auto", "--worker-id", "w-a"]
+        with running(worker_argv(*args), log_dir=tmp_path) as worker:
+            assert wait_for_exit(worker, START_TIMEOUT_S) == 78, worker.output()
+    [handshake] = registry.handshakes
+    assert handshake.loading.planned_kind == cache_pb2.CACHE_KIND_EAGER  # auto on CPU
+    assert [(f.component, f.reason) for f in handshake.loading.fallbacks] == [
+        ("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")
+    ]
+    [line] = human_lines(worker.stderr())
+    assert line == f"worker w-a: router {router} refused its plan before loading: {reason}"
+    events = log_events(worker.stderr())
+    assert "plan refused" in events
+    assert "model_loaded" not in events  # refused before a weight was read
+    assert "Traceback" not in worker.stderr()
+
+
+def test_a_shutdown_while_it_is_loading_stops_it_with_0(model_dir, tmp_path):
+    """The router stops a worker that has announced its plan and is not ready yet (another failed)."""
+    registry = RecordingRegistry(plan_delay_s=2.0)  # the worker is still in its startup meanwhile
+    with serving(registry) as router:
+        args = ["--model", str(model_dir), "--router", router, "--paged-attn", "on"]
+        with running(worker_argv(*args), log_dir=tmp_path) as worker:
+            wait_until(lambda: registry.handshakes, START_TIMEOUT_S, "the plan")
+            with grpc.insecure_channel(registry.handshakes[0].address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                stub.Shutdown(worker_pb2.ShutdownRequest(reason="the cluster failed to start"), timeout=10)
+            assert wait_for_exit(worker, 10) == 0, worker.output()
+    events = log_events(worker.stderr())
+    assert "startup interrupted" in events
+    assert "model_loaded" not in events
+    assert [h.WhichOneof("outcome") for h in registry.handshakes] == ["loading"]
 
 
 @pytest.mark.parametrize(
