@@ -92,6 +92,9 @@ class Cluster:
 
     async def register(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission:
         entry = self._entry_from_handshake(handshake)
+        prior = self.registry.get(entry.worker_id)
+        if entry.plan is None and prior is not None and prior.state is WorkerState.LOADING:
+            entry.plan = prior.plan  # its ready (or failed) registration keeps what it had announced
         policy = self.config.policy
         if self.state is ClusterState.FAILED:
             entry.state, entry.state_reason = WorkerState.REFUSED, self.startup.describe()

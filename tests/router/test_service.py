@@ -450,6 +450,8 @@ async def test_loading_then_ready_is_admitted_and_serves():
         status = await client.cluster_status()
         assert status.state == router_pb2.CLUSTER_STATE_SERVING
         assert [(w.worker_id, w.state) for w in status.workers] == [("a", router_pb2.WORKER_STATE_ADMITTED)]
+        assert status.workers[0].realized.kind == cache_pb2.CACHE_KIND_PAGED
+        assert status.workers[0].planned.planned_kind == cache_pb2.CACHE_KIND_PAGED  # what it announced
         assert [c.token_ids[0] async for c in client.generate("hey", max_tokens=2)] == [3, 4]
 
 
