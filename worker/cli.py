@@ -16,7 +16,9 @@ import asyncio
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from kernels.support import (
     TRITON_BLOCK_SIZES,
@@ -325,4 +327,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = asyncio.run(run_worker(options))
     except KeyboardInterrupt:  # Ctrl-C before the worker's own handlers were installed: a requested stop
         code = 0
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with `code`. A worker stopped mid-load still has its load running in a daemon thread, inside
+    torch's C++ code; the interpreter's finalization would then abort the process (SIGABRT, exit 134)
+    instead of exiting with `code`, so skip finalization when such a thread is alive."""
+    if any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

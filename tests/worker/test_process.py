@@ -344,3 +344,20 @@ def test_heartbeats_keep_going_while_the_router_is_unreachable_and_say_so_once()
     assert len(warnings) == 1
     assert warnings[0]["log_level"] == "warning"
     assert warnings[0]["down_s"] >= 0.2
+
+
+def test_a_shutdown_while_it_reads_its_weights_exits_0_not_an_abort(tmp_path):
+    """Stopped while the load runs in its thread (inside torch): the exit code is the requested 0, not the
+    SIGABRT (134) that interpreter finalization gives with torch's C++ still running. The bundled model
+    takes long enough to read (~1 s or more) for the Shutdown to land mid-load."""
+    registry = RecordingRegistry()  # answers the plan at once: pending
+    with serving(registry) as router:
+        args = ["--router", router, "--paged-attn", "on", "--worker-id", "w-big"]
+        with running(worker_argv(*args), log_dir=tmp_path) as worker:
+            wait_until(lambda: registry.handshakes, START_TIMEOUT_S, "the plan")
+            time.sleep(0.2)  # the load has started
+            with grpc.insecure_channel(registry.handshakes[0].address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                stub.Shutdown(worker_pb2.ShutdownRequest(reason="the cluster failed to start"), timeout=10)
+            assert wait_for_exit(worker, 20) == 0, worker.output()
+    assert "model_loaded" not in log_events(worker.stderr())  # it really was stopped mid-load
