@@ -321,6 +321,8 @@ class Engine:
             self._fail([self._streams[c.seq.request_id] for c in out.chunks], e)
             return
         self.scheduler.on_step_done(out)
+        with self._lock:  # before any piece goes out: whoever saw a piece sees at least this step's counts
+            self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))
         for seq, token_id, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
             stream = self._streams[seq.request_id]
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -310,3 +311,20 @@ def test_an_internal_scheduler_fault_stops_the_engine_once_instead_of_spinning(e
     assert fatal == ["the engine failed: RuntimeError: scheduler bug"]
     with pytest.raises(EngineClosedError):
         engine.run([greedy("late", TEXT, 2)])
+
+
+def test_whoever_receives_a_piece_sees_that_steps_counts(engine):
+    """Stats read when a piece arrives (here inside the sink, on the step thread) already count the
+    request as running: the router and tests poll Stats right after the first chunk."""
+    running_at_first_piece: list[int] = []
+    done = threading.Event()
+
+    def sink(item: object) -> None:
+        if not running_at_first_piece:
+            running_at_first_piece.append(engine.stats().num_running)
+        if isinstance(item, BaseException) or item.finish_reason is not None:  # type: ignore[attr-defined]
+            done.set()
+
+    engine.submit(greedy("counted", TEXT, 4), sink)
+    assert done.wait(30)
+    assert running_at_first_piece == [1]
