@@ -19,6 +19,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 
 from kvpact.client import Client, render_cluster_status
@@ -30,6 +31,9 @@ from shared.wire import realized_from_pb
 DEFAULT_PORT = 50051
 PORT_ENV = "KVPACT_ROUTER_PORT"
 STOP_GRACE_S = 15.0
+# Once one process died, how long the other may take to exit by itself (a router exits within 2 s of
+# a startup-failure report, with its own exit code).
+OWN_EXIT_S = 3.0
 # The "Try it" request: a chat turn (an instruct model often ends a plain-text prompt at once, empty).
 TRY_MESSAGES = "[{'role': 'user', 'content': 'Tell me a joke.'}]"
 TRY_JSON = '{"chat": {"messages": [{"role": "user", "content": "Tell me a joke."}]}, "maxTokens": 64}'
@@ -131,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TimeoutError as exc:
         failure = str(exc)
     finally:
+        if any(p.returncode is not None for p in processes):
+            _let_exit(processes, OWN_EXIT_S)  # e.g. the router exits 1/78 right after the worker's failure
         dead = [p for p in processes if p.returncode is not None]
         _stop_all(processes)
     if failure:
@@ -145,6 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]  # the one that died, and any it took along
     _report(failed)
     return next((code for code in (p.returncode for p in dead) if code and code > 0), 1)
+
+
+def _let_exit(processes: Sequence[ProcessHandle], timeout_s: float) -> None:
+    """Wait up to `timeout_s` for every process to exit on its own."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.returncode is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _stop_all(processes: Sequence[ProcessHandle]) -> None:
