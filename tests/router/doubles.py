@@ -178,6 +178,27 @@ def spec(
     )
 
 
+def handshake(
+    worker_id: str,
+    address: str,
+    worker_spec: WorkerSpec,
+    *,
+    model: str = "tiny",
+    token: str = "",
+    **outcome: Any,
+) -> worker_pb2.Handshake:
+    """The parts every test handshake shares; `outcome` is ready=, loading= or failed=."""
+    return worker_pb2.Handshake(
+        worker_id=worker_id,
+        address=address,
+        model_name=model,
+        spec=wire.spec_to_pb(worker_spec),
+        capabilities=worker_pb2.Capabilities(device_kind="cpu", torch_version="2.13.0"),
+        auth_token=token,
+        **outcome,
+    )
+
+
 def ready(
     worker_id: str,
     address: str,
@@ -187,15 +208,10 @@ def ready(
     model: str = "tiny",
     token: str = "",
 ) -> worker_pb2.Handshake:
-    return worker_pb2.Handshake(
-        worker_id=worker_id,
-        address=address,
-        model_name=model,
-        spec=wire.spec_to_pb(spec(mode)),
-        capabilities=worker_pb2.Capabilities(device_kind="cpu", torch_version="2.13.0"),
+    return handshake(
+        worker_id, address, spec(mode), model=model, token=token,
         ready=wire.realized_to_pb(realized or paged_realized()),
-        auth_token=token,
-    )
+    )  # fmt: skip
 
 
 def loading(
@@ -207,16 +223,8 @@ def loading(
     model: str = "tiny",
 ) -> worker_pb2.Handshake:
     """A worker announcing its pre-load plan (default: PAGED, torch backend) before it loads weights."""
-    return worker_pb2.Handshake(
-        worker_id=worker_id,
-        address=address,
-        model_name=model,
-        spec=wire.spec_to_pb(spec(mode)),
-        capabilities=worker_pb2.Capabilities(device_kind="cpu", torch_version="2.13.0"),
-        loading=wire.plan_to_pb(
-            plan or LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH, verdict_seconds=0.2)
-        ),
-    )
+    plan = plan or LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH, verdict_seconds=0.2)
+    return handshake(worker_id, address, spec(mode), model=model, loading=wire.plan_to_pb(plan))
 
 
 def failed(
@@ -229,14 +237,8 @@ def failed(
     component: str = "device",
     code: StartupFailureCode = StartupFailureCode.PAGED_ATTENTION_REQUIRED,
 ) -> worker_pb2.Handshake:
-    return worker_pb2.Handshake(
-        worker_id=worker_id,
-        address=address,
-        model_name="tiny",
-        spec=wire.spec_to_pb(spec(mode, backend=backend)),
-        capabilities=worker_pb2.Capabilities(device_kind="cpu"),
-        failed=wire.failure_to_pb(StartupFailure(code, reason, component)),
-    )
+    failure = wire.failure_to_pb(StartupFailure(code, reason, component))
+    return handshake(worker_id, address, spec(mode, backend=backend), failed=failure)
 
 
 @asynccontextmanager
