@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(PY) -m deploy.local
+	$(PY) -m kvpact.deploy.local
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -22,12 +22,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shared.intent import PagedAttentionMode, cache_intent
-from shared.log import configure_logging
-from shared.spec import WorkerSpec
-from worker.engine import Engine
-from worker.request import GenerationOutput, GenerationRequest, SamplingParams
-from worker.startup import build_engine
+from kvpact.shared.intent import PagedAttentionMode, cache_intent
+from kvpact.shared.log import configure_logging
+from kvpact.shared.spec import WorkerSpec
+from kvpact.worker.engine import Engine
+from kvpact.worker.request import GenerationOutput, GenerationRequest, SamplingParams
+from kvpact.worker.startup import build_engine
 
 MEASURE_TIMEOUT_S = 1800.0
 

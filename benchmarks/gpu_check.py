@@ -250,11 +250,11 @@ def record_logits(engine) -> dict[str, list[Any]]:  # type: ignore[no-untyped-de
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
-    from shared.scheduler_choice import CacheKind
-    from shared.spec import WorkerSpec
-    from worker.request import GenerationRequest, SamplingParams
-    from worker.startup import build_engine
+    from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
+    from kvpact.shared.scheduler_choice import CacheKind
+    from kvpact.shared.spec import WorkerSpec
+    from kvpact.worker.request import GenerationRequest, SamplingParams
+    from kvpact.worker.startup import build_engine
 
     cuda = args.device == "cuda"
     backends = [PagedBackend.TRITON, PagedBackend.TORCH] if cuda else [PagedBackend.TORCH, PagedBackend.TORCH]
@@ -328,7 +328,7 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:  # type: 
     Without CUDA there is nothing to count (0); the request still runs."""
     import torch
 
-    from worker.request import GenerationRequest, SamplingParams
+    from kvpact.worker.request import GenerationRequest, SamplingParams
 
     steps = 16
     request = GenerationRequest(
@@ -359,9 +359,8 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:  # type: 
 
 def cmd_e2e(args: argparse.Namespace) -> int:
     from kvpact.client import Client
-
-    from deploy.processes import ProcessDied, free_port, start_process, stop, wait_for_health
-    from shared.wire import realized_from_pb
+    from kvpact.deploy.processes import ProcessDied, free_port, start_process, stop, wait_for_health
+    from kvpact.shared.wire import realized_from_pb
 
     model = args.model
     cuda = args.device == "cuda"
@@ -379,11 +378,11 @@ def cmd_e2e(args: argparse.Namespace) -> int:
         port = free_port()
         router = f"127.0.0.1:{port}"
         router_argv = [
-            sys.executable, "-m", "router", "--listen", router, "--expect-workers", "1",
+            sys.executable, "-m", "kvpact.router", "--listen", router, "--expect-workers", "1",
             "--paged-attn", policy, "--startup-timeout", "240",
         ]  # fmt: skip
         worker_argv = [
-            sys.executable, "-m", "worker", "--router", router, "--paged-attn", policy,
+            sys.executable, "-m", "kvpact.worker", "--router", router, "--paged-attn", policy,
             "--device", args.device,
             "--worker-id", f"{args.device}-{name}", "--router-timeout", "240", "--log-format", "json",
             "--max-model-len", "1024", *flags,

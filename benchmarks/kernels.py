@@ -59,9 +59,9 @@ def benchmark(args: argparse.Namespace) -> int:
     import triton
     import triton.testing
 
-    from kernels import paged_decode_attention
-    from kernels.decode_attention import default_num_splits
-    from kernels.reference import paged_decode_attention_torch
+    from kvpact.kernels import paged_decode_attention
+    from kvpact.kernels.decode_attention import default_num_splits
+    from kvpact.kernels.reference import paged_decode_attention_torch
 
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name()
@@ -102,8 +102,8 @@ def benchmark(args: argparse.Namespace) -> int:
 
 def correctness_pass(device: str = "cpu") -> int:
     """A few small shapes (the interpreter on the CPU, compiled on CUDA); the comparisons of tests/kernels."""
-    from kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
-    from kernels.reference import (
+    from kvpact.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+    from kvpact.kernels.reference import (
         paged_decode_attention_torch,
         paged_prefill_attention_torch,
         reshape_and_cache_torch,

@@ -1,6 +1,7 @@
 """`make serve`: a router and one worker on this machine, as two processes.
 
-    python -m deploy.local [--port 50051] [--paged-attn auto|on|off] [--model PATH] [--startup-timeout S]
+    python -m kvpact.deploy.local [--port 50051] [--paged-attn auto|on|off] [--model PATH]
+                                  [--startup-timeout S]
 
 Starts `router --listen 127.0.0.1:PORT --expect-workers 1` and a worker registering with it (the
 default model unless --model), waits (bounded) until the router's health says SERVING, then prints
@@ -23,10 +24,16 @@ import time
 from collections.abc import Sequence
 
 from kvpact.client import Client, render_cluster_status
-
-from deploy.processes import ProcessDied, ProcessHandle, WaitCancelled, start_process, stop, wait_for_health
-from shared.cli import add_paged_attn_arg
-from shared.wire import realized_from_pb
+from kvpact.deploy.processes import (
+    ProcessDied,
+    ProcessHandle,
+    WaitCancelled,
+    start_process,
+    stop,
+    wait_for_health,
+)
+from kvpact.shared.cli import add_paged_attn_arg
+from kvpact.shared.wire import realized_from_pb
 
 DEFAULT_PORT = 50051
 PORT_ENV = "KVPACT_ROUTER_PORT"
@@ -40,7 +47,9 @@ TRY_JSON = '{"chat": {"messages": [{"role": "user", "content": "Tell me a joke."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpact.deploy.local", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--port",
         type=int,
@@ -63,11 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 def commands(router: str, argv: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The router and worker command lines (this interpreter, so the venv need not be activated)."""
     router_argv = [
-        sys.executable, "-m", "router.cli", "--listen", router, "--expect-workers", "1",
+        sys.executable, "-m", "kvpact.router.cli", "--listen", router, "--expect-workers", "1",
         "--paged-attn", argv.paged_attn, "--startup-timeout", f"{argv.startup_timeout:g}",
     ]  # fmt: skip
     worker_argv = [
-        sys.executable, "-m", "worker", "--router", router, "--paged-attn", argv.paged_attn,
+        sys.executable, "-m", "kvpact.worker", "--router", router, "--paged-attn", argv.paged_attn,
         "--worker-id", "local-0", "--router-timeout", f"{argv.startup_timeout:g}",
     ]  # fmt: skip
     if argv.model:
@@ -140,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dead = [p for p in processes if p.returncode is not None]
         _stop_all(processes)
     if failure:
-        print(f"deploy.local: {failure}", file=sys.stderr)
+        print(f"kvpact.deploy.local: {failure}", file=sys.stderr)
         _report(processes)
         return 1
     if not dead:

@@ -1,16 +1,16 @@
 """Paged-attention kernels: Triton (CUDA, or CPU under TRITON_INTERPRET=1) and pure-torch references.
 
-`import kernels`, `kernels.reference` and `kernels.support` never import triton. The Triton
-functions are loaded on first access (`from kernels import paged_decode_attention`), which raises
-ImportError when triton is not installed; check `kernels.support.triton_version()` first.
+`import kvpact.kernels`, `kvpact.kernels.reference` and `kvpact.kernels.support` never import triton.
+The Triton functions are loaded on first access (`from kvpact.kernels import paged_decode_attention`),
+which raises ImportError when triton is not installed; check `kvpact.kernels.support.triton_version()` first.
 """
 
-from kernels.reference import (
+from kvpact.kernels.reference import (
     paged_decode_attention_torch,
     paged_prefill_attention_torch,
     reshape_and_cache_torch,
 )
-from kernels.support import (
+from kvpact.kernels.support import (
     TRITON_BLOCK_SIZES,
     TRITON_DTYPES,
     TRITON_HEAD_SIZES,
@@ -19,9 +19,9 @@ from kernels.support import (
 )
 
 _TRITON_FUNCTIONS = {
-    "reshape_and_cache": "kernels.cache_write",
-    "paged_decode_attention": "kernels.decode_attention",
-    "paged_prefill_attention": "kernels.prefill_attention",
+    "reshape_and_cache": "kvpact.kernels.cache_write",
+    "paged_decode_attention": "kvpact.kernels.decode_attention",
+    "paged_prefill_attention": "kvpact.kernels.prefill_attention",
 }
 
 __all__ = [

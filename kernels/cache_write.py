@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checks
+from kvpact.kernels import checks
 
 
 @triton.jit

@@ -6,7 +6,7 @@ reads tensor values (no device sync), only shapes, strides, dtypes and devices.
 
 import torch
 
-from kernels import support
+from kvpact.kernels import support
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

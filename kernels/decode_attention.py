@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checks
+from kvpact.kernels import checks
 
 TILE = 32  # context tokens per loop iteration
 MIN_TILES_PER_SPLIT = 4  # a split shorter than this is not worth its partial-output traffic

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checks
+from kvpact.kernels import checks
 
 BLOCK_M = 64  # query rows (tokens x grouped heads) per program
 TILE = 32  # context tokens per loop iteration

@@ -13,7 +13,7 @@ h // (q_heads // kv_heads) (GQA).
 
 import torch
 
-from kernels import checks
+from kvpact.kernels import checks
 
 
 def reshape_and_cache_torch(

@@ -1,7 +1,7 @@
-"""`python -m router` = the `router` command."""
+"""`python -m kvpact.router` = the `router` command."""
 
 import sys
 
-from router.cli import main
+from kvpact.router.cli import main
 
 sys.exit(main())

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
-from shared.intent import CacheIntent, PagedAttentionMode
-from shared.realized import RealizedCache
-from shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
+from kvpact.shared.intent import CacheIntent, PagedAttentionMode
+from kvpact.shared.realized import RealizedCache
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 
 ON, OFF, AUTO = PagedAttentionMode.ON, PagedAttentionMode.OFF, PagedAttentionMode.AUTO
 

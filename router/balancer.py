@@ -8,8 +8,8 @@ so the choice is deterministic.
 
 from __future__ import annotations
 
-from router.errors import InvalidRequest, NoLiveWorker, UnknownModel
-from router.registry import Registry, WorkerEntry
+from kvpact.router.errors import InvalidRequest, NoLiveWorker, UnknownModel
+from kvpact.router.registry import Registry, WorkerEntry
 
 
 def choose(candidates: list[WorkerEntry]) -> WorkerEntry | None:

@@ -11,12 +11,12 @@ import argparse
 import asyncio
 import sys
 
-from router.config import RouterConfig
-from shared.auth import read_token
-from shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
-from shared.errors import EXIT_FATAL, BindError, ConfigError
-from shared.intent import PagedAttentionMode
-from shared.log import configure_logging
+from kvpact.router.config import RouterConfig
+from kvpact.shared.auth import read_token
+from kvpact.shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
+from kvpact.shared.errors import EXIT_FATAL, BindError, ConfigError
+from kvpact.shared.intent import PagedAttentionMode
+from kvpact.shared.log import configure_logging
 
 POLICY_HELP = (
     "the cluster's PagedAttention policy. auto: admit workers whatever they realized (each says why it "
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     configure_logging(args.log_format, args.log_level)
-    from router.server import serve  # grpc and the servicers only once the flags are good
+    from kvpact.router.server import serve  # grpc and the servicers only once the flags are good
 
     try:
         return asyncio.run(serve(config))

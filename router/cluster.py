@@ -14,24 +14,24 @@ from typing import TextIO
 
 import structlog
 from grpc_health.v1 import health, health_pb2
-from kvpact.v1 import worker_pb2
 
-from router.admission import admit, admit_plan
-from router.config import RouterConfig
-from router.connections import WorkerChannels
-from router.errors import InvalidRequest
-from router.registry import Registry, WorkerEntry, WorkerState
-from router.report import (
+from kvpact.router.admission import admit, admit_plan
+from kvpact.router.config import RouterConfig
+from kvpact.router.connections import WorkerChannels
+from kvpact.router.errors import InvalidRequest
+from kvpact.router.registry import Registry, WorkerEntry, WorkerState
+from kvpact.router.report import (
     FailedStartup,
     describe_intent,
     describe_plan,
     describe_realized,
     render_failure_report,
 )
-from router.startup import ClusterState, Startup
-from shared import wire
-from shared.errors import ConfigError
-from shared.handshake import WorkerLoad
+from kvpact.router.startup import ClusterState, Startup
+from kvpact.shared import wire
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.handshake import WorkerLoad
+from kvpact.v1 import worker_pb2
 
 log = structlog.get_logger("router")
 

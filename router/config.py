@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.intent import PagedAttentionMode
+from kvpact.shared.intent import PagedAttentionMode
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
-from router.registry import WorkerEntry, WorkerState
+from kvpact.router.registry import WorkerEntry, WorkerState
+from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 2**20),

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import structlog
 
-from router.errors import RouterError
-from shared.errors import RequestError
+from kvpact.router.errors import RouterError
+from kvpact.shared.errors import RequestError
 
 log = structlog.get_logger("router.rpc")
 

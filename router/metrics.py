@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.registry import Registry
-from router.startup import ClusterState, Startup
+from kvpact.router.registry import Registry
+from kvpact.router.startup import ClusterState, Startup
 
 NO_CACHE = "none"  # a worker that failed before building a cache
 

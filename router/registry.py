@@ -15,11 +15,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpact.shared.handshake import LoadingPlan, StartupFailure, WorkerLoad
+from kvpact.shared.realized import RealizedCache
+from kvpact.shared.spec import WorkerSpec
 from kvpact.v1 import worker_pb2
-
-from shared.handshake import LoadingPlan, StartupFailure, WorkerLoad
-from shared.realized import RealizedCache
-from shared.spec import WorkerSpec
 
 
 class WorkerState(enum.Enum):

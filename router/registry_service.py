@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import grpc
 import structlog
-from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
-from router.cluster import Cluster
-from router.errors import Unauthenticated
-from shared.auth import token_matches
+from kvpact.router.cluster import Cluster
+from kvpact.router.errors import Unauthenticated
+from kvpact.shared.auth import token_matches
+from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("router.registry")
 

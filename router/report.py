@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.admission import fallback_reasons
-from router.registry import WorkerEntry
-from shared.errors import EXIT_POLICY
-from shared.handshake import LoadingPlan
-from shared.intent import CacheIntent, PagedAttentionMode
-from shared.realized import RealizedCache
-from shared.scheduler_choice import CacheKind
+from kvpact.router.admission import fallback_reasons
+from kvpact.router.registry import WorkerEntry
+from kvpact.shared.errors import EXIT_POLICY
+from kvpact.shared.handshake import LoadingPlan
+from kvpact.shared.intent import CacheIntent, PagedAttentionMode
+from kvpact.shared.realized import RealizedCache
+from kvpact.shared.scheduler_choice import CacheKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,15 +10,15 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvpact.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from router.cluster import Cluster
-from router.config import RouterConfig
-from router.interceptor import ErrorInterceptor
-from router.metrics import RouterMetrics
-from router.registry_service import RegistryService
-from router.service import GenerationService
-from shared.errors import BindError
+from kvpact.router.cluster import Cluster
+from kvpact.router.config import RouterConfig
+from kvpact.router.interceptor import ErrorInterceptor
+from kvpact.router.metrics import RouterMetrics
+from kvpact.router.registry_service import RegistryService
+from kvpact.router.service import GenerationService
+from kvpact.shared.errors import BindError
+from kvpact.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("router")
 

@@ -15,15 +15,15 @@ from contextlib import aclosing
 
 import grpc
 import structlog
-from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
-from router.balancer import resolve_model, route
-from router.cluster import Cluster
-from router.errors import NotServing, WorkerCallFailed
-from router.metrics import RouterMetrics
-from router.registry import WorkerEntry
-from router.startup import ClusterState
-from router.status import cluster_status_to_pb
+from kvpact.router.balancer import resolve_model, route
+from kvpact.router.cluster import Cluster
+from kvpact.router.errors import NotServing, WorkerCallFailed
+from kvpact.router.metrics import RouterMetrics
+from kvpact.router.registry import WorkerEntry
+from kvpact.router.startup import ClusterState
+from kvpact.router.status import cluster_status_to_pb
+from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger("router.generation")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from router.admission import Decision
-from shared.errors import EXIT_FATAL, EXIT_POLICY
+from kvpact.router.admission import Decision
+from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY
 
 
 class ClusterState(enum.Enum):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from kvpact.router.registry import WorkerEntry, WorkerState
+from kvpact.router.startup import ClusterState
+from kvpact.shared import wire
+from kvpact.shared.intent import PagedAttentionMode
 from kvpact.v1 import router_pb2
-
-from router.registry import WorkerEntry, WorkerState
-from router.startup import ClusterState
-from shared import wire
-from shared.intent import PagedAttentionMode
 
 _CLUSTER_STATE_TO_PB = {
     ClusterState.STARTING: router_pb2.CLUSTER_STATE_STARTING,

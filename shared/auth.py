@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from shared.errors import ConfigError
+from kvpact.shared.errors import ConfigError
 
 
 def read_token(path: str | None) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
+from kvpact.shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
 
 ACCELERATOR_KINDS = frozenset({"cuda", "mps"})
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from shared.intent import PagedAttentionMode
-from shared.log import LOG_FORMATS
+from kvpact.shared.intent import PagedAttentionMode
+from kvpact.shared.log import LOG_FORMATS
 
 PAGED_ATTN_HELP = (
     "PagedAttention policy. auto: use it where this worker supports it (CUDA with Triton), otherwise "

@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shared.intent import Fallback, PagedBackend
-from shared.scheduler_choice import CacheKind
+from kvpact.shared.intent import Fallback, PagedBackend
+from kvpact.shared.scheduler_choice import CacheKind
 
 
 class StartupFailureCode(enum.Enum):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from shared.errors import ConfigError, PagedAttentionRequiredError
+from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
 
 DEFAULT_BLOCK_SIZE = 16
 

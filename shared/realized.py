@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.intent import CacheDtype, Fallback, PagedBackend
-from shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.intent import CacheDtype, Fallback, PagedBackend
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 
 
 @dataclass(frozen=True, slots=True)

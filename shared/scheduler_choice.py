@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from shared.errors import PagedAttentionRequiredError
-from shared.intent import CacheIntent
+from kvpact.shared.errors import PagedAttentionRequiredError
+from kvpact.shared.intent import CacheIntent
 
 
 class CacheKind(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.intent import CacheIntent
+from kvpact.shared.intent import CacheIntent
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvpact.v1 import cache_pb2, worker_pb2
-
-from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode, WorkerLoad
-from shared.intent import (
+from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode, WorkerLoad
+from kvpact.shared.intent import (
     DEFAULT_BLOCK_SIZE,
     CacheDtype,
     CacheIntent,
@@ -19,9 +17,10 @@ from shared.intent import (
     PagedAttentionMode,
     PagedBackend,
 )
-from shared.realized import RealizedCache
-from shared.scheduler_choice import CacheKind, SchedulerKind
-from shared.spec import LayerPlacement, WorkerSpec
+from kvpact.shared.realized import RealizedCache
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.spec import LayerPlacement, WorkerSpec
+from kvpact.v1 import cache_pb2, worker_pb2
 
 _MODE_TO_PB = {
     PagedAttentionMode.AUTO: cache_pb2.PAGED_ATTENTION_MODE_AUTO,

@@ -77,21 +77,22 @@ def test_guard_catches_a_planted_bypass(code):
 
 
 FORBIDDEN_IMPORTS = {
-    "router": {"worker", "kernels", "torch", "triton"},
-    "worker": {"router"},
-    "shared": {"router", "worker", "kernels", "deploy", "torch", "triton"},
-    "kernels": {"router", "worker", "shared", "deploy"},
+    "router": {"kvpact.worker", "kvpact.kernels", "torch", "triton"},
+    "worker": {"kvpact.router"},
+    "shared": {"kvpact.router", "kvpact.worker", "kvpact.kernels", "kvpact.deploy", "torch", "triton"},
+    "kernels": {"kvpact.router", "kvpact.worker", "kvpact.shared", "kvpact.deploy"},
 }
 
 
 def imported_roots(tree: ast.AST) -> set[str]:
-    roots = set()
+    """What a module imports, by root: `torch` for `torch.nn`, `kvpact.worker` for `kvpact.worker.x`."""
+    names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
-    return roots
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {".".join(n.split(".")[:2]) if n.startswith("kvpact.") else n.split(".")[0] for n in names}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
@@ -105,4 +106,18 @@ def test_dependencies_run_one_way(package):
 
 def test_client_library_does_not_import_torch_or_the_worker():
     client = ROOT / "protos" / "kvpact" / "client.py"
-    assert not imported_roots(ast.parse(client.read_text())) & {"torch", "worker", "kernels", "router"}
+    forbidden = {"torch", "kvpact.worker", "kvpact.kernels", "kvpact.router"}
+    assert not imported_roots(ast.parse(client.read_text())) & forbidden
+
+
+TOP_LEVEL_PARTS = {"router", "worker", "shared", "kernels", "deploy"}
+
+
+def test_every_part_is_imported_as_kvpact_dot_part():
+    """One namespace: `router`, `shared`, ... as top-level names would collide in site-packages."""
+    paths = sources(*PACKAGES, "tests", "benchmarks") + sorted((ROOT / "protos").rglob("*.py"))
+    bad = []
+    for path in paths:
+        hits = imported_roots(ast.parse(path.read_text(), str(path))) & TOP_LEVEL_PARTS
+        bad += [f"{path.relative_to(ROOT)} imports {', '.join(sorted(hits))}" for _ in [0] if hits]
+    assert not bad, "import them as kvpact.<part>:\n" + "\n".join(bad)

@@ -5,6 +5,7 @@ import time
 
 import grpc
 import pytest
+
 from kvpact.client import (
     Client,
     KvpactRpcError,
@@ -15,13 +16,12 @@ from kvpact.client import (
     completion_from_pb,
     render_cluster_status,
 )
+from kvpact.router.registry import WorkerEntry, WorkerState
+from kvpact.router.startup import ClusterState
+from kvpact.router.status import cluster_status_to_pb
+from kvpact.shared.handshake import StartupFailure, StartupFailureCode
+from kvpact.shared.intent import Fallback, PagedAttentionMode
 from kvpact.v1 import generation_pb2, router_pb2
-
-from router.registry import WorkerEntry, WorkerState
-from router.startup import ClusterState
-from router.status import cluster_status_to_pb
-from shared.handshake import StartupFailure, StartupFailureCode
-from shared.intent import Fallback, PagedAttentionMode
 from tests.router.background import BackgroundLoop
 from tests.router.doubles import (
     EAGER_CPU_REASON,

@@ -2,9 +2,9 @@
 
 import pytest
 
-from shared.capability import DeviceInfo, KernelSupport, ModelTraits, decide_paged_attention
-from shared.errors import PagedAttentionRequiredError
-from shared.intent import (
+from kvpact.shared.capability import DeviceInfo, KernelSupport, ModelTraits, decide_paged_attention
+from kvpact.shared.errors import PagedAttentionRequiredError
+from kvpact.shared.intent import (
     CacheIntent,
     Fallback,
     PagedAttentionConfig,
@@ -15,7 +15,7 @@ from shared.intent import (
     disable_paged_attention,
     paged_config_for_mode,
 )
-from shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
 
 H100_SUPPORT = KernelSupport(
     head_sizes=frozenset({64, 128}),

@@ -5,7 +5,7 @@ import logging
 
 import structlog
 
-from shared.log import configure_logging, resolve_format
+from kvpact.shared.log import configure_logging, resolve_format
 
 
 def test_format_precedence_argument_then_environment_then_tty():

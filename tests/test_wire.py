@@ -3,10 +3,9 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvpact.v1 import cache_pb2
 
-from shared.handshake import LoadingPlan
-from shared.intent import (
+from kvpact.shared.handshake import LoadingPlan
+from kvpact.shared.intent import (
     CacheDtype,
     CacheIntent,
     Fallback,
@@ -15,10 +14,10 @@ from shared.intent import (
     PagedBackend,
     cache_intent,
 )
-from shared.realized import RealizedCache
-from shared.scheduler_choice import CacheKind, SchedulerKind
-from shared.spec import LayerPlacement, WorkerSpec, parse_device_map
-from shared.wire import (
+from kvpact.shared.realized import RealizedCache
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
+from kvpact.shared.wire import (
     intent_from_pb,
     intent_to_pb,
     mode_from_pb,
@@ -29,6 +28,7 @@ from shared.wire import (
     spec_from_pb,
     spec_to_pb,
 )
+from kvpact.v1 import cache_pb2
 
 budgets = st.one_of(
     st.just({}),

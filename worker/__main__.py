@@ -1,5 +1,5 @@
-"""`python -m worker` = the `worker` command."""
+"""`python -m kvpact.worker` = the `worker` command."""
 
-from worker.cli import main
+from kvpact.worker.cli import main
 
 main()

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
-from shared.errors import KvpactError
+from kvpact.shared.errors import KvpactError
 
 BlockHash = NewType("BlockHash", bytes)  # 16-byte blake2b of (parent hash, block token ids)
 
@@ -66,8 +66,9 @@ class BlockTable:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 debug: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, debug: bool = False
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.num_blocks = num_blocks
@@ -103,8 +104,10 @@ class BlockManager:
 
     def slot_mapping(self, table: BlockTable, start: int, end: int) -> list[int]:
         if not 0 <= start <= end <= len(table.block_ids) * self.block_size:
-            raise ValueError(f"positions [{start}, {end}) are outside the table's "
-                             f"{len(table.block_ids)} blocks of {self.block_size}; grow it first")
+            raise ValueError(
+                f"positions [{start}, {end}) are outside the table's "
+                f"{len(table.block_ids)} blocks of {self.block_size}; grow it first"
+            )
         bs, ids = self.block_size, table.block_ids
         return [ids[p // bs] * bs + p % bs for p in range(start, end)]
 
@@ -112,16 +115,22 @@ class BlockManager:
 
     def allocate(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> int:
         if table.block_ids or id(table) in self._tables:
-            raise ValueError("allocate() needs a fresh, empty BlockTable; this one is live "
-                             "(use grow() to extend it, or free() it first)")
+            raise ValueError(
+                "allocate() needs a fresh, empty BlockTable; this one is live "
+                "(use grow() to extend it, or free() it first)"
+            )
         cached_ids, last_hash = self._cached_prefix(token_ids)
         num_cached = len(cached_ids) * self.block_size
         if num_tokens < num_cached or num_tokens > len(token_ids):
-            raise ValueError(f"num_tokens ({num_tokens}) must lie in [num_cached_tokens={num_cached}, "
-                             f"len(token_ids)={len(token_ids)}]")
+            raise ValueError(
+                f"num_tokens ({num_tokens}) must lie in [num_cached_tokens={num_cached}, "
+                f"len(token_ids)={len(token_ids)}]"
+            )
         if not self.can_allocate(token_ids, num_tokens):
-            raise OutOfBlocksError(f"allocating {num_tokens} tokens needs more than the "
-                                   f"{self.num_free_blocks} free blocks; check can_allocate() first")
+            raise OutOfBlocksError(
+                f"allocating {num_tokens} tokens needs more than the "
+                f"{self.num_free_blocks} free blocks; check can_allocate() first"
+            )
         for b in cached_ids:
             if self._ref_counts[b] == 0:
                 del self._free_queue[b]
@@ -139,21 +148,25 @@ class BlockManager:
         own = self._own_copy(table, "grow")
         num_new = self._num_blocks_for(num_tokens) - len(table.block_ids)
         if num_new > self.num_free_blocks:
-            raise OutOfBlocksError(f"growing to {num_tokens} tokens needs {num_new} new blocks but "
-                                   f"{self.num_free_blocks} are free; check can_grow() first")
+            raise OutOfBlocksError(
+                f"growing to {num_tokens} tokens needs {num_new} new blocks but "
+                f"{self.num_free_blocks} are free; check can_grow() first"
+            )
         self._append_fresh(table, own, num_new)
         self._check()
 
     def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         self._own_copy(table, "commit")
         if num_computed_tokens > min(len(token_ids), len(table.block_ids) * self.block_size):
-            raise ValueError(f"num_computed_tokens ({num_computed_tokens}) exceeds the sequence "
-                             f"({len(token_ids)} tokens) or its {len(table.block_ids)} blocks")
+            raise ValueError(
+                f"num_computed_tokens ({num_computed_tokens}) exceeds the sequence "
+                f"({len(token_ids)} tokens) or its {len(table.block_ids)} blocks"
+            )
         if not self.enable_prefix_caching:
             return
         bs, parent = self.block_size, table.last_hash
         for i in range(table.num_committed_blocks, num_computed_tokens // bs):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             if parent not in self._hash_to_block:  # a duplicate keeps its own block, unregistered
                 block_id = table.block_ids[i]
                 self._hash_to_block[parent] = block_id
@@ -189,7 +202,7 @@ class BlockManager:
             return block_ids, parent
         bs = self.block_size
         for i in range(max(0, (len(token_ids) - 1) // bs)):
-            h = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break

@@ -20,15 +20,15 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from kernels.support import (
+from kvpact.kernels.support import (
     TRITON_BLOCK_SIZES,
     TRITON_DTYPES,
     TRITON_HEAD_SIZES,
     TRITON_MIN_COMPUTE_CAPABILITY,
 )
-from shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
-from shared.errors import ConfigError
-from shared.intent import (
+from kvpact.shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.intent import (
     DEFAULT_BLOCK_SIZE,
     CacheDtype,
     PagedAttentionConfig,
@@ -36,8 +36,8 @@ from shared.intent import (
     PagedBackend,
     cache_intent,
 )
-from shared.spec import LayerPlacement, WorkerSpec, parse_device_map
-from worker.kv.sizing import (
+from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
+from kvpact.worker.kv.sizing import (
     CPU_DEFAULTS,
     CPU_PAGED_BUDGET_BYTES,
     CPU_PAGED_BUDGET_RAM_FRACTION,
@@ -45,7 +45,7 @@ from worker.kv.sizing import (
     GPU_DEFAULTS,
     GiB,
 )
-from worker.process import DEFAULT_ROUTER_TIMEOUT_S, WorkerOptions, run_worker
+from kvpact.worker.process import DEFAULT_ROUTER_TIMEOUT_S, WorkerOptions, run_worker
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # what the WorkerSpec's fields carry on the wire

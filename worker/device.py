@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import support
-from shared.capability import DeviceInfo, KernelSupport
-from shared.errors import ConfigError
-from shared.spec import LayerPlacement
+from kvpact.kernels import support
+from kvpact.shared.capability import DeviceInfo, KernelSupport
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.spec import LayerPlacement
 
 KERNEL_SUPPORT = KernelSupport(
     head_sizes=support.TRITON_HEAD_SIZES,

@@ -27,13 +27,13 @@ from typing import Any
 import structlog
 import torch
 
-from shared.errors import RequestError
-from shared.handshake import WorkerLoad
-from shared.realized import RealizedCache
-from worker.device import bind_thread
-from worker.model_runner import ModelRunner
-from worker.output_stream import OutputStream, Sink
-from worker.request import (
+from kvpact.shared.errors import RequestError
+from kvpact.shared.handshake import WorkerLoad
+from kvpact.shared.realized import RealizedCache
+from kvpact.worker.device import bind_thread
+from kvpact.worker.model_runner import ModelRunner
+from kvpact.worker.output_stream import OutputStream, Sink
+from kvpact.worker.request import (
     ChatMessage,
     EngineClosedError,
     FinishReason,
@@ -42,9 +42,9 @@ from worker.request import (
     GenerationRequest,
     GenerationResult,
 )
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence
-from worker.tokenizer import Tokenizer
+from kvpact.worker.scheduler import Scheduler
+from kvpact.worker.sequence import Sequence
+from kvpact.worker.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 256
 CLOSE_TIMEOUT_S = 30.0

@@ -22,8 +22,8 @@ from contextlib import nullcontext
 
 import torch
 
-from kernels import reference
-from worker.kv.paged import PagedOps
+from kvpact.kernels import reference
+from kvpact.worker.kv.paged import PagedOps
 
 CONTEXT_LENS = (5, 37)
 NEW_TOKENS = (5, 9)
@@ -47,7 +47,7 @@ def triton_self_test(
     advice = "(--pa-backend torch runs PagedAttention without them)"
     try:
         if ops is None:
-            from kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+            from kvpact.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 
             ops = PagedOps(reshape_and_cache, paged_decode_attention, paged_prefill_attention)
         guard = torch.cuda.device(device) if device.type == "cuda" else nullcontext()

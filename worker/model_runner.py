@@ -6,7 +6,7 @@ for the last token of chunks that reach their sequence's end (a middle chunk of 
 nothing).
 
 On CUDA a step synchronizes with the device once, when the sampler reads the token ids back: every
-host tensor goes over with `worker.device.to_device` (no stream sync), and the caches' AttentionSteps
+host tensor goes over with `kvpact.worker.device.to_device` (no stream sync), and the caches' AttentionSteps
 keep their metadata on the host side too.
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.device import to_device
-from worker.kv import KVCache
-from worker.model import LlamaForCausalLM
-from worker.sampling import sample
-from worker.sequence import ScheduledChunk, Sequence
+from kvpact.worker.device import to_device
+from kvpact.worker.kv import KVCache
+from kvpact.worker.model import LlamaForCausalLM
+from kvpact.worker.sampling import sample
+from kvpact.worker.sequence import ScheduledChunk, Sequence
 
 
 @dataclass(slots=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from worker.request import FinishReason, GenerationOutput, Usage
-from worker.sequence import Sequence
-from worker.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from kvpact.worker.request import FinishReason, GenerationOutput, Usage
+from kvpact.worker.sequence import Sequence
+from kvpact.worker.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 Sink = Callable[[GenerationOutput | BaseException], None]
 

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
-from kvpact.v1 import worker_pb2
 
-from shared.auth import read_token
-from shared.errors import (
+from kvpact.shared.auth import read_token
+from kvpact.shared.errors import (
     EXIT_FATAL,
     EXIT_POLICY,
     BindError,
@@ -46,17 +45,18 @@ from shared.errors import (
     ModelLoadError,
     PagedAttentionRequiredError,
 )
-from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
-from shared.log import configure_logging
-from shared.spec import WorkerSpec
-from shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
-from worker.device import probe_device
-from worker.engine import Engine
-from worker.loader import model_name, resolve_model_path
-from worker.registration import RouterError, RouterLink
-from worker.service import WorkerServer, WorkerService
-from worker.startup import WorkerPlan, build_engine, plan_startup
-from worker.wire import capabilities_to_pb
+from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
+from kvpact.shared.log import configure_logging
+from kvpact.shared.spec import WorkerSpec
+from kvpact.shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
+from kvpact.v1 import worker_pb2
+from kvpact.worker.device import probe_device
+from kvpact.worker.engine import Engine
+from kvpact.worker.loader import model_name, resolve_model_path
+from kvpact.worker.registration import RouterError, RouterLink
+from kvpact.worker.service import WorkerServer, WorkerService
+from kvpact.worker.startup import WorkerPlan, build_engine, plan_startup
+from kvpact.worker.wire import capabilities_to_pb
 
 log = structlog.get_logger(__name__)
 

@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
-from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
-from shared.errors import KvpactError
-from shared.handshake import WorkerLoad
-from shared.wire import load_to_pb
+from kvpact.shared.errors import KvpactError
+from kvpact.shared.handshake import WorkerLoad
+from kvpact.shared.wire import load_to_pb
+from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from shared.errors import KvpactError, RequestError
+from kvpact.shared.errors import KvpactError, RequestError
 
 MAX_SEED = 2**64 - 1
 

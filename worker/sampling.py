@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.device import to_device
-from worker.request import SamplingParams
+from kvpact.worker.device import to_device
+from kvpact.worker.request import SamplingParams
 
 
 @dataclass(slots=True)

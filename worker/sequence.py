@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.block_manager import BlockTable
-from worker.request import FinishReason, SamplingParams
-from worker.sampling import SampleRow, make_generator
+from kvpact.worker.block_manager import BlockTable
+from kvpact.worker.request import FinishReason, SamplingParams
+from kvpact.worker.sampling import SampleRow, make_generator
 
 
 class SequenceStatus(enum.Enum):

@@ -21,16 +21,16 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
-from shared.errors import BindError, KvpactError, RequestError
-from shared.wire import load_to_pb
-from worker.interceptors import ErrorInterceptor, LogContextInterceptor
-from worker.request import EngineClosedError, GenerationError
-from worker.wire import chunk_to_pb, request_from_pb
+from kvpact.shared.errors import BindError, KvpactError, RequestError
+from kvpact.shared.wire import load_to_pb
+from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvpact.worker.interceptors import ErrorInterceptor, LogContextInterceptor
+from kvpact.worker.request import EngineClosedError, GenerationError
+from kvpact.worker.wire import chunk_to_pb, request_from_pb
 
 if TYPE_CHECKING:
-    from worker.engine import Engine
+    from kvpact.worker.engine import Engine
 
 log = structlog.get_logger(__name__)
 

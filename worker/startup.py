@@ -36,29 +36,29 @@ from typing import Any
 import structlog
 import torch
 
-from shared.capability import ModelTraits, PagedDecision, decide_paged_attention
-from shared.errors import ConfigError
-from shared.intent import CacheDtype, PagedAttentionState, PagedBackend, disable_paged_attention
-from shared.realized import RealizedCache
-from shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
-from shared.spec import WorkerSpec
-from worker.block_manager import BlockManager
-from worker.device import DeviceProbe, probe_device
-from worker.engine import Engine
-from worker.kernel_check import triton_self_test
-from worker.kv import sizing
-from worker.kv.eager import EagerCache
-from worker.kv.paged import PagedCache
-from worker.loader import (
+from kvpact.shared.capability import ModelTraits, PagedDecision, decide_paged_attention
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend, disable_paged_attention
+from kvpact.shared.realized import RealizedCache
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
+from kvpact.shared.spec import WorkerSpec
+from kvpact.worker.block_manager import BlockManager
+from kvpact.worker.device import DeviceProbe, probe_device
+from kvpact.worker.engine import Engine
+from kvpact.worker.kernel_check import triton_self_test
+from kvpact.worker.kv import sizing
+from kvpact.worker.kv.eager import EagerCache
+from kvpact.worker.kv.paged import PagedCache
+from kvpact.worker.loader import (
     estimate_weight_bytes,
     load_model,
     read_model_config,
     resolve_dtype,
     resolve_model_path,
 )
-from worker.model import ModelConfig
-from worker.model_runner import ModelRunner
-from worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
+from kvpact.worker.model import ModelConfig
+from kvpact.worker.model_runner import ModelRunner
+from kvpact.worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
 
 _CACHE_DTYPES = {
     CacheDtype.FLOAT32: torch.float32,

@@ -8,11 +8,10 @@ repetition_penalty 1, no seed); an unset max_tokens stays None (the engine picks
 
 from __future__ import annotations
 
+from kvpact.shared.errors import RequestError
 from kvpact.v1 import cache_pb2, generation_pb2, worker_pb2
-
-from shared.errors import RequestError
-from worker.device import DeviceProbe
-from worker.request import (
+from kvpact.worker.device import DeviceProbe
+from kvpact.worker.request import (
     ChatMessage,
     FinishReason,
     GenerationOutput,

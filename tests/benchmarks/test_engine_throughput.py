@@ -6,8 +6,8 @@ import re
 import threading
 
 from benchmarks.engine_throughput import measure
-from shared.handshake import WorkerLoad
-from worker.request import GenerationError
+from kvpact.shared.handshake import WorkerLoad
+from kvpact.worker.request import GenerationError
 
 
 class FailingEngine:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from deploy.processes import (
+from kvpact.deploy.processes import (
     ProcessDied,
     ProcessHandle,
     free_port,
@@ -71,7 +71,7 @@ def worker_argv(*args: str) -> list[str]:
         argv += ["--log-format", "json"]
     if "--listen" not in argv:
         argv += ["--listen", "127.0.0.1:0"]
-    return module_argv("worker", *argv)
+    return module_argv("kvpact.worker", *argv)
 
 
 @dataclass(slots=True)

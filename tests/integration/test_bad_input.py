@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from kvpact.client import AsyncClient, Client, KvpactRpcError
 
+from kvpact.client import AsyncClient, Client, KvpactRpcError
 from tests.factories.processes import running, started_worker, wait_for_health
 from tests.factories.tiny_models import make_tiny_llama
 from tests.integration.test_cluster import START_S, router_address, router_argv, wait_all_blocks_free

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from kvpact.client import Client, KvpactRpcError, build_request, render_cluster_status
 from kvpact.v1 import cache_pb2, router_pb2, worker_pb2, worker_pb2_grpc
-
 from tests.factories.processes import (
     ProcessHandle,
     health_status,
@@ -44,7 +44,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def router_argv(*args: str) -> list[str]:
     return module_argv(
-        "router", "--listen", "127.0.0.1:0", "--log-format", "json", "--startup-timeout", "120", *args
+        "kvpact.router", "--listen", "127.0.0.1:0", "--log-format", "json", "--startup-timeout", "120", *args
     )
 
 
@@ -198,7 +198,7 @@ def test_a_deadline_shorter_than_the_generation_is_deadline_exceeded_and_frees_t
 def test_a_late_worker_that_misses_the_policy_is_refused_alone(on_cluster: OnCluster, tmp_path: Path):
     args = worker_args(on_cluster.model, on_cluster.address, "w-late", "--paged-attn", "auto")
     with running(
-        module_argv("worker", *args, "--log-format", "json"), name="w-late", log_dir=tmp_path
+        module_argv("kvpact.worker", *args, "--log-format", "json"), name="w-late", log_dir=tmp_path
     ) as late:
         assert wait_for_exit(late, START_S) == 78
     assert not log_events(late, "model_loaded")  # its plan was refused: no weight was read
@@ -229,7 +229,7 @@ def test_a_worker_that_cannot_honor_on_fails_the_whole_cluster(model: Path, tmp_
                 assert time.monotonic() < deadline and a.handle.returncode is None, a.handle.output()
                 time.sleep(0.1)
             b_args = worker_args(model, address, "w-triton", "--paged-attn", "on", "--pa-backend", "triton")
-            with running(module_argv("worker", *b_args, "--log-format", "json"), name="w-triton",
+            with running(module_argv("kvpact.worker", *b_args, "--log-format", "json"), name="w-triton",
                          log_dir=tmp_path) as b:  # fmt: skip
                 assert wait_for_exit(r, START_S) == 78
                 exited_at = time.time()
@@ -282,7 +282,7 @@ def test_on_cluster_refuses_a_worker_started_auto_before_it_loads(model: Path, t
         address = router_address(r)
         args = worker_args(model, address, "w-auto", "--paged-attn", "auto")
         with running(
-            module_argv("worker", *args, "--log-format", "json"), name="w-auto", log_dir=tmp_path
+            module_argv("kvpact.worker", *args, "--log-format", "json"), name="w-auto", log_dir=tmp_path
         ) as w:
             assert wait_for_exit(w, START_S) == 78
             assert wait_for_exit(r, 10) == 78
@@ -305,7 +305,7 @@ def test_a_worker_without_the_auth_token_is_not_admitted(model: Path, tmp_path: 
         address = router_address(r)
         args = worker_args(model, address, "w-anon", "--router-timeout", "10")
         with running(
-            module_argv("worker", *args, "--log-format", "json"), name="w-anon", log_dir=tmp_path
+            module_argv("kvpact.worker", *args, "--log-format", "json"), name="w-anon", log_dir=tmp_path
         ) as w:
             assert wait_for_exit(w, START_S) != 0
             assert "UNAUTHENTICATED" in w.output()

@@ -7,8 +7,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from kvpact.client import AsyncClient
 
+from kvpact.client import AsyncClient
 from tests.factories.processes import running, started_worker, wait_for_health
 from tests.factories.tiny_models import make_tiny_llama
 from tests.integration.test_cluster import (

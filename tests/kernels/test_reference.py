@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.reference import (
+from kvpact.kernels.reference import (
     paged_decode_attention_torch,
     paged_prefill_attention_torch,
     reshape_and_cache_torch,
@@ -213,11 +213,11 @@ def test_cache_write_rejects_int32_slot_mapping():
 def test_kernels_import_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
-        "import kernels, kernels.reference\n"
-        "from kernels.support import triton_version\n"
+        "import kvpact.kernels, kvpact.kernels.reference\n"
+        "from kvpact.kernels.support import triton_version\n"
         "assert triton_version() is None\n"
         "try:\n"
-        "    from kernels import paged_decode_attention\n"
+        "    from kvpact.kernels import paged_decode_attention\n"
         "except ImportError:\n"
         "    print('ok')\n"
     )

@@ -1,6 +1,6 @@
 """kernels.support is plain data the worker's capability check reads without importing triton."""
 
-from kernels import support
+from kvpact.kernels import support
 
 
 def test_support_is_plain_data():

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from kernels import reference
+from kvpact.kernels import reference
 from tests.kernels.factory import make_paged_batch, make_queries, query_start_loc
 
 DEVICE_ENV = "KVPACT_KERNEL_DEVICE"
@@ -68,7 +68,7 @@ def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def run_decode(lens, *, head_dim, group, block_size, dtype, num_splits):
-    from kernels import paged_decode_attention
+    from kvpact.kernels import paged_decode_attention
 
     batch = make_paged_batch(
         lens, block_size=block_size, kv_heads=KV_HEADS, head_dim=head_dim, dtype=dtype, device=DEVICE
@@ -80,7 +80,7 @@ def run_decode(lens, *, head_dim, group, block_size, dtype, num_splits):
 
 
 def run_prefill(seqs, *, head_dim, group, block_size, dtype):
-    from kernels import paged_prefill_attention
+    from kvpact.kernels import paged_prefill_attention
 
     lens = [p + n for p, n in seqs]
     q_lens = [n for _, n in seqs]
@@ -107,7 +107,7 @@ def run_prefill(seqs, *, head_dim, group, block_size, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 32)])
 def test_cache_write_matches_reference_and_skips_padding(dtype, head_dim, block_size):
-    from kernels import reshape_and_cache
+    from kvpact.kernels import reshape_and_cache
 
     batch = make_paged_batch(
         [1, block_size, block_size + 1],
@@ -132,7 +132,7 @@ def test_cache_write_matches_reference_and_skips_padding(dtype, head_dim, block_
 
 @needs_kernels
 def test_cache_write_accepts_strided_key_value():
-    from kernels import reshape_and_cache
+    from kvpact.kernels import reshape_and_cache
 
     batch = make_paged_batch([20], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16, device=DEVICE)
     qkv = torch.cat([batch.keys[0], batch.keys[0], batch.values[0]], dim=1)  # fused-projection layout
@@ -181,7 +181,7 @@ def fused_qkv_batch():
 @needs_kernels
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_accepts_strided_query(num_splits):
-    from kernels import paged_decode_attention
+    from kvpact.kernels import paged_decode_attention
 
     batch, query = fused_qkv_batch()
     cache = (batch.key_cache, batch.value_cache, batch.block_tables)
@@ -193,7 +193,7 @@ def test_decode_accepts_strided_query(num_splits):
 
 @needs_kernels
 def test_decode_default_num_splits_is_a_power_of_two_within_the_heuristic():
-    from kernels.decode_attention import MAX_SPLITS, choose_num_splits, default_num_splits
+    from kvpact.kernels.decode_attention import MAX_SPLITS, choose_num_splits, default_num_splits
 
     seen = set()
     for num_seqs in (1, 2, 3, 16, 64, 256):
@@ -207,7 +207,7 @@ def test_decode_default_num_splits_is_a_power_of_two_within_the_heuristic():
 
 @needs_kernels
 def test_decode_choose_num_splits():
-    from kernels.decode_attention import MAX_SPLITS, choose_num_splits
+    from kvpact.kernels.decode_attention import MAX_SPLITS, choose_num_splits
 
     assert choose_num_splits(num_seqs=256, kv_heads=8, max_context_len=8192, num_sms=132) == 1
     assert choose_num_splits(num_seqs=1, kv_heads=8, max_context_len=8192, num_sms=132) == MAX_SPLITS
@@ -273,7 +273,7 @@ def test_prefill_matches_reference(name, head_dim, group, block_size, dtype):
 
 @needs_kernels
 def test_prefill_accepts_strided_query():
-    from kernels import paged_prefill_attention
+    from kvpact.kernels import paged_prefill_attention
 
     batch, query = fused_qkv_batch()
     args = (
@@ -330,7 +330,7 @@ def test_prefill_long_prompts(group):
     ],
 )
 def test_checks_reject_unsupported_shapes(head_dim, block_size, dtype, message):
-    from kernels import paged_decode_attention, paged_prefill_attention
+    from kvpact.kernels import paged_decode_attention, paged_prefill_attention
 
     batch = make_paged_batch(
         [5], block_size=block_size, kv_heads=2, head_dim=head_dim, dtype=dtype, device=DEVICE
@@ -346,14 +346,14 @@ def test_checks_reject_unsupported_shapes(head_dim, block_size, dtype, message):
 def test_checks_triton_version_is_the_installed_one():
     import triton
 
-    from kernels.support import triton_version
+    from kvpact.kernels.support import triton_version
 
     assert triton_version() == triton.__version__
 
 
 @needs_kernels
 def test_checks_reject_bad_arguments_before_launch():
-    from kernels import paged_decode_attention, reshape_and_cache
+    from kvpact.kernels import paged_decode_attention, reshape_and_cache
 
     batch = make_paged_batch([5], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16, device=DEVICE)
     query = make_queries(1, 8, 64, torch.float16, DEVICE)
@@ -379,7 +379,7 @@ def test_checks_reject_bad_arguments_before_launch():
 
 @pytest.mark.skipif(INTERPRETED, reason="needs the compiled (not interpreted) kernels")
 def test_checks_reject_cpu_tensors_without_interpreter():
-    from kernels import paged_decode_attention
+    from kvpact.kernels import paged_decode_attention
 
     batch = make_paged_batch([5], block_size=16, kv_heads=2, head_dim=64, dtype=torch.float16)
     query = make_queries(1, 8, 64, torch.float16)
@@ -428,9 +428,9 @@ def attention_pointers(dtype: str) -> dict[str, str]:
 def compile_all(head_dim: int, dtype: str, group: int, arch: int) -> None:
     import triton
 
-    from kernels.cache_write import kernel_reshape_and_cache
-    from kernels.decode_attention import kernel_merge_splits, kernel_paged_decode_attention
-    from kernels.prefill_attention import BLOCK_M, kernel_paged_prefill_attention
+    from kvpact.kernels.cache_write import kernel_reshape_and_cache
+    from kvpact.kernels.decode_attention import kernel_merge_splits, kernel_paged_decode_attention
+    from kvpact.kernels.prefill_attention import BLOCK_M, kernel_paged_prefill_attention
 
     pad = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)

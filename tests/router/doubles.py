@@ -17,14 +17,13 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
-from kvpact.client import AsyncClient
-from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
-from router.config import RouterConfig
-from router.server import RouterServer
-from shared import wire
-from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
-from shared.intent import (
+from kvpact.client import AsyncClient
+from kvpact.router.config import RouterConfig
+from kvpact.router.server import RouterServer
+from kvpact.shared import wire
+from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
+from kvpact.shared.intent import (
     CacheDtype,
     Fallback,
     PagedAttentionConfig,
@@ -32,9 +31,10 @@ from shared.intent import (
     PagedBackend,
     cache_intent,
 )
-from shared.realized import RealizedCache
-from shared.scheduler_choice import CacheKind, SchedulerKind
-from shared.spec import WorkerSpec
+from kvpact.shared.realized import RealizedCache
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.spec import WorkerSpec
+from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 ASYNC_TEST_TIMEOUT_S = 60.0
 
@@ -121,7 +121,7 @@ async def serving_double(double: WorkerDouble) -> AsyncIterator[WorkerDouble]:
 
 @asynccontextmanager
 async def running_router(**overrides: Any) -> AsyncIterator[RouterServer]:
-    """An in-process router on a free loopback port; its failure report goes to `router.report`."""
+    """An in-process router on a free loopback port; its failure report goes to `kvpact.router.report`."""
     config = replace(RouterConfig(host="127.0.0.1", port=0), **overrides)
     report = io.StringIO()
     router = RouterServer(config, report_stream=report)

@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from router.admission import admit, admit_plan
-from shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
-from shared.intent import Fallback, PagedAttentionMode, PagedBackend, cache_intent
-from shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.router.admission import admit, admit_plan
+from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
+from kvpact.shared.intent import Fallback, PagedAttentionMode, PagedBackend, cache_intent
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from tests.router.doubles import EAGER_CPU_REASON, eager_realized, paged_realized
 
 AUTO, ON, OFF = PagedAttentionMode.AUTO, PagedAttentionMode.ON, PagedAttentionMode.OFF

@@ -1,12 +1,12 @@
 """Balancer choice and model resolution, over registry entries (no sockets)."""
 
 import pytest
-from kvpact.v1 import worker_pb2
 
-from router.balancer import choose, resolve_model, route
-from router.errors import InvalidRequest, NoLiveWorker, UnknownModel
-from router.registry import Registry, WorkerEntry, WorkerState
-from shared.handshake import WorkerLoad
+from kvpact.router.balancer import choose, resolve_model, route
+from kvpact.router.errors import InvalidRequest, NoLiveWorker, UnknownModel
+from kvpact.router.registry import Registry, WorkerEntry, WorkerState
+from kvpact.shared.handshake import WorkerLoad
+from kvpact.v1 import worker_pb2
 from tests.router.doubles import paged_realized, spec
 
 

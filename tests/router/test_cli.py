@@ -11,10 +11,10 @@ import urllib.request
 
 import grpc
 import pytest
-from kvpact.client import Client
-from kvpact.v1 import worker_pb2_grpc
 
-from router.cli import build_parser
+from kvpact.client import Client
+from kvpact.router.cli import build_parser
+from kvpact.v1 import worker_pb2_grpc
 from tests.factories.processes import (
     free_port,
     health_status,
@@ -32,7 +32,7 @@ TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker ru
 
 
 def router_argv(*args):
-    return module_argv("router", "--listen", "127.0.0.1:0", "--log-format", "json", *args)
+    return module_argv("kvpact.router", "--listen", "127.0.0.1:0", "--log-format", "json", *args)
 
 
 def started(handle, timeout_s=15.0):
@@ -125,7 +125,7 @@ def test_metrics_show_each_workers_realized_kind(tmp_path):
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(args, message):
-    out = subprocess.run(module_argv("router", *args), capture_output=True, text=True, timeout=30)
+    out = subprocess.run(module_argv("kvpact.router", *args), capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert message in out.stderr
 

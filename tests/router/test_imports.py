@@ -4,11 +4,12 @@ import json
 import subprocess
 import sys
 
-FORBIDDEN = ("torch", "triton", "worker", "kernels")
+FORBIDDEN = ("torch", "triton", "kvpact.worker", "kvpact.kernels")
 CHECK = (
     "import json, sys\n"
-    "import router.cli, router.server, kvpact.client\n"
-    f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})))"
+    "import kvpact.router.cli, kvpact.router.server, kvpact.client\n"
+    f"found = [m for m in sys.modules for f in {FORBIDDEN!r} if m == f or m.startswith(f + '.')]\n"
+    "print(json.dumps(sorted(found)))"
 )
 
 

@@ -1,11 +1,16 @@
 """The failure report: one block naming each worker, what it was asked, what it realized and why."""
 
+from kvpact.router.registry import WorkerEntry, WorkerState
+from kvpact.router.report import FailedStartup, describe_intent, describe_realized, render_failure_report
+from kvpact.shared.handshake import StartupFailure, StartupFailureCode
+from kvpact.shared.intent import (
+    Fallback,
+    PagedAttentionConfig,
+    PagedAttentionMode,
+    PagedBackend,
+    cache_intent,
+)
 from kvpact.v1 import worker_pb2
-
-from router.registry import WorkerEntry, WorkerState
-from router.report import FailedStartup, describe_intent, describe_realized, render_failure_report
-from shared.handshake import StartupFailure, StartupFailureCode
-from shared.intent import Fallback, PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
 from tests.router.doubles import EAGER_CPU_REASON, eager_realized, paged_realized, spec
 
 TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
@@ -78,7 +83,7 @@ def test_report_names_every_worker_what_it_was_asked_realized_and_why():
             'worker "b" at 127.0.0.1:5001, model tiny: FAILED',
             "  asked:     --paged-attn on --pa-backend triton --pa-block-size 16",
             f"  failed:    (paged-attention-required) [device] {TRITON_REASON}",
-                "  shutdown:  could not be told (UNAVAILABLE: refused)",
+            "  shutdown:  could not be told (UNAVAILABLE: refused)",
             "",
             "exit code 78: the --paged-attn policy cannot be honored by every worker",
         ]

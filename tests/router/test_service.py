@@ -8,14 +8,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from kvpact.client import AsyncClient, KvpactRpcError
-from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, worker_pb2
 
-from router.interceptor import _wrap_stream
-from router.service import GenerationService
-from shared.handshake import LoadingPlan
-from shared.intent import Fallback
-from shared.scheduler_choice import CacheKind
+from kvpact.client import AsyncClient, KvpactRpcError
+from kvpact.router.interceptor import _wrap_stream
+from kvpact.router.service import GenerationService
+from kvpact.shared.handshake import LoadingPlan
+from kvpact.shared.intent import Fallback
+from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, worker_pb2
 from tests.router.doubles import (
     EAGER_CPU_REASON,
     WorkerDouble,
@@ -508,7 +508,7 @@ async def test_hundreds_of_concurrent_streams_share_one_worker_channel():
 
 
 def _mode(value):
-    from shared.intent import PagedAttentionMode
+    from kvpact.shared.intent import PagedAttentionMode
 
     return PagedAttentionMode(value)
 

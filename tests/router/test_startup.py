@@ -1,7 +1,7 @@
 """The startup state machine, without sockets."""
 
-from router.admission import Decision
-from router.startup import ClusterState, Startup
+from kvpact.router.admission import Decision
+from kvpact.router.startup import ClusterState, Startup
 
 ADMIT = Decision(admitted=True, reason="ok")
 REFUSE_POLICY = Decision(admitted=False, reason="realized EAGER", policy_failure=True)
@@ -66,6 +66,4 @@ def test_timeout_names_the_workers_still_loading_apart_from_the_missing():
     s = Startup(num_expected=3)
     s.on_decision("a", ADMIT)
     assert s.on_timeout(2.5, ["a", "b"], loading_ids=["b"]) is ClusterState.FAILED
-    assert (
-        'with 1 of 3 workers admitted: 1 still loading ("b"), 1 missing (registered: "a", "b")' in s.cause
-    )
+    assert 'with 1 of 3 workers admitted: 1 still loading ("b"), 1 missing (registered: "a", "b")' in s.cause

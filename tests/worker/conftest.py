@@ -1,5 +1,5 @@
 """Fixtures for the engine tests: tiny models on disk (once per session) and engines built through the
-real startup path (`worker.startup.build_engine`), closed at the end of each test."""
+real startup path (`kvpact.worker.startup.build_engine`), closed at the end of each test."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
-from shared.spec import WorkerSpec
+from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
+from kvpact.shared.spec import WorkerSpec
+from kvpact.worker.engine import Engine
+from kvpact.worker.request import GenerationOutput, GenerationRequest, GenerationResult, SamplingParams
+from kvpact.worker.startup import build_engine
 from tests.factories.tiny_models import make_tiny_llama, make_tiny_qwen2
-from worker.engine import Engine
-from worker.request import GenerationOutput, GenerationRequest, GenerationResult, SamplingParams
-from worker.startup import build_engine
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from worker.block_manager import BlockManager, BlockTable, OutOfBlocksError
+from kvpact.worker.block_manager import BlockManager, BlockTable, OutOfBlocksError
 
 BS = 4
 
@@ -29,6 +29,7 @@ def seq(start: int, n: int) -> list[int]:
 
 # ---- exact ids ----
 
+
 def test_first_and_second_sequence_get_ids_in_order():
     bm = make_manager()
     a, b = BlockTable([]), BlockTable([])
@@ -47,17 +48,17 @@ def test_first_and_second_sequence_get_ids_in_order():
 def test_eviction_is_lru_among_cached_blocks_tail_first():
     bm = make_manager()
     a_tokens, d_tokens = seq(0, 12), seq(50, 8)
-    a = run(bm, a_tokens)       # [0, 1, 2]
-    d = run(bm, d_tokens)       # [3, 4]
-    bm.free(a)                  # queue: 5 6 7 | 2 1 0
-    bm.free(d)                  # queue: 5 6 7 | 2 1 0 | 4 3
+    a = run(bm, a_tokens)  # [0, 1, 2]
+    d = run(bm, d_tokens)  # [3, 4]
+    bm.free(a)  # queue: 5 6 7 | 2 1 0
+    bm.free(d)  # queue: 5 6 7 | 2 1 0 | 4 3
     probe_a, probe_d = a_tokens + [99], d_tokens + [99]
     assert (bm.num_cached_tokens(probe_a), bm.num_cached_tokens(probe_d)) == (12, 8)
     assert run(bm, seq(100, 12)).block_ids == [5, 6, 7]  # uncached blocks first: no eviction
     assert bm.num_cached_tokens(probe_a) == 12
-    assert run(bm, seq(200, 4)).block_ids == [2]          # a's tail goes first
+    assert run(bm, seq(200, 4)).block_ids == [2]  # a's tail goes first
     assert (bm.num_cached_tokens(probe_a), bm.num_cached_tokens(probe_d)) == (8, 8)
-    assert run(bm, seq(300, 8)).block_ids == [1, 0]       # then a's head; d (freed later) survives
+    assert run(bm, seq(300, 8)).block_ids == [1, 0]  # then a's head; d (freed later) survives
     assert (bm.num_cached_tokens(probe_a), bm.num_cached_tokens(probe_d)) == (0, 8)
     assert bm.num_free_blocks == 2
 
@@ -76,10 +77,11 @@ def test_slot_mapping():
 
 # ---- prefix caching ----
 
+
 def test_shared_three_block_prefix():
     bm = make_manager()
     prefix = seq(0, 12)
-    a = run(bm, prefix + [1, 1, 1, 1, 1])     # 17 tokens -> [0, 1, 2, 3, 4]; 4 full blocks committed
+    a = run(bm, prefix + [1, 1, 1, 1, 1])  # 17 tokens -> [0, 1, 2, 3, 4]; 4 full blocks committed
     b_tokens = prefix + [2, 2, 2, 2, 2, 2]
     assert bm.num_cached_tokens(b_tokens) == 3 * BS
     b = BlockTable([])
@@ -96,14 +98,14 @@ def test_shared_three_block_prefix():
 def test_whole_prompt_cached_computes_last_block_and_keeps_duplicate_unregistered():
     bm = make_manager()
     tokens = seq(0, 12)
-    bm.free(run(bm, tokens))                  # blocks 0 1 2 cached; queue 3 4 5 6 7 2 1 0
+    bm.free(run(bm, tokens))  # blocks 0 1 2 cached; queue 3 4 5 6 7 2 1 0
     assert bm.num_cached_tokens(tokens) == 8  # not 12: the last token's logits are needed
     b = BlockTable([])
     assert bm.allocate(b, tokens, 12) == 8
-    assert b.block_ids == [0, 1, 3]           # 0 and 1 taken out of the queue's middle, 3 fresh
-    bm.commit(b, tokens, 12)                  # block 2 already holds this hash: 3 stays private
+    assert b.block_ids == [0, 1, 3]  # 0 and 1 taken out of the queue's middle, 3 fresh
+    bm.commit(b, tokens, 12)  # block 2 already holds this hash: 3 stays private
     assert b.num_committed_blocks == 3
-    bm.free(b)                                # queue 4 5 6 7 2 3 1 0
+    bm.free(b)  # queue 4 5 6 7 2 3 1 0
     c = BlockTable([])
     assert bm.allocate(c, tokens + [7], 13) == 12
     assert c.block_ids == [0, 1, 2, 4]
@@ -112,8 +114,8 @@ def test_whole_prompt_cached_computes_last_block_and_keeps_duplicate_unregistere
 def test_reused_free_block_is_taken_before_fresh_blocks_are_popped():
     bm = make_manager(num_blocks=3)
     a_tokens = seq(0, 5)
-    bm.free(run(bm, a_tokens))                # block 0 cached; queue 2 1 0
-    bm.free(run(bm, seq(50, 8)))              # takes 2 1; queue 0 1 2: cached block 0 at the front
+    bm.free(run(bm, a_tokens))  # block 0 cached; queue 2 1 0
+    bm.free(run(bm, seq(50, 8)))  # takes 2 1; queue 0 1 2: cached block 0 at the front
     b_tokens = a_tokens[:4] + [9, 9, 9, 9]
     assert bm.can_allocate(b_tokens, 8)
     b = BlockTable([])
@@ -125,11 +127,11 @@ def test_can_allocate_counts_reused_free_blocks():
     bm = make_manager()
     tokens = seq(0, 12)
     bm.free(run(bm, tokens))
-    run(bm, seq(100, 20))                     # 3..7; only the cached 2 1 0 are free
+    run(bm, seq(100, 20))  # 3..7; only the cached 2 1 0 are free
     assert bm.num_free_blocks == 3
     assert bm.num_cached_tokens(tokens + [5]) == 12
-    assert not bm.can_allocate(tokens + [5], 13)   # 3 reused + 1 fresh > 3 free
-    assert bm.can_allocate(tokens, 12)             # 2 reused + 1 fresh
+    assert not bm.can_allocate(tokens + [5], 13)  # 3 reused + 1 fresh > 3 free
+    assert bm.can_allocate(tokens, 12)  # 2 reused + 1 fresh
     with pytest.raises(OutOfBlocksError, match="can_allocate"):
         bm.allocate(BlockTable([]), tokens + [5], 13)
     assert bm.num_free_blocks == 3 and bm.num_cached_tokens(tokens + [5]) == 12  # nothing changed
@@ -139,7 +141,7 @@ def test_hash_is_chained_over_the_prefix():
     bm = make_manager()
     run(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert bm.num_cached_tokens([9, 9, 9, 9, 5, 6, 7, 8, 9]) == 0  # same 2nd block, other prefix
-    assert bm.num_cached_tokens([5, 6, 7, 8, 0]) == 0              # same block, other position
+    assert bm.num_cached_tokens([5, 6, 7, 8, 0]) == 0  # same block, other position
     assert bm.num_cached_tokens([1, 2, 3, 4, 0, 0, 0, 0, 0]) == 4
     assert bm.num_cached_tokens([1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
 
@@ -147,7 +149,7 @@ def test_hash_is_chained_over_the_prefix():
 def test_partial_blocks_are_not_cached_until_full():
     bm = make_manager()
     tokens = seq(0, 10)
-    t = run(bm, tokens, 6)                    # chunked prefill: 1 full block committed
+    t = run(bm, tokens, 6)  # chunked prefill: 1 full block committed
     assert (t.num_committed_blocks, bm.num_cached_tokens(tokens)) == (1, 4)
     bm.grow(t, 10)
     assert t.block_ids == [0, 1, 2]
@@ -171,27 +173,28 @@ def test_prefix_caching_off_never_hits():
 
 # ---- lifecycle ----
 
+
 def test_decode_grow_abort_and_preempt_return_every_block():
     bm = make_manager()
     tokens = seq(0, 6)
-    t = run(bm, tokens)                       # [0, 1]
-    for new in range(5):                      # decode: grow one position per step, then commit
+    t = run(bm, tokens)  # [0, 1]
+    for new in range(5):  # decode: grow one position per step, then commit
         tokens.append(100 + new)
         assert bm.can_grow(t, len(tokens))
         bm.grow(t, len(tokens))
         bm.commit(t, tokens, len(tokens))
     assert t.block_ids == [0, 1, 2] and t.num_committed_blocks == 2
-    bm.grow(t, len(tokens))                   # no-op when blocks already cover the positions
+    bm.grow(t, len(tokens))  # no-op when blocks already cover the positions
     assert t.block_ids == [0, 1, 2]
-    other = run(bm, seq(500, 20), 9)          # chunked prefill in flight ...
-    bm.free(other)                            # ... aborted
-    bm.free(t)                                # preempted (recompute) ...
+    other = run(bm, seq(500, 20), 9)  # chunked prefill in flight ...
+    bm.free(other)  # ... aborted
+    bm.free(t)  # preempted (recompute) ...
     assert bm.num_free_blocks == 8
     again = BlockTable([])
     assert bm.allocate(again, tokens, len(tokens)) == 8  # ... re-admitted: 2 blocks from cache
     assert again.block_ids[:2] == [0, 1]
     bm.free(again)
-    bm.free(again)                            # double free is a no-op on the cleared table
+    bm.free(again)  # double free is a no-op on the cleared table
     assert bm.num_free_blocks == 8
 
 
@@ -218,12 +221,12 @@ def test_misuse_raises_clear_errors():
 def test_check_catches_corruption():
     bm = make_manager()
     t = run(bm, seq(0, 9))
-    t.block_ids.pop()                          # a table is append-only
+    t.block_ids.pop()  # a table is append-only
     with pytest.raises(AssertionError, match="changed outside the manager"):
         bm.grow(t, 9)
     bm = make_manager()
     t = run(bm, seq(0, 9))
-    bm._ref_counts[7] = 1                      # noqa: SLF001 - a ref without a holder
+    bm._ref_counts[7] = 1  # noqa: SLF001 - a ref without a holder
     with pytest.raises(AssertionError, match="block 7: ref count 1 but 0 live tables"):
         bm.free(t)
 
@@ -231,8 +234,9 @@ def test_check_catches_corruption():
 # ---- random interleavings ----
 
 PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0]]
-PROMPTS = st.builds(lambda p, s: PREFIXES[p] + s, st.integers(0, len(PREFIXES) - 1),
-                    st.lists(st.integers(0, 2), max_size=9)).filter(bool)
+PROMPTS = st.builds(
+    lambda p, s: PREFIXES[p] + s, st.integers(0, len(PREFIXES) - 1), st.lists(st.integers(0, 2), max_size=9)
+).filter(bool)
 NUM_TABLES = 4
 
 

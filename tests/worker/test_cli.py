@@ -5,14 +5,18 @@ import sys
 
 import pytest
 
-from shared.intent import CacheDtype, PagedAttentionMode, PagedBackend
-from shared.spec import LayerPlacement
-from worker.cli import parse_args
+from kvpact.shared.intent import CacheDtype, PagedAttentionMode, PagedBackend
+from kvpact.shared.spec import LayerPlacement
+from kvpact.worker.cli import parse_args
 
 
 def test_help_shows_the_policy_flag_and_every_reason():
     result = subprocess.run(
-        [sys.executable, "-m", "worker", "--help"], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-m", "kvpact.worker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # argparse wraps lines

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpact.worker.kv.eager import EagerCache
+from kvpact.worker.request import SamplingParams
+from kvpact.worker.sequence import ScheduledChunk, Sequence
 from tests.factories.tiny_models import ContiguousAttention
-from worker.kv.eager import EagerCache
-from worker.request import SamplingParams
-from worker.sequence import ScheduledChunk, Sequence
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 

@@ -8,17 +8,17 @@ import time
 
 import pytest
 
-from shared.errors import RequestError
-from shared.handshake import WorkerLoad
-from tests.worker.conftest import collect, greedy, run_staggered
-from worker.engine import Engine
-from worker.request import (
+from kvpact.shared.errors import RequestError
+from kvpact.shared.handshake import WorkerLoad
+from kvpact.worker.engine import Engine
+from kvpact.worker.request import (
     EngineClosedError,
     FinishReason,
     GenerationError,
     GenerationRequest,
     SamplingParams,
 )
+from tests.worker.conftest import collect, greedy, run_staggered
 
 MODES = {"eager": dict(mode="off"), "paged": dict(mode="on", context_tokens=2048)}
 TEXT = "Hello, world! How are you today?"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from kvpact.worker.output_stream import OutputStream
+from kvpact.worker.request import FinishReason, SamplingParams
+from kvpact.worker.sequence import Sequence
+from kvpact.worker.tokenizer import Tokenizer
 from tests.factories.tiny_models import EOS_ID, tiny_tokenizer
-from worker.output_stream import OutputStream
-from worker.request import FinishReason, SamplingParams
-from worker.sequence import Sequence
-from worker.tokenizer import Tokenizer
 
 
 def stream(stop_token_ids=frozenset({EOS_ID}), max_tokens=10, stop=()) -> OutputStream:  # type: ignore[no-untyped-def]

@@ -10,7 +10,11 @@ import gguf
 import pytest
 import torch
 
-from shared.errors import ConfigError, ModelLoadError
+from kvpact.shared.errors import ConfigError, ModelLoadError
+from kvpact.worker.loader import estimate_weight_bytes, load_model, read_model_config, resolve_dtype
+from kvpact.worker.loader.cache import entry_dir
+from kvpact.worker.loader.gguf_reader import GGUFContents
+from kvpact.worker.loader.progress import Progress
 from tests.factories.tiny_models import (
     CHATML_TEMPLATE,
     ContiguousAttention,
@@ -21,10 +25,6 @@ from tests.factories.tiny_models import (
     tiny_hf_model,
     transformers_greedy,
 )
-from worker.loader import estimate_weight_bytes, load_model, read_model_config, resolve_dtype
-from worker.loader.cache import entry_dir
-from worker.loader.gguf_reader import GGUFContents
-from worker.loader.progress import Progress
 
 TEXTS = [
     "Hello, world! How are you? 12 + 34 = 46",

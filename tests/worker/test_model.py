@@ -7,7 +7,10 @@ the two differ only in matmul blocking: fused q/k/v and gate/up here). Greedy to
 import pytest
 import torch
 
-from shared.errors import ModelLoadError
+from kvpact.shared.errors import ModelLoadError
+from kvpact.worker.loader import load_model
+from kvpact.worker.model import ModelConfig, build_model
+from kvpact.worker.model.rope import rope_inv_freq
 from tests.factories.tiny_models import (
     ContiguousAttention,
     greedy_generate,
@@ -16,9 +19,6 @@ from tests.factories.tiny_models import (
     tiny_hf_model,
     transformers_greedy,
 )
-from worker.loader import load_model
-from worker.model import ModelConfig, build_model
-from worker.model.rope import rope_inv_freq
 
 LOGITS_ATOL = 1e-4
 PROMPTS = [[1, 317, 334, 81, 14, 378, 333, 3, 309, 250, 227, 223, 365], [5, 200, 17], [42] * 7 + [300, 301]]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from shared.intent import PagedBackend
+from kvpact import kernels
+from kvpact.shared.intent import PagedBackend
+from kvpact.worker.block_manager import BlockTable
+from kvpact.worker.kv.paged import PagedCache, paged_ops
+from kvpact.worker.request import SamplingParams
+from kvpact.worker.sequence import ScheduledChunk, Sequence
 from tests.factories.tiny_models import ContiguousAttention
 from tests.worker.conftest import greedy, run_staggered
-from worker.block_manager import BlockTable
-from worker.kv.paged import PagedCache, paged_ops
-from worker.request import SamplingParams
-from worker.sequence import ScheduledChunk, Sequence
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 4
 

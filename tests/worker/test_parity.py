@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpact.worker.engine import Engine
+from kvpact.worker.model_runner import StepResult
 from tests.factories.tiny_models import transformers_greedy
 from tests.worker.conftest import greedy, run_staggered
-from worker.engine import Engine
-from worker.model_runner import StepResult
 
 LOGITS_ATOL = 1e-3
 NEW_TOKENS = 32
@@ -115,7 +115,7 @@ def test_default_smollm2_eager_and_paged_match_transformers(make_engine):
     transformers reading the same GGUF file. ~20 s (more on the first run, which converts the GGUF)."""
     from transformers import AutoModelForCausalLM
 
-    from worker.loader import default_model_path
+    from kvpact.worker.loader import default_model_path
 
     engines = [make_engine("", mode, max_model_len=512) for mode in ("off", "on")]
     tokenizer = engines[0].tokenizer

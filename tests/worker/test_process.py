@@ -21,9 +21,10 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import structlog.testing
-from kvpact.v1 import cache_pb2, worker_pb2, worker_pb2_grpc
 
-from shared.handshake import WorkerLoad
+from kvpact.shared.handshake import WorkerLoad
+from kvpact.v1 import cache_pb2, worker_pb2, worker_pb2_grpc
+from kvpact.worker.registration import RouterLink
 from tests.factories.processes import (
     free_port,
     running,
@@ -34,7 +35,6 @@ from tests.factories.processes import (
     worker_argv,
 )
 from tests.factories.tiny_models import make_tiny_llama
-from worker.registration import RouterLink
 
 START_TIMEOUT_S = 60.0
 
@@ -328,6 +328,7 @@ def test_heartbeats_keep_going_while_the_router_is_unreachable_and_say_so_once()
 
     async def beat_for_a_while() -> None:
         link = RouterLink(router, worker_id="w", auth_token=None, timeout_s=0.2)
+
         async def reregister() -> None:
             raise AssertionError("no router answered, so nothing asked to register again")
 

@@ -1,4 +1,5 @@
-"""`make serve` (python -m deploy.local): a real router and a real worker as processes, on a tiny model."""
+"""`make serve` (python -m kvpact.deploy.local): a real router and a real worker as processes, on a tiny
+model."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import re
 import signal
 
 import pytest
-from kvpact.client import Client
 
+from kvpact.client import Client
 from tests.factories.processes import free_port, module_argv, running, stop, wait_for_exit, wait_for_line
 from tests.factories.tiny_models import make_tiny_llama
 
@@ -30,7 +31,9 @@ def alive(pid: int) -> bool:
 
 def test_serve_starts_both_prints_how_to_use_them_and_ctrl_c_stops_both(model_dir, tmp_path):
     port = free_port()
-    argv = module_argv("deploy.local", "--port", str(port), "--model", str(model_dir), "--paged-attn", "on")
+    argv = module_argv(
+        "kvpact.deploy.local", "--port", str(port), "--model", str(model_dir), "--paged-attn", "on"
+    )
     with running(argv, name="serve", log_dir=tmp_path) as serve:
         wait_for_line(serve, r"^Ctrl-C stops both\.$", START_TIMEOUT_S)
         out = serve.stdout()
@@ -52,7 +55,9 @@ def test_serve_starts_both_prints_how_to_use_them_and_ctrl_c_stops_both(model_di
 
 
 def test_serve_exits_non_zero_with_the_output_when_the_worker_cannot_start(tmp_path):
-    argv = module_argv("deploy.local", "--port", str(free_port()), "--model", str(tmp_path / "missing"))
+    argv = module_argv(
+        "kvpact.deploy.local", "--port", str(free_port()), "--model", str(tmp_path / "missing")
+    )
     with running(argv, name="serve", log_dir=tmp_path) as serve:
         assert wait_for_exit(serve, START_TIMEOUT_S) == 1, serve.output()
     err = serve.stderr()

@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from shared.errors import RequestError
-from worker.request import ChatMessage, GenerationRequest, SamplingParams
-from worker.sampling import SampleRow, make_generator, sample
+from kvpact.shared.errors import RequestError
+from kvpact.worker.request import ChatMessage, GenerationRequest, SamplingParams
+from kvpact.worker.sampling import SampleRow, make_generator, sample
 
 VOCAB = 8
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from worker.block_manager import BlockManager
-from worker.request import SamplingParams
-from worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
-from worker.sequence import Sequence, SequenceStatus
+from kvpact.worker.block_manager import BlockManager
+from kvpact.worker.request import SamplingParams
+from kvpact.worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
+from kvpact.worker.sequence import Sequence, SequenceStatus
 
 
 def seq(name: str, num_prompt: int, max_tokens: int = 100, first_token: int = 10) -> Sequence:

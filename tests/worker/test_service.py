@@ -9,14 +9,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
+from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvpact.worker.cli import parse_args
+from kvpact.worker.request import GenerationError, GenerationRequest, SamplingParams
+from kvpact.worker.service import WorkerServer, WorkerService
+from kvpact.worker.startup import build_engine
 from tests.factories.processes import started_worker, stop, wait_until
 from tests.factories.tiny_models import make_tiny_llama
-from worker.cli import parse_args
-from worker.request import GenerationError, GenerationRequest, SamplingParams
-from worker.service import WorkerServer, WorkerService
-from worker.startup import build_engine
 
 # Paged on CPU (torch backend), so the worker has blocks whose return we can check.
 MAX_MODEL_LEN = 4096

@@ -10,20 +10,20 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kvpact.v1 import cache_pb2
 
-from shared.capability import DeviceInfo
-from shared.errors import ConfigError, PagedAttentionRequiredError
-from shared.intent import PagedBackend
-from shared.scheduler_choice import CacheKind, SchedulerKind
-from shared.spec import LayerPlacement
+from kvpact.shared.capability import DeviceInfo
+from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
+from kvpact.shared.intent import PagedBackend
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.spec import LayerPlacement
+from kvpact.v1 import cache_pb2
+from kvpact.worker import startup
+from kvpact.worker.device import KERNEL_SUPPORT, DeviceProbe
+from kvpact.worker.kv import sizing
+from kvpact.worker.scheduler import DefaultScheduler, PagedScheduler
+from kvpact.worker.wire import capabilities_to_pb
 from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import greedy, worker_spec
-from worker import startup
-from worker.device import KERNEL_SUPPORT, DeviceProbe
-from worker.kv import sizing
-from worker.scheduler import DefaultScheduler, PagedScheduler
-from worker.wire import capabilities_to_pb
 
 GiB = 2**30
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x 2 layers x 2 kv heads x head_dim 16 x fp32

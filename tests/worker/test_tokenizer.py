@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.errors import ModelLoadError, RequestError
+from kvpact.shared.errors import ModelLoadError, RequestError
+from kvpact.worker.loader import default_model_path
+from kvpact.worker.loader.gguf_file import GGUFFile
+from kvpact.worker.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 from tests.factories.tiny_models import CHATML_TEMPLATE, make_tiny_llama, tiny_tokenizer
-from worker.loader import default_model_path
-from worker.loader.gguf_file import GGUFFile
-from worker.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import torch
 
-from shared.intent import CacheDtype, PagedBackend
-from shared.realized import RealizedCache
-from shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.intent import CacheDtype, PagedBackend
+from kvpact.shared.realized import RealizedCache
+from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.worker.block_manager import BlockManager
+from kvpact.worker.engine import Engine
+from kvpact.worker.kv.paged import PagedCache
+from kvpact.worker.loader import load_model
+from kvpact.worker.model_runner import ModelRunner
+from kvpact.worker.request import GenerationRequest, SamplingParams
+from kvpact.worker.scheduler import PagedScheduler
 from tests.factories.tiny_models import make_tiny_llama
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.kv.paged import PagedCache
-from worker.loader import load_model
-from worker.model_runner import ModelRunner
-from worker.request import GenerationRequest, SamplingParams
-from worker.scheduler import PagedScheduler
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN = 16, 16, 64
 PROMPTS = [tuple(range(3, 12)), tuple(range(40, 57)), (5,)]  # 9, 17 (a block + 1) and 1 token(s)
@@ -30,19 +30,40 @@ PROMPTS = [tuple(range(3, 12)), tuple(range(40, 57)), (5,)]  # 9, 17 (a block + 
 def engine_for(model_dir: Path, backend: PagedBackend) -> Engine:
     loaded = load_model(model_dir, device="cpu", dtype=torch.float32)
     cfg = loaded.config
-    cache = PagedCache(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32,
-                       torch.device("cpu"), backend)
+    cache = PagedCache(
+        cfg.num_layers,
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+        backend,
+    )
     realized = RealizedCache(
-        kind=CacheKind.PAGED, scheduler=SchedulerKind.PAGED, max_model_len=MAX_MODEL_LEN,
-        capacity_tokens=NUM_BLOCKS * BLOCK_SIZE, max_concurrency=NUM_BLOCKS * BLOCK_SIZE // MAX_MODEL_LEN,
-        num_blocks=NUM_BLOCKS, memory_bytes=cache.memory_bytes, cache_dtype=CacheDtype.FLOAT32,
-        backend=backend, block_size=BLOCK_SIZE, prefix_caching=True,
+        kind=CacheKind.PAGED,
+        scheduler=SchedulerKind.PAGED,
+        max_model_len=MAX_MODEL_LEN,
+        capacity_tokens=NUM_BLOCKS * BLOCK_SIZE,
+        max_concurrency=NUM_BLOCKS * BLOCK_SIZE // MAX_MODEL_LEN,
+        num_blocks=NUM_BLOCKS,
+        memory_bytes=cache.memory_bytes,
+        cache_dtype=CacheDtype.FLOAT32,
+        backend=backend,
+        block_size=BLOCK_SIZE,
+        prefix_caching=True,
     )
     # max_num_batched_tokens 8 forces chunked prefill, so the prefill kernel also extends a cached prefix.
     scheduler = PagedScheduler(BlockManager(NUM_BLOCKS, BLOCK_SIZE), max_num_seqs=4, max_num_batched_tokens=8)
-    return Engine(ModelRunner(loaded.model, cache, torch.device("cpu")), scheduler, loaded.tokenizer,
-                  realized=realized, model_name=loaded.name, max_model_len=MAX_MODEL_LEN,
-                  vocab_size=cfg.vocab_size)
+    return Engine(
+        ModelRunner(loaded.model, cache, torch.device("cpu")),
+        scheduler,
+        loaded.tokenizer,
+        realized=realized,
+        model_name=loaded.name,
+        max_model_len=MAX_MODEL_LEN,
+        vocab_size=cfg.vocab_size,
+    )
 
 
 def main() -> None:

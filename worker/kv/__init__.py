@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from shared.scheduler_choice import CacheKind
-from worker.attention import AttentionStep
-from worker.sequence import ScheduledChunk
+from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.worker.attention import AttentionStep
+from kvpact.worker.sequence import ScheduledChunk
 
 
 class KVCache(Protocol):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.scheduler_choice import CacheKind
-from worker.device import to_device
-from worker.sequence import ScheduledChunk
+from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.worker.device import to_device
+from kvpact.worker.sequence import ScheduledChunk
 
 
 class EagerCache:

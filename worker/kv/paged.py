@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from shared.intent import PagedBackend
-from shared.scheduler_choice import CacheKind
-from worker.device import to_device
-from worker.sequence import ScheduledChunk
+from kvpact import kernels
+from kvpact.shared.intent import PagedBackend
+from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.worker.device import to_device
+from kvpact.worker.sequence import ScheduledChunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +40,9 @@ def paged_ops(backend: PagedBackend) -> PagedOps:
             kernels.paged_prefill_attention_torch,
         )
     if backend is PagedBackend.TRITON:  # imports triton: only on a worker whose decision chose it
-        from kernels.cache_write import reshape_and_cache
-        from kernels.decode_attention import paged_decode_attention
-        from kernels.prefill_attention import paged_prefill_attention
+        from kvpact.kernels.cache_write import reshape_and_cache
+        from kvpact.kernels.decode_attention import paged_decode_attention
+        from kvpact.kernels.prefill_attention import paged_prefill_attention
 
         return PagedOps(reshape_and_cache, paged_decode_attention, paged_prefill_attention)
     raise ValueError(f"the paged cache needs a concrete backend (torch or triton), got {backend}")

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.errors import ConfigError
-from shared.intent import PagedAttentionConfig
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.intent import PagedAttentionConfig
 
 GiB = 2**30
 MiB = 2**20

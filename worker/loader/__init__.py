@@ -1,6 +1,6 @@
 """Model loading: Hugging Face directories and GGUF files -> (model, config, tokenizer). See load.py."""
 
-from worker.loader.load import (
+from kvpact.worker.loader.load import (
     DEFAULT_MODEL_FILE,
     LoadedModel,
     default_model_path,

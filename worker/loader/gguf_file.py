@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from shared.errors import ModelLoadError
-from worker.loader.gguf_reader import GGUFContents, GGUFFormatError
-from worker.loader.gguf_tokenizer import build_tokenizer
+from kvpact.shared.errors import ModelLoadError
+from kvpact.worker.loader.gguf_reader import GGUFContents, GGUFFormatError
+from kvpact.worker.loader.gguf_tokenizer import build_tokenizer
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

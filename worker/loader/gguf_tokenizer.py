@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from shared.errors import ModelLoadError
+from kvpact.shared.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
 

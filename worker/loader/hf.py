@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.errors import ModelLoadError
-from worker.model.config import ModelConfig
+from kvpact.shared.errors import ModelLoadError
+from kvpact.worker.model.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 

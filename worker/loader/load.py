@@ -23,13 +23,13 @@ import safetensors.torch
 import structlog
 import torch
 
-from shared.errors import ConfigError, ModelLoadError
-from worker.loader.cache import cache_root, entry_dir, write_atomically
-from worker.loader.gguf_file import GGUFFile
-from worker.loader.hf import iter_safetensors, read_hf_config, safetensors_files, safetensors_numel
-from worker.loader.progress import Progress
-from worker.model import LlamaForCausalLM, ModelConfig, build_model
-from worker.tokenizer import Tokenizer
+from kvpact.shared.errors import ConfigError, ModelLoadError
+from kvpact.worker.loader.cache import cache_root, entry_dir, write_atomically
+from kvpact.worker.loader.gguf_file import GGUFFile
+from kvpact.worker.loader.hf import iter_safetensors, read_hf_config, safetensors_files, safetensors_numel
+from kvpact.worker.loader.progress import Progress
+from kvpact.worker.model import LlamaForCausalLM, ModelConfig, build_model
+from kvpact.worker.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

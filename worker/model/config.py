@@ -2,7 +2,7 @@
 
 GGUF files are converted to the same dict first (worker/loader/gguf_file.py), so this is the one place
 a model's shape is read and checked. Parsing is cheap (no weights): the worker calls it through
-`worker.loader.read_model_config` to fail fast before loading anything.
+`kvpact.worker.loader.read_model_config` to fail fast before loading anything.
 
 Both config.json spellings are accepted: transformers 5 writes `rope_parameters` (theta + scaling in
 one dict), older files write `rope_theta` and `rope_scaling`.
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import ModelLoadError
+from kvpact.shared.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.errors import ModelLoadError
-from worker.model.config import ModelConfig
-from worker.model.layers import RMSNorm, SwiGLU
-from worker.model.rope import RotaryEmbedding, apply_rotary
+from kvpact.shared.errors import ModelLoadError
+from kvpact.worker.model.config import ModelConfig
+from kvpact.worker.model.layers import RMSNorm, SwiGLU
+from kvpact.worker.model.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
-    from worker.attention import AttentionStep
+    from kvpact.worker.attention import AttentionStep
 
 
 class LlamaAttention(nn.Module):

@@ -10,9 +10,9 @@ prefix cache often still holds its committed blocks, so little is actually recom
 
 from __future__ import annotations
 
-from worker.block_manager import BlockManager, BlockTable
-from worker.scheduler.base import Scheduler, SchedulerOutput
-from worker.sequence import ScheduledChunk, Sequence, SequenceStatus
+from kvpact.worker.block_manager import BlockManager, BlockTable
+from kvpact.worker.scheduler.base import Scheduler, SchedulerOutput
+from kvpact.worker.sequence import ScheduledChunk, Sequence, SequenceStatus
 
 
 class PagedScheduler(Scheduler):

@@ -2,9 +2,9 @@
 helpers the step loop uses on generated text — `IncrementalDetokenizer` (never splits a UTF-8
 character) and `StopMatcher` (stop strings across token boundaries)."""
 
-from worker.tokenizer.chat_template import ChatTemplate
-from worker.tokenizer.detokenizer import IncrementalDetokenizer
-from worker.tokenizer.stop import StopMatcher
-from worker.tokenizer.tokenizer import Tokenizer
+from kvpact.worker.tokenizer.chat_template import ChatTemplate
+from kvpact.worker.tokenizer.detokenizer import IncrementalDetokenizer
+from kvpact.worker.tokenizer.stop import StopMatcher
+from kvpact.worker.tokenizer.tokenizer import Tokenizer
 
 __all__ = ["ChatTemplate", "IncrementalDetokenizer", "StopMatcher", "Tokenizer"]

@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from shared.errors import ModelLoadError, RequestError
+from kvpact.shared.errors import ModelLoadError, RequestError
 
 
 def _raise_exception(message: str) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import tokenizers
 
-from worker.tokenizer.tokenizer import Tokenizer
+from kvpact.worker.tokenizer.tokenizer import Tokenizer
 
 # Prompt tokens kept as decoding context for the first generated tokens.
 PROMPT_CONTEXT_TOKENS = 5

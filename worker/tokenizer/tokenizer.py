@@ -14,8 +14,8 @@ from typing import Any
 
 import tokenizers
 
-from shared.errors import ModelLoadError, RequestError
-from worker.tokenizer.chat_template import ChatTemplate
+from kvpact.shared.errors import ModelLoadError, RequestError
+from kvpact.worker.tokenizer.chat_template import ChatTemplate
 
 
 class Tokenizer:
