@@ -56,6 +56,8 @@ class _WorkerStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerSta
     """missed its heartbeats"""
     WORKER_STATE_LOADING: _WorkerState.ValueType  # 5
     """announced a plan that meets the policy; still loading its weights"""
+    WORKER_STATE_DRAINING: _WorkerState.ValueType  # 6
+    """stopping (SIGTERM): gets no new requests; its in-flight ones finish"""
 
 class WorkerState(_WorkerState, metaclass=_WorkerStateEnumTypeWrapper): ...
 
@@ -69,6 +71,8 @@ WORKER_STATE_DEAD: WorkerState.ValueType  # 4
 """missed its heartbeats"""
 WORKER_STATE_LOADING: WorkerState.ValueType  # 5
 """announced a plan that meets the policy; still loading its weights"""
+WORKER_STATE_DRAINING: WorkerState.ValueType  # 6
+"""stopping (SIGTERM): gets no new requests; its in-flight ones finish"""
 Global___WorkerState: _TypeAlias = WorkerState  # noqa: Y015
 
 @_typing.final

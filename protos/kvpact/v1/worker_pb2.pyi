@@ -303,12 +303,15 @@ class Admission(_message.Message):
     CLUSTER_POLICY_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     PENDING_FIELD_NUMBER: _builtins.int
+    REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     admitted: _builtins.bool
     reason: _builtins.str
     cluster_policy: _cache_pb2.PagedAttentionMode.ValueType
     heartbeat_interval_ms: _builtins.int
     pending: _builtins.bool
     """(to `loading`) the plan meets the policy; register again with `ready` when loaded"""
+    registration_id: _builtins.str
+    """names this registration; the worker's heartbeats carry it back"""
     def __init__(
         self,
         *,
@@ -317,10 +320,11 @@ class Admission(_message.Message):
         cluster_policy: _cache_pb2.PagedAttentionMode.ValueType = ...,
         heartbeat_interval_ms: _builtins.int = ...,
         pending: _builtins.bool = ...,
+        registration_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "cluster_policy", b"cluster_policy", "heartbeat_interval_ms", b"heartbeat_interval_ms", "pending", b"pending", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "cluster_policy", b"cluster_policy", "heartbeat_interval_ms", b"heartbeat_interval_ms", "pending", b"pending", "reason", b"reason", "registration_id", b"registration_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -370,8 +374,14 @@ class HeartbeatRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     AUTH_TOKEN_FIELD_NUMBER: _builtins.int
+    REGISTRATION_ID_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     auth_token: _builtins.str
+    registration_id: _builtins.str
+    """from its Admission: a beat for another registration of the id is unknown"""
+    draining: _builtins.bool
+    """stopping: route nothing new to it; its in-flight requests finish"""
     @_builtins.property
     def load(self) -> Global___WorkerLoad: ...
     def __init__(
@@ -380,10 +390,12 @@ class HeartbeatRequest(_message.Message):
         worker_id: _builtins.str = ...,
         load: Global___WorkerLoad | None = ...,
         auth_token: _builtins.str = ...,
+        registration_id: _builtins.str = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_token", b"auth_token", "load", b"load", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_token", b"auth_token", "draining", b"draining", "load", b"load", "registration_id", b"registration_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -395,23 +407,77 @@ class HeartbeatReply(_message.Message):
 
     KNOWN_FIELD_NUMBER: _builtins.int
     SHUTDOWN_FIELD_NUMBER: _builtins.int
+    ROUTER_STOPPING_FIELD_NUMBER: _builtins.int
     known: _builtins.bool
-    """false: the router does not know this worker (it should register again)"""
+    """false: the router does not know this registration (it should register again)"""
     shutdown: _builtins.bool
     """true: the router asks the worker to stop"""
+    router_stopping: _builtins.bool
+    """the router is shutting down: register again when a router answers"""
     def __init__(
         self,
         *,
         known: _builtins.bool = ...,
         shutdown: _builtins.bool = ...,
+        router_stopping: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "shutdown", b"shutdown"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "router_stopping", b"router_stopping", "shutdown", b"shutdown"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatReply: _TypeAlias = HeartbeatReply  # noqa: Y015
+
+@_typing.final
+class DeregisterRequest(_message.Message):
+    """A draining worker leaving the cluster (its in-flight requests are done, or its grace ran out)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    REGISTRATION_ID_FIELD_NUMBER: _builtins.int
+    AUTH_TOKEN_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    registration_id: _builtins.str
+    auth_token: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        registration_id: _builtins.str = ...,
+        auth_token: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_token", b"auth_token", "reason", b"reason", "registration_id", b"registration_id", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterRequest: _TypeAlias = DeregisterRequest  # noqa: Y015
+
+@_typing.final
+class DeregisterReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KNOWN_FIELD_NUMBER: _builtins.int
+    known: _builtins.bool
+    """false: the router had no such registration (nothing to remove)"""
+    def __init__(
+        self,
+        *,
+        known: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterReply: _TypeAlias = DeregisterReply  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):

@@ -250,6 +250,11 @@ class RegistryStub:
                 request_serializer=kvpact_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvpact_dot_v1_dot_worker__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/kvpact.v1.Registry/Deregister',
+                request_serializer=kvpact_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=kvpact_dot_v1_dot_worker__pb2.DeregisterReply.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -268,6 +273,12 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -280,6 +291,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvpact_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvpact_dot_v1_dot_worker__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=kvpact_dot_v1_dot_worker__pb2.DeregisterRequest.FromString,
+                    response_serializer=kvpact_dot_v1_dot_worker__pb2.DeregisterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -337,6 +353,33 @@ class Registry:
             '/kvpact.v1.Registry/Heartbeat',
             kvpact_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
             kvpact_dot_v1_dot_worker__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpact.v1.Registry/Deregister',
+            kvpact_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
+            kvpact_dot_v1_dot_worker__pb2.DeregisterReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -91,6 +91,7 @@ class RegistryStub:
     def __new__(cls, channel: _aio.Channel) -> RegistryAsyncStub: ...
     Register: _grpc.UnaryUnaryMultiCallable[_worker_pb2.Handshake, _worker_pb2.Admission]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_worker_pb2.HeartbeatRequest, _worker_pb2.HeartbeatReply]
+    Deregister: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DeregisterRequest, _worker_pb2.DeregisterReply]
 
 @_typing.type_check_only
 class RegistryAsyncStub(RegistryStub):
@@ -99,6 +100,7 @@ class RegistryAsyncStub(RegistryStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Register: _aio.UnaryUnaryMultiCallable[_worker_pb2.Handshake, _worker_pb2.Admission]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_worker_pb2.HeartbeatRequest, _worker_pb2.HeartbeatReply]  # type: ignore[assignment]
+    Deregister: _aio.UnaryUnaryMultiCallable[_worker_pb2.DeregisterRequest, _worker_pb2.DeregisterReply]  # type: ignore[assignment]
 
 class RegistryServicer(metaclass=_abc_1.ABCMeta):
     """Served by the router; called by workers."""
@@ -116,5 +118,12 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.HeartbeatReply, _abc.Awaitable[_worker_pb2.HeartbeatReply]]: ...
+
+    @_abc_1.abstractmethod
+    def Deregister(
+        self,
+        request: _worker_pb2.DeregisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.DeregisterReply, _abc.Awaitable[_worker_pb2.DeregisterReply]]: ...
 
 def add_RegistryServicer_to_server(servicer: RegistryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
