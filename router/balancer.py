@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvpact.router.errors import InvalidRequest, NoLiveWorker, UnknownModel
 from kvpact.router.registry import Registry, WorkerEntry
+from kvpact.shared.limits import excerpt
 
 
 def choose(candidates: list[WorkerEntry]) -> WorkerEntry | None:
@@ -31,10 +32,12 @@ def resolve_model(registry: Registry, requested: str) -> tuple[str, list[WorkerE
             raise NoLiveWorker("no worker is serving any model")
         requested = next(iter(models))
     if requested not in models:
-        raise UnknownModel(f"model {requested!r} is not served here; served models: {served}")
+        raise UnknownModel(f"model {excerpt(requested)} is not served here; served models: {served}")
     workers = models[requested]
     if not workers:
-        raise NoLiveWorker(f"no live worker serves model {requested!r} (its workers missed their heartbeats)")
+        raise NoLiveWorker(
+            f"no live worker serves model {excerpt(requested)} (its workers missed their heartbeats)"
+        )
     return requested, workers
 
 

@@ -11,12 +11,10 @@ import asyncio
 import grpc
 
 from kvpact.router.registry import WorkerEntry, WorkerState
+from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 64 * 2**20),
-]
+CHANNEL_OPTIONS = GRPC_MESSAGE_OPTIONS  # as the router's and the workers' servers (shared/limits.py)
 
 
 class WorkerChannels:

@@ -18,6 +18,7 @@ from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry_service import RegistryService
 from kvpact.router.service import GenerationService
 from kvpact.shared.errors import BindError
+from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("router")
@@ -37,7 +38,9 @@ class RouterServer:
         self.cluster = Cluster(config, report_stream=report_stream)
         self.metrics = RouterMetrics(self.cluster.registry, self.cluster.startup)
         # No grpc.max_concurrent_streams: a cap stalls client streams past it (see router/connections.py).
-        self._server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0)])
+        self._server = grpc.aio.server(
+            interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0), *GRPC_MESSAGE_OPTIONS]
+        )
         router_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(self.cluster, self.metrics), self._server
         )

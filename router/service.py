@@ -23,6 +23,7 @@ from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
 from kvpact.router.startup import ClusterState
 from kvpact.router.status import cluster_status_to_pb
+from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger("router.generation")
@@ -88,6 +89,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
 
     def _route(self, request: generation_pb2.GenerateRequest) -> WorkerEntry:
         self._check_serving()
+        check_request_limits(request)  # before the request is routed, logged or echoed
         if not request.model:
             request.model, _ = resolve_model(self.cluster.registry, "")
         if not request.request_id:

@@ -3,6 +3,7 @@
     caller (asyncio or plain thread)                 step thread
     --------------------------------                 -----------
     generate(request): validate, tokenize  --add-->  queue -> scheduler.add
+      (tokenize in a prepare thread)
     abort(request_id)                      --abort-> queue -> scheduler.finish (frees its cache)
     <-- GenerationOutput pieces (call_soon_threadsafe) --  schedule -> run model -> sample -> stream
 
@@ -22,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -29,6 +31,7 @@ import torch
 
 from kvpact.shared.errors import RequestError
 from kvpact.shared.handshake import WorkerLoad
+from kvpact.shared.limits import excerpt
 from kvpact.shared.realized import RealizedCache
 from kvpact.worker.device import bind_thread
 from kvpact.worker.model_runner import ModelRunner
@@ -49,6 +52,7 @@ from kvpact.worker.tokenizer import Tokenizer
 DEFAULT_MAX_TOKENS = 256
 CLOSE_TIMEOUT_S = 30.0
 TPS_WINDOW_S = 5.0
+PREPARE_THREADS = 2  # prompts rendered and tokenized at once (the tokenizer is native code)
 
 
 class Engine:
@@ -82,6 +86,8 @@ class Engine:
         self._counts = (0, 0)  # (running, waiting) after the last step
         # Called from the step thread, once, if the engine stops on an internal error (the worker exits).
         self.on_fatal: Callable[[str], None] | None = None
+        # Renders and tokenizes prompts for generate(), off the caller's event loop.
+        self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="kvpact-prepare")
         self._thread = threading.Thread(target=self._loop, name="kvpact-engine", daemon=True)
         self._thread.start()
 
@@ -100,7 +106,15 @@ class Engine:
             except RuntimeError:  # the caller's event loop is gone: nobody is listening
                 self.abort(request.request_id)
 
-        self.submit(request, sink)
+        # Rendering and tokenizing run in a thread: a large prompt must not stall the worker's event
+        # loop (heartbeats, Stats, every other stream).
+        try:
+            prepared = await loop.run_in_executor(self._preparer, self._prepare, request)
+        except RuntimeError as exc:  # the preparer was shut down: the engine is closing
+            if not self._closed.is_set():
+                raise
+            raise EngineClosedError("the engine is closed") from exc
+        self._enqueue(request, prepared, sink)
         finished = False
         try:
             while not finished:
@@ -117,7 +131,10 @@ class Engine:
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Validate and tokenize in the calling thread, then queue. `sink` is called from the step
         thread with each piece, or once with an exception."""
-        prompt_ids, max_tokens = self._prepare(request)
+        self._enqueue(request, self._prepare(request), sink)
+
+    def _enqueue(self, request: GenerationRequest, prepared: tuple[list[int], int], sink: Sink) -> None:
+        prompt_ids, max_tokens = prepared
         eos = frozenset() if request.ignore_eos else self.tokenizer.eos_token_ids
         seq = Sequence.create(
             seq_id=next(self._seq_ids),
@@ -134,7 +151,7 @@ class Engine:
                 raise EngineClosedError("the engine is closed")
             if request.request_id in self._live:
                 raise RequestError(
-                    f"request_id {request.request_id!r} is already in flight; send a new request_id "
+                    f"request_id {excerpt(request.request_id)} is already in flight; send a new request_id "
                     "(or none: the server assigns one)"
                 )
             self._live.add(request.request_id)
@@ -172,6 +189,7 @@ class Engine:
                 return
             self._closed.set()
         self._commands.put(("wake", None))
+        self._preparer.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=CLOSE_TIMEOUT_S)
         if self._thread.is_alive():
             self.log.warning("engine step thread did not stop in time", timeout_s=CLOSE_TIMEOUT_S)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvpact.shared.errors import KvpactError, RequestError
+from kvpact.shared.limits import excerpt
 
 MAX_SEED = 2**64 - 1
 
@@ -88,7 +89,7 @@ class GenerationRequest:
         for i, message in enumerate(self.prompt if isinstance(self.prompt, tuple) else ()):
             if isinstance(message, ChatMessage) and message.role not in CHAT_ROLES:
                 raise RequestError(
-                    f"chat message {i} has role {message.role!r}; use one of {', '.join(CHAT_ROLES)}"
+                    f"chat message {i} has role {excerpt(message.role)}; use one of {', '.join(CHAT_ROLES)}"
                 )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpact.shared.errors import BindError, KvpactError, RequestError
+from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS, check_request_limits, excerpt
 from kvpact.shared.wire import load_to_pb
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from kvpact.worker.interceptors import ErrorInterceptor, LogContextInterceptor
@@ -72,10 +73,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        check_request_limits(request)  # before anything reads, renders or tokenizes the request
         engine = self._ready()
         if request.model and request.model != self._model_name:
             raise ModelNotServedError(
-                f"model {request.model!r} is not served here; this worker serves {self._model_name!r}"
+                f"model {excerpt(request.model)} is not served here; this worker serves {self._model_name!r}"
             )
         request_id = request.request_id or uuid.uuid4().hex
         with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -110,6 +112,7 @@ class WorkerServer:
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
             interceptors=[LogContextInterceptor(service.worker_id), ErrorInterceptor(STATUS_FOR_ERROR)],
+            options=GRPC_MESSAGE_OPTIONS,  # deliberate, and documented in shared/limits.py
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -72,6 +72,22 @@ CASES: list[tuple[str, Callable[[Client], object], grpc.StatusCode, str]] = [
     ("chat, unknown role", lambda c: c.chat([*USER, {"role": "wizard", "content": "x"}]), INVALID,
      "chat message 1 has role 'wizard'; use one of system, user, assistant"),
     ("chat, no messages", lambda c: c.chat([]), INVALID, "send at least one chat message"),
+    # Hostile but well-formed: each field over its documented cap (shared/limits.py), refused before any
+    # rendering or tokenizing, the error quoting only a short prefix of the value.
+    ("request_id of 3 MB", lambda c: c.complete("hi", request_id="r" * 3_000_000), INVALID,
+     "request_id has 3000000 characters, more than the cap of 128: 'rrrr"),
+    ("model name of 3 MB", lambda c: c.complete("hi", model="m" * 3_000_000), INVALID,
+     "model has 3000000 characters, more than the cap of 256"),
+    ("a stop string of 128,000 characters", lambda c: c.complete("hi", stop=["x" * 128_000]), INVALID,
+     "stop string 0 has 128000 characters, more than the cap of 256"),
+    ("17 stop strings", lambda c: c.complete("hi", stop=[f"s{i}" for i in range(17)]), INVALID,
+     "stop has 17 strings, more than the cap of 16"),
+    ("330,000 tiny chat messages", lambda c: c.chat([{"role": "user", "content": "x"}] * 330_000), INVALID,
+     "the chat has 330000 messages, more than the cap of 1024"),
+    ("a prompt of 2 MB", lambda c: c.complete("y" * 2_000_000), INVALID,
+     "the prompt is 2000000 bytes of text, more than the cap of 1048576 bytes"),
+    ("a message over gRPC's 4 MiB limit", lambda c: c.complete("z" * 5_000_000),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
     ("deadline 1 ms", lambda c: c.complete("hi", max_tokens=64, timeout=0.001), DEADLINE, "Deadline"),
     ("deadline mid-generation", lambda c: c.complete("hi", max_tokens=LONG, ignore_eos=True, timeout=0.2),
      DEADLINE, "Deadline"),
@@ -83,7 +99,7 @@ def test_bad_input_gets_a_specific_status_and_says_what_was_wrong(cluster, call,
     with Client(cluster.address, timeout=30) as client, pytest.raises(KvpactRpcError) as exc:
         call(client)
     assert (exc.value.code, phrase in exc.value.details) == (code, True), exc.value.details
-    assert "Traceback" not in exc.value.details
+    assert "Traceback" not in exc.value.details and len(exc.value.details) < 400
     wait_all_blocks_free(cluster.worker_address)
 
 
@@ -119,4 +135,41 @@ def test_many_more_requests_than_sequences_queue_and_all_finish(cluster):
         return [r.usage.completion_tokens for r in replies if r.usage is not None]
 
     assert asyncio.run(run()) == [8] * (8 * MAX_NUM_SEQS)
+    wait_all_blocks_free(cluster.worker_address)
+
+
+def test_a_large_prompt_being_tokenized_does_not_starve_the_workers_event_loop(cluster):
+    """Rendering and tokenizing run off the worker's event loop: while a chat of 1024 messages (just
+    under the prompt cap) is rendered and tokenized, Stats (what heartbeats carry too) answers at once,
+    and a normal request is served afterwards."""
+    import threading
+    import time
+
+    from kvpact.v1 import worker_pb2, worker_pb2_grpc
+
+    big = [{"role": "user", "content": "lorem ipsum dolor " * 56}] * 1024  # ~1 MB of text
+    done: list[BaseException] = []
+
+    def hostile() -> None:
+        with Client(cluster.address, timeout=60) as client:
+            try:
+                client.chat(big, max_tokens=1)
+            except KvpactRpcError as exc:
+                done.append(exc)
+
+    thread = threading.Thread(target=hostile)
+    thread.start()
+    latencies = []
+    with grpc.insecure_channel(cluster.worker_address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        while thread.is_alive() and len(latencies) < 200:
+            started = time.monotonic()
+            stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.02)
+    thread.join(60)
+    assert done and done[0].code is INVALID and "max_model_len" in done[0].details  # too many tokens
+    assert max(latencies) < 0.5, sorted(latencies)[-5:]  # tokenizing it alone takes ~1 s here
+    with Client(cluster.address, timeout=30) as client:
+        assert client.complete("hi", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
     wait_all_blocks_free(cluster.worker_address)

@@ -1,6 +1,8 @@
 """worker.tokenizer: chat templates (equal to transformers'), UTF-8-safe incremental detokenization,
 and stop strings across token boundaries."""
 
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -234,3 +236,22 @@ def test_stop_matcher_equals_searching_the_whole_text(text, stops, cuts):
         assert (emitted, matched) == (text[:index], stop)
     else:
         assert (emitted, matched) == (text, None)
+
+
+def test_stop_matching_is_linear_in_the_stop_strings_and_the_text():
+    """A 128,000-character stop string once cost every one of its prefixes in memory (GBs) and a scan
+    of them per piece; the automaton costs one table of its length and O(1) per character."""
+    stop = "a" * 127_999 + "b"
+    started = time.monotonic()
+    m = StopMatcher([stop])
+    emitted = "".join(m.feed("a" * 50)[0] for _ in range(400))  # 20,000 characters, all held back
+    assert emitted == "" and m.matched is None
+    assert m.feed("zz") == ("a" * 20_000 + "zz", None)  # no longer a prefix: released
+    assert time.monotonic() - started < 2.0
+
+
+def test_stop_matcher_handles_overlapping_prefixes():
+    m = StopMatcher(["aab"])
+    assert m.feed("aa") == ("", None)
+    assert m.feed("a") == ("a", None)  # "aaa": the tail "aa" may still begin "aab"
+    assert m.feed("b!") == ("", "aab")
