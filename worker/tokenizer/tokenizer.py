@@ -77,8 +77,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS).
+        Through `encode_batch`, which releases the GIL while the Rust side works (`encode` holds it: a
+        1 MB prompt stalled every other thread, the worker's event loop included, for a second)."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
