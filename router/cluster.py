@@ -203,6 +203,7 @@ class Cluster:
             realized=realized,
             failure=wire.failure_from_pb(hs.failed) if outcome == "failed" else None,
             plan=plan,
+            metrics_address=hs.metrics_address,
             state=WorkerState.REFUSED,
             state_reason="",
             last_heartbeat=self.clock(),

@@ -45,6 +45,7 @@ class WorkerEntry:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     num_outstanding: int = 0  # requests the router is forwarding to it right now
     plan: LoadingPlan | None = None  # the pre-load plan it announced (Handshake.loading)
+    metrics_address: str = ""  # where its Prometheus /metrics is served (Handshake.metrics_address)
 
     @property
     def serving(self) -> bool:

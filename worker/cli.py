@@ -161,6 +161,12 @@ def epilog() -> str:
     return "\n".join(lines)
 
 
+def _port_or_zero(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535] (0 = a free one), got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="worker",
@@ -271,6 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-id", default=None, help="this worker's name in the cluster (default HOSTNAME-PID)"
     )
     serving.add_argument("--auth-token-file", default=None, help="file holding the router's shared secret")
+    serving.add_argument(
+        "--metrics-port",
+        type=_port_or_zero,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics (kvpact_worker_*) at http://HOST:PORT/metrics on the --listen host "
+        "(0 = a free port, printed at startup; default: off)",
+    )
     add_log_args(parser)
     return parser
 
@@ -318,6 +332,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
         auth_token_file=args.auth_token_file,
         log_format=args.log_format,
         log_level=args.log_level,
+        metrics_port=args.metrics_port,
     )
 
 

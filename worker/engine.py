@@ -34,6 +34,7 @@ from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.limits import excerpt
 from kvpact.shared.realized import RealizedCache
 from kvpact.worker.device import bind_thread
+from kvpact.worker.engine_observer import EngineObserver, FinishedRequest
 from kvpact.worker.model_runner import ModelRunner
 from kvpact.worker.output_stream import OutputStream, Sink
 from kvpact.worker.request import (
@@ -67,6 +68,7 @@ class Engine:
         max_model_len: int,
         vocab_size: int,
         log: Any = None,
+        observer: EngineObserver | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -76,6 +78,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.log = log or structlog.get_logger("worker.engine")
+        self.observer = observer  # per-request events (worker/metrics.py); set before the first request
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # step thread only
         self._live: set[str] = set()  # request ids queued or running; guarded by _lock
@@ -109,12 +112,16 @@ class Engine:
         # Rendering and tokenizing run in a thread: a large prompt must not stall the worker's event
         # loop (heartbeats, Stats, every other stream).
         try:
-            prepared = await loop.run_in_executor(self._preparer, self._prepare, request)
-        except RuntimeError as exc:  # the preparer was shut down: the engine is closing
-            if not self._closed.is_set():
-                raise
-            raise EngineClosedError("the engine is closed") from exc
-        self._enqueue(request, prepared, sink)
+            try:
+                prepared = await loop.run_in_executor(self._preparer, self._prepare, request)
+            except RuntimeError as exc:  # the preparer was shut down: the engine is closing
+                if not self._closed.is_set():
+                    raise
+                raise EngineClosedError("the engine is closed") from exc
+            self._enqueue(request, prepared, sink)
+        except (RequestError, EngineClosedError):
+            self._rejected()
+            raise
         finished = False
         try:
             while not finished:
@@ -131,7 +138,15 @@ class Engine:
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Validate and tokenize in the calling thread, then queue. `sink` is called from the step
         thread with each piece, or once with an exception."""
-        self._enqueue(request, self._prepare(request), sink)
+        try:
+            self._enqueue(request, self._prepare(request), sink)
+        except (RequestError, EngineClosedError):
+            self._rejected()
+            raise
+
+    def _rejected(self) -> None:
+        if self.observer is not None:
+            self.observer.request_rejected()
 
     def _enqueue(self, request: GenerationRequest, prepared: tuple[list[int], int], sink: Sink) -> None:
         prompt_ids, max_tokens = prepared
@@ -323,6 +338,7 @@ class Engine:
         if stream is None:
             return  # it finished meanwhile
         self._end(stream)
+        self._observe_finish(stream, FinishReason.ABORT.value, time.monotonic())
         stream.finish_early(FinishReason.ABORT)
 
     def _step(self) -> None:
@@ -332,6 +348,12 @@ class Engine:
                 f"the scheduler found nothing to run with {len(self.scheduler.waiting)} waiting and "
                 f"{len(self.scheduler.running)} running"
             )
+        if self.observer is not None:
+            scheduled_at = time.monotonic()
+            for chunk in out.chunks:
+                stream = self._streams[chunk.seq.request_id]
+                if stream.scheduled_s is None:
+                    stream.scheduled_s = scheduled_at
         try:
             result = self.runner.run(out.chunks)
         except Exception as e:
@@ -341,6 +363,7 @@ class Engine:
         self.scheduler.on_step_done(out)
         with self._lock:  # before any piece goes out: whoever saw a piece sees at least this step's counts
             self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))
+        now = time.monotonic()
         for seq, token_id, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
             stream = self._streams[seq.request_id]
             try:
@@ -349,10 +372,12 @@ class Engine:
                 self.log.exception("output processing failed", request_id=seq.request_id)
                 self._fail([stream], e)
                 continue
+            if self.observer is not None:
+                self._observe_token(stream, now)
             if piece.finish_reason is not None:
                 self._end(stream)
+                self._observe_finish(stream, piece.finish_reason.value, now)
             stream.sink(piece)
-        now = time.monotonic()
         with self._lock:
             self._generated.append((now, len(result.seqs)))
             while self._generated and now - self._generated[0][0] > TPS_WINDOW_S:
@@ -372,9 +397,34 @@ class Engine:
             except Exception:  # noqa: BLE001 - the scheduler may be the broken part; still fail the stream
                 self._streams.pop(stream.seq.request_id, None)
                 self._release_id(stream.seq.request_id)
+            self._observe_finish(stream, "error", time.monotonic())
             if not isinstance(error, GenerationError):
                 error = GenerationError(f"generation failed: {type(error).__name__}: {error}")
             stream.fail(error)
+
+    def _observe_token(self, stream: OutputStream, now: float) -> None:
+        assert self.observer is not None
+        if stream.last_token_s is None:
+            self.observer.first_token(now - stream.arrival_s)
+        else:
+            self.observer.next_token(now - stream.last_token_s)
+        stream.last_token_s = now
+
+    def _observe_finish(self, stream: OutputStream, outcome: str, now: float) -> None:
+        if self.observer is None:
+            return
+        seq = stream.seq
+        queued = None if stream.scheduled_s is None else stream.scheduled_s - stream.arrival_s
+        self.observer.request_finished(
+            FinishedRequest(
+                outcome=outcome,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_generated_tokens=seq.num_output_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                queued_s=queued,
+                duration_s=now - stream.arrival_s,
+            )
+        )
 
     def _release_id(self, request_id: str) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ whatever text was still held, the finish reason and the usage.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from kvpact.worker.request import FinishReason, GenerationOutput, Usage
@@ -24,6 +25,10 @@ class OutputStream:
         self.sink = sink
         self._detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.num_prompt_tokens])
         self._stop = StopMatcher(stop)
+        # time.monotonic() seconds, for the engine's observer (queue time, TTFT, inter-token latency)
+        self.arrival_s = time.monotonic()
+        self.scheduled_s: float | None = None
+        self.last_token_s: float | None = None
 
     def on_token(self, token_id: int, logprob: float | None) -> GenerationOutput:
         """Append a sampled token and return its piece (not yet emitted). A piece with a finish_reason

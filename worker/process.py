@@ -6,9 +6,12 @@
     -> with --router: Handshake{loading=plan} (one attempt, ANNOUNCE_TIMEOUT_S): refused -> exit 78 before a
        weight is read; pending, or no answer -> go on (a Shutdown while loading stops it with 0)
     -> load the model, build the KV cache, choose the scheduler (in a thread; health answers meanwhile)
-    -> health SERVING, print the realized cache table
+    -> print the realized cache table; Worker calls are answered from here on
     -> with --router: Handshake{ready} -> Admission, then heartbeats until asked to stop
+    -> health SERVING once admitted (standalone: once loaded); NOT_SERVING as soon as the engine loop stops
     -> stop: health NOT_SERVING, in-flight calls get STOP_GRACE_S, the engine is closed
+With --metrics-port, /metrics is served from the start (worker/metrics.py) and its address goes into
+every Handshake.
 
 A startup that fails prints one line on stderr (no stack trace), reports Handshake{failed} to the
 router when there is one (retrying for up to --router-timeout if the router is not up yet), and
@@ -53,6 +56,7 @@ from kvpact.v1 import worker_pb2
 from kvpact.worker.device import probe_device
 from kvpact.worker.engine import Engine
 from kvpact.worker.loader import model_name, resolve_model_path
+from kvpact.worker.metrics import WorkerMetrics
 from kvpact.worker.registration import RouterError, RouterLink
 from kvpact.worker.service import WorkerServer, WorkerService
 from kvpact.worker.startup import WorkerPlan, build_engine, plan_startup
@@ -83,6 +87,7 @@ class WorkerOptions:
     auth_token_file: str | None = None
     log_format: str = "auto"
     log_level: str = "INFO"
+    metrics_port: int | None = None  # serve /metrics on the --listen host; 0 = a free port; None = off
 
 
 class PlanRefused(Exception):
@@ -149,6 +154,8 @@ class WorkerProcess:
         self.server: WorkerServer | None = None
         self.link: RouterLink | None = None
         self.engine: Engine | None = None
+        self.metrics = WorkerMetrics(self.worker_id, options.spec.cache.mode)
+        self._health_task: asyncio.Task[None] | None = None
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S  # the router's, once admitted
         self.handshake = worker_pb2.Handshake(worker_id=self.worker_id, spec=spec_to_pb(options.spec))
 
@@ -195,6 +202,15 @@ class WorkerProcess:
         self.handshake.address = self._advertised_address(self.server.port)
         self.handshake.model_name = options.model_name or _default_model_name(options.spec.model)
         _say(f"worker {self.worker_id} listening on {self.handshake.address}")
+        if options.metrics_port is not None:
+            try:
+                port = self.metrics.serve(options.listen_host, options.metrics_port)
+            except OSError:
+                error = BindError("--metrics-port", f"{options.listen_host}:{options.metrics_port}")
+                _say(f"worker {self.worker_id}: {error}", error=True)
+                return EXIT_FATAL
+            self.handshake.metrics_address = self._advertised_address(port)
+            _say(f"worker {self.worker_id} metrics on http://{self.handshake.metrics_address}/metrics")
 
         try:
             engine = await self._until_stopped(self._build_engine())
@@ -215,15 +231,18 @@ class WorkerProcess:
             return self.stop.exit_code
         self.engine = engine
         loop = asyncio.get_running_loop()
-        engine.on_fatal = lambda reason: loop.call_soon_threadsafe(self.stop.request, reason, EXIT_FATAL)
+        engine.on_fatal = lambda reason: loop.call_soon_threadsafe(self._engine_stopped, reason)
         served_name = options.model_name or engine.model_name
         self.handshake.model_name = served_name
         self.handshake.ready.CopyFrom(realized_to_pb(engine.realized))
-        await self.server.set_serving(engine, served_name)
+        if options.metrics_port is not None:
+            self.metrics.attach(engine, served_name)
+        self.server.attach(engine, served_name)
         log.info("serving", address=self.handshake.address, model_name=served_name)
         _say(f"worker {self.worker_id} serving {served_name} on {self.handshake.address}")
         _say(engine.realized.table())
         if self.link is None:
+            await self._ready()
             return None
         try:
             admission = await self._until_stopped(self.link.register(self.handshake))
@@ -232,7 +251,24 @@ class WorkerProcess:
             return EXIT_FATAL
         if admission is None:
             return self.stop.exit_code
-        return self._admitted(admission)
+        code = self._admitted(admission)
+        if code is None:
+            await self._ready()
+        return code
+
+    async def _ready(self) -> None:
+        assert self.server is not None
+        if self.stop.event.is_set():
+            return
+        self.metrics.set_state("serving")
+        await self.server.set_ready(True)
+
+    def _engine_stopped(self, reason: str) -> None:
+        """The engine loop stopped on an internal error: never green again, then exit 1."""
+        self.metrics.set_state("stopping")
+        if self.server is not None:
+            self._health_task = asyncio.get_running_loop().create_task(self.server.set_ready(False))
+        self.stop.request(reason, EXIT_FATAL)
 
     def _admitted(self, admission: worker_pb2.Admission) -> int | None:
         policy = mode_from_pb(admission.cluster_policy).value
@@ -337,6 +373,7 @@ class WorkerProcess:
         return None
 
     async def _close(self) -> None:
+        self.metrics.set_state("stopping")
         if self.server is not None:
             await self.server.stop(STOP_GRACE_S)
         if self.engine is not None:
@@ -345,6 +382,7 @@ class WorkerProcess:
                 await result
         if self.link is not None:
             await self.link.close()
+        self.metrics.close()
 
     def _advertised_address(self, port: int) -> str:
         host = self.options.listen_host

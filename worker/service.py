@@ -2,8 +2,9 @@
 
 The servicer is thin: protobuf in and out through worker/wire.py, the work done by the engine, errors
 mapped to status codes by worker/interceptors.py (`STATUS_FOR_ERROR`). It is added to the server
-before the model is loaded and answers UNAVAILABLE until `attach(engine)`; standard health says
-NOT_SERVING until then, SERVING after, and NOT_SERVING again while stopping.
+before the model is loaded and answers UNAVAILABLE until `attach(engine)`. Standard health is readiness:
+NOT_SERVING while loading, SERVING once admitted by the router (standalone: once loaded), NOT_SERVING
+again when its engine loop stops or while the worker stops (drains).
 
 A call that ends early (client cancel, deadline) closes the engine's generator, which aborts the
 sequence and frees its KV blocks. The server sets no `grpc.max_concurrent_streams`: one
@@ -140,8 +141,18 @@ class WorkerServer:
         await self._server.start()
 
     async def set_serving(self, engine: Engine, model_name: str) -> None:
+        self.attach(engine, model_name)
+        await self.set_ready(True)
+
+    def attach(self, engine: Engine, model_name: str) -> None:
+        """Answer Worker calls from now on; health stays as it is (a worker with a router turns SERVING
+        only once admitted)."""
         self.service.attach(engine, model_name)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_ready(self, ready: bool) -> None:
+        """Health SERVING (admitted, or standalone and loaded) or NOT_SERVING (its engine stopped)."""
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await self._set_health(serving if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
         """NOT_SERVING at once, let in-flight calls finish for `grace_s`, then cancel them."""

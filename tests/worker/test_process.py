@@ -47,6 +47,7 @@ class RecordingRegistry(worker_pb2_grpc.RegistryServicer):
         token: str = "",
         plan_admission: worker_pb2.Admission | None = None,
         plan_delay_s: float = 0.0,
+        ready_gate: threading.Event | None = None,
     ) -> None:
         self.admission = admission or worker_pb2.Admission(
             admitted=True, cluster_policy=cache_pb2.PAGED_ATTENTION_MODE_AUTO, heartbeat_interval_ms=100
@@ -56,6 +57,7 @@ class RecordingRegistry(worker_pb2_grpc.RegistryServicer):
             pending=True, cluster_policy=cache_pb2.PAGED_ATTENTION_MODE_AUTO
         )
         self.plan_delay_s = plan_delay_s
+        self.ready_gate = ready_gate  # a `ready` handshake is answered once this is set (bounded: 30 s)
         self.heartbeat_replies = list(heartbeat_replies)
         self.token = token
         self.handshakes: list[worker_pb2.Handshake] = []
@@ -70,6 +72,8 @@ class RecordingRegistry(worker_pb2_grpc.RegistryServicer):
         if request.WhichOneof("outcome") == "loading":
             time.sleep(self.plan_delay_s)
             return self.plan_admission
+        if self.ready_gate is not None and request.WhichOneof("outcome") == "ready":
+            self.ready_gate.wait(30)
         return self.admission
 
     def Heartbeat(self, request, context):

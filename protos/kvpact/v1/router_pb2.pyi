@@ -152,6 +152,7 @@ class WorkerStatus(_message.Message):
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _builtins.int
     NUM_OUTSTANDING_FIELD_NUMBER: _builtins.int
     PLANNED_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
     model_name: _builtins.str
@@ -159,6 +160,8 @@ class WorkerStatus(_message.Message):
     state_reason: _builtins.str
     seconds_since_heartbeat: _builtins.float
     num_outstanding: _builtins.int
+    metrics_address: _builtins.str
+    """its Prometheus /metrics (host:port, from its Handshake); empty = none"""
     @_builtins.property
     def requested(self) -> _worker_pb2.WorkerSpec: ...
     @_builtins.property
@@ -189,10 +192,11 @@ class WorkerStatus(_message.Message):
         seconds_since_heartbeat: _builtins.float = ...,
         num_outstanding: _builtins.int = ...,
         planned: _worker_pb2.LoadingPlan | None = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failure", b"failure", "load", b"load", "planned", b"planned", "realized", b"realized", "requested", b"requested"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capabilities", b"capabilities", "failure", b"failure", "load", b"load", "model_name", b"model_name", "num_outstanding", b"num_outstanding", "planned", b"planned", "realized", b"realized", "requested", b"requested", "seconds_since_heartbeat", b"seconds_since_heartbeat", "state", b"state", "state_reason", b"state_reason", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capabilities", b"capabilities", "failure", b"failure", "load", b"load", "metrics_address", b"metrics_address", "model_name", b"model_name", "num_outstanding", b"num_outstanding", "planned", b"planned", "realized", b"realized", "requested", b"requested", "seconds_since_heartbeat", b"seconds_since_heartbeat", "state", b"state", "state_reason", b"state_reason", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -252,6 +252,7 @@ class Handshake(_message.Message):
     FAILED_FIELD_NUMBER: _builtins.int
     LOADING_FIELD_NUMBER: _builtins.int
     AUTH_TOKEN_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
     """where its Worker service listens (host:port)"""
@@ -259,6 +260,8 @@ class Handshake(_message.Message):
     """the name clients use to route to it"""
     auth_token: _builtins.str
     """shared secret when the router requires one; never logged"""
+    metrics_address: _builtins.str
+    """where its Prometheus /metrics is served (host:port); empty = not served"""
     @_builtins.property
     def spec(self) -> Global___WorkerSpec: ...
     @_builtins.property
@@ -283,10 +286,11 @@ class Handshake(_message.Message):
         failed: Global___StartupFailure | None = ...,
         loading: Global___LoadingPlan | None = ...,
         auth_token: _builtins.str = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failed", b"failed", "loading", b"loading", "outcome", b"outcome", "ready", b"ready", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "auth_token", b"auth_token", "capabilities", b"capabilities", "failed", b"failed", "loading", b"loading", "model_name", b"model_name", "outcome", b"outcome", "ready", b"ready", "spec", b"spec", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "auth_token", b"auth_token", "capabilities", b"capabilities", "failed", b"failed", "loading", b"loading", "metrics_address", b"metrics_address", "model_name", b"model_name", "outcome", b"outcome", "ready", b"ready", "spec", b"spec", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["ready", "failed", "loading"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
