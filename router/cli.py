@@ -1,5 +1,8 @@
 """`router`: the kvpact router process.
 
+`router status [--address HOST:PORT] [--json] [--watch SECONDS]` prints a running cluster's table
+instead (exit 0 when it is SERVING; see `router status --help`).
+
 Exit codes: 0 stopped by SIGINT/SIGTERM; 78 the --paged-attn policy cannot be honored by every
 worker (the report names each worker and why); 1 the cluster did not come up otherwise (startup
 timeout, a worker that failed to load, a port that cannot be bound); 2 bad flags.
@@ -44,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="router",
         description="The kvpact router: admits workers under the cluster's --paged-attn policy and "
         "serves the client-facing Generation service.",
-        epilog=__doc__.split("\n\n")[1],
+        epilog=__doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--listen",
@@ -113,6 +117,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["status"]:  # `router status ...`; anything else is the router itself, as always
+        from kvpact.router.status_cli import main as status_main
+
+        return status_main(args_in[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

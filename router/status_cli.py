@@ -1,0 +1,103 @@
+"""`router status`: a running cluster's table (or its ClusterStatus as JSON), for people, scripts and probes.
+
+    router status [--address HOST:PORT] [--json] [--watch SECONDS] [--timeout SECONDS]
+
+The table is `kvpact.client.render_cluster_status`, the renderer `make serve` and the Python client
+use. Exit codes: 0 the cluster is SERVING; 1 it is STARTING or FAILED; 2 bad flags; 69 the router did
+not answer (EX_UNAVAILABLE). With --watch it prints again every SECONDS until Ctrl-C (exit: the last
+answer's code, 0 on Ctrl-C after a SERVING answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from google.protobuf.json_format import MessageToJson
+
+from kvpact.client import Client, KvpactRpcError, render_cluster_status
+from kvpact.shared.cli import host_port, seconds
+from kvpact.v1 import router_pb2
+
+EXIT_SERVING = 0
+EXIT_NOT_SERVING = 1
+EXIT_UNREACHABLE = 69
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="router status",
+        description="Print a running kvpact cluster's status: one row per worker (what it was asked, what "
+        "it realized and why), as `make serve` shows it.",
+        epilog=__doc__.split("\n\n")[2],
+    )
+    parser.add_argument(
+        "--address",
+        type=host_port,
+        default=("127.0.0.1", 50051),
+        metavar="HOST:PORT",
+        help="the router's --listen address (default 127.0.0.1:50051)",
+    )
+    parser.add_argument("--json", action="store_true", help="print ClusterStatus as JSON (proto field names)")
+    parser.add_argument(
+        "--watch",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="print again every SECONDS until Ctrl-C",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for the router's answer (default 5)",
+    )
+    return parser
+
+
+def exit_code(status: router_pb2.ClusterStatusResponse) -> int:
+    return EXIT_SERVING if status.state == router_pb2.CLUSTER_STATE_SERVING else EXIT_NOT_SERVING
+
+
+def render(status: router_pb2.ClusterStatusResponse, as_json: bool) -> str:
+    if as_json:
+        return MessageToJson(
+            status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+    return render_cluster_status(status)
+
+
+def show_once(client: Client, address: str, as_json: bool, out: TextIO, err: TextIO) -> int:
+    try:
+        status = client.cluster_status()
+    except KvpactRpcError as exc:
+        err.write(
+            f"router status: no answer from the router at {address} ({exc.code.name}: {exc.details}); "
+            "is it running, and is --address its --listen address?\n"
+        )
+        err.flush()
+        return EXIT_UNREACHABLE
+    out.write(render(status, as_json) + "\n")
+    out.flush()
+    return exit_code(status)
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    args = build_parser().parse_args(argv)
+    host, port = args.address
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with Client(address, timeout=args.timeout) as client:
+        code = show_once(client, address, args.json, out, err)
+        if args.watch is None:
+            return code
+        try:
+            while True:
+                time.sleep(args.watch)
+                out.write("\n")
+                code = show_once(client, address, args.json, out, err)
+        except KeyboardInterrupt:
+            return code
