@@ -19,6 +19,7 @@ from kvpact.router.admission import admit, admit_plan
 from kvpact.router.config import RouterConfig
 from kvpact.router.connections import WorkerChannels
 from kvpact.router.errors import InvalidRequest
+from kvpact.router.readiness import readiness
 from kvpact.router.registry import Registry, WorkerEntry, WorkerState
 from kvpact.router.report import (
     FailedStartup,
@@ -34,9 +35,6 @@ from kvpact.shared.handshake import WorkerLoad
 from kvpact.v1 import worker_pb2
 
 log = structlog.get_logger("router")
-
-GENERATION_SERVICE = "kvpact.v1.Generation"
-HEALTH_SERVICES = (health.OVERALL_HEALTH, GENERATION_SERVICE)
 
 
 class Cluster:
@@ -57,6 +55,7 @@ class Cluster:
         self.finished = asyncio.Event()  # set with exit_code when the router should exit
         self._report_stream = report_stream
         self._tasks: list[asyncio.Task[None]] = []
+        self._health_now: dict[str, bool] = {}  # what health says, per service (router/readiness.py)
 
     @property
     def state(self) -> ClusterState:
@@ -64,8 +63,7 @@ class Cluster:
 
     async def start(self) -> None:
         """Health NOT_SERVING until SERVING; start the startup timer and the heartbeat monitor."""
-        for service in HEALTH_SERVICES:
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.refresh_health()
         self._tasks = [
             asyncio.create_task(self._startup_timer(), name="startup-timer"),
             asyncio.create_task(self._watch_heartbeats(), name="heartbeat-monitor"),
@@ -141,6 +139,7 @@ class Cluster:
             cluster_state=after.value,
             admitted=f"{self.startup.num_admitted}/{self.startup.num_expected}",
         )
+        await self.refresh_health()
         if before is ClusterState.STARTING and after is ClusterState.SERVING:
             await self._now_serving()
         elif before is ClusterState.STARTING and after is ClusterState.FAILED:
@@ -215,9 +214,19 @@ class Cluster:
 
     # -- Startup transitions --------------------------------------------------------------------------
 
+    async def refresh_health(self) -> None:
+        """Bring grpc.health.v1 in line with the cluster (router/readiness.py); only changes are set."""
+        for service, ready in readiness(self.state, self.registry).items():
+            if self._health_now.get(service) is not ready:
+                self._health_now[service] = ready
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if ready
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                await self.health.set(service, status)
+
     async def _now_serving(self) -> None:
-        for service in HEALTH_SERVICES:
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         admitted = [e for e in self.registry.entries() if e.serving]
         log.info(
             "cluster_serving",
@@ -235,8 +244,7 @@ class Cluster:
     async def _fail(self) -> None:
         """Tell every registered worker to stop (bounded), those still LOADING included, print the one
         report, and exit."""
-        for service in HEALTH_SERVICES:
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.refresh_health()
         workers = self.registry.entries()
         shutdown = await self.channels.shutdown_workers(
             workers, f"the cluster failed to start: {self.startup.cause}", self.config.shutdown_timeout_s
@@ -274,3 +282,4 @@ class Cluster:
             await asyncio.sleep(period)
             for entry in self.registry.mark_dead(self.clock(), self.config.heartbeat_timeout_s):
                 log.warning("worker_dead", worker_id=entry.worker_id, reason=entry.state_reason)
+            await self.refresh_health()  # a worker died or came back

@@ -1,0 +1,74 @@
+"""Router health is readiness: SERVING only while at least one admitted worker is live, per model too."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpact.router.readiness import model_service
+from kvpact.v1 import worker_pb2
+from tests.router.doubles import WorkerDouble, ready, registry_stub, run_async, running_router, serving_double
+
+
+async def check(address: str, service: str) -> str:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def eventually(address: str, service: str, expected: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (found := await check(address, service)) != expected:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"health {service!r}: {found}, expected {expected} within {timeout_s}s")
+        await asyncio.sleep(0.05)
+
+
+@run_async
+async def test_serving_while_a_worker_is_live_per_model_and_not_when_all_are_dead():
+    async with (
+        running_router(num_expected_workers=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5) as router,
+        serving_double(WorkerDouble("a")) as a,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+    ):
+        address = f"127.0.0.1:{router.port}"
+        tiny, other = model_service("tiny"), model_service("other")
+        assert await check(address, "") == "NOT_SERVING"
+        assert await check(address, tiny) == "NOT_FOUND"  # no worker of that model yet
+
+        assert (await registry.Register(ready("a", a.address))).admitted
+        hs = ready("b", b.address)
+        hs.model_name = "other"
+        assert (await registry.Register(hs)).admitted
+        for service in ("", "kvpact.v1.Generation", tiny, other):
+            assert await check(address, service) == "SERVING", service
+
+        # b keeps beating, a falls silent: "tiny" has no live worker, the cluster still serves "other"
+        async def beat(worker_id: str) -> None:
+            while True:
+                await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id=worker_id))
+                await asyncio.sleep(0.1)
+
+        beating = asyncio.create_task(beat("b"))
+        try:
+            await eventually(address, tiny, "NOT_SERVING")
+            assert await check(address, other) == "SERVING"
+            assert await check(address, "") == "SERVING"
+        finally:
+            beating.cancel()
+        await eventually(address, other, "NOT_SERVING")
+        assert await check(address, "") == "NOT_SERVING"
+        assert await check(address, "kvpact.v1.Generation") == "NOT_SERVING"
+
+        await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a"))  # a comes back
+        await eventually(address, tiny, "SERVING")
+        await eventually(address, "", "SERVING")
