@@ -9,6 +9,9 @@ Worker gauges are computed from the registry at scrape time, so they never drift
     kvpact_router_worker_free_blocks{worker_id}        from its last heartbeat
     kvpact_router_requests_total{model,code}           finished client requests by gRPC status
     kvpact_router_tokens_total{model}                  generated tokens relayed
+    kvpact_router_time_to_first_token_seconds{model}   received -> first token relayed (as clients see it)
+    kvpact_router_inter_token_latency_seconds{model}   between two relayed chunks with tokens, per token
+    kvpact_router_request_duration_seconds{model}      request received -> its stream ended
 
 Each router owns its own CollectorRegistry (no module-level state).
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -26,6 +29,9 @@ from kvpact.router.registry import Registry
 from kvpact.router.startup import ClusterState, Startup
 
 NO_CACHE = "none"  # a worker that failed before building a cache
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
 class RouterMetrics:
@@ -41,6 +47,41 @@ class RouterMetrics:
         self.tokens = Counter(
             "kvpact_router_tokens", "Generated tokens relayed to clients", ["model"], registry=self.prometheus
         )
+
+        self.ttft = Histogram(
+            "kvpact_router_time_to_first_token_seconds",
+            "Request received to its first token relayed, as clients see it",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=self.prometheus,
+        )
+        self.itl = Histogram(
+            "kvpact_router_inter_token_latency_seconds",
+            "Time between relayed tokens of one request (a chunk's gap over its tokens)",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=self.prometheus,
+        )
+        self.duration = Histogram(
+            "kvpact_router_request_duration_seconds",
+            "Request received to its stream ended",
+            ["model"],
+            buckets=E2E_BUCKETS,
+            registry=self.prometheus,
+        )
+
+    def observe_chunk(self, model: str, seconds_since_previous: float, num_tokens: int, first: bool) -> None:
+        """A relayed chunk with tokens: its gap from the request's start (first) or from the previous one."""
+        if first:
+            self.ttft.labels(model=model).observe(seconds_since_previous)
+        elif num_tokens:
+            per_token = seconds_since_previous / num_tokens
+            itl = self.itl.labels(model=model)
+            for _ in range(num_tokens):
+                itl.observe(per_token)
+
+    def observe_duration(self, model: str, seconds: float) -> None:
+        self.duration.labels(model=model).observe(seconds)
 
     def observe_request(self, model: str, code: str, num_tokens: int) -> None:
         self.requests.labels(model=model, code=code).inc()

@@ -9,6 +9,7 @@ garbage collector finalizes an abandoned generator.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -103,11 +104,18 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         code = grpc.StatusCode.OK
         num_tokens = 0
         entry.num_outstanding += 1
+        started = last = time.monotonic()
         call = stub.Generate(request, timeout=context.time_remaining())
         try:
             async for chunk in call:
                 if not chunk.worker_id:
                     chunk.worker_id = entry.worker_id
+                if chunk.token_ids and self.metrics is not None:
+                    now = time.monotonic()
+                    self.metrics.observe_chunk(
+                        request.model, now - last, len(chunk.token_ids), num_tokens == 0
+                    )
+                    last = now
                 num_tokens += len(chunk.token_ids)
                 yield chunk
         except grpc.aio.AioRpcError as exc:
@@ -128,6 +136,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             )
             if self.metrics is not None:
                 self.metrics.observe_request(request.model, code.name, num_tokens)
+                self.metrics.observe_duration(request.model, time.monotonic() - started)
 
 
 def _worker_error(entry: WorkerEntry, exc: grpc.aio.AioRpcError) -> WorkerCallFailed:
