@@ -23,6 +23,9 @@ class WorkerSpec:
     max_num_seqs: int = 0  # 0 = default
     max_num_batched_tokens: int = 0  # 0 = default
     cache: CacheIntent = field(default_factory=CacheIntent)
+    # --max-model-len auto (and the CUDA default): the longest sequence the realized cache can hold, up to
+    # the model's positions; max_model_len is then 0
+    max_model_len_auto: bool = False
 
 
 def parse_device_map(text: str) -> tuple[LayerPlacement, ...]:

@@ -181,6 +181,7 @@ def spec_to_pb(spec: WorkerSpec) -> worker_pb2.WorkerSpec:
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
         cache=intent_to_pb(spec.cache),
+        max_model_len_auto=spec.max_model_len_auto,
     )
 
 
@@ -194,6 +195,7 @@ def spec_from_pb(msg: worker_pb2.WorkerSpec) -> WorkerSpec:
         max_num_seqs=msg.max_num_seqs,
         max_num_batched_tokens=msg.max_num_batched_tokens,
         cache=intent_from_pb(msg.cache),
+        max_model_len_auto=msg.max_model_len_auto,
     )
 
 

@@ -78,6 +78,13 @@ def _whole_number(minimum: int, maximum: int) -> Callable[[str], int]:
 
 
 _count = _whole_number(0, UINT32_MAX)
+
+
+def _max_model_len(value: str) -> int | str:
+    """A whole number, or "auto" (fit it to the realized KV cache)."""
+    return value if value == "auto" else _count(value)
+
+
 _positive_int = _whole_number(1, UINT32_MAX)
 _positive_int64 = _whole_number(1, UINT64_MAX)
 
@@ -121,7 +128,8 @@ def epilog() -> str:
     width = max(len(name) for name, _ in reasons)
     cpu, gpu = CPU_DEFAULTS, GPU_DEFAULTS
     cuda_defaults = [
-        "  --max-model-len 0           the model's max positions",
+        "  --max-model-len 0           auto: the longest sequence the realized KV cache holds, up to the",
+        "                              model's max positions (logged as max_model_len_source)",
         f"  --max-num-seqs 0            eager: {gpu.eager_max_num_seqs} slots; "
         f"paged: {gpu.paged_max_num_seqs} sequences",
         f"  --max-num-batched-tokens 0  {gpu.max_num_batched_tokens}",
@@ -198,7 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=DTYPES, default="auto", help="weight dtype (default auto: the device's default)"
     )
     model.add_argument(
-        "--max-model-len", type=_count, default=0, help="longest sequence in tokens (0 = default)"
+        "--max-model-len",
+        type=_max_model_len,
+        default=0,
+        metavar="N|auto",
+        help="longest sequence in tokens; auto: the longest one sequence can have in the realized KV cache, "
+        "up to the model's positions (logged with how it was chosen). A value that cannot fit: under "
+        "--paged-attn on startup fails, under auto it falls back to the eager cache; either way the message "
+        "names the largest value that fits (0 = default: auto on CUDA, min(model, 2048) on CPU/MPS)",
     )
     model.add_argument(
         "--max-num-seqs", type=_count, default=0, help="most sequences run at once (0 = default)"
@@ -305,7 +320,8 @@ def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
         device=args.device,
         device_map=args.device_map,
         dtype=args.dtype,
-        max_model_len=args.max_model_len,
+        max_model_len=0 if args.max_model_len == "auto" else args.max_model_len,
+        max_model_len_auto=args.max_model_len == "auto",
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cache=cache_intent(PagedAttentionMode(args.paged_attn), settings, no_kv_cache=args.no_kv_cache),

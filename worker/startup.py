@@ -14,7 +14,9 @@ report a failure before it spends minutes loading weights:
         -> Triton backend: run the kernels once on the device with the model's shapes and compare
            with the torch references (worker/kernel_check.py; seconds) [door, component "kernels"]
         -> eager (what is left): a cache that does not fit is a ConfigError naming --max-model-len /
-           --max-num-seqs
+           --max-num-seqs (and the largest --max-model-len that would fit)
+        --max-model-len auto (the CUDA default): max_model_len is the longest sequence the pool (or one
+        eager slot) holds, up to the model's positions; logged with how it was chosen
     engine = build_engine(plan)  load weights -> build the realized cache -> select_scheduler(requested,
                                  realized kind) -> Engine; logs the realized table once.
 
@@ -87,6 +89,7 @@ class WorkerPlan:
     paged_size: sizing.PagedSize | None
     verdict_seconds: float
     notes: list[str] = field(default_factory=list)
+    max_model_len_source: str = ""  # how max_model_len was chosen (a flag, a default, or auto's fit)
 
     @property
     def cache_kind(self) -> CacheKind:
@@ -103,6 +106,7 @@ class WorkerPlan:
             "cache": self.cache_kind.value,
             "backend": self.backend.value if self.backend else None,
             "max_model_len": self.max_model_len,
+            "max_model_len_source": self.max_model_len_source,
             "max_num_seqs": self.max_num_seqs,
             "weight_bytes": self.weight_bytes,
             "fallbacks": [f"{f.component}: {f.reason}" for f in self.state.fallbacks],
@@ -125,7 +129,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     decision = decide_paged_attention(probe.info, state, traits)
 
     defaults = sizing.device_defaults(probe.info.kind)
-    max_model_len = _max_model_len(spec, config, defaults)
+    max_model_len, fit_to_cache, max_model_len_source = _max_model_len(spec, config, defaults)
     for reason in loader_findings(config, max_model_len):
         disable_paged_attention(state, reason, component="loader")
     if spec.cache.no_kv_cache:  # `on` already failed in the decision above
@@ -164,6 +168,8 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
         )
+        if fit_to_cache and paged_size.capacity_tokens:
+            max_model_len, max_model_len_source = sizing.fit_paged(paged_size, max_model_len)
         reason = sizing.shortfall(paged_size, max_model_len)
         if reason:
             disable_paged_attention(state, reason, component="cache-budget")
@@ -182,6 +188,16 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
             paged_size = None
     if state.paged_config is None:
         max_num_seqs = spec.max_num_seqs or defaults.eager_max_num_seqs
+        if fit_to_cache:
+            fit, how = sizing.fit_eager(
+                model_limit=config.max_position_embeddings,
+                num_slots=max_num_seqs,
+                bytes_per_token=bytes_per_token,
+                weight_bytes=weight_bytes,
+                memory_free_bytes=probe.memory_free_bytes,
+            )
+            if fit:  # 0: nothing fits; check_eager_fits says so with the numbers
+                max_model_len, max_model_len_source = fit, how
         sizing.check_eager_fits(
             num_slots=max_num_seqs,
             max_model_len=max_model_len,
@@ -206,6 +222,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
         bytes_per_token=bytes_per_token,
         paged_size=paged_size,
         verdict_seconds=time.monotonic() - started,
+        max_model_len_source=max_model_len_source,
     )
     log.info("pre-load verdict", seconds=round(plan.verdict_seconds, 3), **plan.log_fields())
     return plan
@@ -323,7 +340,10 @@ def _cache_dtype(spec: WorkerSpec, dtype: torch.dtype) -> torch.dtype:
     return _CACHE_DTYPES[paged.cache_dtype]
 
 
-def _max_model_len(spec: WorkerSpec, config: ModelConfig, defaults: sizing.DeviceDefaults) -> int:
+def _max_model_len(
+    spec: WorkerSpec, config: ModelConfig, defaults: sizing.DeviceDefaults
+) -> tuple[int, bool, str]:
+    """(max_model_len, whether it is still to be fitted to the cache (auto), how it was chosen)."""
     limit = config.max_position_embeddings
     if spec.max_model_len:
         if spec.max_model_len > limit:
@@ -331,9 +351,11 @@ def _max_model_len(spec: WorkerSpec, config: ModelConfig, defaults: sizing.Devic
                 f"--max-model-len {spec.max_model_len} is longer than the model's {limit} positions; "
                 f"use at most {limit}"
             )
-        return spec.max_model_len
+        return spec.max_model_len, False, f"--max-model-len {spec.max_model_len}"
     cap = defaults.max_model_len_cap
-    return min(limit, cap) if cap else limit
+    if spec.max_model_len_auto or cap is None:  # explicit auto, or the CUDA default
+        return limit, True, f"auto: the model's {limit} positions"
+    return min(limit, cap), False, f"the default: min(the model's {limit} positions, {cap})"
 
 
 def _check_device_map(spec: WorkerSpec, config: ModelConfig) -> None:

@@ -2,7 +2,9 @@
 configuration fits. Everything here is arithmetic on numbers known before any weight is loaded.
 
 Defaults (quoted by `worker --help`):
-  --max-model-len 0       the model's max positions, capped at 2048 on CPU/MPS
+  --max-model-len 0       CUDA: auto; CPU/MPS: the model's max positions, capped at 2048
+  --max-model-len auto    the longest sequence one pool (PAGED) or one slot (EAGER) can hold, up to the
+                          model's max positions (`fit_paged` / `fit_eager`)
   --max-num-seqs 0        EAGER: 8 slots on CPU/MPS, 16 on CUDA; PAGED: 32 on CPU/MPS, 256 on CUDA
   --max-num-batched-tokens 0   2048 on CPU/MPS, 8192 on CUDA (longer prompts are prefilled in chunks)
   PAGED budget, no --pa-* flag:
@@ -147,11 +149,57 @@ def shortfall(size: PagedSize, max_model_len: int) -> str:
     if size.capacity_tokens >= max_model_len:
         return ""
     needed = -(-max_model_len // size.block_size) * size.block_size * size.bytes_per_token
+    lower = (
+        f"or lower --max-model-len (the largest that fits is {size.capacity_tokens})"
+        if size.capacity_tokens
+        else "or lower --max-model-len"
+    )
     return (
         f"the KV cache budget ({size.budget}) holds only {size.capacity_tokens} tokens "
         f"({size.num_blocks} blocks of {size.block_size}), fewer than one --max-model-len {max_model_len} "
-        f"sequence; raise {size.flag} (at least {max_model_len} tokens = {_mib(needed)}) "
-        "or lower --max-model-len"
+        f"sequence; raise {size.flag} (at least {max_model_len} tokens = {_mib(needed)}) {lower}"
+    )
+
+
+def fit_paged(size: PagedSize, model_limit: int) -> tuple[int, str]:
+    """--max-model-len auto over a pool: the longest sequence it holds, up to the model's positions, and
+    how that was chosen (for the log). 0 when the pool holds no block."""
+    fit = min(model_limit, size.capacity_tokens)
+    if fit == model_limit:
+        return (
+            fit,
+            f"auto: the model's {model_limit} positions (the pool holds {size.capacity_tokens} tokens)",
+        )
+    return fit, (
+        f"auto: the pool holds {size.capacity_tokens} tokens ({size.budget}), fewer than the model's "
+        f"{model_limit} positions"
+    )
+
+
+def largest_eager_len(
+    *, num_slots: int, bytes_per_token: int, weight_bytes: int, memory_free_bytes: int
+) -> int:
+    """The longest max_model_len whose eager cache (num_slots of it) still fits (check_eager_fits)."""
+    allowed = int(FIT_FRACTION * memory_free_bytes) - weight_bytes
+    return max(0, allowed) // (num_slots * bytes_per_token)
+
+
+def fit_eager(
+    *, model_limit: int, num_slots: int, bytes_per_token: int, weight_bytes: int, memory_free_bytes: int
+) -> tuple[int, str]:
+    """--max-model-len auto over the eager cache: the longest that fits, up to the model's positions."""
+    largest = largest_eager_len(
+        num_slots=num_slots,
+        bytes_per_token=bytes_per_token,
+        weight_bytes=weight_bytes,
+        memory_free_bytes=memory_free_bytes,
+    )
+    if largest >= model_limit:
+        return model_limit, f"auto: the model's {model_limit} positions ({num_slots} eager slots fit)"
+    return largest, (
+        f"auto: {num_slots} eager slots of {largest} tokens fit in "
+        f"{FIT_FRACTION:g} x {_mib(memory_free_bytes)} free less "
+        f"{_mib(weight_bytes)} of weights, fewer than the model's {model_limit} positions"
     )
 
 
@@ -169,11 +217,13 @@ def check_eager_fits(
     allowed = int(FIT_FRACTION * memory_free_bytes) - weight_bytes
     if cache_bytes > allowed:
         where = "free GPU memory" if device_kind == "cuda" else "available RAM"
+        largest = max(0, allowed) // (num_slots * bytes_per_token)
         raise ConfigError(
             f"the eager KV cache needs {_mib(cache_bytes)} (--max-num-seqs {num_slots} x --max-model-len "
             f"{max_model_len} tokens x {bytes_per_token} bytes), but only {_mib(max(0, allowed))} of the "
             f"{_mib(memory_free_bytes)} {where} is left after {_mib(weight_bytes)} of weights; lower "
-            "--max-num-seqs or --max-model-len"
+            f"--max-num-seqs or --max-model-len (the largest that fits with --max-num-seqs {num_slots} is "
+            f"{largest})"
         )
     return cache_bytes
 
