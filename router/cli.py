@@ -15,11 +15,12 @@ import asyncio
 import sys
 
 from kvpact.router.config import RouterConfig
-from kvpact.shared.auth import read_token
+from kvpact.shared.auth import read_secrets
 from kvpact.shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
 from kvpact.shared.errors import EXIT_FATAL, BindError, ConfigError
 from kvpact.shared.intent import PagedAttentionMode
 from kvpact.shared.log import configure_logging
+from kvpact.shared.tls import add_tls_args, tls_from_args
 
 POLICY_HELP = (
     "the cluster's PagedAttention policy. auto: admit workers whatever they realized (each says why it "
@@ -89,7 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--auth-token-file",
         metavar="PATH",
-        help="workers must present the secret in this file to register and heartbeat",
+        help="workers must present a secret in this file (one per line) to register and heartbeat; "
+        "re-read on SIGHUP",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="clients must send one of the keys in this file (one per line) as 'authorization: Bearer <key>' "
+        "metadata, else UNAUTHENTICATED; health and reflection stay open; re-read on SIGHUP "
+        "(default: no keys)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -97,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="serve Prometheus metrics on this port (default: off)",
     )
+    add_tls_args(parser, "router")
     add_log_args(parser)
     return parser
 
@@ -111,7 +121,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         startup_timeout_s=args.startup_timeout,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
-        auth_token=read_token(args.auth_token_file),
+        auth_tokens=read_secrets(args.auth_token_file, "--auth-token-file") if args.auth_token_file else (),
+        auth_token_file=args.auth_token_file,
+        api_keys=read_secrets(args.api_key_file, "--api-key-file") if args.api_key_file else (),
+        api_key_file=args.api_key_file,
+        tls=tls_from_args(args),
         metrics_port=args.metrics_port,
     )
 

@@ -47,7 +47,7 @@ class Cluster:
         self.config = config
         self.registry = Registry()
         self.startup = Startup(num_expected=config.num_expected_workers)
-        self.channels = WorkerChannels()
+        self.channels = WorkerChannels(config.tls)
         self.health = health.aio.HealthServicer()
         self.clock = clock
         self.failure_report = ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpact.shared.intent import PagedAttentionMode
+from kvpact.shared.tls import TlsConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +17,10 @@ class RouterConfig:
     startup_timeout_s: float = 300.0
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
-    auth_token: str | None = field(default=None, repr=False)  # never logged
+    auth_tokens: tuple[str, ...] = field(default=(), repr=False)  # never logged; re-read on SIGHUP
+    auth_token_file: str | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never logged; re-read on SIGHUP
+    api_key_file: str | None = None
+    tls: TlsConfig | None = None  # None = plaintext (loopback)
     metrics_port: int | None = None
     shutdown_timeout_s: float = 0.8  # bound on telling the workers to stop when the cluster fails

@@ -1,4 +1,5 @@
 """One router->worker channel per worker; it carries every concurrent stream to that worker.
+With --tls-cert it is TLS (mutual with --tls-ca: shared/tls.py).
 
 Nothing here caps concurrent streams (`grpc.max_concurrent_streams`): a cap below what a worker can
 run stalls the streams past it. Backpressure is the worker's scheduler's job, not the channel's.
@@ -12,13 +13,15 @@ import grpc
 
 from kvpact.router.registry import WorkerEntry, WorkerState
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
+from kvpact.shared.tls import TlsConfig, aio_channel
 from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
 CHANNEL_OPTIONS = GRPC_MESSAGE_OPTIONS  # as the router's and the workers' servers (shared/limits.py)
 
 
 class WorkerChannels:
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
+        self._tls = tls
         self._open: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
 
     def stub(self, entry: WorkerEntry) -> worker_pb2_grpc.WorkerStub:
@@ -28,7 +31,7 @@ class WorkerChannels:
             return current[2]
         if current is not None:
             asyncio.get_running_loop().create_task(current[1].close(grace=None))
-        channel = grpc.aio.insecure_channel(entry.address, options=CHANNEL_OPTIONS)
+        channel = aio_channel(entry.address, self._tls, CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._open[entry.worker_id] = (entry.address, channel, stub)
         return stub

@@ -1,4 +1,8 @@
-"""The router process: one grpc.aio server with Generation, Registry, health and reflection."""
+"""The router process: one grpc.aio server with Generation, Registry, health and reflection.
+
+TLS with --tls-cert/--tls-key (shared/tls.py); API keys with --api-key-file (router/api_keys.py). SIGHUP
+re-reads --auth-token-file and --api-key-file; calls in flight go on untouched.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,17 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvpact.router.api_keys import ApiKeyInterceptor
 from kvpact.router.cluster import Cluster
 from kvpact.router.config import RouterConfig
 from kvpact.router.interceptor import ErrorInterceptor
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry_service import RegistryService
 from kvpact.router.service import GenerationService
-from kvpact.shared.errors import BindError
+from kvpact.shared.auth import SecretFile
+from kvpact.shared.errors import BindError, ConfigError
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
+from kvpact.shared.tls import add_port, describe_tls, plaintext_warning
 from kvpact.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("router")
@@ -37,14 +44,19 @@ class RouterServer:
         self.config = config
         self.cluster = Cluster(config, report_stream=report_stream)
         self.metrics = RouterMetrics(self.cluster.registry, self.cluster.startup)
+        self.tokens = SecretFile("--auth-token-file", config.auth_token_file, config.auth_tokens)
+        self.api_keys = SecretFile("--api-key-file", config.api_key_file, config.api_keys)
         # No grpc.max_concurrent_streams: a cap stalls client streams past it (see router/connections.py).
         self._server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0), *GRPC_MESSAGE_OPTIONS]
+            interceptors=[ApiKeyInterceptor(self.api_keys), ErrorInterceptor()],
+            options=[("grpc.so_reuseport", 0), *GRPC_MESSAGE_OPTIONS],
         )
         router_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(self.cluster, self.metrics), self._server
         )
-        worker_pb2_grpc.add_RegistryServicer_to_server(RegistryService(self.cluster), self._server)
+        worker_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryService(self.cluster, self.tokens), self._server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.cluster.health, self._server)
         reflection.enable_server_reflection(SERVICE_NAMES, self._server)
         self.port = 0
@@ -52,10 +64,10 @@ class RouterServer:
     async def start(self) -> int:
         """Bind (both ports, before anything starts: BindError) and start serving; returns the bound port."""
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-        try:
-            self.port = self._server.add_insecure_port(f"{host}:{self.config.port}")
-        except RuntimeError:  # grpc's "Failed to bind to address"
-            self.port = 0
+        # Clients hold no certificate (they bring API keys): workers are checked by dialing them back.
+        self.port = add_port(
+            self._server, f"{host}:{self.config.port}", self.config.tls, require_client_cert=False
+        )
         if not self.port:
             raise BindError("--listen", f"{host}:{self.config.port}")
         if self.config.metrics_port is not None:
@@ -66,8 +78,28 @@ class RouterServer:
         await self.cluster.start()
         await self._server.start()
         print(f"router listening on {host}:{self.port}", flush=True)  # tests and deploy read it
-        log.info("router_listening", address=f"{host}:{self.port}", metrics_port=self.config.metrics_port)
+        log.info(
+            "router_listening",
+            address=f"{host}:{self.port}",
+            metrics_port=self.config.metrics_port,
+            tls=describe_tls(self.config.tls),
+            api_keys=self.api_keys.required,
+        )
+        warning = plaintext_warning(self.config.host, self.config.tls)
+        if warning:
+            log.warning("plaintext_listener", address=f"{host}:{self.port}", hint=warning)
         return self.port
+
+    def reload_secrets(self) -> None:
+        """SIGHUP: re-read --auth-token-file and --api-key-file (an unreadable one keeps its secrets)."""
+        for secrets in (self.tokens, self.api_keys):
+            try:
+                if secrets.reload():
+                    log.info("secrets_reloaded", flag=secrets.flag, num_secrets=len(secrets.values))
+            except ConfigError as exc:
+                log.error(
+                    "secrets_reload_failed", flag=secrets.flag, error=str(exc), kept=len(secrets.values)
+                )
 
     async def wait(self) -> int:
         """Until the cluster fails or a stop is requested; returns the exit code."""
@@ -85,6 +117,7 @@ async def serve(config: RouterConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.cluster.request_exit, 0)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_secrets)
     try:
         code = await server.wait()
     finally:

@@ -5,10 +5,14 @@ same and aggregates. The client's remaining deadline becomes the worker call's t
 that cancels cancels the worker call (the worker aborts the request and frees its cache). The relay
 is closed with `aclosing`, so the worker call ends when the client's call does, not whenever the
 garbage collector finalizes an abandoned generator.
+
+A worker's error reaches the client naming the worker id only: its address, and whatever transport detail
+the call failed with, go to the router's log with the request id the client can quote (`_worker_error`).
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -28,6 +32,22 @@ from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger("router.generation")
+
+# A worker's own verdicts on the request: relayed to the client (addresses redacted). Any other status
+# (UNAVAILABLE, INTERNAL, UNKNOWN, ...) is about the cluster, not the request: the client gets a summary.
+REQUEST_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.]+\]|\d{1,3}(?:\.\d{1,3}){3}|[\w.-]+\.[A-Za-z]\w*):\d+")
 
 
 class GenerationService(router_pb2_grpc.GenerationServicer):
@@ -120,7 +140,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            raise _worker_error(entry, exc) from None
+            raise _worker_error(entry, request.request_id, exc) from None
         except BaseException:  # the client cancelled (or its deadline passed): stop the worker's work too
             code = grpc.StatusCode.CANCELLED
             raise
@@ -139,8 +159,31 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 self.metrics.observe_duration(request.model, time.monotonic() - started)
 
 
-def _worker_error(entry: WorkerEntry, exc: grpc.aio.AioRpcError) -> WorkerCallFailed:
+def _worker_error(entry: WorkerEntry, request_id: str, exc: grpc.aio.AioRpcError) -> WorkerCallFailed:
+    """What the client hears when the worker call failed: the worker id, never its address; the whole
+    detail is logged with the request id."""
     code, details = exc.code(), exc.details() or ""
-    if code is grpc.StatusCode.UNAVAILABLE:
-        details = f"{details} (is its process running?)"
-    return WorkerCallFailed(code, f'worker "{entry.worker_id}" at {entry.address}: {details}')
+    log.warning(
+        "worker_call_failed",
+        request_id=request_id,
+        worker_id=entry.worker_id,
+        address=entry.address,
+        code=code.name,
+        details=details,
+    )
+    if code in REQUEST_CODES:
+        return WorkerCallFailed(
+            code, f'worker "{entry.worker_id}": {redact_addresses(details, entry.address)}'
+        )
+    return WorkerCallFailed(
+        code,
+        f'worker "{entry.worker_id}" could not serve request {request_id} ({code.name}); the router\'s log '
+        "has the cause under that request id",
+    )
+
+
+def redact_addresses(text: str, address: str) -> str:
+    """`text` without `address` and anything shaped like HOST:PORT."""
+    if address:
+        text = text.replace(address, "<worker>")
+    return _ADDRESS.sub("<address>", text)

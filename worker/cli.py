@@ -37,6 +37,7 @@ from kvpact.shared.intent import (
     cache_intent,
 )
 from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
+from kvpact.shared.tls import add_tls_args, tls_from_args
 from kvpact.worker.kv.sizing import (
     CPU_DEFAULTS,
     CPU_PAGED_BUDGET_BYTES,
@@ -291,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument(
         "--worker-id", default=None, help="this worker's name in the cluster (default HOSTNAME-PID)"
     )
-    serving.add_argument("--auth-token-file", default=None, help="file holding the router's shared secret")
+    serving.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file holding the router's shared secret (the first line is sent; re-read on SIGHUP)",
+    )
     serving.add_argument(
         "--metrics-port",
         type=_port_or_zero,
@@ -300,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics (kvpact_worker_*) at http://HOST:PORT/metrics on the --listen host "
         "(0 = a free port, printed at startup; default: off)",
     )
+    add_tls_args(parser, "worker")
     add_log_args(parser)
     return parser
 
@@ -334,6 +340,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
     args = parser.parse_args(argv)
     try:
         spec = spec_from_args(args)
+        tls = tls_from_args(args)
     except ConfigError as exc:
         parser.error(str(exc))
     host, port = args.listen
@@ -346,6 +353,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
         worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         model_name=args.model_name,
         auth_token_file=args.auth_token_file,
+        tls=tls,
         log_format=args.log_format,
         log_level=args.log_level,
         metrics_port=args.metrics_port,

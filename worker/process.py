@@ -22,6 +22,7 @@ an unreachable router (after --router-timeout) or a rejected auth token exits 1.
 the router's Shutdown RPC or heartbeat reply stop it with 0: a worker told to stop did nothing
 wrong, and the router's own exit code carries a cluster failure. A router that stops answering
 heartbeats is logged once it has been silent for --router-timeout; the worker keeps serving.
+SIGHUP re-reads --auth-token-file (the next heartbeat carries the new token); --tls-* are read once.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from kvpact.shared.errors import (
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.log import configure_logging
 from kvpact.shared.spec import WorkerSpec
+from kvpact.shared.tls import TlsConfig, describe_tls, plaintext_warning
 from kvpact.shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
 from kvpact.v1 import worker_pb2
 from kvpact.worker.device import probe_device
@@ -85,6 +87,7 @@ class WorkerOptions:
     router_timeout_s: float = DEFAULT_ROUTER_TIMEOUT_S
     model_name: str | None = None  # None = the engine's
     auth_token_file: str | None = None
+    tls: TlsConfig | None = None  # None = plaintext (loopback)
     log_format: str = "auto"
     log_level: str = "INFO"
     metrics_port: int | None = None  # serve /metrics on the --listen host; 0 = a free port; None = off
@@ -163,6 +166,7 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.request, f"signal {sig.name}")
+        loop.add_signal_handler(signal.SIGHUP, self._reload_token)
         heartbeats: asyncio.Task[None] | None = None
         try:
             code = await self._start()
@@ -178,7 +182,7 @@ class WorkerProcess:
                 heartbeats.cancel()
                 await asyncio.gather(heartbeats, return_exceptions=True)
             await self._close()
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 
     async def _start(self) -> int | None:
@@ -191,10 +195,14 @@ class WorkerProcess:
             return EXIT_POLICY
         if options.router:
             self.link = RouterLink(
-                options.router, worker_id=self.worker_id, auth_token=token, timeout_s=options.router_timeout_s
+                options.router,
+                worker_id=self.worker_id,
+                auth_token=token,
+                timeout_s=options.router_timeout_s,
+                tls=options.tls,
             )
         try:
-            self.server = WorkerServer(self.service, options.listen_host, options.listen_port)
+            self.server = WorkerServer(self.service, options.listen_host, options.listen_port, options.tls)
         except BindError as exc:
             _say(f"worker {self.worker_id}: {exc}", error=True)
             return EXIT_FATAL
@@ -202,6 +210,10 @@ class WorkerProcess:
         self.handshake.address = self._advertised_address(self.server.port)
         self.handshake.model_name = options.model_name or _default_model_name(options.spec.model)
         _say(f"worker {self.worker_id} listening on {self.handshake.address}")
+        log.info("listening", address=self.handshake.address, tls=describe_tls(options.tls))
+        warning = plaintext_warning(options.listen_host, options.tls)
+        if warning:
+            log.warning("plaintext_listener", address=self.handshake.address, hint=warning)
         if options.metrics_port is not None:
             try:
                 port = self.metrics.serve(options.listen_host, options.metrics_port)
@@ -359,6 +371,17 @@ class WorkerProcess:
             self.stop.request(f"heartbeats failed: {type(exc).__name__}: {exc}", EXIT_FATAL)
         else:
             self.stop.request(reason)
+
+    def _reload_token(self) -> None:
+        """SIGHUP: re-read --auth-token-file; an unreadable file keeps the current token."""
+        if self.link is None or not self.options.auth_token_file:
+            return
+        try:
+            self.link.set_token(read_token(self.options.auth_token_file))
+        except ConfigError as exc:
+            log.error("token_reload_failed", error=str(exc))
+            return
+        log.info("token_reloaded")
 
     async def _until_stopped(self, awaitable: Awaitable[T]) -> T | None:
         """Await `awaitable`, or give up on it (None) as soon as a stop is requested."""

@@ -24,6 +24,7 @@ import structlog
 
 from kvpact.shared.errors import KvpactError
 from kvpact.shared.handshake import WorkerLoad
+from kvpact.shared.tls import TlsConfig, aio_channel, handshake_failure
 from kvpact.shared.wire import load_to_pb
 from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
@@ -34,6 +35,10 @@ CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconn
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
 ANNOUNCE_TIMEOUT_S = 3.0  # one attempt: the plan is an early warning, never a reason to wait
+PLAINTEXT_HINT = (
+    " (a router that serves TLS closes plaintext connections: give this worker --tls-cert, --tls-key and "
+    "--tls-ca)"
+)
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # not up yet, or slow
 
 
@@ -45,21 +50,53 @@ class RouterAuthError(RouterError):
     """The router requires an auth token and this worker has none, or a different one."""
 
 
+class RouterTlsError(RouterError):
+    """The TLS handshake with the router failed (certificates, or TLS on one side only)."""
+
+
 class RouterUnreachableError(RouterError):
     """No answer from the router within --router-timeout."""
 
 
 class RouterLink:
-    def __init__(self, router: str, *, worker_id: str, auth_token: str | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        router: str,
+        *,
+        worker_id: str,
+        auth_token: str | None,
+        timeout_s: float,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.router = router
         self.worker_id = worker_id
         self.timeout_s = timeout_s
         self._auth_token = auth_token or ""
-        self._channel = grpc.aio.insecure_channel(router, options=CHANNEL_OPTIONS)
+        self._tls = tls
+        self._channel = aio_channel(router, tls, CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.RegistryStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
+
+    def set_token(self, token: str | None) -> None:
+        self._auth_token = token or ""
+
+    def _tls_error(self, exc: grpc.aio.AioRpcError) -> RouterTlsError | None:
+        reason = handshake_failure(exc.details())
+        if reason is None:
+            return None
+        if self._tls is None:
+            hint = (
+                "this worker dials in plaintext; give it --tls-cert, --tls-key and --tls-ca like the router's"
+            )
+        else:
+            ca = self._tls.ca_file or "the system's trusted roots"
+            hint = (
+                f"check that --tls-ca ({ca}) signed the router's certificate, that it names the host in "
+                "--router (or set --tls-server-name), and that the router runs with TLS"
+            )
+        return RouterTlsError(f"TLS handshake with router {self.router} failed: {reason}; {hint}")
 
     async def register(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission:
         """Send `handshake` (the token is added here), retrying while the router is unreachable."""
@@ -80,6 +117,9 @@ class RouterLink:
                     raise RouterAuthError(
                         f"router {self.router} refused the handshake: {exc.details()}"
                     ) from None
+                tls_error = self._tls_error(exc)
+                if tls_error is not None:
+                    raise tls_error from None
                 if code not in _RETRYABLE:
                     raise RouterError(
                         f"router {self.router} answered the handshake with {code.name}: {exc.details()}"
@@ -87,7 +127,12 @@ class RouterLink:
                 if time.monotonic() + backoff >= deadline:
                     raise RouterUnreachableError(
                         f"router {self.router} did not answer the handshake within --router-timeout "
-                        f"{self.timeout_s:g}s ({attempts} attempts; last: {code.name})"
+                        f"{self.timeout_s:g}s ({attempts} attempts; last: {code.name}: {exc.details()})"
+                        + (
+                            PLAINTEXT_HINT
+                            if self._tls is None and "Socket closed" in (exc.details() or "")
+                            else ""
+                        )
                     ) from None
                 if attempts == 1:
                     log.info(
@@ -111,6 +156,9 @@ class RouterLink:
                 raise RouterAuthError(
                     f"router {self.router} refused the handshake: {exc.details()}"
                 ) from None
+            tls_error = self._tls_error(exc)
+            if tls_error is not None:
+                raise tls_error from None
             log.warning(
                 "could not announce the plan to the router; loading anyway",
                 router=self.router,

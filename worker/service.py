@@ -8,7 +8,8 @@ again when its engine loop stops or while the worker stops (drains).
 
 A call that ends early (client cancel, deadline) closes the engine's generator, which aborts the
 sequence and frees its KV blocks. The server sets no `grpc.max_concurrent_streams`: one
-router->worker channel carries as many streams as the engine can run.
+router->worker channel carries as many streams as the engine can run. With --tls-cert it serves TLS; with
+--tls-ca too, only peers holding a certificate that CA signed (the router) get through (shared/tls.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpact.shared.errors import BindError, KvpactError, RequestError
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS, check_request_limits, excerpt
+from kvpact.shared.tls import TlsConfig, add_port
 from kvpact.shared.wire import load_to_pb
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from kvpact.worker.interceptors import ErrorInterceptor, LogContextInterceptor
@@ -107,7 +109,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 class WorkerServer:
     """The gRPC server: Worker + grpc.health.v1 + server reflection, on one port."""
 
-    def __init__(self, service: WorkerService, host: str, port: int) -> None:
+    def __init__(self, service: WorkerService, host: str, port: int, tls: TlsConfig | None = None) -> None:
         self.service = service
         self._host = host
         self._health = health.aio.HealthServicer()
@@ -124,10 +126,7 @@ class WorkerServer:
         )
         reflection.enable_server_reflection(names, self._server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            self.port = self._server.add_insecure_port(address)
-        except RuntimeError:  # grpc's "Failed to bind to address"
-            self.port = 0
+        self.port = add_port(self._server, address, tls, require_client_cert=True)
         if self.port == 0:
             raise BindError("--listen", address)
 

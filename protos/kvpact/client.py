@@ -8,6 +8,15 @@
             print(chunk.text, end="", flush=True)
         print(render_cluster_status(client.cluster_status()))
 
+Over TLS, with an API key (README "Securing a cluster"):
+
+    Client("router.example:50051", ca_file="ca.crt", api_key="...")   # TLS verified against ca.crt
+    Client("router.example:50051", tls=True, api_key="...")           # TLS verified against system roots
+
+`cert_file`/`key_file` present a client certificate (a server that requires one), `server_name` overrides
+the name the router's certificate must carry, `credentials` takes any grpc.ChannelCredentials instead. The
+key travels as `authorization: Bearer <key>` metadata with every call; it is never part of a repr.
+
 `AsyncClient` is the same on grpc.aio: `await client.complete(...)`,
 `async for chunk in client.generate(...)`.
 
@@ -31,6 +40,7 @@ from typing import Any, TypedDict, Unpack
 import grpc
 
 from kvpact.status_table import render_cluster_status
+from kvpact.transport import TransportParams, open_channel, with_api_key
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
 __all__ = [
@@ -40,6 +50,7 @@ __all__ = [
     "Client",
     "Completion",
     "KvpactRpcError",
+    "TransportParams",
     "Model",
     "Usage",
     "render_cluster_status",
@@ -246,7 +257,9 @@ def _metadata(metadata: Metadata | None) -> tuple[tuple[str, str], ...] | None:
 
 class Client:
     """Blocking client. `timeout` (seconds) is the default deadline of every call; each call may
-    override it with its own `timeout=`. `metadata` is sent with every call."""
+    override it with its own `timeout=`. `metadata` is sent with every call, `api_key` as
+    `authorization: Bearer <key>`. TLS: `tls=True` (system roots), or `ca_file` (and `cert_file` +
+    `key_file` for a client certificate), `server_name`, or ready-made `credentials`."""
 
     def __init__(
         self,
@@ -255,11 +268,13 @@ class Client:
         timeout: float | None = None,
         metadata: Metadata | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        api_key: str | None = None,
+        **transport: Unpack[TransportParams],
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self.metadata = _metadata(metadata)
-        self._channel = grpc.insecure_channel(target, options=list(options))
+        self.metadata = with_api_key(_metadata(metadata), api_key)
+        self._channel = open_channel(target, options, aio=False, **transport)
         self._stub = router_pb2_grpc.GenerationStub(self._channel)
 
     def complete(
@@ -338,11 +353,13 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        api_key: str | None = None,
+        **transport: Unpack[TransportParams],
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self.metadata = _metadata(metadata)
-        self._channel = grpc.aio.insecure_channel(target, options=list(options))
+        self.metadata = with_api_key(_metadata(metadata), api_key)
+        self._channel = open_channel(target, options, aio=True, **transport)
         self._stub = router_pb2_grpc.GenerationStub(self._channel)
 
     async def complete(

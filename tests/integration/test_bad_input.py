@@ -100,6 +100,7 @@ def test_bad_input_gets_a_specific_status_and_says_what_was_wrong(cluster, call,
         call(client)
     assert (exc.value.code, phrase in exc.value.details) == (code, True), exc.value.details
     assert "Traceback" not in exc.value.details and len(exc.value.details) < 400
+    assert "127.0.0.1:" not in exc.value.details  # no internal address reaches a client (issue 15)
     wait_all_blocks_free(cluster.worker_address)
 
 
