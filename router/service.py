@@ -172,9 +172,8 @@ def _worker_error(entry: WorkerEntry, request_id: str, exc: grpc.aio.AioRpcError
         details=details,
     )
     if code in REQUEST_CODES:
-        return WorkerCallFailed(
-            code, f'worker "{entry.worker_id}": {redact_addresses(details, entry.address)}'
-        )
+        relayed = redact_addresses(details, entry.address)
+        return WorkerCallFailed(code, f'worker "{entry.worker_id}": {relayed} (request id {request_id})')
     return WorkerCallFailed(
         code,
         f'worker "{entry.worker_id}" could not serve request {request_id} ({code.name}); the router\'s log '

@@ -3,7 +3,8 @@
 Exit codes (also in `worker --help`):
     0   stopped on request (SIGINT/SIGTERM, the router's Shutdown or heartbeat reply)
     1   a fatal error that is not the operator's configuration: the model failed to load, the router
-        was unreachable for --router-timeout, the router rejected the auth token, an internal error
+        was unreachable for --router-timeout, the router rejected the auth token or the TLS handshake
+        (either side's certificate), an internal error
     2   bad flags (argparse)
     78  the configuration cannot be honored: --paged-attn on that this worker cannot realize, flags that
         contradict the device or the model (ConfigError), or the router refused to admit this worker
@@ -162,7 +163,8 @@ def epilog() -> str:
         "Exit codes:",
         "  0   stopped on request (SIGINT/SIGTERM, or the router asked it to stop)",
         "  1   fatal: the model failed to load, the router was unreachable for --router-timeout or rejected",
-        "      the auth token, an internal error",
+        "      the auth token, a TLS handshake with the router failed (or it refused this worker's",
+        "      certificate), an internal error",
         "  2   bad flags",
         "  78  configuration cannot be honored: --paged-attn on not realizable here, flags contradicting the",
         "      device or model, or the router refused to admit this worker",

@@ -20,7 +20,7 @@ from kvpact.router.cli import build_parser, config_from_args
 from kvpact.router.server import RouterServer
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.tls import TlsConfig, add_port, aio_channel, load_tls
-from kvpact.v1 import worker_pb2_grpc
+from kvpact.v1 import worker_pb2, worker_pb2_grpc
 from kvpact.worker.registration import RouterLink, RouterTlsError
 from tests.factories.certs import CertificateAuthority, TlsFilePaths
 from tests.router.doubles import WorkerDouble, ready, registry_stub, run_async, running_router, serving_double
@@ -162,22 +162,27 @@ async def test_api_keys_missing_wrong_and_right_and_health_and_reflection_stay_o
 
 
 @run_async
-async def test_api_key_rotation_keeps_a_stream_in_flight(pki, tmp_path):
-    keys = tmp_path / "keys"
+async def test_key_and_token_rotation_keeps_a_stream_in_flight(pki, tmp_path):
+    keys, tokens = tmp_path / "keys", tmp_path / "tokens"
     keys.write_text(f"{KEY}\n")
+    tokens.write_text("token-1\n")
     double = WorkerDouble("a", delay_s=0.05)
+    secrets = dict(
+        api_keys=(KEY,), api_key_file=str(keys), auth_tokens=("token-1",), auth_token_file=str(tokens)
+    )
     async with (
-        running_router(api_keys=(KEY,), api_key_file=str(keys)) as router,
+        running_router(**secrets) as router,
         serving_double(double) as a,
         registry_stub(router) as registry,
     ):
-        assert (await registry.Register(ready("a", a.address))).admitted
+        assert (await registry.Register(ready("a", a.address, token="token-1"))).admitted
         old = AsyncClient(f"127.0.0.1:{router.port}", timeout=10, api_key=KEY)
         new = AsyncClient(f"127.0.0.1:{router.port}", timeout=10, api_key=OTHER_KEY)
         async with old, new:
             stream = old.generate("hi", max_tokens=20)
             first = await anext(stream)
             keys.write_text(f"# rotated\n{OTHER_KEY}\n")
+            tokens.write_text("token-2\ntoken-1\n")  # the new one first, the old one until workers have it
             router.reload_secrets()  # what SIGHUP calls (the process-level SIGHUP: tests/integration)
             rest = [c async for c in stream]
             assert [first, *rest][-1].finish_reason == "length" and len(rest) == 19  # not dropped
@@ -185,6 +190,14 @@ async def test_api_key_rotation_keeps_a_stream_in_flight(pki, tmp_path):
                 await old.complete("x", max_tokens=1)
             assert err.value.code is grpc.StatusCode.UNAUTHENTICATED
             assert (await new.complete("x", max_tokens=1)).worker_id == "a"
+            for token in ("token-1", "token-2"):
+                beat = worker_pb2.HeartbeatRequest(worker_id="a", auth_token=token)
+                assert (await registry.Heartbeat(beat)).known
+            tokens.write_text("token-2\n")
+            router.reload_secrets()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", auth_token="token-1"))
+            assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
             keys.write_text("")  # a botched edit: the keys in force stay
             router.reload_secrets()
             assert (await new.complete("x", max_tokens=1)).worker_id == "a"
