@@ -46,13 +46,6 @@ def matches_any(accepted: tuple[str, ...], given: str) -> bool:
     return found
 
 
-def token_matches(expected: str | None, given: str) -> bool:
-    """True when no token is required, or `given` equals it (constant-time comparison)."""
-    if expected is None:
-        return True
-    return matches_any((expected,), given)
-
-
 @dataclass(slots=True)
 class SecretFile:
     """The secrets of one flag's file, held by the process that checks them. No file and no values: nothing
