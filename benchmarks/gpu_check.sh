@@ -88,7 +88,7 @@ export PYTHONPATH="${SITE:+$SITE:}$ROOT:$ROOT/protos${PYTHONPATH:+:$PYTHONPATH}"
 {
     echo "### a) environment ($(date -u +%FT%TZ)); dry run: $DRY; python: $PY; carried wheels: ${SITE:-none}"
     if command -v nvidia-smi > /dev/null; then timeout 30 nvidia-smi; else echo "no nvidia-smi"; fi
-    ls .whl 2> /dev/null | sed 's/^/carried: /'
+    find .whl -maxdepth 1 -type f -printf "carried: %f\n" 2> /dev/null
     timeout 60 "$PY" benchmarks/gpu_check.py env --device "$DEVICE"
     echo "gpu_check.py env exit $?"
 } > "$OUT/a_env.txt" 2>&1

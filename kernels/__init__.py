@@ -5,6 +5,8 @@ The Triton functions are loaded on first access (`from kvpact.kernels import pag
 which raises ImportError when triton is not installed; check `kvpact.kernels.support.triton_version()` first.
 """
 
+from typing import Any
+
 from kvpact.kernels.reference import (
     paged_decode_attention_torch,
     paged_prefill_attention_torch,
@@ -39,7 +41,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     if name not in _TRITON_FUNCTIONS:
         raise AttributeError(f"module 'kernels' has no attribute {name!r}")
     import importlib

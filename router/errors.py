@@ -40,4 +40,4 @@ class WorkerCallFailed(RouterError):
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
-        self.code = code  # type: ignore[misc]
+        self.code = code

@@ -16,7 +16,9 @@ PAGED_ATTN_HELP = (
 )
 
 
-def add_paged_attn_arg(parser: argparse.ArgumentParser, help_text: str = PAGED_ATTN_HELP) -> None:
+def add_paged_attn_arg(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, help_text: str = PAGED_ATTN_HELP
+) -> None:
     parser.add_argument(
         "--paged-attn",
         choices=[m.value for m in PagedAttentionMode],

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -88,7 +88,7 @@ class Engine:
         self._generated: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
         self._counts = (0, 0)  # (running, waiting) after the last step
         # Called from the step thread, once, if the engine stops on an internal error (the worker exits).
-        self.on_fatal: Callable[[str], None] | None = None
+        self.on_fatal: Callable[[str], object] | None = None
         # Renders and tokenizes prompts for generate(), off the caller's event loop.
         self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="kvpact-prepare")
         self._thread = threading.Thread(target=self._loop, name="kvpact-engine", daemon=True)
@@ -96,7 +96,7 @@ class Engine:
 
     # ---- caller side ----
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput]:
         """Stream the request's pieces; the last has finish_reason and usage. Raises RequestError before
         the first piece for a request that can never be served, GenerationError if the engine fails
         it. Stopping the iteration early (or cancelling the task) aborts it and frees its cache."""

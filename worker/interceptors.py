@@ -12,7 +12,7 @@ generator closes the handler's, which closes the engine's (and the engine frees 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -24,11 +24,11 @@ log = structlog.get_logger(__name__)
 KVPACT_METHOD_PREFIX = "/kvpact.v1."
 
 Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-Stream = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+Stream = Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any]]
 
 
 class _WrappingInterceptor(grpc.aio.ServerInterceptor):
-    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
         if handler is None or not method.startswith(KVPACT_METHOD_PREFIX):
@@ -59,7 +59,7 @@ class LogContextInterceptor(_WrappingInterceptor):
         return unary
 
     def wrap_stream(self, name: str, behavior: Stream) -> Stream:
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any]:
             with structlog.contextvars.bound_contextvars(worker_id=self._worker_id, rpc=name):
                 async with aclosing(behavior(request, context)) as responses:
                     async for response in responses:
@@ -105,7 +105,7 @@ class ErrorInterceptor(_WrappingInterceptor):
         return unary
 
     def wrap_stream(self, name: str, behavior: Stream) -> Stream:
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any]:
             try:
                 async with aclosing(behavior(request, context)) as responses:
                     async for response in responses:

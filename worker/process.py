@@ -400,9 +400,7 @@ class WorkerProcess:
         if self.server is not None:
             await self.server.stop(STOP_GRACE_S)
         if self.engine is not None:
-            result = self.engine.close()
-            if asyncio.iscoroutine(result):
-                await result
+            self.engine.close()
         if self.link is not None:
             await self.link.close()
         self.metrics.close()

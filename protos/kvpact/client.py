@@ -309,7 +309,10 @@ class Client:
         return models_from_pb(self._unary(self._stub.ListModels, router_pb2.ListModelsRequest(), timeout))
 
     def cluster_status(self, *, timeout: float | None = None) -> router_pb2.ClusterStatusResponse:
-        return self._unary(self._stub.ClusterStatus, router_pb2.ClusterStatusRequest(), timeout)
+        status: router_pb2.ClusterStatusResponse = self._unary(
+            self._stub.ClusterStatus, router_pb2.ClusterStatusRequest(), timeout
+        )
+        return status
 
     def close(self) -> None:
         self._channel.close()
@@ -396,7 +399,10 @@ class AsyncClient:
         )
 
     async def cluster_status(self, *, timeout: float | None = None) -> router_pb2.ClusterStatusResponse:
-        return await self._unary(self._stub.ClusterStatus, router_pb2.ClusterStatusRequest(), timeout)
+        status: router_pb2.ClusterStatusResponse = await self._unary(
+            self._stub.ClusterStatus, router_pb2.ClusterStatusRequest(), timeout
+        )
+        return status
 
     async def close(self) -> None:
         await self._channel.close()

@@ -12,7 +12,8 @@ from kvpact.v1 import cache_pb2, router_pb2, worker_pb2
 
 
 def _enum_name(enum_type: Any, value: int, prefix: str) -> str:
-    return enum_type.Name(value).removeprefix(prefix)
+    name: str = enum_type.Name(value)
+    return name.removeprefix(prefix)
 
 
 def _describe_asked(spec: worker_pb2.WorkerSpec) -> str:
