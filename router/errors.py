@@ -1,18 +1,15 @@
-"""What goes wrong in a router RPC, and the gRPC status each maps to (applied by router.interceptor)."""
+"""What goes wrong in a router RPC, and the gRPC status each maps to (applied by
+kvpact.shared.rpc_errors.ErrorInterceptor, the layer the worker uses too)."""
 
 from __future__ import annotations
 
 import grpc
 
+from kvpact.shared.rpc_errors import StatusError
 
-class RouterError(Exception):
-    """Raised inside a servicer; the interceptor aborts the RPC with `code` and the message."""
 
-    code = grpc.StatusCode.INTERNAL
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-        self.details = details
+class RouterError(StatusError):
+    """Raised inside a router servicer; the interceptor aborts the RPC with `code` and the message."""
 
 
 class NotServing(RouterError):

@@ -18,13 +18,13 @@ from grpc_reflection.v1alpha import reflection
 from kvpact.router.api_keys import ApiKeyInterceptor
 from kvpact.router.cluster import Cluster
 from kvpact.router.config import RouterConfig
-from kvpact.router.interceptor import ErrorInterceptor
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry_service import RegistryService
 from kvpact.router.service import GenerationService
 from kvpact.shared.auth import SecretFile
-from kvpact.shared.errors import BindError, ConfigError
+from kvpact.shared.errors import BindError, ConfigError, RequestError
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
+from kvpact.shared.rpc_errors import ErrorInterceptor
 from kvpact.shared.tls import add_port, describe_tls, plaintext_warning
 from kvpact.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -37,6 +37,10 @@ SERVICE_NAMES = (
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
     reflection.SERVICE_NAME,
 )
+# What is not a RouterError (those carry their own status) but still has a specific status.
+STATUS_FOR_ERROR: dict[type[BaseException], grpc.StatusCode] = {
+    RequestError: grpc.StatusCode.INVALID_ARGUMENT
+}
 
 
 class RouterServer:
@@ -48,7 +52,7 @@ class RouterServer:
         self.api_keys = SecretFile("--api-key-file", config.api_key_file, config.api_keys)
         # No grpc.max_concurrent_streams: a cap stalls client streams past it (see router/connections.py).
         self._server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(self.api_keys), ErrorInterceptor()],
+            interceptors=[ApiKeyInterceptor(self.api_keys), ErrorInterceptor(STATUS_FOR_ERROR, "router")],
             options=[("grpc.so_reuseport", 0), *GRPC_MESSAGE_OPTIONS],
         )
         router_pb2_grpc.add_GenerationServicer_to_server(

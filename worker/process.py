@@ -59,7 +59,7 @@ from kvpact.worker.device import probe_device
 from kvpact.worker.engine import Engine
 from kvpact.worker.loader import model_name, resolve_model_path
 from kvpact.worker.metrics import WorkerMetrics
-from kvpact.worker.registration import RouterError, RouterLink
+from kvpact.worker.registration import RegistrationError, RouterLink
 from kvpact.worker.service import WorkerServer, WorkerService
 from kvpact.worker.startup import WorkerPlan, build_engine, plan_startup
 from kvpact.worker.wire import capabilities_to_pb
@@ -234,7 +234,7 @@ class WorkerProcess:
                 error=True,
             )
             return EXIT_POLICY
-        except RouterError as exc:  # the token was rejected while announcing the plan
+        except RegistrationError as exc:  # the token was rejected while announcing the plan
             _say(f"worker {self.worker_id}: {exc}", error=True)
             return EXIT_FATAL
         except Exception as exc:
@@ -258,7 +258,7 @@ class WorkerProcess:
             return None
         try:
             admission = await self._until_stopped(self.link.register(self.handshake))
-        except RouterError as exc:
+        except RegistrationError as exc:
             _say(f"worker {self.worker_id}: {exc}", error=True)
             return EXIT_FATAL
         if admission is None:
@@ -348,7 +348,7 @@ class WorkerProcess:
             self.handshake.failed.CopyFrom(failure_to_pb(failure))
             try:
                 await self._until_stopped(self.link.register(self.handshake))
-            except RouterError as report_error:
+            except RegistrationError as report_error:
                 log.warning("could not report the startup failure to the router", error=str(report_error))
         return code
 
@@ -363,7 +363,7 @@ class WorkerProcess:
 
         try:
             reason = await self.link.heartbeats(self.heartbeat_interval_s, engine.stats, reregister)
-        except RouterError as exc:  # the token was rejected, or re-registering failed
+        except RegistrationError as exc:  # the token was rejected, or re-registering failed
             _say(f"worker {self.worker_id}: {exc}", error=True)
             self.stop.request(str(exc), EXIT_FATAL)
         except Exception as exc:  # a bug: never serve on silently without heartbeats

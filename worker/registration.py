@@ -3,7 +3,7 @@
 - `register` sends a Handshake and returns the Admission. A router that is not up yet (UNAVAILABLE)
   is retried with backoff until the link's timeout (--router-timeout), then RouterUnreachableError.
   UNAUTHENTICATED (no or wrong --auth-token-file) raises RouterAuthError at once; any other status
-  raises RouterError. A failed startup is reported the same way (Handshake.failed).
+  raises RegistrationError. A failed startup is reported the same way (Handshake.failed).
 - `announce` sends the pre-load plan (Handshake.loading) once, bounded (ANNOUNCE_TIMEOUT_S): None when
   the router cannot be reached or does not understand it (the worker keeps loading; its `ready`
   registration keeps the retries). UNAUTHENTICATED raises RouterAuthError, as for `register`.
@@ -42,19 +42,19 @@ PLAINTEXT_HINT = (
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # not up yet, or slow
 
 
-class RouterError(KvpactError):
+class RegistrationError(KvpactError):
     """The router answered the handshake or a heartbeat with an error."""
 
 
-class RouterAuthError(RouterError):
+class RouterAuthError(RegistrationError):
     """The router requires an auth token and this worker has none, or a different one."""
 
 
-class RouterTlsError(RouterError):
+class RouterTlsError(RegistrationError):
     """The TLS handshake with the router failed (certificates, or TLS on one side only)."""
 
 
-class RouterUnreachableError(RouterError):
+class RouterUnreachableError(RegistrationError):
     """No answer from the router within --router-timeout."""
 
 
@@ -121,7 +121,7 @@ class RouterLink:
                 if tls_error is not None:
                     raise tls_error from None
                 if code not in _RETRYABLE:
-                    raise RouterError(
+                    raise RegistrationError(
                         f"router {self.router} answered the handshake with {code.name}: {exc.details()}"
                     ) from None
                 if time.monotonic() + backoff >= deadline:

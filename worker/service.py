@@ -1,7 +1,7 @@
 """The worker's gRPC face: the `kvpact.v1.Worker` servicer and the server that carries it.
 
 The servicer is thin: protobuf in and out through worker/wire.py, the work done by the engine, errors
-mapped to status codes by worker/interceptors.py (`STATUS_FOR_ERROR`). It is added to the server
+mapped to status codes by shared/rpc_errors.py (this module's `STATUS_FOR_ERROR`). It is added to the server
 before the model is loaded and answers UNAVAILABLE until `attach(engine)`. Standard health is readiness:
 NOT_SERVING while loading, SERVING once admitted by the router (standalone: once loaded), NOT_SERVING
 again when its engine loop stops or while the worker stops (drains).
@@ -26,10 +26,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpact.shared.errors import BindError, KvpactError, RequestError
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS, check_request_limits, excerpt
+from kvpact.shared.rpc_errors import ErrorInterceptor, LogContextInterceptor
 from kvpact.shared.tls import TlsConfig, add_port
 from kvpact.shared.wire import load_to_pb
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from kvpact.worker.interceptors import ErrorInterceptor, LogContextInterceptor
 from kvpact.worker.request import EngineClosedError, GenerationError
 from kvpact.worker.wire import chunk_to_pb, request_from_pb
 
@@ -114,7 +114,10 @@ class WorkerServer:
         self._host = host
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
-            interceptors=[LogContextInterceptor(service.worker_id), ErrorInterceptor(STATUS_FOR_ERROR)],
+            interceptors=[
+                LogContextInterceptor(worker_id=service.worker_id),
+                ErrorInterceptor(STATUS_FOR_ERROR, "worker"),
+            ],
             options=GRPC_MESSAGE_OPTIONS,  # deliberate, and documented in shared/limits.py
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)

@@ -10,10 +10,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvpact.client import AsyncClient, KvpactRpcError
-from kvpact.router.interceptor import _wrap_stream
+from kvpact.router.server import STATUS_FOR_ERROR
 from kvpact.router.service import GenerationService
 from kvpact.shared.handshake import LoadingPlan
 from kvpact.shared.intent import Fallback
+from kvpact.shared.rpc_errors import ErrorInterceptor
 from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, worker_pb2
 from tests.router.doubles import (
@@ -271,7 +272,7 @@ async def test_closing_the_relay_ends_the_worker_call_before_close_returns(inter
     async with one_worker_router(a) as (router, _):
         handler = GenerationService(router.cluster).Generate
         if intercepted:
-            handler = _wrap_stream(handler, "/kvpact.v1.Generation/Generate")
+            handler = ErrorInterceptor(STATUS_FOR_ERROR, "router").wrap_stream("Generate", handler)
         relay = handler(generation_pb2.GenerateRequest(text="hello", max_tokens=1000), _NoDeadline())
         assert (await anext(relay)).token_ids
         entry = router.cluster.registry.get("a")

@@ -1,17 +1,22 @@
-"""Two server interceptors for the worker's kvpact services (health and reflection pass untouched).
+"""Exceptions -> gRPC status, for every kvpact servicer (the router's and the worker's), in one place.
 
-- `LogContextInterceptor` binds the worker id and the RPC name into every log line of the call.
-- `ErrorInterceptor` turns our exceptions into specific gRPC status codes with their message
-  (never a stack trace to the client). An exception the table does not name is logged with its
-  traceback and answered INTERNAL; the server keeps serving everyone else.
+- `StatusError` carries its own status code (the router's errors; a worker's status relayed as is).
+- `ErrorInterceptor(statuses, process)` aborts a call that raised with a specific status and the
+  exception's message: its own code for a `StatusError`, else the code `statuses` maps its class to
+  (the most derived class listed wins). Anything else is logged with its traceback and answered
+  INTERNAL "internal error in <Method>: <ExceptionType> (see the <process>'s log)", never a stack trace;
+  the server keeps serving everyone else.
+- `LogContextInterceptor(**fields)` binds `fields` and the RPC's name into every log line of the call.
 
-Both wrap unary-unary and unary-stream handlers written as coroutines / async generators. Streams are
-wrapped with `aclosing`, so when a call ends early (client cancel, deadline) closing the outermost
-generator closes the handler's, which closes the engine's (and the engine frees the sequence).
+Only `/kvpact.v1.` methods are wrapped (standard health and reflection pass untouched), unary-unary
+and unary-stream. Streams are wrapped with `aclosing`, so when a call ends early (client cancel,
+deadline) closing the outermost generator closes the handler's, which closes what it relays (the
+engine's, which frees the sequence; the router's call to the worker, which cancels it).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
@@ -19,7 +24,7 @@ from typing import Any
 import grpc
 import structlog
 
-log = structlog.get_logger(__name__)
+log = structlog.get_logger("kvpact.rpc")
 
 KVPACT_METHOD_PREFIX = "/kvpact.v1."
 
@@ -27,8 +32,22 @@ Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 Stream = Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any]]
 
 
+class StatusError(Exception):
+    """Raised inside a servicer: the call is aborted with `code` and the message (`details`)."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self.details = details
+
+
 class _WrappingInterceptor(grpc.aio.ServerInterceptor):
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
         if handler is None or not method.startswith(KVPACT_METHOD_PREFIX):
@@ -36,7 +55,7 @@ class _WrappingInterceptor(grpc.aio.ServerInterceptor):
         name = method.rsplit("/", 1)[-1]
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self.wrap_unary(name, handler.unary_unary))
-        if handler.unary_stream is not None:
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return handler._replace(unary_stream=self.wrap_stream(name, handler.unary_stream))
         return handler
 
@@ -48,19 +67,19 @@ class _WrappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 class LogContextInterceptor(_WrappingInterceptor):
-    def __init__(self, worker_id: str) -> None:
-        self._worker_id = worker_id
+    def __init__(self, **fields: str) -> None:
+        self._fields = fields
 
     def wrap_unary(self, name: str, behavior: Unary) -> Unary:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            with structlog.contextvars.bound_contextvars(worker_id=self._worker_id, rpc=name):
+            with structlog.contextvars.bound_contextvars(**self._fields, rpc=name):
                 return await behavior(request, context)
 
         return unary
 
     def wrap_stream(self, name: str, behavior: Stream) -> Stream:
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any]:
-            with structlog.contextvars.bound_contextvars(worker_id=self._worker_id, rpc=name):
+            with structlog.contextvars.bound_contextvars(**self._fields, rpc=name):
                 async with aclosing(behavior(request, context)) as responses:
                     async for response in responses:
                         yield response
@@ -69,12 +88,16 @@ class LogContextInterceptor(_WrappingInterceptor):
 
 
 class ErrorInterceptor(_WrappingInterceptor):
-    """`statuses` maps exception classes to status codes; the most derived class listed wins."""
+    """`statuses` maps exception classes to status codes; `process` ("router", "worker") names whose
+    log holds the traceback of an unexpected error."""
 
-    def __init__(self, statuses: Mapping[type[BaseException], grpc.StatusCode]) -> None:
+    def __init__(self, statuses: Mapping[type[BaseException], grpc.StatusCode], process: str) -> None:
         self._statuses = dict(statuses)
+        self._process = process
 
     def status_for(self, exc: BaseException) -> grpc.StatusCode | None:
+        if isinstance(exc, StatusError):
+            return exc.code
         for cls in type(exc).__mro__:
             if cls in self._statuses:
                 return self._statuses[cls]
@@ -83,14 +106,12 @@ class ErrorInterceptor(_WrappingInterceptor):
     async def _abort(self, name: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
         code = self.status_for(exc)
         if code is None:
-            log.exception("unexpected error", error_type=type(exc).__name__)
-            code, message = (
-                grpc.StatusCode.INTERNAL,
-                f"internal error in {name}: {type(exc).__name__} (see the worker's log)",
-            )
+            log.exception("unexpected error", rpc=name, error_type=type(exc).__name__)
+            code = grpc.StatusCode.INTERNAL
+            message = f"internal error in {name}: {type(exc).__name__} (see the {self._process}'s log)"
         else:
             message = str(exc)
-            log.info("request failed", status=code.name, error=message)
+            log.info("request failed", rpc=name, status=code.name, error=message)
         await context.abort(code, message)
 
     def wrap_unary(self, name: str, behavior: Unary) -> Unary:
