@@ -3,9 +3,7 @@
 `router status [--address HOST:PORT] [--json] [--watch SECONDS]` prints a running cluster's table
 instead (exit 0 when it is SERVING; see `router status --help`).
 
-Exit codes: 0 stopped by SIGINT/SIGTERM; 78 the --paged-attn policy cannot be honored by every
-worker (the report names each worker and why); 1 the cluster did not come up otherwise (startup
-timeout, a worker that failed to load, a port that cannot be bound); 2 bad flags.
+Exit codes: kvpact.shared.exit_codes.EXIT_CODES (rendered into `router --help`).
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from kvpact.router.config import RouterConfig
 from kvpact.shared.auth import read_secrets
 from kvpact.shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
 from kvpact.shared.errors import EXIT_FATAL, BindError, ConfigError
+from kvpact.shared.exit_codes import exit_codes_help
 from kvpact.shared.intent import PagedAttentionMode
 from kvpact.shared.log import configure_logging
 from kvpact.shared.tls import add_tls_args, tls_from_args
@@ -48,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="router",
         description="The kvpact router: admits workers under the cluster's --paged-attn policy and "
         "serves the client-facing Generation service.",
-        epilog=__doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[2],
+        epilog=__doc__.split("\n\n")[1] + "\n\n" + exit_codes_help("router"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

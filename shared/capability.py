@@ -9,13 +9,15 @@ on a CPU. Defaults mirror the seed write-up:
     a device map mixing CPU and accelerator layers                     -> unsupported
     --pa-backend triton without CUDA, --no-kv-cache                    -> unsupported
 
-Every "unsupported" goes through `disable_paged_attention`, so `auto` records the reason and `on` raises.
+Every "unsupported" goes through `disable_paged_attention`, so `auto` records the reason and `on` raises;
+the messages are shared/reasons.py's (component `device`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpact.shared import reasons
 from kvpact.shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
 
 ACCELERATOR_KINDS = frozenset({"cuda", "mps"})
@@ -81,10 +83,10 @@ def _choose_backend(
     config = state.paged_config
     assert config is not None
     if state.intent.no_kv_cache:
-        return None, "--no-kv-cache disables the KV cache, so there is no cache to page"
+        return None, reasons.NO_KV_CACHE.message()
     kinds = device.device_map_kinds or frozenset({device.kind})
     if "cpu" in kinds and kinds & ACCELERATOR_KINDS:
-        return None, "device mapping includes CPU and PagedAttention has no CPU KV cache"
+        return None, reasons.MIXED_DEVICE_MAP.message()
     if config.backend is PagedBackend.TORCH:
         return PagedBackend.TORCH, ""
     if config.backend is PagedBackend.TRITON or device.kind == "cuda":
@@ -92,35 +94,32 @@ def _choose_backend(
         return (None, reason) if reason else (PagedBackend.TRITON, "")
     # CPU or MPS with backend auto.
     if not config.required:
-        return (
-            None,
-            f"eager is the {device.kind.upper()} default (use --paged-attn on for the torch paged backend)",
-        )
+        return None, reasons.EAGER_DEFAULT.message(device=device.kind.upper())
     return PagedBackend.TORCH, ""
 
 
 def _triton_unsupported(device: DeviceInfo, block_size: int, model: ModelTraits | None) -> str:
     """Why the Triton kernels cannot run here, or "" when they can."""
     if device.kind != "cuda":
-        return f"the Triton paged backend needs a CUDA device and this worker runs on {device.kind}"
+        return reasons.TRITON_OFF_CUDA.message(device=device.kind)
     if device.triton_version is None:
-        return "this build has no usable Triton (import failed), so the Triton paged kernels cannot run"
+        return reasons.NO_TRITON.message()
     support = device.triton_support
     if support is None:
-        return "the Triton paged kernels did not report what they support"
+        return reasons.KERNEL_LIMITS_UNKNOWN.message()
     cc = device.compute_capability
     if cc is None or cc < support.min_compute_capability:
         need = ".".join(map(str, support.min_compute_capability))
         have = ".".join(map(str, cc)) if cc else "unknown"
         name = device.name or "this GPU"
-        return f"the Triton paged kernels need compute capability >= {need} and {name} has {have}"
+        return reasons.COMPUTE_CAPABILITY.message(need=need, gpu=name, have=have)
     if block_size not in support.block_sizes:
         sizes = ", ".join(map(str, sorted(support.block_sizes)))
-        return f"the Triton paged kernels take block sizes {sizes}, not --pa-block-size {block_size}"
+        return reasons.BLOCK_SIZE.message(sizes=sizes, block_size=block_size)
     if model is not None and model.head_size not in support.head_sizes:
         sizes = ", ".join(map(str, sorted(support.head_sizes)))
-        return f"the model's head size {model.head_size} is not one the Triton paged kernels take ({sizes})"
+        return reasons.HEAD_SIZE.message(head_size=model.head_size, sizes=sizes)
     if model is not None and model.dtype not in support.dtypes:
         dtypes = ", ".join(sorted(support.dtypes))
-        return f"the Triton paged kernels take KV dtypes {dtypes}, not {model.dtype}"
+        return reasons.KV_DTYPE.message(dtypes=dtypes, dtype=model.dtype)
     return ""

@@ -6,6 +6,7 @@ import enum
 
 from kvpact.shared.errors import PagedAttentionRequiredError
 from kvpact.shared.intent import CacheIntent
+from kvpact.shared.reasons import NOT_PAGED_CACHE
 
 
 class CacheKind(enum.Enum):
@@ -25,5 +26,5 @@ def select_scheduler(requested: CacheIntent, realized: CacheKind | None) -> Sche
         return SchedulerKind.PAGED
     if requested.required:
         built = "no KV cache" if realized is None else f"an {realized.value} KV cache"
-        raise PagedAttentionRequiredError(f"the worker built {built}, not a paged one", "scheduler")
+        raise PagedAttentionRequiredError(NOT_PAGED_CACHE.message(built=built), NOT_PAGED_CACHE.component)
     return SchedulerKind.DEFAULT

@@ -1,13 +1,6 @@
 """The `worker` command: flags -> WorkerSpec (+ process options) -> the startup sequence in worker/process.py.
 
-Exit codes (also in `worker --help`):
-    0   stopped on request (SIGINT/SIGTERM, the router's Shutdown or heartbeat reply)
-    1   a fatal error that is not the operator's configuration: the model failed to load, the router
-        was unreachable for --router-timeout, the router rejected the auth token or the TLS handshake
-        (either side's certificate), an internal error
-    2   bad flags (argparse)
-    78  the configuration cannot be honored: --paged-attn on that this worker cannot realize, flags that
-        contradict the device or the model (ConfigError), or the router refused to admit this worker
+Exit codes: kvpact.shared.exit_codes.EXIT_CODES (rendered into `worker --help`).
 """
 
 from __future__ import annotations
@@ -29,6 +22,7 @@ from kvpact.kernels.support import (
 )
 from kvpact.shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
 from kvpact.shared.errors import ConfigError
+from kvpact.shared.exit_codes import exit_codes_help
 from kvpact.shared.intent import (
     DEFAULT_BLOCK_SIZE,
     CacheDtype,
@@ -37,6 +31,7 @@ from kvpact.shared.intent import (
     PagedBackend,
     cache_intent,
 )
+from kvpact.shared.reasons import reasons_help
 from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
 from kvpact.shared.tls import add_tls_args, tls_from_args
 from kvpact.worker.kv.sizing import (
@@ -95,39 +90,19 @@ def _listing(values: frozenset[int] | frozenset[str]) -> str:
     return ", ".join(map(str, sorted(values)))
 
 
+def kernel_limits() -> dict[str, str]:
+    """What the Triton kernels take, for the conditions in shared/reasons.py (--help, docs/contract.md)."""
+    return {
+        "min_cc": ".".join(map(str, TRITON_MIN_COMPUTE_CAPABILITY)),
+        "head_sizes": _listing(TRITON_HEAD_SIZES),
+        "block_sizes": _listing(TRITON_BLOCK_SIZES),
+        "dtypes": _listing(TRITON_DTYPES),
+    }
+
+
 def epilog() -> str:
     """Every reason a worker gives for running without PagedAttention (auto) or refusing to start (on),
     quoted from the constants the checks use, then the exit codes."""
-    cc = ".".join(map(str, TRITON_MIN_COMPUTE_CAPABILITY))
-    reasons = [
-        (
-            "CPU/MPS default",
-            "on CPU and Apple MPS, auto keeps the eager KV cache; on uses the torch paged backend",
-        ),
-        ("no Triton", "a CUDA device but Triton cannot be imported, so the Triton paged kernels cannot run"),
-        ("Triton off CUDA", "--pa-backend triton on a device that is not CUDA"),
-        ("compute capability", f"the Triton paged kernels need compute capability >= {cc}"),
-        ("head size", f"the Triton paged kernels take head sizes {_listing(TRITON_HEAD_SIZES)}"),
-        ("block size", f"the Triton paged kernels take --pa-block-size {_listing(TRITON_BLOCK_SIZES)}"),
-        ("dtype", f"the Triton paged kernels take KV dtypes {_listing(TRITON_DTYPES)}"),
-        (
-            "mixed device map",
-            "--device-map puts layers on CPU and on an accelerator (no CPU paged cache for GPU kernels)",
-        ),
-        (
-            "sliding window",
-            "the model's attention window is shorter than --max-model-len (the paged kernels attend "
-            "over the whole context; lower --max-model-len to the window)",
-        ),
-        ("--no-kv-cache", "there is no KV cache to page"),
-        ("KV budget", "the --pa-* budget cannot hold one --max-model-len sequence"),
-        (
-            "kernel self-test",
-            "the Triton paged kernels, run once at startup with the model's shapes, failed or disagreed "
-            "with the torch reference on this GPU (--pa-backend torch avoids them)",
-        ),
-    ]
-    width = max(len(name) for name, _ in reasons)
     cpu, gpu = CPU_DEFAULTS, GPU_DEFAULTS
     cuda_defaults = [
         "  --max-model-len 0           auto: the longest sequence the realized KV cache holds, up to the",
@@ -152,7 +127,7 @@ def epilog() -> str:
     lines = [
         "Why PagedAttention is not used (auto: recorded as a fallback; on: startup fails with exit 78).",
         "Each reason is logged at startup, sent in the handshake and shown in the router's ClusterStatus:",
-        *(f"  {name.ljust(width)}  {text}" for name, text in reasons),
+        *reasons_help(kernel_limits()),
         "",
         "CPU/MPS defaults the engine chooses (worker/kv/sizing.py):",
         *cpu_defaults,
@@ -160,14 +135,7 @@ def epilog() -> str:
         "CUDA defaults:",
         *cuda_defaults,
         "",
-        "Exit codes:",
-        "  0   stopped on request (SIGINT/SIGTERM, or the router asked it to stop)",
-        "  1   fatal: the model failed to load, the router was unreachable for --router-timeout or rejected",
-        "      the auth token, a TLS handshake with the router failed (or it refused this worker's",
-        "      certificate), an internal error",
-        "  2   bad flags",
-        "  78  configuration cannot be honored: --paged-attn on not realizable here, flags contradicting the",
-        "      device or model, or the router refused to admit this worker",
+        exit_codes_help("worker"),
     ]
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from kvpact.kernels import reference
+from kvpact.shared.reasons import KERNEL_ACCURACY, KERNEL_SELF_TEST
 from kvpact.worker.kv.paged import PagedOps
 
 CONTEXT_LENS = (5, 37)
@@ -44,7 +45,6 @@ def triton_self_test(
     """ "" when the Triton kernels (or `ops`, for tests) match the torch references on `device`,
     else why not, naming --pa-backend torch as the way to keep PagedAttention without them."""
     where = _device_name(device)
-    advice = "(--pa-backend torch runs PagedAttention without them)"
     try:
         if ops is None:
             from kvpact.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
@@ -55,17 +55,16 @@ def triton_self_test(
             errors = _compare(ops, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
     except Exception as e:  # noqa: BLE001 - any failure to compile or launch is the finding
         message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return (
-            f"the Triton paged kernels failed a startup self-test on {where}: "
-            f"{type(e).__name__}: {message[:300]} {advice}"
-        )
+        return KERNEL_SELF_TEST.message(where=where, error=f"{type(e).__name__}: {message[:300]}")
     tolerance = TOLERANCES[dtype]
     for name, error in errors.items():
         if not error <= tolerance:  # NaN fails too
-            return (
-                f"the Triton paged kernels' {name} is off the torch reference by {error:.3g} "
-                f"(more than {tolerance:g} in {str(dtype).removeprefix('torch.')}) in a startup self-test "
-                f"on {where} {advice}"
+            return KERNEL_ACCURACY.message(
+                kernel=name,
+                error=f"{error:.3g}",
+                tolerance=f"{tolerance:g}",
+                dtype=str(dtype).removeprefix("torch."),
+                where=where,
             )
     return ""
 

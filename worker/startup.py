@@ -38,6 +38,7 @@ from typing import Any
 import structlog
 import torch
 
+from kvpact.shared import reasons
 from kvpact.shared.capability import ModelTraits, PagedDecision, decide_paged_attention
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend, disable_paged_attention
@@ -131,7 +132,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     defaults = sizing.device_defaults(probe.info.kind)
     max_model_len, fit_to_cache, max_model_len_source = _max_model_len(spec, config, defaults)
     for reason in loader_findings(config, max_model_len):
-        disable_paged_attention(state, reason, component="loader")
+        disable_paged_attention(state, reason, component=reasons.SLIDING_WINDOW.component)
     if spec.cache.no_kv_cache:  # `on` already failed in the decision above
         raise ConfigError(
             "--no-kv-cache asks for recompute-every-token generation, which this worker does not implement; "
@@ -172,7 +173,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
             max_model_len, max_model_len_source = sizing.fit_paged(paged_size, max_model_len)
         reason = sizing.shortfall(paged_size, max_model_len)
         if reason:
-            disable_paged_attention(state, reason, component="cache-budget")
+            disable_paged_attention(state, reason, component=reasons.KV_BUDGET.component)
             paged_size = None
     if state.paged_config is not None and decision.backend is PagedBackend.TRITON:
         reason = triton_self_test(
@@ -184,7 +185,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
             block_size=state.paged_config.block_size,
         )
         if reason:
-            disable_paged_attention(state, reason, component="kernels")
+            disable_paged_attention(state, reason, component=reasons.KERNEL_SELF_TEST.component)
             paged_size = None
     if state.paged_config is None:
         max_num_seqs = spec.max_num_seqs or defaults.eager_max_num_seqs
@@ -325,11 +326,7 @@ def loader_findings(config: ModelConfig, max_model_len: int) -> list[str]:
     findings = []
     window = config.sliding_window
     if window is not None and window < max_model_len:
-        findings.append(
-            f"the model uses sliding-window attention (window {window} tokens) and the paged kernels "
-            f"attend over the whole context, which differs once a sequence passes {window} tokens "
-            f"(--max-model-len is {max_model_len}; lower it to {window} to use PagedAttention)"
-        )
+        findings.append(reasons.SLIDING_WINDOW.message(window=window, max_model_len=max_model_len))
     return findings
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.intent import PagedAttentionConfig
+from kvpact.shared.reasons import KV_BUDGET
 
 GiB = 2**30
 MiB = 2**20
@@ -154,10 +155,15 @@ def shortfall(size: PagedSize, max_model_len: int) -> str:
         if size.capacity_tokens
         else "or lower --max-model-len"
     )
-    return (
-        f"the KV cache budget ({size.budget}) holds only {size.capacity_tokens} tokens "
-        f"({size.num_blocks} blocks of {size.block_size}), fewer than one --max-model-len {max_model_len} "
-        f"sequence; raise {size.flag} (at least {max_model_len} tokens = {_mib(needed)}) {lower}"
+    return KV_BUDGET.message(
+        budget=size.budget,
+        capacity=size.capacity_tokens,
+        num_blocks=size.num_blocks,
+        block_size=size.block_size,
+        max_model_len=max_model_len,
+        flag=size.flag,
+        needed=_mib(needed),
+        lower=lower,
     )
 
 

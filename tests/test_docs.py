@@ -1,0 +1,51 @@
+"""The docs stand on their own and say what the code says: generated sections (exit codes, the reasons
+PagedAttention is not used) match their tables in the code; no doc cites a file outside the repository."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpact.shared import reasons
+from kvpact.shared.exit_codes import EXIT_CODES
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+
+
+def test_generated_sections_are_up_to_date():
+    result = subprocess.run(
+        [sys.executable, "tools/render_docs.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_each_generated_table_is_in_the_docs():
+    contract = (ROOT / "docs" / "contract.md").read_text()
+    for r in reasons.REASONS:
+        assert f"| {r.name} | `{r.component}` |" in contract
+    for doc in (ROOT / "README.md", ROOT / "docs" / "contract.md"):
+        text = doc.read_text()
+        for e in EXIT_CODES:
+            assert f"| {e.code} | {e.router} | {e.worker} |" in text, doc.name
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_cite_nothing_outside_the_repository(doc):
+    bad = re.findall(r"\.\./shared|(?<![\w/])reference/|DESIGN\.md|STYLE\.md", doc.read_text())
+    assert not bad, f"{doc.name} cites {bad}: say it here instead"
+
+
+def test_every_reason_is_raised_somewhere():
+    """A reason in the table that no check uses would be documented but never given."""
+    code = "\n".join(p.read_text() for d in ("shared", "worker") for p in (ROOT / d).rglob("*.py"))
+    names = [n for n, v in vars(reasons).items() if isinstance(v, reasons.Reason)]
+    assert len(names) == len(reasons.REASONS)
+    unused = [n for n in names if not re.search(rf"\b{n}\.(message|component)\b", code)]
+    assert not unused, unused
