@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpact.shared.describe import describe_kind, fallback_reasons
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import CacheIntent, PagedAttentionMode
 from kvpact.shared.realized import RealizedCache
@@ -96,17 +97,6 @@ def _judge(
     if outcome.fallbacks:
         reason += f" (fell back: {fallback_reasons(outcome)})"
     return Decision(admitted=True, reason=reason)
-
-
-def describe_kind(realized: RealizedCache | LoadingPlan) -> str:
-    if realized.kind is CacheKind.PAGED:
-        backend = realized.backend.value if realized.backend else "unknown"
-        return f"a PAGED KV cache ({backend} backend)"
-    return "an EAGER KV cache"
-
-
-def fallback_reasons(realized: RealizedCache | LoadingPlan) -> str:
-    return "; ".join(f"[{f.component}] {f.reason}" if f.component else f.reason for f in realized.fallbacks)
 
 
 def _failed(failure: StartupFailure) -> Decision:

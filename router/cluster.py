@@ -21,15 +21,10 @@ from kvpact.router.connections import WorkerChannels
 from kvpact.router.errors import InvalidRequest
 from kvpact.router.readiness import readiness
 from kvpact.router.registry import Registry, WorkerEntry, WorkerState
-from kvpact.router.report import (
-    FailedStartup,
-    describe_intent,
-    describe_plan,
-    describe_realized,
-    render_failure_report,
-)
+from kvpact.router.report import FailedStartup, render_failure_report
 from kvpact.router.startup import ClusterState, Startup
 from kvpact.shared import wire
+from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.v1 import worker_pb2

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpact.router.admission import fallback_reasons
 from kvpact.router.registry import WorkerEntry
+from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
 from kvpact.shared.errors import EXIT_POLICY
-from kvpact.shared.handshake import LoadingPlan
-from kvpact.shared.intent import CacheIntent, PagedAttentionMode
-from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.shared.intent import PagedAttentionMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,53 +24,6 @@ class FailedStartup:
     exit_code: int
     workers: list[WorkerEntry]
     shutdown: dict[str, str]  # worker id -> "sent" or why not
-
-
-def describe_intent(intent: CacheIntent) -> str:
-    """The intent as the worker flags that express it, e.g. `--paged-attn on --pa-backend triton`."""
-    parts = [f"--paged-attn {intent.mode.value}"]
-    config = intent.paged
-    if config is not None:
-        if config.backend.value != "auto":
-            parts.append(f"--pa-backend {config.backend.value}")
-        parts.append(f"--pa-block-size {config.block_size}")
-        if config.context_tokens is not None:
-            parts.append(f"--pa-context-tokens {config.context_tokens}")
-        if config.memory_bytes is not None:
-            parts.append(f"--pa-memory-bytes {config.memory_bytes}")
-        if config.memory_fraction is not None:
-            parts.append(f"--pa-memory-fraction {config.memory_fraction:g}")
-        if config.cache_dtype.value != "auto":
-            parts.append(f"--pa-cache-dtype {config.cache_dtype.value}")
-    if intent.no_kv_cache:
-        parts.append("--no-kv-cache")
-    return " ".join(parts)
-
-
-def describe_realized(realized: RealizedCache) -> str:
-    if realized.kind is CacheKind.PAGED:
-        backend = realized.backend.value if realized.backend else "unknown"
-        text = (
-            f"PAGED ({backend} backend), {realized.num_blocks} blocks x {realized.block_size} tokens = "
-            f"{realized.capacity_tokens} tokens"
-        )
-    else:
-        text = f"EAGER, {realized.num_blocks} slots = {realized.capacity_tokens} tokens"
-    text += f", max model len {realized.max_model_len}"
-    if realized.fallbacks:
-        text += f"; fell back because {fallback_reasons(realized)}"
-    return text
-
-
-def describe_plan(plan: LoadingPlan) -> str:
-    """A pre-load plan, e.g. `PAGED (torch backend)` or `EAGER; fell back because [device] ...`."""
-    if plan.kind is CacheKind.PAGED:
-        text = f"PAGED ({plan.backend.value if plan.backend else 'unknown'} backend)"
-    else:
-        text = "EAGER"
-    if plan.fallbacks:
-        text += f"; fell back because {fallback_reasons(plan)}"
-    return text
 
 
 def render_failure_report(failed: FailedStartup) -> str:

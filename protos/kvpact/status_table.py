@@ -1,13 +1,16 @@
 """ClusterStatus as a readable table (re-exported by kvpact.client; `make serve` prints it).
 
 One row per worker (state, model, address, what it was asked, what it realized, capacity, load,
-heartbeat age), then every fallback reason, failure and refusal. Depends only on the generated messages.
+heartbeat age), then every fallback reason, failure and refusal. The cells are kvpact.shared.describe's
+(the renderer the router and worker use), over the messages as kvpact.shared.wire converts them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvpact.shared import wire
+from kvpact.shared.describe import describe_asked, describe_compact
 from kvpact.v1 import cache_pb2, router_pb2, worker_pb2
 
 
@@ -16,24 +19,20 @@ def _enum_name(enum_type: Any, value: int, prefix: str) -> str:
     return name.removeprefix(prefix)
 
 
-def _describe_asked(spec: worker_pb2.WorkerSpec) -> str:
-    mode = cache_pb2.PagedAttentionMode.Name(spec.cache.mode).removeprefix("PAGED_ATTENTION_MODE_").lower()
-    mode = "auto" if mode == "unspecified" else mode
-    backend = spec.cache.paged.backend if spec.cache.HasField("paged") else 0
-    if backend in (cache_pb2.PAGED_BACKEND_TRITON, cache_pb2.PAGED_BACKEND_TORCH):
-        mode += f" ({_enum_name(cache_pb2.PagedBackend, backend, 'PAGED_BACKEND_').lower()})"
-    return mode
-
-
-def _describe_realized(realized: cache_pb2.RealizedCache) -> tuple[str, str]:
-    if realized.kind == cache_pb2.CACHE_KIND_PAGED:
-        backend = _enum_name(cache_pb2.PagedBackend, realized.backend, "PAGED_BACKEND_").lower()
-        kind = f"PAGED {backend} {realized.num_blocks}x{realized.block_size}"
-    elif realized.kind == cache_pb2.CACHE_KIND_EAGER:
-        kind = f"EAGER {realized.num_blocks} slots"
-    else:
+def _realized_cells(w: router_pb2.WorkerStatus) -> tuple[str, str]:
+    if not w.HasField("realized") or w.realized.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
         return "-", "-"
-    return kind, f"{realized.capacity_tokens} tok"
+    try:
+        return describe_compact(wire.realized_from_pb(w.realized))
+    except (KeyError, ValueError):  # a field this client does not know: show the table anyway
+        return "?", f"{w.realized.capacity_tokens} tok"
+
+
+def _asked_cell(w: router_pb2.WorkerStatus) -> str:
+    try:
+        return describe_asked(wire.intent_from_pb(w.requested.cache))
+    except (KeyError, ValueError):
+        return "?"
 
 
 def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
@@ -48,7 +47,7 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
     columns = ("WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "LOAD", "HEARTBEAT")
     rows, notes = [], []
     for w in status.workers:
-        kind, capacity = _describe_realized(w.realized) if w.HasField("realized") else ("-", "-")
+        kind, capacity = _realized_cells(w)
         load = (
             f"{w.load.num_running} run {w.load.num_waiting} wait "
             f"{w.load.num_free_blocks}/{w.load.num_total_blocks} free {w.num_outstanding} out"
@@ -59,7 +58,7 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
                 _enum_name(router_pb2.WorkerState, w.state, "WORKER_STATE_"),
                 w.model_name,
                 w.address,
-                _describe_asked(w.requested),
+                _asked_cell(w),
                 kind,
                 capacity,
                 load,

@@ -1,7 +1,8 @@
 """The failure report: one block naming each worker, what it was asked, what it realized and why."""
 
 from kvpact.router.registry import WorkerEntry, WorkerState
-from kvpact.router.report import FailedStartup, describe_intent, describe_realized, render_failure_report
+from kvpact.router.report import FailedStartup, render_failure_report
+from kvpact.shared.describe import describe_intent, describe_realized
 from kvpact.shared.handshake import StartupFailure, StartupFailureCode
 from kvpact.shared.intent import (
     Fallback,
