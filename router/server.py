@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
+from collections.abc import Callable
 from typing import TextIO
 
 import grpc
@@ -44,9 +46,14 @@ STATUS_FOR_ERROR: dict[type[BaseException], grpc.StatusCode] = {
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig, report_stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        report_stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,  # liveness: heartbeat ages (tests pass their own)
+    ) -> None:
         self.config = config
-        self.cluster = Cluster(config, report_stream=report_stream)
+        self.cluster = Cluster(config, report_stream=report_stream, clock=clock)
         self.metrics = RouterMetrics(self.cluster.registry, self.cluster.startup)
         self.tokens = SecretFile("--auth-token-file", config.auth_token_file, config.auth_tokens)
         self.api_keys = SecretFile("--api-key-file", config.api_key_file, config.api_keys)

@@ -1,8 +1,6 @@
 """kvpact.client: protobuf conversions, the status table, and the blocking Client against an in-process
 router (hosted in a background loop) with a real loopback Worker server behind it."""
 
-import time
-
 import grpc
 import pytest
 
@@ -22,6 +20,7 @@ from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared.handshake import StartupFailure, StartupFailureCode
 from kvpact.shared.intent import Fallback, PagedAttentionMode
 from kvpact.v1 import generation_pb2, router_pb2
+from tests.factories.eventually import eventually
 from tests.router.background import BackgroundLoop
 from tests.router.doubles import (
     EAGER_CPU_REASON,
@@ -178,7 +177,5 @@ def test_breaking_out_of_a_stream_cancels_it_on_the_worker(cluster):
         next(stream)
         assert double.active
         stream.close()
-    deadline = time.monotonic() + 5
-    while double.active and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not double.active and double.cancelled
+    eventually(lambda: not double.active, 5, "the server to see the call cancelled")
+    assert double.cancelled

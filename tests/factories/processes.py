@@ -13,8 +13,7 @@ Every wait is bounded; every process is stopped by its pid (SIGTERM, then SIGKIL
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,6 @@ __all__ = [
     "wait_for_exit",
     "wait_for_health",
     "wait_for_line",
-    "wait_until",
     "worker_argv",
 ]
 
@@ -97,16 +95,3 @@ def started_worker(
         if wait_serving:
             wait_for_health(address, timeout_s, watch=[handle])
         yield RunningWorker(handle, address)
-
-
-def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
-    """Poll `predicate` until it returns something truthy (returned); AssertionError naming `what`
-    after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what} (last: {value!r})")
-        time.sleep(interval_s)

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvpact.client import Client, KvpactRpcError, build_request, render_cluster_status
 from kvpact.v1 import cache_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from tests.factories.eventually import eventually
 from tests.factories.processes import (
     ProcessHandle,
     health_status,
@@ -70,20 +71,13 @@ def log_events(handle: ProcessHandle, event: str) -> list[dict]:
 def wait_all_blocks_free(worker_address: str, timeout_s: float = 10.0) -> worker_pb2.WorkerLoad:
     with grpc.insecure_channel(worker_address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def all_free() -> worker_pb2.WorkerLoad | None:
             load = stub.Stats(worker_pb2.StatsRequest(), timeout=5)
-            if (
-                load.num_running == 0
-                and load.num_waiting == 0
-                and load.num_free_blocks == load.num_total_blocks
-            ):
-                return load
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"worker {worker_address} still holds KV blocks after {timeout_s}s: {load}"
-                )
-            time.sleep(0.05)
+            idle = load.num_running == 0 and load.num_waiting == 0
+            return load if idle and load.num_free_blocks == load.num_total_blocks else None
+
+        return eventually(all_free, timeout_s, f"worker {worker_address} to free every KV block")
 
 
 class OnCluster:
@@ -224,10 +218,9 @@ def test_a_worker_that_cannot_honor_on_fails_the_whole_cluster(model: Path, tmp_
         with started_worker(
             a_args, log_dir=tmp_path, name="w-good", wait_serving=False, timeout_s=START_S
         ) as a:
-            deadline = time.monotonic() + START_S
-            while not log_events(r, "worker_admitted"):
-                assert time.monotonic() < deadline and a.handle.returncode is None, a.handle.output()
-                time.sleep(0.1)
+            admitted_or_gone = lambda: log_events(r, "worker_admitted") or a.handle.returncode is not None  # noqa: E731
+            eventually(admitted_or_gone, START_S, "w-good to be admitted")
+            assert a.handle.returncode is None, a.handle.output()
             b_args = worker_args(model, address, "w-triton", "--paged-attn", "on", "--pa-backend", "triton")
             with running(module_argv("kvpact.worker", *b_args, "--log-format", "json"), name="w-triton",
                          log_dir=tmp_path) as b:  # fmt: skip
@@ -339,10 +332,8 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_unavailable_and_is_mark
                 assert time.monotonic() - started < 10
                 assert err.value.code is grpc.StatusCode.UNAVAILABLE
                 assert 'worker "w-doomed"' in err.value.details
-                deadline = time.monotonic() + 15
-                while client.cluster_status().workers[0].state != router_pb2.WORKER_STATE_DEAD:
-                    assert time.monotonic() < deadline, "the killed worker was never marked DEAD"
-                    time.sleep(0.1)
+                dead = lambda: client.cluster_status().workers[0].state == router_pb2.WORKER_STATE_DEAD  # noqa: E731
+                eventually(dead, 15, "the killed worker to be marked DEAD")
                 with pytest.raises(KvpactRpcError) as err:
                     client.complete("hi", max_tokens=2)
                 assert err.value.code is grpc.StatusCode.UNAVAILABLE and "no live worker" in err.value.details

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -119,12 +120,26 @@ async def serving_double(double: WorkerDouble) -> AsyncIterator[WorkerDouble]:
         await server.stop(None)
 
 
+class ManualClock:
+    """A monotonic clock that moves only when told: `advance(seconds)`."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @asynccontextmanager
-async def running_router(**overrides: Any) -> AsyncIterator[RouterServer]:
-    """An in-process router on a free loopback port; its failure report goes to `kvpact.router.report`."""
+async def running_router(clock: ManualClock | None = None, **overrides: Any) -> AsyncIterator[RouterServer]:
+    """An in-process router on a free loopback port; its failure report goes to `kvpact.router.report`.
+    With `clock`, heartbeat ages (liveness) follow it instead of time.monotonic."""
     config = replace(RouterConfig(host="127.0.0.1", port=0), **overrides)
     report = io.StringIO()
-    router = RouterServer(config, report_stream=report)
+    router = RouterServer(config, report_stream=report, clock=clock or time.monotonic)
     router.report = report  # type: ignore[attr-defined]
     await router.start()
     try:

@@ -17,8 +17,10 @@ from kvpact.shared.intent import Fallback
 from kvpact.shared.rpc_errors import ErrorInterceptor
 from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, worker_pb2
+from tests.factories.eventually import eventually_async
 from tests.router.doubles import (
     EAGER_CPU_REASON,
+    ManualClock,
     WorkerDouble,
     eager_realized,
     failed,
@@ -32,14 +34,6 @@ from tests.router.doubles import (
 )
 
 TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
-
-
-async def wait_until(predicate, timeout_s=5.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def target(router):
@@ -251,9 +245,11 @@ async def test_client_cancellation_cancels_the_worker_call():
         first = await anext(stream)
         assert first.token_ids and len(a.active) == 1
         await stream.aclose()  # cancels the client call
-        await wait_until(lambda: not a.active, what="the worker's request to be cancelled")
+        await eventually_async(lambda: not a.active, what="the worker's request to be cancelled")
         assert len(a.cancelled) == 1
-        await wait_until(lambda: router.cluster.registry.get("a").num_outstanding == 0, what="outstanding 0")
+        await eventually_async(
+            lambda: router.cluster.registry.get("a").num_outstanding == 0, what="outstanding 0"
+        )
 
 
 class _NoDeadline:
@@ -279,7 +275,7 @@ async def test_closing_the_relay_ends_the_worker_call_before_close_returns(inter
         assert entry.num_outstanding == 1
         await relay.aclose()
         assert entry.num_outstanding == 0
-        await wait_until(lambda: a.cancelled, what="the worker's request to be cancelled")
+        await eventually_async(lambda: a.cancelled, what="the worker's request to be cancelled")
 
 
 @run_async
@@ -290,7 +286,7 @@ async def test_a_deadline_shorter_than_the_generation_is_deadline_exceeded_and_r
             await client.complete("hello", max_tokens=1000, timeout=0.5)
         assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
         assert a.timeouts[-1] is not None and 0 < a.timeouts[-1] < 0.55  # the deadline travelled on
-        await wait_until(lambda: not a.active, what="the worker's request to end")
+        await eventually_async(lambda: not a.active, what="the worker's request to end")
         # No deadline from the client: none to the worker either.
         await client.complete("x", max_tokens=1)
         assert a.timeouts[-1] is None
@@ -313,8 +309,9 @@ async def test_an_unreachable_worker_is_unavailable_naming_it_but_not_its_addres
 
 @run_async
 async def test_heartbeats_keep_workers_alive_and_silence_marks_them_dead():
+    clock = ManualClock()  # heartbeat ages move only when the test says so
     async with (
-        running_router(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.4) as router,
+        running_router(clock=clock, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.4) as router,
         serving_double(WorkerDouble("a")) as a,
         registry_stub(router) as registry,
         AsyncClient(target(router)) as client,
@@ -331,11 +328,16 @@ async def test_heartbeats_keep_workers_alive_and_silence_marks_them_dead():
         beat = await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=load))
         assert beat.known and not beat.shutdown
         assert (await client.cluster_status()).workers[0].load == load
+        clock.advance(0.3)  # under --heartbeat-timeout since the last beat: a beat keeps it alive
+        assert (await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=load))).known
+        clock.advance(0.3)
+        assert (await client.complete("x", max_tokens=1)).worker_id == "a"
 
-        await wait_until(lambda: router.cluster.registry.get("a").state.value == "dead", what="DEAD")
+        clock.advance(0.2)  # 0.5 s of silence, past --heartbeat-timeout 0.4
+        await eventually_async(lambda: router.cluster.registry.get("a").state.value == "dead", what="DEAD")
         status = await client.cluster_status()
         assert status.workers[0].state == router_pb2.WORKER_STATE_DEAD
-        assert status.workers[0].seconds_since_heartbeat > 0.4
+        assert status.workers[0].seconds_since_heartbeat == pytest.approx(0.5)
         with pytest.raises(KvpactRpcError) as err:
             await client.complete("x")
         assert err.value.code is grpc.StatusCode.UNAVAILABLE and "no live worker" in err.value.details
@@ -459,16 +461,21 @@ async def test_loading_then_ready_is_admitted_and_serves():
 
 @run_async
 async def test_a_loading_worker_is_never_marked_dead_and_the_timeout_names_it_as_loading():
+    clock = ManualClock()
     async with (
         running_router(
-            num_expected_workers=2, startup_timeout_s=1.0, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.2
+            clock=clock,
+            num_expected_workers=2,
+            startup_timeout_s=1.0,
+            heartbeat_interval_s=0.05,
+            heartbeat_timeout_s=0.2,
         ) as router,
         serving_double(WorkerDouble("a")) as a,
         registry_stub(router) as registry,
     ):
         assert (await registry.Register(loading("a", a.address))).pending
-        await asyncio.sleep(0.5)  # past --heartbeat-timeout without a heartbeat
-        assert router.cluster.registry.get("a").state.value == "loading"
+        clock.advance(10.0)  # far past --heartbeat-timeout without a heartbeat; the liveness watcher
+        # runs every 0.025 s until the startup timeout (1 s), and never marks it DEAD:
         assert await asyncio.wait_for(router.wait(), 5.0) == 1
         report = router.report.getvalue()
         assert '0 of 2 workers admitted: 1 still loading ("a"), 1 missing (registered: "a")' in report

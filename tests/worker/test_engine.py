@@ -18,6 +18,7 @@ from kvpact.worker.request import (
     GenerationRequest,
     SamplingParams,
 )
+from tests.factories.eventually import eventually, eventually_async
 from tests.worker.conftest import collect, greedy, run_staggered
 
 MODES = {"eager": dict(mode="off"), "paged": dict(mode="on", context_tokens=2048)}
@@ -37,15 +38,6 @@ def first_error(engine: Engine, request: GenerationRequest) -> BaseException:
         return info.value
 
     return asyncio.run(main())
-
-
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def all_blocks_free(engine: Engine) -> bool:
@@ -97,7 +89,7 @@ def test_max_tokens_defaults_to_what_fits(engine):
 def test_a_request_id_already_in_flight_is_refused(engine):
     async def main() -> None:
         first = asyncio.create_task(collect(engine, greedy("same", (5, 6, 7), 60)))
-        assert await asyncio.to_thread(wait_until, lambda: engine.stats().num_running == 1)
+        assert await eventually_async(lambda: engine.stats().num_running == 1)
         with pytest.raises(RequestError, match="request_id 'same' is already in flight"):
             async for _ in engine.generate(greedy("same", (5, 6, 7), 1)):
                 pass
@@ -205,7 +197,7 @@ def test_abort_of_a_waiting_request(make_engine, tiny_llama):
     async def main() -> None:
         running = asyncio.create_task(collect(engine, greedy("run", TEXT, 60)))
         waiting = asyncio.create_task(collect(engine, greedy("wait", TEXT, 60)))
-        assert await asyncio.to_thread(wait_until, lambda: engine.stats().num_waiting == 1)
+        assert await eventually_async(lambda: engine.stats().num_waiting == 1)
         assert engine.abort("wait")
         aborted = await waiting
         assert (aborted.finish_reason, aborted.token_ids) == (FinishReason.ABORT, [])
@@ -225,13 +217,13 @@ def test_a_consumer_that_goes_away_aborts_its_request(engine, how):
             await stream.aclose()
         else:
             task = asyncio.create_task(collect(engine, greedy("gone", TEXT, 100)))
-            await asyncio.to_thread(wait_until, lambda: engine.stats().num_running == 1)
+            await eventually_async(lambda: engine.stats().num_running == 1)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
 
     asyncio.run(main())
-    assert wait_until(lambda: all_blocks_free(engine))
+    assert eventually(lambda: all_blocks_free(engine))
     assert engine.abort("gone") is False
 
 
@@ -247,7 +239,7 @@ def test_every_request_finished_or_aborted_leaves_all_blocks_free(engine):
         assert {res.finish_reason for res in results} <= {FinishReason.LENGTH, FinishReason.ABORT}
 
     asyncio.run(main())
-    assert wait_until(lambda: all_blocks_free(engine))
+    assert eventually(lambda: all_blocks_free(engine))
 
 
 def test_stats_is_the_load_the_router_sees(engine):
@@ -274,14 +266,14 @@ def test_a_failing_step_fails_its_requests_clearly_and_the_engine_keeps_serving(
     engine.runner.run = flaky  # type: ignore[method-assign]
     with pytest.raises(GenerationError, match="RuntimeError: simulated device fault"):
         engine.run([greedy("doomed", TEXT, 10)], timeout=30)
-    assert wait_until(lambda: all_blocks_free(engine))
+    assert eventually(lambda: all_blocks_free(engine))
     assert engine.run([greedy("fine", TEXT, 4)])[0].usage.completion_tokens == 4
 
 
 def test_close_fails_in_flight_requests_and_refuses_new_ones(engine):
     async def main() -> None:
         task = asyncio.create_task(collect(engine, greedy("inflight", TEXT, 100)))
-        await asyncio.to_thread(wait_until, lambda: engine.stats().num_running == 1)
+        await eventually_async(lambda: engine.stats().num_running == 1)
         started = time.monotonic()
         await asyncio.to_thread(engine.close)
         assert time.monotonic() - started < 5
@@ -307,7 +299,7 @@ def test_an_internal_scheduler_fault_stops_the_engine_once_instead_of_spinning(e
     engine.scheduler.finish = broken  # type: ignore[method-assign]
     with pytest.raises(GenerationError, match="RuntimeError: scheduler bug"):
         engine.run([greedy("doomed", TEXT, 4)], timeout=30)
-    assert wait_until(lambda: not engine._thread.is_alive())
+    assert eventually(lambda: not engine._thread.is_alive())
     assert fatal == ["the engine failed: RuntimeError: scheduler bug"]
     with pytest.raises(EngineClosedError):
         engine.run([greedy("late", TEXT, 2)])

@@ -25,13 +25,13 @@ import structlog.testing
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.v1 import cache_pb2, worker_pb2, worker_pb2_grpc
 from kvpact.worker.registration import RouterLink
+from tests.factories.eventually import eventually
 from tests.factories.processes import (
     free_port,
     running,
     stop,
     wait_for_exit,
     wait_for_line,
-    wait_until,
     worker_argv,
 )
 from tests.factories.tiny_models import make_tiny_llama
@@ -209,7 +209,7 @@ def test_the_routers_shutdown_rpc_stops_it_with_0(model_dir, tmp_path):
             worker_argv("--model", str(model_dir), "--router", router, "--paged-attn", "on"), log_dir=tmp_path
         ) as worker,
     ):
-        wait_until(lambda: len(registry.handshakes) == 2, START_TIMEOUT_S, "the ready handshake")
+        eventually(lambda: len(registry.handshakes) == 2, START_TIMEOUT_S, "the ready handshake")
         address = registry.handshakes[1].address
         assert registry.handshakes[1].ready.kind == cache_pb2.CACHE_KIND_PAGED
         with grpc.insecure_channel(address) as channel:
@@ -267,7 +267,7 @@ def test_a_shutdown_while_it_is_loading_stops_it_with_0(model_dir, tmp_path):
     with serving(registry) as router:
         args = ["--model", str(model_dir), "--router", router, "--paged-attn", "on"]
         with running(worker_argv(*args), log_dir=tmp_path) as worker:
-            wait_until(lambda: registry.handshakes, START_TIMEOUT_S, "the plan")
+            eventually(lambda: registry.handshakes, START_TIMEOUT_S, "the plan")
             with grpc.insecure_channel(registry.handshakes[0].address) as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 stub.Shutdown(worker_pb2.ShutdownRequest(reason="the cluster failed to start"), timeout=10)
@@ -359,8 +359,9 @@ def test_a_shutdown_while_it_reads_its_weights_exits_0_not_an_abort(tmp_path):
     with serving(registry) as router:
         args = ["--router", router, "--paged-attn", "on", "--worker-id", "w-big"]
         with running(worker_argv(*args), log_dir=tmp_path) as worker:
-            wait_until(lambda: registry.handshakes, START_TIMEOUT_S, "the plan")
-            time.sleep(0.2)  # the load has started
+            eventually(
+                lambda: "plan announced" in log_events(worker.stderr()), START_TIMEOUT_S, "the load to start"
+            )
             with grpc.insecure_channel(registry.handshakes[0].address) as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 stub.Shutdown(worker_pb2.ShutdownRequest(reason="the cluster failed to start"), timeout=10)

@@ -15,7 +15,8 @@ from kvpact.worker.cli import parse_args
 from kvpact.worker.request import GenerationError, GenerationRequest, SamplingParams
 from kvpact.worker.service import WorkerServer, WorkerService
 from kvpact.worker.startup import build_engine
-from tests.factories.processes import started_worker, stop, wait_until
+from tests.factories.eventually import eventually
+from tests.factories.processes import started_worker, stop
 from tests.factories.tiny_models import make_tiny_llama
 
 # Paged on CPU (torch backend), so the worker has blocks whose return we can check.
@@ -122,7 +123,7 @@ def test_bad_requests_get_a_specific_status_and_message(stub, request_, code, me
     assert exc.value.code() == code
     assert message in exc.value.details()
     assert "Traceback" not in exc.value.details()
-    assert wait_until(lambda: all_blocks_free(stub), 10, "all blocks free")
+    assert eventually(lambda: all_blocks_free(stub), 10, "all blocks free")
 
 
 def test_cancel_mid_stream_frees_the_blocks(stub):
@@ -133,7 +134,7 @@ def test_cancel_mid_stream_frees_the_blocks(stub):
     busy = stub.Stats(worker_pb2.StatsRequest(), timeout=5)
     assert busy.num_running == 1 and busy.num_free_blocks < total
     call.cancel()
-    load = wait_until(lambda: all_blocks_free(stub), 10, "the cancelled sequence's blocks to be freed")
+    load = eventually(lambda: all_blocks_free(stub), 10, "the cancelled sequence's blocks to be freed")
     assert load.num_free_blocks == total
 
 
@@ -141,7 +142,7 @@ def test_deadline_exceeded_frees_the_blocks(stub):
     with pytest.raises(grpc.RpcError) as exc:
         list(stub.Generate(greedy("Once upon a time", LONG, ignore_eos=True), timeout=0.3))
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: all_blocks_free(stub), 10, "the timed-out sequence's blocks to be freed")
+    eventually(lambda: all_blocks_free(stub), 10, "the timed-out sequence's blocks to be freed")
 
 
 def test_abort_by_request_id_ends_the_stream_with_abort(stub):
@@ -151,7 +152,7 @@ def test_abort_by_request_id_ends_the_stream_with_abort(stub):
     rest = list(call)
     assert rest[-1].finish_reason == generation_pb2.FINISH_REASON_ABORT
     assert not stub.Abort(worker_pb2.AbortRequest(request_id="to-abort"), timeout=5).found
-    wait_until(lambda: all_blocks_free(stub), 10, "the aborted sequence's blocks to be freed")
+    eventually(lambda: all_blocks_free(stub), 10, "the aborted sequence's blocks to be freed")
 
 
 def test_hundreds_of_concurrent_streams_over_one_channel(worker, stub):
@@ -173,7 +174,7 @@ def test_hundreds_of_concurrent_streams_over_one_channel(worker, stub):
         assert sum(len(c.token_ids) for c in chunks) == 4, i
         assert chunks[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
         assert {c.request_id for c in chunks} == {f"c{i}"}
-    wait_until(lambda: all_blocks_free(stub), 10, "every block free after the burst")
+    eventually(lambda: all_blocks_free(stub), 10, "every block free after the burst")
 
 
 def test_health_says_not_serving_until_the_engine_is_attached(model_dir):
