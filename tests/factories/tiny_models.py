@@ -20,7 +20,6 @@ from ties and greedy decoding is stable across backends.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,47 +28,18 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-BOS_ID, EOS_ID = 1, 2
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from kvpact.worker.testing import (
+    BOS_ID,
+    CHATML_TEMPLATE,
+    EOS_ID,
+    SPECIAL_TOKENS,
+    tiny_tokenizer,
+    tokenizer_json,
+    write_tokenizer_files,
 )
-_TRAINING_TEXT = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Hello, world! How are you today? I am fine, thank you. What is 12 + 34? It is 46.",
-    "café naïve résumé jalapeño — «quotes» and ‘apostrophes’",
-    "日本語のテキスト 中文文本 한국어 텍스트 🙂🚀👍🏽 emoji 🎉",
-    "def f(x):\n    return x + 1\n",
-]
 
-
-@functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=list(SPECIAL_TOKENS),
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_TRAINING_TEXT, trainer)
-    return tok.to_str()
-
-
-def tiny_tokenizer() -> Tokenizer:
-    """The tiny models' byte-level BPE tokenizer (SmolLM2's pre-tokenizer: digits split, then GPT-2)."""
-    return Tokenizer.from_str(_tokenizer_json())
+__all__ = ["BOS_ID", "CHATML_TEMPLATE", "EOS_ID", "SPECIAL_TOKENS", "tiny_tokenizer"]  # for the tests
 
 
 def _hf_config(
@@ -155,19 +125,6 @@ def tiny_hf_model(
     return model.eval()
 
 
-def _write_tokenizer_files(directory: Path) -> None:
-    (directory / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
-    config = {
-        "bos_token": SPECIAL_TOKENS[BOS_ID],
-        "eos_token": SPECIAL_TOKENS[EOS_ID],
-        "pad_token": SPECIAL_TOKENS[EOS_ID],
-        "chat_template": CHATML_TEMPLATE,
-        "model_max_length": 512,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-
-
 def make_tiny_llama(directory: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Path:
     """Write a tiny random Llama as a Hugging Face directory; returns the directory. `kwargs` are
     tiny_hf_model's (hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size,
@@ -184,7 +141,7 @@ def make_tiny_qwen2(directory: str | Path, *, dtype: torch.dtype = torch.float32
 def _write_hf(architecture: str, directory: Path, dtype: torch.dtype, kwargs: dict[str, Any]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tiny_hf_model(architecture, **kwargs).to(dtype).save_pretrained(directory)
-    _write_tokenizer_files(directory)
+    write_tokenizer_files(directory)
     return directory
 
 
@@ -278,7 +235,7 @@ def make_tiny_gguf(
 def _add_gguf_tokenizer(writer: Any) -> None:
     import gguf
 
-    data = json.loads(_tokenizer_json())
+    data = json.loads(tokenizer_json())
     vocab: dict[str, int] = data["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
     writer.add_tokenizer_model("gpt2")
