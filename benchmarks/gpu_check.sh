@@ -7,7 +7,8 @@
 #
 # It installs nothing from a network: it uses the machine's python3 (torch and triton must be there;
 # without torch it prints what is missing and exits 2), plus the wheels carried in .whl/ (installed
-# with --no-index into a temporary folder put first on PYTHONPATH). Each step is bounded by `timeout`
+# with --no-index into a temporary folder put first on PYTHONPATH); kvpact itself is imported from this
+# checkout through the link tree of tools/link_tree.py (kvpact.router -> router/, ...). Each step is bounded by `timeout`
 # and a global budget (GPU_CHECK_BUDGET_S, default 480 s), writes $OUT/<step>.txt, and never stops the
 # later steps:
 #   a_env.txt       nvidia-smi, python/torch/triton versions, compute capability, missing modules
@@ -82,7 +83,13 @@ if ls .whl/*.whl > /dev/null 2>&1; then
         note "WARN  the carried wheels did not install: $(tail -3 "$WORK/wheels.txt" | tr '\n' ' ')"
     fi
 fi
-export PYTHONPATH="${SITE:+$SITE:}$ROOT:$ROOT/protos${PYTHONPATH:+:$PYTHONPATH}"
+# kvpact.* as this checkout's folders (pyproject's package-dir, spelled out as links; nothing installed),
+# then the checkout itself for benchmarks/ and tests/.
+if ! TREE=$("$PY" tools/link_tree.py "$WORK/tree" 2> "$WORK/tree.txt"); then
+    note "FAIL  tools/link_tree.py: $(tr '\n' ' ' < "$WORK/tree.txt")"
+    exit 1
+fi
+export PYTHONPATH="${SITE:+$SITE:}$TREE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # ---- a) environment ----
 {
