@@ -5,8 +5,9 @@ an AssertionError that names `what` and the last value seen. Never a fixed sleep
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -26,12 +27,15 @@ def eventually(condition: Callable[[], T], timeout: float = 5.0, what: str = "",
 
 
 async def eventually_async(
-    condition: Callable[[], T], timeout: float = 5.0, what: str = "", interval: float = 0.02
+    condition: Callable[[], T | Awaitable[T]], timeout: float = 5.0, what: str = "", interval: float = 0.02
 ) -> T:
-    """`eventually` for a test running on an event loop: it yields to the loop between polls."""
+    """`eventually` for a test running on an event loop: it yields to the loop between polls.
+    `condition` may be a coroutine function (e.g. one that asks a server)."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() > deadline:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpact.router.readiness import model_service
 from kvpact.v1 import worker_pb2
+from tests.factories.eventually import eventually_async
 from tests.router.doubles import WorkerDouble, ready, registry_stub, run_async, running_router, serving_double
 
 
@@ -25,11 +25,12 @@ async def check(address: str, service: str) -> str:
 
 
 async def eventually(address: str, service: str, expected: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (found := await check(address, service)) != expected:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"health {service!r}: {found}, expected {expected} within {timeout_s}s")
-        await asyncio.sleep(0.05)
+    """Health of `service` at `address` reaches `expected` within `timeout_s`."""
+
+    async def reached() -> bool:
+        return await check(address, service) == expected
+
+    await eventually_async(reached, timeout_s, f"health {service!r} to be {expected}")
 
 
 @run_async

@@ -13,12 +13,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpact.v1 import generation_pb2, worker_pb2_grpc
 from kvpact.worker.process import WorkerOptions, WorkerProcess
+from tests.factories.eventually import eventually, eventually_async
 from tests.factories.processes import (
     health_status,
     running,
     wait_for_exit,
     wait_for_line,
-    wait_until,
     worker_argv,
 )
 from tests.worker.conftest import worker_spec
@@ -78,11 +78,10 @@ def test_a_stopped_engine_turns_health_not_serving_and_the_worker_exits_1(tiny_l
 
     async def scenario() -> int:
         run = asyncio.create_task(process.run())
-        await asyncio.to_thread(
-            wait_until, lambda: process.engine is not None, START_TIMEOUT_S, "the engine to be built"
-        )
+        await eventually_async(lambda: process.engine is not None, START_TIMEOUT_S, "the engine to be built")
         address = process.handshake.address
-        await asyncio.to_thread(wait_until, lambda: health_status(address) == "SERVING", 10, "SERVING")
+        # health_status blocks: poll it from a thread, the server answers on this loop
+        await asyncio.to_thread(eventually, lambda: health_status(address) == "SERVING", 10, "SERVING")
         statuses, channel = await asyncio.to_thread(watch_health, address)
         assert await asyncio.to_thread(next_status, statuses) == SERVING
 
