@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpact.router.readiness import model_service
 from kvpact.v1 import worker_pb2
 from tests.factories.eventually import eventually_async
-from tests.router.doubles import WorkerDouble, ready, registry_stub, run_async, running_router, serving_double
+from tests.router.doubles import (
+    ManualClock,
+    WorkerDouble,
+    ready,
+    registry_stub,
+    run_async,
+    running_router,
+    serving_double,
+)
 
 
 async def check(address: str, service: str) -> str:
@@ -35,8 +41,11 @@ async def eventually(address: str, service: str, expected: str, timeout_s: float
 
 @run_async
 async def test_serving_while_a_worker_is_live_per_model_and_not_when_all_are_dead():
+    clock = ManualClock()  # heartbeat ages move only when the test says so
     async with (
-        running_router(num_expected_workers=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5) as router,
+        running_router(
+            clock=clock, num_expected_workers=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5
+        ) as router,
         serving_double(WorkerDouble("a")) as a,
         serving_double(WorkerDouble("b")) as b,
         registry_stub(router) as registry,
@@ -53,19 +62,14 @@ async def test_serving_while_a_worker_is_live_per_model_and_not_when_all_are_dea
         for service in ("", "kvpact.v1.Generation", tiny, other):
             assert await check(address, service) == "SERVING", service
 
-        # b keeps beating, a falls silent: "tiny" has no live worker, the cluster still serves "other"
-        async def beat(worker_id: str) -> None:
-            while True:
-                await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id=worker_id))
-                await asyncio.sleep(0.1)
-
-        beating = asyncio.create_task(beat("b"))
-        try:
-            await eventually(address, tiny, "NOT_SERVING")
-            assert await check(address, other) == "SERVING"
-            assert await check(address, "") == "SERVING"
-        finally:
-            beating.cancel()
+        # b beats, a falls silent: "tiny" has no live worker, the cluster still serves "other"
+        clock.advance(0.3)
+        await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="b"))
+        clock.advance(0.3)  # a: 0.6 s silent (past --heartbeat-timeout 0.5); b: 0.3 s
+        await eventually(address, tiny, "NOT_SERVING")
+        assert await check(address, other) == "SERVING"
+        assert await check(address, "") == "SERVING"
+        clock.advance(0.3)  # b: 0.6 s silent too
         await eventually(address, other, "NOT_SERVING")
         assert await check(address, "") == "NOT_SERVING"
         assert await check(address, "kvpact.v1.Generation") == "NOT_SERVING"
