@@ -156,10 +156,11 @@ def add_port(
     """Bind `address` (TLS when configured); the bound port, 0 if it could not be bound."""
     try:
         if tls is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(
-            address, server_credentials(tls, require_client_cert=require_client_cert)
-        )
+            port: int = server.add_insecure_port(address)
+        else:
+            credentials = server_credentials(tls, require_client_cert=require_client_cert)
+            port = server.add_secure_port(address, credentials)
+        return port
     except RuntimeError:  # grpc's "Failed to bind to address"
         return 0
 

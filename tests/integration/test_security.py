@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpact.client import Client, KvpactRpcError
 from tests.factories.certs import CertificateAuthority, TlsFilePaths
-from tests.factories.processes import ProcessHandle, running, started_worker, wait_for_exit, wait_until
+from tests.factories.eventually import eventually
+from tests.factories.processes import ProcessHandle, running, started_worker, wait_for_exit
 from tests.factories.tiny_models import make_tiny_llama
 from tests.integration.test_cluster import MAX_MODEL_LEN, START_S, router_address, router_argv, worker_args
 
@@ -84,7 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureCluster]
         ]
         with started_worker(args, log_dir=root, wait_serving=False, timeout_s=START_S) as worker:
             ca_file = pki["router"].ca
-            wait_until(lambda: health_over_tls(address, ca_file) == "SERVING", START_S, "the router SERVING")
+            eventually(lambda: health_over_tls(address, ca_file) == "SERVING", START_S, "the router SERVING")
             yield SecureCluster(address, router, worker.handle, pki, keys, token, model, root)
             assert router.returncode is None and worker.handle.returncode is None
 
@@ -118,7 +119,7 @@ def test_sighup_rotates_the_keys_without_dropping_a_stream_in_flight(cluster):
         num_reloads = len(log_events(cluster.router, "secrets_reloaded"))
         cluster.keys.write_text(f"{NEW_KEY}\n")
         os.kill(cluster.router.pid, signal.SIGHUP)
-        wait_until(
+        eventually(
             lambda: len(log_events(cluster.router, "secrets_reloaded")) >= num_reloads + 2, 10, "the reload"
         )
         chunks = [first, *stream]
@@ -129,7 +130,7 @@ def test_sighup_rotates_the_keys_without_dropping_a_stream_in_flight(cluster):
         assert new.complete("hi", max_tokens=1, ignore_eos=True).usage.completion_tokens == 1
     cluster.keys.write_text(f"{KEY}\n")
     os.kill(cluster.router.pid, signal.SIGHUP)
-    wait_until(lambda: _served_with(cluster, KEY), 10, "the old key again")
+    eventually(lambda: _served_with(cluster, KEY), 10, "the old key again")
     assert cluster.router.returncode is None and cluster.worker.returncode is None
 
 

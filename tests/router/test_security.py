@@ -23,8 +23,8 @@ from kvpact.shared.tls import TlsConfig, add_port, aio_channel, load_tls
 from kvpact.v1 import worker_pb2, worker_pb2_grpc
 from kvpact.worker.registration import RouterLink, RouterTlsError
 from tests.factories.certs import CertificateAuthority, TlsFilePaths
+from tests.factories.eventually import eventually_async
 from tests.router.doubles import WorkerDouble, ready, registry_stub, run_async, running_router, serving_double
-from tests.router.test_service import wait_until
 
 KEY, OTHER_KEY = "k-123-right", "k-456-other"
 
@@ -201,7 +201,7 @@ async def test_key_and_token_rotation_keeps_a_stream_in_flight(pki, tmp_path):
             keys.write_text("")  # a botched edit: the keys in force stay
             router.reload_secrets()
             assert (await new.complete("x", max_tokens=1)).worker_id == "a"
-        await wait_until(lambda: not double.active, what="the stream to end")
+        await eventually_async(lambda: not double.active, what="the stream to end")
 
 
 @run_async

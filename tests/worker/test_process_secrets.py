@@ -9,7 +9,8 @@ import signal
 import grpc
 
 from kvpact.v1 import worker_pb2
-from tests.factories.processes import running, wait_for_line, wait_until, worker_argv
+from tests.factories.eventually import eventually
+from tests.factories.processes import running, wait_for_line, worker_argv
 from tests.worker.test_process import START_TIMEOUT_S, RecordingRegistry, model_dir, serving  # noqa: F401
 
 
@@ -43,13 +44,13 @@ def test_sighup_swaps_the_token_the_worker_sends(model_dir, tmp_path):  # noqa: 
         args = ["--model", str(model_dir), "--router", router, "--worker-id", "w-rot"]
         with running(worker_argv(*args, "--auth-token-file", str(token_file)), log_dir=tmp_path) as worker:
             wait_for_line(worker, r"admitted by router", START_TIMEOUT_S)
-            wait_until(lambda: registry.heartbeats, 10, "a heartbeat")
+            eventually(lambda: registry.heartbeats, 10, "a heartbeat")
             token_file.write_text("# rotated\nnew-token\nold-token\n")
             os.kill(worker.pid, signal.SIGHUP)
-            wait_until(lambda: registry.heartbeats[-1].auth_token == "new-token", 10, "the new token")
+            eventually(lambda: registry.heartbeats[-1].auth_token == "new-token", 10, "the new token")
             registry.tokens.discard("old-token")
             num_beats = len(registry.heartbeats)
-            wait_until(lambda: len(registry.heartbeats) > num_beats + 2, 10, "more heartbeats")
+            eventually(lambda: len(registry.heartbeats) > num_beats + 2, 10, "more heartbeats")
             assert worker.returncode is None, worker.output()
             assert {h.auth_token for h in registry.heartbeats[num_beats:]} == {"new-token"}
     assert "token_reloaded" in worker.stderr() and "new-token" not in worker.stderr()
