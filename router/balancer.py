@@ -1,22 +1,16 @@
 """Which worker serves a request. Pure.
 
 A request names its model (or, when one model is served, gets it). Among that model's serving workers
-the balancer picks the least outstanding work (requests the router is forwarding to it right now, an
-exact and fresh count), tie-broken by more free KV blocks/slots from its last heartbeat, then by id
-so the choice is deterministic.
+the router's balancing policy picks one (router/balancing/, `router --balance`; least-load by default).
 """
 
 from __future__ import annotations
 
+from kvpact.router.balancing import BalancePolicy, LeastLoad
 from kvpact.router.errors import InvalidRequest, NoLiveWorker, UnknownModel
 from kvpact.router.registry import Registry, WorkerEntry
 from kvpact.shared.limits import excerpt
-
-
-def choose(candidates: list[WorkerEntry]) -> WorkerEntry | None:
-    if not candidates:
-        return None
-    return min(candidates, key=lambda e: (e.num_outstanding, -e.load.num_free_blocks, e.worker_id))
+from kvpact.v1 import generation_pb2
 
 
 def resolve_model(registry: Registry, requested: str) -> tuple[str, list[WorkerEntry]]:
@@ -41,8 +35,12 @@ def resolve_model(registry: Registry, requested: str) -> tuple[str, list[WorkerE
     return requested, workers
 
 
-def route(registry: Registry, requested_model: str) -> WorkerEntry:
+def route(
+    registry: Registry,
+    requested_model: str,
+    policy: BalancePolicy | None = None,
+    request: generation_pb2.GenerateRequest | None = None,
+) -> WorkerEntry:
+    """The worker `policy` (least-load when None) picks for `request` among the model's serving workers."""
     _, workers = resolve_model(registry, requested_model)
-    chosen = choose(workers)
-    assert chosen is not None
-    return chosen
+    return (policy or LeastLoad()).choose(workers, request or generation_pb2.GenerateRequest())

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import sys
 
+from kvpact.router.balancing import DEFAULT_POLICY, POLICIES
 from kvpact.router.config import RouterConfig
 from kvpact.shared.auth import read_secrets
 from kvpact.shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on this port (default: off)",
     )
     add_tls_args(parser, "router")
+    parser.add_argument(
+        "--balance",
+        choices=sorted(POLICIES),
+        default=DEFAULT_POLICY,
+        help="which worker gets a request. least-load: fewest requests in flight, then most free KV blocks; "
+        "prefix-affinity: prompts that start alike go to the same worker (its prefix cache holds their "
+        "shared blocks), bounded by load, else least-load (default: least-load)",
+    )
     add_log_args(parser)
     return parser
 
@@ -126,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key_file=args.api_key_file,
         tls=tls_from_args(args),
         metrics_port=args.metrics_port,
+        balance=args.balance,
     )
 
 

@@ -23,4 +23,5 @@ class RouterConfig:
     api_key_file: str | None = None
     tls: TlsConfig | None = None  # None = plaintext (loopback)
     metrics_port: int | None = None
+    balance: str = "least-load"  # a name in router/balancing POLICIES (--balance)
     shutdown_timeout_s: float = 0.8  # bound on telling the workers to stop when the cluster fails

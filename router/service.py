@@ -22,6 +22,7 @@ import grpc
 import structlog
 
 from kvpact.router.balancer import resolve_model, route
+from kvpact.router.balancing import make_policy
 from kvpact.router.cluster import Cluster
 from kvpact.router.errors import NotServing, WorkerCallFailed
 from kvpact.router.metrics import RouterMetrics
@@ -54,6 +55,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, metrics: RouterMetrics | None = None) -> None:
         self.cluster = cluster
         self.metrics = metrics
+        self.policy = make_policy(cluster.config.balance)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -115,7 +117,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             request.model, _ = resolve_model(self.cluster.registry, "")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        return route(self.cluster.registry, request.model)
+        return route(self.cluster.registry, request.model, self.policy, request)
 
     async def _forward(
         self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
