@@ -9,6 +9,8 @@ with `--metrics-port 0`; the router's ClusterStatus says where each worker's /me
 GROUPS x PER_GROUP text prompts; the prompts of a group share a prefix of PREFIX_WORDS words (a long
 "system prompt") and end with their own question. The requests are sent round-robin across the groups,
 CONCURRENCY at a time (greedy, ignore_eos, MAX_TOKENS each), after one warm-up request per worker.
+Each worker gets OMP_NUM_THREADS=THREADS_PER_WORKER (default 1: two workers on a small CPU box do
+not fight over its cores).
 
 Reported per policy: the prefix-cache hit rate (the workers' kvpact_worker_prefix_cache_hits_total over
 kvpact_worker_prefix_cache_queries_total, summed over both workers, measured requests only), requests/s
@@ -113,7 +115,8 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[str]) -> Res
             argv = [python, "-m", "kvpact.worker", "--router", address, "--worker-id", worker_id]
             argv += ["--paged-attn", "on", "--metrics-port", "0", "--log-format", "json"]
             argv += ["--log-level", "WARNING"] + (["--model", args.model] if args.model else [])
-            workers.append(stack.enter_context(running(argv, name=worker_id, log_dir=log_dir)))
+            env = {"OMP_NUM_THREADS": str(args.threads_per_worker)}
+            workers.append(stack.enter_context(running(argv, name=worker_id, env=env, log_dir=log_dir)))
         wait_for_health(address, START_TIMEOUT_S, watch=[router, *workers])
         with Client(address, timeout=REQUEST_TIMEOUT_S) as client:
             metrics = [w.metrics_address for w in client.cluster_status().workers]
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--policies", default="least-load,prefix-affinity")
+    parser.add_argument(
+        "--threads-per-worker", type=int, default=1, help="OMP_NUM_THREADS of each worker (default 1)"
+    )
     args = parser.parse_args(argv)
     prompts = workload(args.groups, args.per_group, args.prefix_words)
     rows = [run_policy(policy, args, prompts) for policy in args.policies.split(",")]

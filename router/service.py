@@ -61,15 +61,32 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         entry = self._route(request)
-        async with aclosing(self._forward(entry, request, context)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        with structlog.contextvars.bound_contextvars(
+            request_id=request.request_id, worker_id=entry.worker_id
+        ):
+            async with aclosing(self._forward(entry, request, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
         entry = self._route(request)
         response = generation_pb2.CompleteResponse(request_id=request.request_id, worker_id=entry.worker_id)
+        bound = structlog.contextvars.bound_contextvars(
+            request_id=request.request_id, worker_id=entry.worker_id
+        )
+        with bound:
+            await self._relay(entry, request, context, response)
+        return response
+
+    async def _relay(
+        self,
+        entry: WorkerEntry,
+        request: generation_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        response: generation_pb2.CompleteResponse,
+    ) -> None:
         async with aclosing(self._forward(entry, request, context)) as chunks:
             async for chunk in chunks:
                 response.text += chunk.text
@@ -79,7 +96,6 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                     response.finish_reason = chunk.finish_reason
                 if chunk.HasField("usage"):
                     response.usage.CopyFrom(chunk.usage)
-        return response
 
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import structlog
 
@@ -32,11 +33,28 @@ def resolve_format(
     return "console" if tty else "json"
 
 
-def configure_logging(log_format: str = "auto", level: str = "INFO") -> str:
-    """Configure structlog and the stdlib root logger to write to stderr. Returns the format used."""
+class _AddFields:
+    """A processor that adds fixed fields (e.g. the process's worker_id) unless a line sets its own."""
+
+    def __init__(self, fields: Mapping[str, str]) -> None:
+        self._fields = dict(fields)
+
+    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        for key, value in self._fields.items():
+            event_dict.setdefault(key, value)
+        return event_dict
+
+
+def configure_logging(
+    log_format: str = "auto", level: str = "INFO", fields: Mapping[str, str] | None = None
+) -> str:
+    """Configure structlog and the stdlib root logger to write to stderr. Returns the format used.
+    `fields` go into every line, foreign ones too (a worker passes its worker_id, so lines logged from its
+    engine thread, gRPC's and Ray's Python loggers carry it like its request-scoped lines)."""
     fmt = resolve_format(log_format)
     shared_processors: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
+        _AddFields(fields or {}),
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -276,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(0 = a free port, printed at startup; default: off)",
     )
     add_tls_args(parser, "worker")
+    parser.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="put each request's prompt in its `request` log line (DEBUG); without it no prompt text is "
+        "ever logged",
+    )
     add_log_args(parser)
     return parser
 
@@ -327,6 +333,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
         log_format=args.log_format,
         log_level=args.log_level,
         metrics_port=args.metrics_port,
+        log_prompts=args.log_prompts,
     )
 
 

@@ -91,6 +91,7 @@ class WorkerOptions:
     log_format: str = "auto"
     log_level: str = "INFO"
     metrics_port: int | None = None  # serve /metrics on the --listen host; 0 = a free port; None = off
+    log_prompts: bool = False  # prompt text in the request log line (never otherwise)
 
 
 class PlanRefused(Exception):
@@ -144,7 +145,7 @@ def _say(message: str, *, error: bool = False) -> None:
 
 async def run_worker(options: WorkerOptions) -> int:
     """Run a worker until it is stopped; return the process exit code."""
-    configure_logging(options.log_format, options.log_level)
+    configure_logging(options.log_format, options.log_level, fields={"worker_id": options.worker_id})
     return await WorkerProcess(options).run()
 
 
@@ -153,7 +154,9 @@ class WorkerProcess:
         self.options = options
         self.worker_id = options.worker_id
         self.stop = _Stop()
-        self.service = WorkerService(self.worker_id, request_shutdown=self.stop.request)
+        self.service = WorkerService(
+            self.worker_id, request_shutdown=self.stop.request, log_prompts=options.log_prompts
+        )
         self.server: WorkerServer | None = None
         self.link: RouterLink | None = None
         self.engine: Engine | None = None

@@ -59,8 +59,11 @@ STATUS_FOR_ERROR: dict[type[BaseException], grpc.StatusCode] = {
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, request_shutdown: Callable[[str], None]) -> None:
+    def __init__(
+        self, worker_id: str, request_shutdown: Callable[[str], None], *, log_prompts: bool = False
+    ) -> None:
         self.worker_id = worker_id
+        self._log_prompts = log_prompts  # --log-prompts: the prompt's text in its request line
         self._request_shutdown = request_shutdown
         self._engine: Engine | None = None
         self._model_name = ""
@@ -84,6 +87,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         request_id = request.request_id or uuid.uuid4().hex
         with structlog.contextvars.bound_contextvars(request_id=request_id):
+            log.debug("request", **_describe_prompt(request, self._log_prompts))
             async with aclosing(engine.generate(request_from_pb(request, request_id))) as outputs:
                 async for output in outputs:
                     yield chunk_to_pb(output, self.worker_id)
@@ -104,6 +108,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         log.info("shutdown requested", reason=request.reason)
         self._request_shutdown(request.reason or "the router asked this worker to stop")
         return worker_pb2.ShutdownReply()
+
+
+def _describe_prompt(request: generation_pb2.GenerateRequest, with_text: bool) -> dict[str, object]:
+    """The request's log fields: its prompt's kind and size; its text only under --log-prompts."""
+    kind = request.WhichOneof("prompt") or "none"
+    fields: dict[str, object] = {"prompt_kind": kind, "max_tokens": request.max_tokens}
+    if kind == "text":
+        fields["prompt_chars"] = len(request.text)
+        if with_text:
+            fields["prompt"] = request.text
+    elif kind == "chat":
+        fields["prompt_messages"] = len(request.chat.messages)
+        if with_text:
+            fields["prompt"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    elif kind == "token_ids":
+        fields["prompt_tokens"] = len(request.token_ids.ids)
+        if with_text:
+            fields["prompt"] = list(request.token_ids.ids)
+    return fields
 
 
 class WorkerServer:
