@@ -1,8 +1,12 @@
 """structlog setup shared by router and worker.
 
 One list of processors serves structlog and the stdlib/foreign loggers (grpc, ray), so every line has
-the same shape. Format: the `--log-format` argument wins, then KVPACT_LOG_FORMAT, then JSON lines when
-stderr is not a TTY and a readable console otherwise. Bind request/worker ids with
+the same shape: Ray's logger, which keeps its own handler and does not propagate, is brought back to
+the root handler (when Ray was imported before configure_logging; gRPC's C core writes to stderr on its
+own and stays as it is).
+
+Format: the `--log-format` argument wins, then KVPACT_LOG_FORMAT, then JSON lines when stderr is not a
+TTY and a readable console otherwise. Bind request/worker ids with
 `structlog.contextvars.bound_contextvars(request_id=...)` for a request's scope.
 """
 
@@ -18,6 +22,9 @@ import structlog
 
 LogFormat = Literal["auto", "json", "console"]
 LOG_FORMATS = ("auto", "json", "console")
+# Libraries that install their own handler and stop propagation (Ray, once imported): their lines are
+# brought back to the root handler, so they come out in the same format.
+FOREIGN_LOGGERS = ("ray", "grpc")
 
 
 def resolve_format(
@@ -82,4 +89,8 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in FOREIGN_LOGGERS:
+        foreign = logging.getLogger(name)
+        foreign.handlers[:] = []
+        foreign.propagate = True
     return fmt

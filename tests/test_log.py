@@ -33,7 +33,11 @@ def test_fixed_fields_reach_every_line_foreign_and_other_threads_too(capsys):
     thread = threading.Thread(target=lambda: structlog.get_logger("kvpact.engine").warning("step failed"))
     thread.start()
     thread.join()
-    logging.getLogger("ray").warning("ray says hello")
+    ray = logging.getLogger("ray")  # as Ray leaves it once imported: its own handler, no propagation
+    ray.addHandler(logging.StreamHandler())
+    ray.propagate = False
+    configure_logging("json", fields={"worker_id": "w9"})
+    ray.warning("ray says hello")
     with structlog.contextvars.bound_contextvars(worker_id="explicit"):
         structlog.get_logger("kvpact.test").info("bound wins")
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
