@@ -36,7 +36,8 @@ EXIT_CODES = (
         EXIT_FATAL,
         router="startup timeout (names who is missing), a port in use (--listen, --metrics-port), "
         "other startup failure",
-        worker="model failed to load, --listen port in use, router unreachable for --router-timeout, "
+        worker="model failed to load, a port in use (--listen, --metrics-port), router unreachable for "
+        "--router-timeout, "
         "auth token rejected, TLS handshake with the router failed or its certificate refused, an internal "
         "(engine) failure",
     ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 
 import grpc
@@ -13,7 +14,7 @@ from kvpact.shared.errors import RequestError
 from kvpact.shared.intent import PagedAttentionMode
 from kvpact.v1 import generation_pb2, worker_pb2_grpc
 from kvpact.worker.metrics import WorkerMetrics
-from tests.factories.processes import started_worker, wait_for_line
+from tests.factories.processes import running, started_worker, wait_for_exit, wait_for_line, worker_argv
 from tests.worker.conftest import greedy
 from tests.worker.test_process import RecordingRegistry, serving
 
@@ -123,3 +124,17 @@ def test_a_running_worker_serves_metrics_that_move_as_requests_run(tiny_llama, t
     assert value(after, "kvpact_worker_inter_token_latency_seconds_count") == 5.0
     # the router learns where to scrape it
     assert registry.handshakes[-1].metrics_address == url.removeprefix("http://").removesuffix("/metrics")
+
+
+def test_a_metrics_port_in_use_exits_1_naming_the_flag(tiny_llama, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = worker_argv("--model", str(tiny_llama), "--metrics-port", str(port), "--worker-id", "w-busy")
+        with running(argv, log_dir=tmp_path) as worker:
+            assert wait_for_exit(worker, 60) == 1
+    assert (
+        f"worker w-busy: --metrics-port 127.0.0.1:{port}: cannot bind (the port is in use" in worker.stderr()
+    )
+    assert "Traceback" not in worker.stderr()
