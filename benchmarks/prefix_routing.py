@@ -7,8 +7,9 @@ For each policy, a fresh cluster of processes on loopback: a router (`--balance 
 and two workers (`--paged-attn on`: the paged cache with prefix caching; the torch backend on CPU), each
 with `--metrics-port 0`; the router's ClusterStatus says where each worker's /metrics is. The workload:
 GROUPS x PER_GROUP text prompts; the prompts of a group share a prefix of PREFIX_WORDS words (a long
-"system prompt") and end with their own question. The requests are sent round-robin across the groups,
-CONCURRENCY at a time (greedy, ignore_eos, MAX_TOKENS each), after one warm-up request per worker.
+"system prompt") and end with their own question. The requests arrive in a shuffled order (seeded; or
+--order round-robin across the groups), CONCURRENCY at a time (greedy, ignore_eos, MAX_TOKENS each),
+after one warm-up request per worker.
 Each worker gets OMP_NUM_THREADS=THREADS_PER_WORKER (default 1: two workers on a small CPU box do
 not fight over its cores).
 
@@ -57,16 +58,18 @@ class Result:
     wall_s: float
 
 
-def workload(groups: int, per_group: int, prefix_words: int, seed: int = 0) -> list[str]:
+def workload(groups: int, per_group: int, prefix_words: int, order: str, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     prefixes = [
         f"System {g}: " + " ".join(rng.choice(WORDS) for _ in range(prefix_words)) for g in range(groups)
     ]
     prompts = []
     for i in range(per_group):
-        for g in range(groups):  # round-robin across groups, so least-load spreads each group
+        for g in range(groups):
             question = " ".join(rng.choice(WORDS) for _ in range(6))
             prompts.append(f"{prefixes[g]}\nQuestion {i}: {question}?")
+    if order == "shuffled":
+        rng.shuffle(prompts)
     return prompts
 
 
@@ -154,14 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--policies", default="least-load,prefix-affinity")
     parser.add_argument(
+        "--order",
+        choices=("shuffled", "round-robin"),
+        default="shuffled",
+        help="arrival order of the requests (round-robin over an even number of groups lets least-load's "
+        "alternation keep each group on one worker by accident)",
+    )
+    parser.add_argument(
         "--threads-per-worker", type=int, default=1, help="OMP_NUM_THREADS of each worker (default 1)"
     )
     args = parser.parse_args(argv)
-    prompts = workload(args.groups, args.per_group, args.prefix_words)
+    prompts = workload(args.groups, args.per_group, args.prefix_words, args.order)
     rows = [run_policy(policy, args, prompts) for policy in args.policies.split(",")]
     print(
-        f"{len(prompts)} requests: {args.groups} groups x {args.per_group}, a shared prefix of "
-        f"{args.prefix_words} words each, {args.concurrency} in flight, {args.max_tokens} new tokens each"
+        f"{len(prompts)} requests ({args.order}): {args.groups} groups x {args.per_group}, "
+        f"a shared prefix of {args.prefix_words} words each, {args.concurrency} in flight, "
+        f"{args.max_tokens} new tokens each"
     )
     print("| policy | prefix hit rate | req/s | gen tok/s | mean TTFT s | requests per worker | wall s |")
     print("|---|---:|---:|---:|---:|---|---:|")
