@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
 import structlog
@@ -46,7 +46,9 @@ class _AddFields:
     def __init__(self, fields: Mapping[str, str]) -> None:
         self._fields = dict(fields)
 
-    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    def __call__(
+        self, logger: Any, method: str, event_dict: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
         for key, value in self._fields.items():
             event_dict.setdefault(key, value)
         return event_dict
