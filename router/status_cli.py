@@ -1,11 +1,13 @@
 """`router status`: a running cluster's table (or its ClusterStatus as JSON), for people, scripts and probes.
 
     router status [--address HOST:PORT] [--json] [--watch SECONDS] [--timeout SECONDS]
+                  [--tls-ca PATH [--tls-cert PATH --tls-key PATH] [--tls-server-name NAME]]
+                  [--api-key-file PATH]
 
 The table is `kvpact.client.render_cluster_status`, the renderer `make serve` and the Python client
 use. Exit codes: 0 the cluster is SERVING; 1 it is STARTING or FAILED; 2 bad flags; 69 the router did
-not answer (EX_UNAVAILABLE). With --watch it prints again every SECONDS until Ctrl-C (exit: the last
-answer's code, 0 on Ctrl-C after a SERVING answer).
+not answer (EX_UNAVAILABLE); 77 it refused the call (no or a wrong API key: EX_NOPERM). With --watch
+it prints again every SECONDS until Ctrl-C (exit: the last answer's code).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
+import grpc
 from google.protobuf.json_format import MessageToJson
 
 from kvpact.client import Client, KvpactRpcError, render_cluster_status
@@ -25,6 +29,8 @@ from kvpact.v1 import router_pb2
 EXIT_SERVING = 0
 EXIT_NOT_SERVING = 1
 EXIT_UNREACHABLE = 69
+EXIT_REFUSED = 77  # EX_NOPERM: the router wants an API key (or another one)
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="print again every SECONDS until Ctrl-C",
+    )
+    parser.add_argument(
+        "--tls-ca", metavar="PATH", help="TLS: the PEM CA that signed the router's certificate"
+    )
+    parser.add_argument(
+        "--tls-cert", metavar="PATH", help="TLS: a client certificate, if the router wants one"
+    )
+    parser.add_argument("--tls-key", metavar="PATH", help="TLS: the key of --tls-cert")
+    parser.add_argument(
+        "--tls-server-name", metavar="NAME", help="TLS: the name the router's certificate carries"
+    )
+    parser.add_argument(
+        "--api-key-file", metavar="PATH", help="a file whose first line is a client API key of the router"
     )
     parser.add_argument(
         "--timeout",
@@ -75,22 +94,47 @@ def show_once(client: Client, address: str, as_json: bool, out: TextIO, err: Tex
     try:
         status = client.cluster_status()
     except KvpactRpcError as exc:
-        err.write(
-            f"router status: no answer from the router at {address} ({exc.code.name}: {exc.details}); "
-            "is it running, and is --address its --listen address?\n"
-        )
+        if exc.code in _UNREACHABLE:
+            err.write(
+                f"router status: no answer from the router at {address} ({exc.code.name}: {exc.details}); "
+                "is it running, and is --address its --listen address (and TLS as it expects)?\n"
+            )
+            code = EXIT_UNREACHABLE
+        else:
+            err.write(
+                f"router status: the router at {address} refused the call ({exc.code.name}: {exc.details}); "
+                "does it want --api-key-file?\n"
+            )
+            code = EXIT_REFUSED
         err.flush()
-        return EXIT_UNREACHABLE
+        return code
     out.write(render(status, as_json) + "\n")
     out.flush()
     return exit_code(status)
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     host, port = args.address
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    with Client(address, timeout=args.timeout) as client:
+    api_key = None
+    if args.api_key_file:
+        try:
+            api_key = Path(args.api_key_file).read_text().split()[0]
+        except (OSError, IndexError):
+            parser.error(f"--api-key-file {args.api_key_file}: cannot read a key from it")
+    transport = {
+        "ca_file": args.tls_ca,
+        "cert_file": args.tls_cert,
+        "key_file": args.tls_key,
+        "server_name": args.tls_server_name,
+    }
+    try:
+        client = Client(address, timeout=args.timeout, api_key=api_key, **transport)  # type: ignore[arg-type]
+    except (OSError, ValueError) as exc:  # an unreadable file; a certificate without its key
+        parser.error(f"TLS: {exc}")
+    with client:
         code = show_once(client, address, args.json, out, err)
         if args.watch is None:
             return code

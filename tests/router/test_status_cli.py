@@ -71,3 +71,18 @@ def test_bad_flags_exit_2():
     )
     assert out.returncode == 2
     assert "expected a number of seconds > 0, got '0'" in out.stderr
+
+
+def test_a_router_that_wants_an_api_key_gets_it_from_api_key_file(tmp_path):
+    keys = tmp_path / "api-keys"
+    keys.write_text("k-123\n")
+    argv = router_argv("--api-key-file", str(keys))
+    with running(argv, name="router", log_dir=tmp_path) as router:
+        address = started(router)
+        code, out, err = status(address, tmp_path=tmp_path, name="no-key")
+        assert code == 77 and out == ""
+        assert f"router status: the router at {address} refused the call (UNAUTHENTICATED" in err
+        assert "--api-key-file" in err
+        code, out, _ = status(address, "--api-key-file", str(keys), tmp_path=tmp_path, name="key")
+        assert code == 1  # answered: still STARTING (no worker)
+        assert out.startswith("cluster STARTING")
