@@ -124,14 +124,16 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextI
             api_key = Path(args.api_key_file).read_text().split()[0]
         except (OSError, IndexError):
             parser.error(f"--api-key-file {args.api_key_file}: cannot read a key from it")
-    transport = {
-        "ca_file": args.tls_ca,
-        "cert_file": args.tls_cert,
-        "key_file": args.tls_key,
-        "server_name": args.tls_server_name,
-    }
     try:
-        client = Client(address, timeout=args.timeout, api_key=api_key, **transport)  # type: ignore[arg-type]
+        client = Client(
+            address,
+            timeout=args.timeout,
+            api_key=api_key,
+            ca_file=args.tls_ca,
+            cert_file=args.tls_cert,
+            key_file=args.tls_key,
+            server_name=args.tls_server_name,
+        )
     except (OSError, ValueError) as exc:  # an unreadable file; a certificate without its key
         parser.error(f"TLS: {exc}")
     with client:
