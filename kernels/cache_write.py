@@ -60,9 +60,14 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], written in place
     value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], written in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    *,
+    check: bool = True,  # False: the caller checked these shapes already (once per step)
 ) -> None:
-    checks.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
-    checks.check_triton_support(kernel_reshape_and_cache, key_cache, value_cache, key, value, slot_mapping)
+    if check:
+        checks.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+        checks.check_triton_support(
+            kernel_reshape_and_cache, key_cache, value_cache, key, value, slot_mapping
+        )
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

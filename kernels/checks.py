@@ -129,6 +129,16 @@ def check_prefill(
     _check_attention(query, key_cache, value_cache, block_tables, context_lens)
 
 
+def check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> None:
+    """An output buffer a kernel writes in place: `like`'s shape, dtype and device, last dim contiguous."""
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        _fail(
+            f"{name} must match the query: shape {tuple(like.shape)}, {like.dtype} on {like.device}; "
+            f"got {tuple(out.shape)}, {out.dtype} on {out.device}"
+        )
+    _check_last_dim_contiguous(name, out)
+
+
 def check_triton_support(kernel: object, key_cache: torch.Tensor, *tensors: torch.Tensor) -> None:
     """Device, dtype, head size and block size limits of the Triton kernels (see support.py).
 

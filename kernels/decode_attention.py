@@ -13,14 +13,24 @@ import triton
 import triton.language as tl
 
 from kvpact.kernels import checks
+from kvpact.kernels.splits import (  # noqa: F401 - re-exported: the split heuristic's home is splits.py
+    MAX_SPLITS,
+    MIN_TILES_PER_SPLIT,
+    PROGRAMS_PER_SM,
+    TILE,
+    choose_num_splits,
+    decode_workspace,
+    default_num_splits,
+    device_num_sms,
+    split_variants,
+)
 
-TILE = 32  # context tokens per loop iteration
-MIN_TILES_PER_SPLIT = 4  # a split shorter than this is not worth its partial-output traffic
-MAX_SPLITS = 32
-INTERPRETER_NUM_SMS = 4  # stand-in SM count when running under TRITON_INTERPRET=1
+# The block table's row stride is its width, which grows with the batch's longest context: were it
+# specialized (Triton keys ints on == 1 and % 16), a new width could compile a new kernel mid-serving.
+UNSPECIALIZED = ["stride_block_tables_seq"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def kernel_paged_decode_attention(
     out_ptr,  # [num_seqs, q_heads, head_dim], or fp32 [num_seqs, q_heads, NUM_SPLITS, head_dim] if split
     lse_ptr,  # fp32 [num_seqs, q_heads, NUM_SPLITS], log2-sum-exp2 of scaled scores (NUM_SPLITS > 1 only)
@@ -153,23 +163,6 @@ def kernel_merge_splits(
     )
 
 
-def choose_num_splits(num_seqs: int, kv_heads: int, max_context_len: int, num_sms: int) -> int:
-    """Split the context only when (seq, kv_head) programs alone cannot fill the device twice over,
-    and never into splits shorter than MIN_TILES_PER_SPLIT tiles."""
-    num_programs = num_seqs * kv_heads
-    wanted = triton.cdiv(2 * num_sms, num_programs)
-    worth = max(1, triton.cdiv(max_context_len, TILE) // MIN_TILES_PER_SPLIT)
-    return max(1, min(wanted, worth, MAX_SPLITS))
-
-
-def default_num_splits(num_seqs: int, kv_heads: int, max_context_len: int, num_sms: int) -> int:
-    """choose_num_splits rounded down to a power of two: NUM_SPLITS is a constexpr, so every value
-    compiles its own kernel, and as contexts grow a server would otherwise compile up to MAX_SPLITS
-    of them mid-request. Rounding down keeps the bounds (>= MIN_TILES_PER_SPLIT tiles, <= MAX_SPLITS)."""
-    wanted = choose_num_splits(num_seqs, kv_heads, max_context_len, num_sms)
-    return 1 << (wanted.bit_length() - 1)
-
-
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -178,33 +171,53 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, >= 1, includes the current token
     scale: float,
     num_splits: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, q_heads, head_dim]
     """Triton twin of reference.paged_decode_attention_torch. num_splits=None picks by heuristic
-    (default_num_splits) from shapes only (block_tables' width bounds the context; no device sync)."""
-    checks.check_decode(query, key_cache, value_cache, block_tables, context_lens)
-    checks.check_triton_support(kernel_paged_decode_attention, key_cache, query, block_tables, context_lens)
+    (default_num_splits) from shapes only (block_tables' width bounds the context; no device sync).
+
+    Per-step callers (worker/kv/paged.py) pass `out` (written in place, query's shape and dtype,
+    last dim contiguous), `workspace` (decode_workspace for this num_splits) and check=False
+    after checking the step's shapes once."""
+    if check:
+        checks.check_decode(query, key_cache, value_cache, block_tables, context_lens)
+        checks.check_triton_support(
+            kernel_paged_decode_attention, key_cache, query, block_tables, context_lens
+        )
     num_seqs, q_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     if num_splits is None:
-        num_sms = (
-            torch.cuda.get_device_properties(query.device).multi_processor_count
-            if query.device.type == "cuda"
-            else INTERPRETER_NUM_SMS
+        num_splits = default_num_splits(
+            num_seqs, kv_heads, block_tables.shape[1] * block_size, device_num_sms(query.device)
         )
-        num_splits = default_num_splits(num_seqs, kv_heads, block_tables.shape[1] * block_size, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    elif check:
+        checks.check_out("out", out, query)
     if num_seqs == 0:
         return out
     if num_splits == 1:
         partial, lse = out, out  # lse is unused with one split
         partial_strides: tuple[int, ...] = (out.stride(0), out.stride(1), 0)
     else:
-        partial = torch.empty(
-            num_seqs, q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
-        )
-        lse = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=query.device)
+        if workspace is None:
+            workspace = decode_workspace(num_seqs, q_heads, head_dim, num_splits, query.device)
+            assert workspace is not None
+        partial, lse = workspace
+        if check and (
+            tuple(partial.shape) != (num_seqs, q_heads, num_splits, head_dim)
+            or tuple(lse.shape) != (num_seqs, q_heads, num_splits)
+            or not (partial.is_contiguous() and lse.is_contiguous())
+        ):
+            raise ValueError(
+                f"workspace must be decode_workspace({num_seqs}, {q_heads}, {head_dim}, {num_splits}), "
+                f"got shapes {tuple(partial.shape)} and {tuple(lse.shape)}"
+            )
         partial_strides = partial.stride()[:3]
     group = q_heads // kv_heads
     kernel_paged_decode_attention[(num_seqs, kv_heads, num_splits)](

@@ -18,7 +18,11 @@ BLOCK_M = 64  # query rows (tokens x grouped heads) per program
 TILE = 32  # context tokens per loop iteration
 
 
-@triton.jit
+# As in decode_attention: the block table's width must not pick a new compiled variant.
+UNSPECIALIZED = ["stride_block_tables_seq"]
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def kernel_paged_prefill_attention(
     out_ptr,  # [num_tokens, q_heads, head_dim]
     query_ptr,  # [num_tokens, q_heads, head_dim]
@@ -129,18 +133,26 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, cached tokens including the new ones
     scale: float,
     max_query_len: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # [num_tokens, q_heads, head_dim]
     """Triton twin of reference.paged_prefill_attention_torch. `max_query_len`, the longest
     new-token run (at least it: it sizes the grid), as the caller knows it on the host; None reads
-    it from query_start_loc, one device sync."""
-    checks.check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
-    checks.check_triton_support(
-        kernel_paged_prefill_attention, key_cache, query, block_tables, query_start_loc, context_lens
-    )
+    it from query_start_loc, one device sync. `out` (query's shape and dtype) is written in place;
+    check=False skips the argument checks (a per-step caller checks once)."""
+    if check:
+        checks.check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+        checks.check_triton_support(
+            kernel_paged_prefill_attention, key_cache, query, block_tables, query_start_loc, context_lens
+        )
     num_tokens, q_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     num_seqs = context_lens.shape[0]
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    elif check:
+        checks.check_out("out", out, query)
     if num_tokens == 0 or num_seqs == 0:
         return out
     if max_query_len is None:

@@ -51,3 +51,4 @@ class WorkerLoad:
     num_total_blocks: int = 0
     tokens_per_second: float = 0.0
     num_preemptions: int = 0
+    kernel_compiles_after_ready: int = 0  # Triton compiles mid-serving (the warm-up should leave 0)

@@ -230,6 +230,7 @@ def load_to_pb(load: WorkerLoad) -> worker_pb2.WorkerLoad:
         num_total_blocks=load.num_total_blocks,
         tokens_per_second=load.tokens_per_second,
         num_preemptions=load.num_preemptions,
+        kernel_compiles_after_ready=load.kernel_compiles_after_ready,
     )
 
 
@@ -241,4 +242,5 @@ def load_from_pb(msg: worker_pb2.WorkerLoad) -> WorkerLoad:
         num_total_blocks=msg.num_total_blocks,
         tokens_per_second=msg.tokens_per_second,
         num_preemptions=msg.num_preemptions,
+        kernel_compiles_after_ready=msg.kernel_compiles_after_ready,
     )

@@ -195,6 +195,7 @@ class Engine:
             num_total_blocks=self.scheduler.num_total_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             tokens_per_second=tps,
+            kernel_compiles_after_ready=self.runner.kernel_compiles_after_ready(),
         )
 
     def close(self) -> None:

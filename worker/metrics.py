@@ -217,3 +217,8 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvpact_worker_preemptions", "Sequences preempted (recomputed later)", value=load.num_preemptions
         )
+        yield CounterMetricFamily(
+            "kvpact_worker_kernel_compiles_after_ready",
+            "Triton kernel variants compiled after the startup warm-up (each stalls serving; want 0)",
+            value=load.kernel_compiles_after_ready,
+        )

@@ -18,6 +18,7 @@ import torch
 
 from kvpact.worker.device import to_device
 from kvpact.worker.kv import KVCache
+from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.model import LlamaForCausalLM
 from kvpact.worker.sampling import sample
 from kvpact.worker.sequence import ScheduledChunk, Sequence
@@ -39,6 +40,10 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.keep_logits = False  # tests compare per-step logits with a reference
+
+    def kernel_compiles_after_ready(self) -> int:
+        """Triton kernel variants compiled since the startup warm-up (0 without Triton kernels)."""
+        return self.cache.kernel_compiles_after_ready() if isinstance(self.cache, PagedCache) else 0
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:

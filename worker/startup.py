@@ -17,7 +17,9 @@ report a failure before it spends minutes loading weights:
            --max-num-seqs (and the largest --max-model-len that would fit)
         --max-model-len auto (the CUDA default): max_model_len is the longest sequence the pool (or one
         eager slot) holds, up to the model's positions; logged with how it was chosen
-    engine = build_engine(plan)  load weights -> build the realized cache -> select_scheduler(requested,
+    engine = build_engine(plan)  load weights -> build the realized cache -> Triton backend: compile every
+                                 kernel variant this max_model_len can reach (worker/kernel_warmup.py,
+                                 logged "paged kernels warmed up") -> select_scheduler(requested,
                                  realized kind) -> Engine; logs the realized table once.
 
 `build_engine(spec)` runs both. Every "cannot" goes through `disable_paged_attention`, so under `auto`
@@ -49,6 +51,7 @@ from kvpact.worker.block_manager import BlockManager
 from kvpact.worker.device import DeviceProbe, probe_device
 from kvpact.worker.engine import Engine
 from kvpact.worker.kernel_check import triton_self_test
+from kvpact.worker.kernel_warmup import warm_up_paged_kernels
 from kvpact.worker.kv import sizing
 from kvpact.worker.kv.eager import EagerCache
 from kvpact.worker.kv.paged import PagedCache
@@ -247,7 +250,16 @@ def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
             plan.cache_dtype,
             plan.probe.device,
             plan.backend,
+            max_model_len=plan.max_model_len,
         )
+        if cache.backend is PagedBackend.TRITON:
+            warm = warm_up_paged_kernels(cache, num_heads=config.num_heads, dtype=plan.dtype)
+            log.info(
+                "paged kernels warmed up",
+                seconds=round(warm.seconds, 2),
+                compiled=warm.compiled,
+                variants=list(warm.variants),
+            )
     else:
         cache = EagerCache(
             config.num_layers,

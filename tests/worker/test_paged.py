@@ -75,6 +75,23 @@ def test_step_metadata_is_what_the_kernels_check_and_each_group_is_only_as_wide_
         assert t.is_contiguous()
 
 
+def test_split_counts_are_chosen_per_step_from_the_warmed_variants():
+    # 4 stand-in SMs on the CPU, 2 KV heads: one decode wants 4 * 4 / 2 = 8 splits, if its context is long.
+    cache = PagedCache(
+        1, 64, BS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), PagedBackend.TORCH, max_model_len=256
+    )
+    assert cache.split_variants == (1, 2)  # 256 tokens = 8 tiles of 32: at most 2 splits of 4 tiles
+    long_seq = fake_seq("a", 256, list(range(64)))
+    step = cache.attention_step([ScheduledChunk(long_seq, 255, 1)], 1)
+    assert step.decode_splits == 2
+    short = cache.attention_step([ScheduledChunk(fake_seq("b", 9, [0, 1, 2]), 8, 1)], 1)
+    assert short.decode_splits == 1
+    # Without max_model_len the pool bounds it (1024 tokens); a wider table than max_model_len (never
+    # scheduled) is capped at what the warm-up compiled.
+    unbounded = PagedCache(1, 256, BS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), PagedBackend.TORCH)
+    assert unbounded.split_variants == (1, 2, 4, 8) and cache.decode_splits(1, 64) == 2
+
+
 def test_a_decode_only_step_has_empty_prefill_metadata():
     cache = PagedCache(1, 32, BS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), PagedBackend.TORCH)
     step = cache.attention_step([ScheduledChunk(fake_seq("a", 40, [7, 3]), 5, 1)], 1)
@@ -83,12 +100,18 @@ def test_a_decode_only_step_has_empty_prefill_metadata():
 
 
 def test_backend_choice_is_only_which_functions_run():
+    # The torch backend runs the references behind the Triton wrappers' signature (out=, check=).
     torch_ops = paged_ops(PagedBackend.TORCH)
-    assert (torch_ops.write, torch_ops.decode, torch_ops.prefill) == (
-        kernels.reshape_and_cache_torch,
-        kernels.paged_decode_attention_torch,
-        kernels.paged_prefill_attention_torch,
+    torch.manual_seed(0)
+    key_cache, value_cache = torch.randn(2, 8, BS, KV_HEADS, DIM).unbind(0)
+    query, tables = torch.randn(2, HEADS, DIM), torch.tensor([[1, 0], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    out = torch.full_like(query, float("nan"))
+    got = torch_ops.decode(
+        query, key_cache, value_cache, tables, lens, 0.25, 2, out=out, workspace=None, check=False
     )
+    want = kernels.paged_decode_attention_torch(query, key_cache, value_cache, tables, lens, 0.25)
+    assert got is out and torch.equal(out, want)
     triton_ops = paged_ops(PagedBackend.TRITON)  # imports the Triton wrappers; nothing is launched
     assert (triton_ops.write, triton_ops.decode, triton_ops.prefill) == (
         kernels.reshape_and_cache,

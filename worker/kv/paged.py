@@ -9,6 +9,11 @@ the pools: one-token chunks with `paged_decode_attention`, longer chunks (prefil
 prefix-cache hit or a previous chunk) with `paged_prefill_attention`. The backend only chooses which
 functions those are: TORCH = kernels.reference (CPU, MPS), TRITON = the Triton kernels (CUDA); they
 share signatures and layouts.
+
+Host work is per step, not per layer: the step checks the kernels' arguments on its first layer only,
+picks the decode split count once (kernels/splits.py, capped at the largest count the startup warm-up
+compiled, worker/kernel_warmup.py), and allocates the output and the split partials/LSEs once; every
+layer's kernels write into them (`out=`), so a decode layer is a write, a decode (+ merge) and no copy.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpact import kernels
+from kvpact.kernels.compiles import compiled_variant_count
+from kvpact.kernels.splits import decode_workspace, default_num_splits, device_num_sms, split_variants
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.worker.device import to_device
@@ -27,18 +34,55 @@ from kvpact.worker.sequence import ScheduledChunk
 
 @dataclass(frozen=True, slots=True)
 class PagedOps:
-    write: Callable[..., None]  # reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    decode: Callable[..., torch.Tensor]  # (query, key_cache, value_cache, block_tables, context_lens, scale)
-    prefill: Callable[..., torch.Tensor]  # (query, ..., query_start_loc, context_lens, scale, max_query_len=)
+    """The three kernels of a backend, one signature for both (the Triton wrappers'):
+
+    write(key, value, key_cache, value_cache, slot_mapping, *, check=True)
+    decode(query, key_cache, value_cache, block_tables, context_lens, scale, num_splits=None,
+           *, out=None, workspace=None, check=True) -> out
+    prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+            max_query_len=None, *, out=None, check=True) -> out
+    """
+
+    write: Callable[..., None]
+    decode: Callable[..., torch.Tensor]
+    prefill: Callable[..., torch.Tensor]
+
+
+def _torch_write(key, value, key_cache, value_cache, slot_mapping, *, check=True) -> None:  # noqa: ANN001
+    kernels.reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _torch_decode(  # noqa: ANN001 - the reference's arguments, passed through
+    query, key_cache, value_cache, block_tables, context_lens, scale, num_splits=None, *, out=None, **_
+) -> torch.Tensor:
+    got = kernels.paged_decode_attention_torch(
+        query, key_cache, value_cache, block_tables, context_lens, scale
+    )
+    return got if out is None else out.copy_(got)
+
+
+def _torch_prefill(  # noqa: ANN001 - the reference's arguments, passed through
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    starts,
+    context_lens,
+    scale,
+    max_query_len=None,
+    *,
+    out=None,
+    **_,
+) -> torch.Tensor:
+    got = kernels.paged_prefill_attention_torch(
+        query, key_cache, value_cache, block_tables, starts, context_lens, scale
+    )
+    return got if out is None else out.copy_(got)
 
 
 def paged_ops(backend: PagedBackend) -> PagedOps:
     if backend is PagedBackend.TORCH:
-        return PagedOps(
-            kernels.reshape_and_cache_torch,
-            kernels.paged_decode_attention_torch,
-            kernels.paged_prefill_attention_torch,
-        )
+        return PagedOps(_torch_write, _torch_decode, _torch_prefill)
     if backend is PagedBackend.TRITON:  # imports triton: only on a worker whose decision chose it
         from kvpact.kernels.cache_write import reshape_and_cache
         from kvpact.kernels.decode_attention import paged_decode_attention
@@ -61,6 +105,8 @@ class PagedCache:
         dtype: torch.dtype,
         device: torch.device,
         backend: PagedBackend,
+        *,
+        max_model_len: int | None = None,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Unused slots may hold anything: the kernels never read past a sequence's context.
@@ -68,79 +114,152 @@ class PagedCache:
         self.value = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.backend = backend
         self.ops = paged_ops(backend)
         self.scale = head_dim**-0.5
         self.device = device
+        self.num_sms = device_num_sms(device)
+        # Every decode split count a step may pick (the warm-up compiles each); a context past
+        # max_model_len (never scheduled) would be capped at the largest, not compile a new one.
+        longest = max_model_len if max_model_len is not None else num_blocks * block_size
+        self.split_variants = split_variants(
+            num_kv_heads, -(-longest // block_size) * block_size, self.num_sms
+        )
+        self._compiles_at_ready: int | None = None
 
     @property
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key + self.value)
 
     def attention_step(self, chunks: list[ScheduledChunk], num_decodes: int) -> PagedAttentionStep:
-        return PagedAttentionStep(self, chunks, num_decodes)
+        for c in chunks:
+            covered = len(c.seq.block_table.block_ids) * self.block_size
+            assert covered >= c.end, f"sequence {c.seq.request_id}: blocks do not cover {c.end} tokens"
+        return PagedAttentionStep(
+            self,
+            [c.seq.block_table.block_ids for c in chunks],
+            [c.start for c in chunks],
+            [c.num_tokens for c in chunks],
+            num_decodes,
+        )
+
+    def decode_splits(self, num_decodes: int, table_width: int) -> int:
+        """The split count for a step's decodes (the heuristic on the block table's width, no sync)."""
+        if num_decodes == 0:
+            return 1
+        wanted = default_num_splits(
+            num_decodes, self.num_kv_heads, table_width * self.block_size, self.num_sms
+        )
+        return min(wanted, self.split_variants[-1])
+
+    def mark_ready(self) -> None:
+        """The warm-up is done: compiles from now on are counted by kernel_compiles_after_ready."""
+        self._compiles_at_ready = compiled_variant_count()
+
+    def kernel_compiles_after_ready(self) -> int:
+        """Triton kernel variants compiled since mark_ready (0 before it, and on the torch backend)."""
+        if self._compiles_at_ready is None:
+            return 0
+        return compiled_variant_count() - self._compiles_at_ready
 
 
 class PagedAttentionStep:
     """One step's metadata, built once on the host, copied to the device without a stream sync and
     used by every layer: slot_mapping [num_tokens] int64; per group (decodes, then prefill chunks)
     block_tables [num_seqs, max_blocks] int32, as wide as that group's longest table (the decode
-    kernel sizes its split-K from the width) and zero-padded (the kernels never read past a context),
+    split count comes from the width) and zero-padded (the kernels never read past a context),
     and context_lens [num_seqs] int32 (tokens in the cache after the write, the new ones included);
     prefill_start_loc [num_prefills + 1] int32 offsets into the prefill part of the batch and
-    max_prefill_len, its longest chunk (so the prefill kernel need not read it back from the device)."""
+    max_prefill_len, its longest chunk (so the prefill kernel need not read it back from the device);
+    decode_splits, chosen once. Sequence i has block table `tables[i]` and computes tokens
+    `starts[i] : starts[i] + lengths[i]`; the first num_decodes are one-token decodes.
 
-    def __init__(self, cache: PagedCache, chunks: list[ScheduledChunk], num_decodes: int) -> None:
+    `forward` returns a buffer of the step's: valid until the step's next `forward` (each layer
+    consumes its attention output before the next layer runs)."""
+
+    def __init__(
+        self,
+        cache: PagedCache,
+        tables: list[list[int]],
+        starts: list[int],
+        lengths: list[int],
+        num_decodes: int,
+        *,
+        decode_splits: int | None = None,
+    ) -> None:
         self.cache = cache
         self.num_decodes = num_decodes
         dev, bs = cache.device, cache.block_size
-        for c in chunks:
-            covered = len(c.seq.block_table.block_ids) * bs
-            assert covered >= c.end, f"sequence {c.seq.request_id}: blocks do not cover {c.end} tokens"
-        decodes, prefills = chunks[:num_decodes], chunks[num_decodes:]
-        decode_tables, tables = _block_tables(decodes), _block_tables(prefills)
-        lengths = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
-        starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
-        context_lens = (starts + lengths).to(torch.int32)
+        decode_tables, prefill_tables = (
+            _block_tables(tables[:num_decodes]),
+            _block_tables(tables[num_decodes:]),
+        )
+        length_t = torch.tensor(lengths, dtype=torch.long)
+        start_t = torch.tensor(starts, dtype=torch.long)
+        context_lens = (start_t + length_t).to(torch.int32)
 
         # Slots, per token: its chunk's block table at position // block_size, then the offset.
-        width = max(decode_tables.shape[1], tables.shape[1])
-        all_tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+        width = max(decode_tables.shape[1], prefill_tables.shape[1])
+        all_tables = torch.zeros(len(tables), width, dtype=torch.int32)
         all_tables[:num_decodes, : decode_tables.shape[1]] = decode_tables
-        all_tables[num_decodes:, : tables.shape[1]] = tables
-        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
-        first_token = torch.cumsum(lengths, 0) - lengths
-        positions = starts[seq_of_token] + torch.arange(int(lengths.sum())) - first_token[seq_of_token]
+        all_tables[num_decodes:, : prefill_tables.shape[1]] = prefill_tables
+        seq_of_token = torch.repeat_interleave(torch.arange(len(tables)), length_t)
+        first_token = torch.cumsum(length_t, 0) - length_t
+        positions = start_t[seq_of_token] + torch.arange(int(length_t.sum())) - first_token[seq_of_token]
         slots = all_tables[seq_of_token, positions // bs].long() * bs + positions % bs
 
-        prefill_lengths = lengths[num_decodes:]
+        prefill_lengths = length_t[num_decodes:]
         self.slot_mapping = to_device(slots, dev)
         self.decode_tables = to_device(decode_tables, dev)
         self.decode_context_lens = to_device(context_lens[:num_decodes], dev)
-        self.prefill_tables = to_device(tables, dev)
+        self.prefill_tables = to_device(prefill_tables, dev)
         self.prefill_context_lens = to_device(context_lens[num_decodes:], dev)
         self.prefill_start_loc = to_device(
             torch.cat([torch.zeros(1, dtype=torch.long), prefill_lengths.cumsum(0)]).to(torch.int32), dev
         )
-        self.max_prefill_len = int(prefill_lengths.max()) if len(prefills) else 0
-        self.has_prefills = len(prefills) > 0
+        self.max_prefill_len = int(prefill_lengths.max()) if len(tables) > num_decodes else 0
+        self.has_prefills = len(tables) > num_decodes
+        self.decode_splits = (
+            decode_splits
+            if decode_splits is not None
+            else cache.decode_splits(num_decodes, decode_tables.shape[1])
+        )
+        self._out: torch.Tensor | None = None  # allocated by the first layer, reused by the others
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         key_cache, value_cache = cache.key[layer_idx], cache.value[layer_idx]
         dtype = key_cache.dtype
-        cache.ops.write(
-            k.to(dtype).contiguous(), v.to(dtype).contiguous(), key_cache, value_cache, self.slot_mapping
-        )
-        query = q.to(dtype).contiguous()
-        out = torch.empty_like(query)
+        query = q.to(dtype)  # no copy when the dtypes agree; the kernels read through strides
         d = self.num_decodes
+        check = self._out is None  # the first layer checks the step's shapes for all of them
+        if check:
+            self._out = torch.empty(query.shape, dtype=dtype, device=query.device)
+            if d and cache.backend is PagedBackend.TRITON:
+                self._workspace = decode_workspace(
+                    d, query.shape[1], query.shape[2], self.decode_splits, query.device
+                )
+        out = self._out
+        assert out is not None
+        cache.ops.write(k.to(dtype), v.to(dtype), key_cache, value_cache, self.slot_mapping, check=check)
         if d:
-            out[:d] = cache.ops.decode(
-                query[:d], key_cache, value_cache, self.decode_tables, self.decode_context_lens, cache.scale
+            cache.ops.decode(
+                query[:d],
+                key_cache,
+                value_cache,
+                self.decode_tables,
+                self.decode_context_lens,
+                cache.scale,
+                self.decode_splits,
+                out=out[:d],
+                workspace=self._workspace,
+                check=check,
             )
         if self.has_prefills:
-            out[d:] = cache.ops.prefill(
+            cache.ops.prefill(
                 query[d:],
                 key_cache,
                 value_cache,
@@ -148,13 +267,15 @@ class PagedAttentionStep:
                 self.prefill_start_loc,
                 self.prefill_context_lens,
                 cache.scale,
-                max_query_len=self.max_prefill_len,
+                self.max_prefill_len,
+                out=out[d:],
+                check=check,
             )
         return out.to(q.dtype)
 
 
-def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
-    """[len(chunks), longest table (at least 1)] int32, each row zero-padded."""
-    width = max((len(c.seq.block_table.block_ids) for c in chunks), default=1)
-    rows = [c.seq.block_table.block_ids + [0] * (width - len(c.seq.block_table.block_ids)) for c in chunks]
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(chunks), width)
+def _block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[len(tables), longest table (at least 1)] int32, each row zero-padded."""
+    width = max((len(t) for t in tables), default=1)
+    rows = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width)

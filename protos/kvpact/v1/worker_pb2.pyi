@@ -350,6 +350,7 @@ class WorkerLoad(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
     TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    KERNEL_COMPILES_AFTER_READY_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     num_free_blocks: _builtins.int
@@ -357,6 +358,8 @@ class WorkerLoad(_message.Message):
     num_total_blocks: _builtins.int
     tokens_per_second: _builtins.float
     num_preemptions: _builtins.int
+    kernel_compiles_after_ready: _builtins.int
+    """Triton kernel compiles since the startup warm-up (want 0)"""
     def __init__(
         self,
         *,
@@ -366,10 +369,11 @@ class WorkerLoad(_message.Message):
         num_total_blocks: _builtins.int = ...,
         tokens_per_second: _builtins.float = ...,
         num_preemptions: _builtins.int = ...,
+        kernel_compiles_after_ready: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "tokens_per_second", b"tokens_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kernel_compiles_after_ready", b"kernel_compiles_after_ready", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "tokens_per_second", b"tokens_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
