@@ -369,6 +369,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     log_dir = Path(args.workdir) / "e2e-logs"
     outcomes: list[tuple[str, str]] = []
     tokens: dict[str, list[int]] = {}
+    rates: dict[str, float] = {}
     for name, policy, flags, kind, backend in runs:
         port = free_port()
         router = f"127.0.0.1:{port}"
@@ -399,6 +400,15 @@ def cmd_e2e(args: argparse.Namespace) -> int:
                 got_kind = realized.kind.value
                 got_backend = realized.backend.value if realized.backend else None
                 reply = client.complete(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+                if name in ("on", "on-torch"):
+                    rates[name] = throughput(client, prompt)
+                    print(f"{name}: {rates[name]:.1f} tokens/s over {CONCURRENT} concurrent requests")
+                    time.sleep(2.5)  # a heartbeat (1 s) carries the worker's load to the router
+                    [worker] = client.cluster_status().workers
+                    compiles = worker.load.kernel_compiles_after_ready
+                    print(f"{name}: {compiles} kernel compiles after ready")
+                    if compiles:
+                        outcomes.append(("FAIL", f"{name}: {compiles} kernel compiles after ready (want 0)"))
             tokens[name] = list(reply.token_ids)
             print(f"{name}: {len(reply.token_ids)} tokens {list(reply.token_ids)} ({reply.finish_reason})")
             if (got_kind, got_backend) != (kind, backend):
@@ -431,10 +441,34 @@ def cmd_e2e(args: argparse.Namespace) -> int:
                 if same
                 else ("WARN", f"router: {a} and {b} part at token {first} (see the engine step's logits)")
             )
+    if "on" in rates and "on-torch" in rates:
+        ratio = rates["on"] / rates["on-torch"] if rates["on-torch"] else 0.0
+        outcomes.append(
+            ("PASS", f"tokens/s on {rates['on']:.1f} vs on-torch {rates['on-torch']:.1f} ({ratio:.2f}x)")
+        )
     for verdict, why in outcomes:
         print(f"  {verdict}  {why}")
     worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in outcomes)), "FAIL")
     return result("e2e", worst, "; ".join(why for v, why in outcomes if v == worst))
+
+
+CONCURRENT, THROUGHPUT_TOKENS = 8, 32
+
+
+def throughput(client, prompt: list[int]) -> float:  # type: ignore[no-untyped-def]
+    """Generated tokens per second of CONCURRENT greedy requests sent at once through the router."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        reply = client.complete(
+            [*prompt, i + 1], max_tokens=THROUGHPUT_TOKENS, temperature=0, ignore_eos=True
+        )
+        return len(reply.token_ids)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        total = sum(pool.map(one, range(CONCURRENT)))
+    return total / (time.monotonic() - started)
 
 
 def _interrupted(signum: int, frame: object) -> None:

@@ -15,12 +15,15 @@
 #   b_kernels.txt   tests/kernels/triton_cases.py compiled on the GPU (KVPACT_KERNEL_DEVICE=cuda, -m '':
 #                   the slow grid too; native bf16 tl.dot), except the ptxas-only cuda_compile cases
 #   c_bench.txt     python benchmarks/kernels.py: a compiled correctness pass, then the Triton vs torch
-#                   decode bandwidth table
+#                   decode bandwidth table (the batch 64 / context 2k share of peak in the summary)
 #   d_engine.txt    benchmarks/gpu_check.py engine: the engine in-process, Triton vs torch backend (fp32
 #                   and bf16, chunked prefill, prefix cache; logits compared), and a sync audit
 #   e_e2e.txt       benchmarks/gpu_check.py e2e: a router + one worker `--device cuda` for each of
 #                   `on` (must realize PAGED/TRITON), `on --pa-backend torch`, `auto` (PAGED/TRITON),
-#                   ClusterStatus read and one greedy request through the router each
+#                   ClusterStatus read and one greedy request through the router each, then 8
+#                   concurrent requests (tokens/s, on vs on-torch) and the worker's compiles after ready
+#   f_host.txt      benchmarks/gpu_perf.py: a serving PagedAttentionStep's host time per layer at decode
+#                   batch 1/16/64 (context 2k) and the kernel compiles after the startup warm-up (must be 0)
 #   summary.txt     one line a step (PASS / WARN / FAIL / SKIP, exit code, seconds); also printed last
 # The model is a tiny Llama with SmolLM2's attention shapes built on the fly (the SmolLM2 GGUF is 98 MB,
 # more than a run can carry); KVPACT_GPU_CHECK_MODEL=PATH uses another.
@@ -67,7 +70,7 @@ step() {
     [ $rc -ne 0 ] && verdict=FAIL
     [ $rc -eq 124 ] && verdict="FAIL (timed out)"
     local detail
-    detail=$(grep -E '^RESULT |^(=+ )?[0-9]+ (passed|failed)|max \|triton - torch\||^ *(FAIL|WARN) ' \
+    detail=$(grep -E '^RESULT |^(=+ )?[0-9]+ (passed|failed)|max \|triton - torch\||^ *(FAIL|WARN) |^decode bandwidth' \
         "$OUT/$file" | tail -14 | sed 's/^/        /')
     grep -q '^RESULT .*: WARN' "$OUT/$file" && [ $rc -eq 0 ] && verdict=WARN
     note "$verdict  $name: exit $rc, ${secs}s ($file)"
@@ -158,6 +161,17 @@ fi
 if needs "e) end to end" "${SERVING[@]}"; then
     step "e) end to end: router + worker (on, on-torch, auto)" e_e2e.txt 150 \
         "$PY" benchmarks/gpu_check.py e2e --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
+fi
+
+# ---- f) host work per layer, compiles after the warm-up ----
+if needs "f) host time" triton numpy google.protobuf; then
+    if [ $DRY = 1 ]; then
+        step "f) host time per layer (dry run: torch backend)" f_host.txt 90 \
+            "$PY" benchmarks/gpu_perf.py --device cpu --batches 1 4 --repeats 1
+    else
+        step "f) host time per layer at batch 1/16/64, compiles after warm-up" f_host.txt 90 \
+            "$PY" benchmarks/gpu_perf.py --device cuda
+    fi
 fi
 
 # ---- summary ----

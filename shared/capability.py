@@ -4,13 +4,15 @@ A pure function over a description of the device, the build and the model, so ev
 on a CPU. Defaults mirror the seed write-up:
 
     CUDA + Triton (supported capability, head size, dtype, block size) -> auto enables Triton
+    ... whose opt-in shared memory per block cannot hold the kernels'  -> unsupported (component
+        tiles for this KV dtype and head size (kernels/support.py)       `kernels`)
     CUDA without a usable Triton                                       -> auto falls back, on fails
     CPU / MPS                                                          -> auto stays eager; on uses torch
     a device map mixing CPU and accelerator layers                     -> unsupported
     --pa-backend triton without CUDA, --no-kv-cache                    -> unsupported
 
 Every "unsupported" goes through `disable_paged_attention`, so `auto` records the reason and `on` raises;
-the messages are shared/reasons.py's (component `device`).
+the messages are shared/reasons.py's (component `device`; `kernels` for shared memory).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class KernelSupport:
     block_sizes: frozenset[int]
     dtypes: frozenset[str]
     min_compute_capability: tuple[int, int]
+    # ((kv dtype, head size), bytes of shared memory a block of the largest kernel needs); absent = unknown
+    shared_memory_bytes: tuple[tuple[tuple[str, int], int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,7 @@ class DeviceInfo:
     triton_version: str | None = None
     triton_support: KernelSupport | None = None
     device_map_kinds: frozenset[str] = frozenset()
+    max_shared_memory_per_block: int | None = None  # opt-in bytes (CUDA); None = unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +77,9 @@ def decide_paged_attention(
         return PagedDecision(enabled=False, required=False, backend=None, reason=state.fallbacks[-1].reason)
     backend, reason = _choose_backend(device, state, model)
     if backend is None:
-        disable_paged_attention(state, reason, component="device")
+        # A GPU too small for the kernels' tiles is the kernels' limit; everything else the device's.
+        component = reasons.SHARED_MEMORY.component if _is_shared_memory(reason) else "device"
+        disable_paged_attention(state, reason, component=component)
         return PagedDecision(enabled=False, required=False, backend=None, reason=reason)
     return PagedDecision(enabled=True, required=state.required, backend=backend, reason="")
 
@@ -122,4 +129,14 @@ def _triton_unsupported(device: DeviceInfo, block_size: int, model: ModelTraits 
     if model is not None and model.dtype not in support.dtypes:
         dtypes = ", ".join(sorted(support.dtypes))
         return reasons.KV_DTYPE.message(dtypes=dtypes, dtype=model.dtype)
+    need = dict(support.shared_memory_bytes).get((model.dtype, model.head_size)) if model else None
+    have = device.max_shared_memory_per_block
+    if model is not None and need is not None and have is not None and need > have:
+        return reasons.SHARED_MEMORY.message(
+            need=need, dtype=model.dtype, head_size=model.head_size, gpu=device.name or "this GPU", have=have
+        )
     return ""
+
+
+def _is_shared_memory(reason: str) -> bool:
+    return reason.startswith(reasons.SHARED_MEMORY.template.split("{", 1)[0]) and "shared memory" in reason

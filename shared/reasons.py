@@ -100,6 +100,15 @@ KV_DTYPE = Reason(
     "the Triton paged kernels take KV dtypes {dtypes}, not {dtype}",
     "--dtype or --pa-cache-dtype",
 )
+SHARED_MEMORY = Reason(
+    "shared memory",
+    "kernels",
+    "the GPU's opt-in shared memory per block cannot hold the Triton paged kernels' tiles for the KV dtype "
+    "and head size (fp32 KV with head size 256 on a 99 KB sm_86/sm_89 GPU: A10G, L4, L40S, RTX 3090/4090)",
+    "the Triton paged kernels need {need} bytes of shared memory per block for {dtype} KV with head size "
+    "{head_size}, and {gpu} allows {have} (a 16-bit --pa-cache-dtype needs about half)",
+    "--pa-cache-dtype bfloat16, or --pa-backend torch",
+)
 SLIDING_WINDOW = Reason(
     "sliding window",
     "loader",
@@ -154,6 +163,7 @@ REASONS = (
     HEAD_SIZE,
     BLOCK_SIZE,
     KV_DTYPE,
+    SHARED_MEMORY,
     MIXED_DEVICE_MAP,
     SLIDING_WINDOW,
     NO_KV_CACHE,

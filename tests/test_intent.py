@@ -206,3 +206,51 @@ def test_auto_falls_back_to_default_scheduler():
 def test_paged_scheduler_selected_when_cache_metadata_exists():
     for mode in (PagedAttentionMode.AUTO, PagedAttentionMode.ON):
         assert select_scheduler(cache_intent(mode), CacheKind.PAGED) is SchedulerKind.PAGED
+
+
+REAL_SUPPORT = KernelSupport(
+    head_sizes=frozenset({64, 128, 256}),
+    block_sizes=frozenset({16}),
+    dtypes=frozenset({"float16", "bfloat16", "float32"}),
+    min_compute_capability=(8, 0),
+    shared_memory_bytes=((("float32", 256), 139_648), (("bfloat16", 256), 70_016)),
+)
+
+
+def gpu(name: str, cc: tuple[int, int], shared: int) -> DeviceInfo:
+    return DeviceInfo(
+        kind="cuda",
+        name=name,
+        compute_capability=cc,
+        triton_version="3.9.0",
+        triton_support=REAL_SUPPORT,
+        max_shared_memory_per_block=shared,
+    )
+
+
+def test_a_gpu_whose_shared_memory_cannot_hold_the_tiles_falls_back_through_the_kernels_door():
+    l4, fp32_256 = gpu("NVIDIA L4", (8, 9), 101_376), ModelTraits(head_size=256, dtype="float32")
+    auto = state("auto")
+    assert not decide_paged_attention(l4, auto, fp32_256).enabled
+    [fallback] = auto.fallbacks
+    assert fallback.component == "kernels"
+    assert fallback.reason.startswith(
+        "the Triton paged kernels need 139648 bytes of shared memory per block for float32 KV with head size "
+        "256, and NVIDIA L4 allows 101376"
+    )
+    with pytest.raises(PagedAttentionRequiredError, match="139648 bytes of shared memory"):
+        decide_paged_attention(l4, state("on"), fp32_256)
+    # bf16 KV needs half, and an A100 (163 KB opt-in) holds fp32 too.
+    assert decide_paged_attention(l4, state("on"), ModelTraits(head_size=256, dtype="bfloat16")).enabled
+    assert decide_paged_attention(gpu("NVIDIA A100", (8, 0), 166_912), state("on"), fp32_256).enabled
+
+
+def test_the_support_table_covers_every_supported_shape_and_grows_with_dtype_and_head():
+    from kvpact.kernels import support
+    from kvpact.worker.device import KERNEL_SUPPORT
+
+    table = dict(KERNEL_SUPPORT.shared_memory_bytes)
+    assert set(table) == {(d, h) for d in support.TRITON_DTYPES for h in support.TRITON_HEAD_SIZES}
+    assert table[("float32", 256)] == 139_648 and table[("float32", 128)] == 74_112  # measured, sm_86
+    assert table[("bfloat16", 256)] >= 69_760
+    assert all(table[(d, 128)] <= 99 * 1024 < table[("float32", 256)] for d in support.TRITON_DTYPES)

@@ -31,6 +31,7 @@ KERNEL_SUPPORT = KernelSupport(
     block_sizes=support.TRITON_BLOCK_SIZES,
     dtypes=support.TRITON_DTYPES,
     min_compute_capability=support.TRITON_MIN_COMPUTE_CAPABILITY,
+    shared_memory_bytes=tuple(sorted(support.TRITON_SHARED_MEMORY_BYTES.items())),
 )
 
 
@@ -61,6 +62,9 @@ def probe_device(requested: str = "auto", device_map: tuple[LayerPlacement, ...]
             triton_version=support.triton_version(),
             triton_support=KERNEL_SUPPORT,
             device_map_kinds=map_kinds,
+            max_shared_memory_per_block=getattr(
+                torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None
+            ),
         )
         return DeviceProbe(info, device, int(total), int(free))
     total, available = system_memory()

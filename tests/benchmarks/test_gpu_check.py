@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["a) environment", "b) kernel tests", "c) benchmarks/kernels.py", "d) engine", "e) end to end"]
+STEPS = [
+    "a) environment",
+    "b) kernel tests",
+    "c) benchmarks/kernels.py",
+    "d) engine",
+    "e) end to end",
+    "f) host time",
+]
 
 
 @pytest.mark.timeout(600)
@@ -31,11 +38,13 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
     for step in STEPS:
         assert any(line.startswith(f"PASS  {step}") for line in summary.splitlines()), (step, summary)
     assert "RESULT e2e: PASS on: paged/torch; on-torch: paged/torch; auto: eager/None" in summary
+    assert "tokens/s on " in summary and "RESULT host: PASS 0 compiles after the warm-up" in summary
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "a_env.txt",
         "b_kernels.txt",
         "c_bench.txt",
         "d_engine.txt",
         "e_e2e.txt",
+        "f_host.txt",
         "summary.txt",
     ]
