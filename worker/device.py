@@ -16,6 +16,7 @@ Two helpers for the step loop on an accelerator:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -31,8 +32,14 @@ KERNEL_SUPPORT = KernelSupport(
     block_sizes=support.TRITON_BLOCK_SIZES,
     dtypes=support.TRITON_DTYPES,
     min_compute_capability=support.TRITON_MIN_COMPUTE_CAPABILITY,
-    shared_memory_bytes=tuple(sorted(support.TRITON_SHARED_MEMORY_BYTES.items())),
+    shared_memory_bytes=tuple(sorted(support.shared_memory_table((8, 0)).items())),
 )
+
+
+def kernel_support(compute_capability: tuple[int, int]) -> KernelSupport:
+    """KERNEL_SUPPORT with the shared memory the kernels need on this architecture."""
+    table = tuple(sorted(support.shared_memory_table(compute_capability).items()))
+    return dataclasses.replace(KERNEL_SUPPORT, shared_memory_bytes=table)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +62,13 @@ def probe_device(requested: str = "auto", device_map: tuple[LayerPlacement, ...]
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
         free, total = torch.cuda.mem_get_info(index)
+        capability = torch.cuda.get_device_capability(index)
         info = DeviceInfo(
             kind="cuda",
             name=torch.cuda.get_device_name(index),
-            compute_capability=torch.cuda.get_device_capability(index),
+            compute_capability=capability,
             triton_version=support.triton_version(),
-            triton_support=KERNEL_SUPPORT,
+            triton_support=kernel_support(capability),
             device_map_kinds=map_kinds,
             max_shared_memory_per_block=getattr(
                 torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None

@@ -499,7 +499,8 @@ def compile_all(head_dim: int, dtype: str, group: int, arch: int) -> dict[str, d
         dict(KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16),
         arch,
     )
-    need = shared_memory_bytes({"*fp16": "float16", "*bf16": "bfloat16", "*fp32": "float32"}[dtype], head_dim)
+    kv_dtype = {"*fp16": "float16", "*bf16": "bfloat16", "*fp32": "float32"}[dtype]
+    need = shared_memory_bytes(kv_dtype, head_dim, divmod(arch, 10))
     for name, resources in got.items():
         print(f"sm_{arch} {dtype[1:]} head {head_dim} {name}: {resources}")
         assert resources["shared"] <= need, (name, resources, need)  # the support table bounds it
