@@ -2,14 +2,14 @@
 # The one script a GPU session runs on the device machine (a copy of this repo; $OUT comes back).
 #
 #   HERE, first (PyPI):  bash benchmarks/gpu_wheels.sh     -> .whl/ (structlog, gguf, grpcio, ... for cp312)
-#   THEN, on the device: bash benchmarks/gpu_check.sh      (run tool: carry [".whl"], timeout_s 540)
+#   THEN, on the device: bash benchmarks/gpu_check.sh      (run tool: carry [".whl"], timeout_s 600)
 #   Dry run, no GPU:     PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --dry-run
 #
 # It installs nothing from a network: it uses the machine's python3 (torch and triton must be there;
 # without torch it prints what is missing and exits 2), plus the wheels carried in .whl/ (installed
 # with --no-index into a temporary folder put first on PYTHONPATH); kvpact itself is imported from this
 # checkout through the link tree of tools/link_tree.py (kvpact.router -> router/, ...). Each step is bounded by `timeout`
-# and a global budget (GPU_CHECK_BUDGET_S, default 480 s), writes $OUT/<step>.txt, and never stops the
+# and a global budget (GPU_CHECK_BUDGET_S, default 540 s), writes $OUT/<step>.txt, and never stops the
 # later steps:
 #   a_env.txt       nvidia-smi, python/torch/triton versions, compute capability, missing modules
 #   b_kernels.txt   tests/kernels/triton_cases.py compiled on the GPU (KVPACT_KERNEL_DEVICE=cuda, -m '':
@@ -38,7 +38,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d /tmp/kvpact-gpu-check-out.XXXXXX)}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/kvpact-gpu-check.XXXXXX)
-BUDGET=${GPU_CHECK_BUDGET_S:-480}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 START=$(date +%s)
 DEVICE=cuda
 [ $DRY = 1 ] && DEVICE=cpu
@@ -157,21 +157,21 @@ if needs "d) engine" triton "${SERVING[@]}"; then
         "$PY" benchmarks/gpu_check.py engine --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
 fi
 
+# ---- f) host work per layer, compiles after the warm-up ----
+if needs "f) host time" triton numpy google.protobuf; then
+    if [ $DRY = 1 ]; then
+        step "f) host time per layer (dry run: torch backend)" f_host.txt 80 \
+            "$PY" benchmarks/gpu_perf.py --device cpu --batches 1 4 --repeats 1
+    else
+        step "f) host time per layer at batch 1/16/64, compiles after warm-up" f_host.txt 80 \
+            "$PY" benchmarks/gpu_perf.py --device cuda
+    fi
+fi
+
 # ---- e) router + worker processes ----
 if needs "e) end to end" "${SERVING[@]}"; then
     step "e) end to end: router + worker (on, on-torch, auto)" e_e2e.txt 150 \
         "$PY" benchmarks/gpu_check.py e2e --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
-fi
-
-# ---- f) host work per layer, compiles after the warm-up ----
-if needs "f) host time" triton numpy google.protobuf; then
-    if [ $DRY = 1 ]; then
-        step "f) host time per layer (dry run: torch backend)" f_host.txt 90 \
-            "$PY" benchmarks/gpu_perf.py --device cpu --batches 1 4 --repeats 1
-    else
-        step "f) host time per layer at batch 1/16/64, compiles after warm-up" f_host.txt 90 \
-            "$PY" benchmarks/gpu_perf.py --device cuda
-    fi
 fi
 
 # ---- summary ----
