@@ -16,6 +16,7 @@ from kvpact.shared.realized import RealizedCache
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from kvpact.worker.block_manager import BlockManager
 from kvpact.worker.engine import Engine
+from kvpact.worker.kernel_warmup import warm_up_paged_kernels
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.loader import load_model
 from kvpact.worker.model_runner import ModelRunner
@@ -39,7 +40,10 @@ def engine_for(model_dir: Path, backend: PagedBackend) -> Engine:
         torch.float32,
         torch.device("cpu"),
         backend,
+        max_model_len=MAX_MODEL_LEN,
     )
+    if backend is PagedBackend.TRITON:  # as build_engine does: serving follows the warm-up's writes
+        warm_up_paged_kernels(cache, num_heads=cfg.num_heads, dtype=torch.float32)
     realized = RealizedCache(
         kind=CacheKind.PAGED,
         scheduler=SchedulerKind.PAGED,
