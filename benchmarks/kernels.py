@@ -60,8 +60,8 @@ def benchmark(args: argparse.Namespace) -> int:
     import triton.testing
 
     from kvpact.kernels import paged_decode_attention
-    from kvpact.kernels.decode_attention import default_num_splits
     from kvpact.kernels.reference import paged_decode_attention_torch
+    from kvpact.kernels.splits import default_num_splits
 
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name()

@@ -129,11 +129,15 @@ def _triton_unsupported(device: DeviceInfo, block_size: int, model: ModelTraits 
     if model is not None and model.dtype not in support.dtypes:
         dtypes = ", ".join(sorted(support.dtypes))
         return reasons.KV_DTYPE.message(dtypes=dtypes, dtype=model.dtype)
-    need = dict(support.shared_memory_bytes).get((model.dtype, model.head_size)) if model else None
-    have = device.max_shared_memory_per_block
-    if model is not None and need is not None and have is not None and need > have:
+    need_bytes = dict(support.shared_memory_bytes).get((model.dtype, model.head_size)) if model else None
+    have_bytes = device.max_shared_memory_per_block
+    if model is not None and need_bytes is not None and have_bytes is not None and need_bytes > have_bytes:
         return reasons.SHARED_MEMORY.message(
-            need=need, dtype=model.dtype, head_size=model.head_size, gpu=device.name or "this GPU", have=have
+            need=need_bytes,
+            dtype=model.dtype,
+            head_size=model.head_size,
+            gpu=device.name or "this GPU",
+            have=have_bytes,
         )
     return ""
 
