@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import TextIO
 
@@ -18,7 +19,7 @@ from grpc_health.v1 import health, health_pb2
 from kvpact.router.admission import admit, admit_plan
 from kvpact.router.config import RouterConfig
 from kvpact.router.connections import WorkerChannels
-from kvpact.router.errors import InvalidRequest
+from kvpact.router.errors import AlreadyExists, InvalidRequest
 from kvpact.router.readiness import readiness
 from kvpact.router.registry import Registry, WorkerEntry, WorkerState
 from kvpact.router.report import FailedStartup, render_failure_report
@@ -30,6 +31,10 @@ from kvpact.shared.handshake import WorkerLoad
 from kvpact.v1 import worker_pb2
 
 log = structlog.get_logger("router")
+
+HOLDER_PROBE_TIMEOUT_S = 1.0  # a worker id's holder that does not answer within this has gone
+# A holder of the id in one of these states may still be running; REFUSED and FAILED ones exit.
+_MAY_BE_RUNNING = (WorkerState.LOADING, WorkerState.ADMITTED, WorkerState.DEAD)
 
 
 class Cluster:
@@ -55,6 +60,11 @@ class Cluster:
     @property
     def state(self) -> ClusterState:
         return self.startup.state
+
+    @property
+    def serving_health(self) -> bool:
+        """What grpc.health says for the router as a whole (router/readiness.py)."""
+        return self._health_now.get(health.OVERALL_HEALTH, False)
 
     async def start(self) -> None:
         """Health NOT_SERVING until SERVING; start the startup timer and the heartbeat monitor."""
@@ -86,6 +96,17 @@ class Cluster:
     async def register(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission:
         entry = self._entry_from_handshake(handshake)
         prior = self.registry.get(entry.worker_id)
+        if prior is not None and prior.address != entry.address and prior.state in _MAY_BE_RUNNING:
+            if await self.channels.answers(prior.address, HOLDER_PROBE_TIMEOUT_S):
+                log.warning(
+                    "worker_id_taken", worker_id=entry.worker_id, holder=prior.address, refused=entry.address
+                )
+                raise AlreadyExists(
+                    f'worker id "{entry.worker_id}" is held by a live worker at {prior.address} '
+                    f"({prior.state.value}); give this worker another --worker-id, or stop that one first"
+                )
+            log.info("worker_id_reclaimed", worker_id=entry.worker_id, gone=prior.address, new=entry.address)
+        entry.registration_id = uuid.uuid4().hex
         if entry.plan is None and prior is not None and prior.state is WorkerState.LOADING:
             entry.plan = prior.plan  # its ready (or failed) registration keeps what it had announced
         policy = self.config.policy
@@ -106,6 +127,7 @@ class Cluster:
             entry.state = WorkerState.FAILED if entry.failure is not None else WorkerState.REFUSED
         entry.state_reason = decision.reason
         self.registry.add(entry)
+        await self.refresh_health()
         if decision.pending:  # not admitted yet: the startup state machine hears of it once it is ready
             log.info(
                 "worker_loading",
@@ -118,7 +140,9 @@ class Cluster:
                 reason=decision.reason,
                 cluster_state=self.state.value,
             )
-            return self._admission(False, decision.reason, pending=True)
+            return self._admission(
+                False, decision.reason, pending=True, registration_id=entry.registration_id
+            )
         before = self.state
         after = self.startup.on_decision(entry.worker_id, decision)
         emit = log.info if decision.admitted else log.error
@@ -141,23 +165,29 @@ class Cluster:
             self._tasks.append(asyncio.create_task(self._fail(), name="fail-startup"))
         elif before is ClusterState.SERVING and not decision.admitted:
             log.warning("late_worker_refused", worker_id=entry.worker_id, detail="the cluster keeps serving")
-        return self._admission(decision.admitted, decision.reason)
+        return self._admission(decision.admitted, decision.reason, registration_id=entry.registration_id)
 
-    def heartbeat(self, request: worker_pb2.HeartbeatRequest) -> worker_pb2.HeartbeatReply:
+    async def heartbeat(self, request: worker_pb2.HeartbeatRequest) -> worker_pb2.HeartbeatReply:
         known = self.registry.get(request.worker_id)
         was_dead = known is not None and known.state is WorkerState.DEAD
-        entry = self.registry.heartbeat(request.worker_id, wire.load_from_pb(request.load), self.clock())
+        entry = self.registry.heartbeat(
+            request.worker_id, wire.load_from_pb(request.load), self.clock(), request.registration_id
+        )
         if entry is None:
             return worker_pb2.HeartbeatReply(known=False)
         if was_dead:
             log.info("worker_revived", worker_id=entry.worker_id)
+            await self.refresh_health()
         stop = entry.state in (WorkerState.REFUSED, WorkerState.FAILED) or self.state is ClusterState.FAILED
         return worker_pb2.HeartbeatReply(known=True, shutdown=stop)
 
-    def _admission(self, admitted: bool, reason: str, *, pending: bool = False) -> worker_pb2.Admission:
+    def _admission(
+        self, admitted: bool, reason: str, *, pending: bool = False, registration_id: str = ""
+    ) -> worker_pb2.Admission:
         return worker_pb2.Admission(
             admitted=admitted,
             pending=pending,
+            registration_id=registration_id,
             reason=reason,
             cluster_policy=wire.mode_to_pb(self.config.policy),
             heartbeat_interval_ms=int(self.config.heartbeat_interval_s * 1000),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpact.router.registry import WorkerEntry, WorkerState
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
@@ -35,6 +36,18 @@ class WorkerChannels:
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._open[entry.worker_id] = (entry.address, channel, stub)
         return stub
+
+    async def answers(self, address: str, timeout_s: float) -> bool:
+        """Whether a process answers gRPC at `address` within `timeout_s` (any reply to a health check,
+        even UNIMPLEMENTED, is an answer; no connection or no reply in time is not)."""
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        return True
 
     async def shutdown_workers(
         self, entries: list[WorkerEntry], reason: str, timeout_s: float

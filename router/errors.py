@@ -28,6 +28,10 @@ class InvalidRequest(RouterError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class AlreadyExists(RouterError):
+    code = grpc.StatusCode.ALREADY_EXISTS  # a live worker already holds this worker id
+
+
 class Unauthenticated(RouterError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

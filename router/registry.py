@@ -7,7 +7,13 @@ States: LOADING (announced a pre-load plan that meets the policy; not admitted, 
 no heartbeats yet, so it is never marked DEAD; its `ready` registration replaces it) -> ADMITTED (serving)
 <-> DEAD (missed heartbeats for --heartbeat-timeout; a later heartbeat
 revives it); REFUSED (did not meet the policy) and FAILED (reported a startup failure) are final for
-that registration. A worker that registers again under the same id replaces its entry.
+that registration.
+
+One worker id, one worker: each registration gets a `registration_id` (sent back in the Admission) and
+a heartbeat counts only for the registration it names, so a worker whose id was taken over cannot keep
+the new holder's entry alive (or its own dead address admitted). Whether a second worker may take an
+id is decided by the cluster (router/cluster.py): only once the holder no longer answers; a worker
+that registers again from the same address replaces its own entry.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class WorkerEntry:
     num_outstanding: int = 0  # requests the router is forwarding to it right now
     plan: LoadingPlan | None = None  # the pre-load plan it announced (Handshake.loading)
     metrics_address: str = ""  # where its Prometheus /metrics is served (Handshake.metrics_address)
+    registration_id: str = ""  # names this registration; its heartbeats must carry it
 
     @property
     def serving(self) -> bool:
@@ -69,10 +76,13 @@ class Registry:
         """In registration order (a copy: safe to read from another thread, e.g. a metrics scrape)."""
         return list(self._entries.values())
 
-    def heartbeat(self, worker_id: str, load: WorkerLoad, now: float) -> WorkerEntry | None:
-        """Record a heartbeat; revives a DEAD worker. None when the worker is unknown."""
+    def heartbeat(
+        self, worker_id: str, load: WorkerLoad, now: float, registration_id: str = ""
+    ) -> WorkerEntry | None:
+        """Record a heartbeat; revives a DEAD worker. None when the worker is unknown, or known under
+        another registration (it must register again)."""
         entry = self._entries.get(worker_id)
-        if entry is None:
+        if entry is None or entry.registration_id != registration_id:
             return None
         entry.load = load
         entry.last_heartbeat = now
@@ -91,6 +101,10 @@ class Registry:
                 entry.state_reason = f"no heartbeat for {silent:.1f} s (--heartbeat-timeout {timeout_s:g})"
                 dead.append(entry)
         return dead
+
+    def num_alive(self) -> int:
+        """Workers that could take a request now (ADMITTED)."""
+        return sum(1 for e in self._entries.values() if e.serving)
 
     def serving(self, model: str) -> list[WorkerEntry]:
         return [e for e in self._entries.values() if e.serving and e.model_name == model]

@@ -36,7 +36,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         self, request: worker_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.HeartbeatReply:
         self._authenticate(request.auth_token, request.worker_id, "Heartbeat")
-        return self.cluster.heartbeat(request)
+        return await self.cluster.heartbeat(request)
 
     def _authenticate(self, given: str, worker_id: str, method: str) -> None:
         if self.tokens.matches(given):

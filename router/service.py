@@ -12,6 +12,7 @@ the call failed with, go to the router's log with the request id the client can 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -120,6 +121,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             cluster.registry.entries(),
             cluster.clock(),
             cluster.failure_report,
+            cluster.serving_health,
         )
 
     def _check_serving(self) -> None:
@@ -159,6 +161,16 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             raise _worker_error(entry, request.request_id, exc) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the client cancelled, or its deadline passed
+                code = grpc.StatusCode.CANCELLED
+                raise
+            # The worker call was cut off here (its channel was closed): the client still gets a status.
+            code = grpc.StatusCode.UNAVAILABLE
+            raise WorkerCallFailed(
+                code, f'worker "{entry.worker_id}" at {entry.address}: the call to it was cut off; retry'
+            ) from None
         except BaseException:  # the client cancelled (or its deadline passed): stop the worker's work too
             code = grpc.StatusCode.CANCELLED
             raise

@@ -31,7 +31,8 @@ def worker_status_to_pb(entry: WorkerEntry, now: float) -> router_pb2.WorkerStat
         capabilities=entry.capabilities,
         state=_WORKER_STATE_TO_PB[entry.state],
         state_reason=entry.state_reason,
-        load=wire.load_to_pb(entry.load),
+        # A DEAD worker's last reported load is not its load now: left unset (the state says why).
+        load=wire.load_to_pb(entry.load) if entry.state is not WorkerState.DEAD else None,
         seconds_since_heartbeat=max(0.0, now - entry.last_heartbeat),
         num_outstanding=entry.num_outstanding,
         metrics_address=entry.metrics_address,
@@ -52,8 +53,10 @@ def cluster_status_to_pb(
     workers: list[WorkerEntry],
     now: float,
     failure_report: str = "",
+    serving: bool = False,
 ) -> router_pb2.ClusterStatusResponse:
     return router_pb2.ClusterStatusResponse(
+        health="SERVING" if serving else "NOT_SERVING",
         state=_CLUSTER_STATE_TO_PB[state],
         policy=wire.mode_to_pb(policy),
         expected_workers=num_expected,

@@ -237,7 +237,9 @@ class WorkerProcess:
                 error=True,
             )
             return EXIT_POLICY
-        except RegistrationError as exc:  # the token was rejected while announcing the plan
+        except (
+            RegistrationError
+        ) as exc:  # the token was rejected, or the id is taken, while announcing the plan
             _say(f"worker {self.worker_id}: {exc}", error=True)
             return EXIT_FATAL
         except Exception as exc:

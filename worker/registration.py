@@ -7,6 +7,9 @@
 - `announce` sends the pre-load plan (Handshake.loading) once, bounded (ANNOUNCE_TIMEOUT_S): None when
   the router cannot be reached or does not understand it (the worker keeps loading; its `ready`
   registration keeps the retries). UNAUTHENTICATED raises RouterAuthError, as for `register`.
+- The Admission names the registration (`registration_id`); the link keeps the latest and sends it in
+  every heartbeat. ALREADY_EXISTS (a live worker holds this --worker-id) raises RegistrationError at once,
+  from `announce` too, so such a worker never loads its weights.
 - `heartbeats` calls Registry.Heartbeat every interval with the worker's load until the router asks
   the worker to stop. A reply `known=false` (the router restarted or forgot us) re-registers. A router
   that cannot be reached is logged (once when the outage passes the timeout) and retried: the worker
@@ -74,6 +77,7 @@ class RouterLink:
         self._auth_token = auth_token or ""
         self._tls = tls
         self._channel = aio_channel(router, tls, CHANNEL_OPTIONS)
+        self.registration_id = ""  # from the latest Admission; heartbeats carry it
         self._stub = worker_pb2_grpc.RegistryStub(self._channel)
 
     async def close(self) -> None:
@@ -110,7 +114,9 @@ class RouterLink:
             attempts += 1
             remaining = deadline - time.monotonic()
             try:
-                return await self._stub.Register(message, timeout=max(remaining, 0.01))
+                admission = await self._stub.Register(message, timeout=max(remaining, 0.01))
+                self.registration_id = admission.registration_id
+                return admission
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code is grpc.StatusCode.UNAUTHENTICATED:
@@ -149,7 +155,9 @@ class RouterLink:
         message.CopyFrom(handshake)
         message.auth_token = self._auth_token
         try:
-            return await self._stub.Register(message, timeout=timeout_s, wait_for_ready=True)
+            admission = await self._stub.Register(message, timeout=timeout_s, wait_for_ready=True)
+            self.registration_id = admission.registration_id
+            return admission
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code is grpc.StatusCode.UNAUTHENTICATED:
@@ -159,6 +167,10 @@ class RouterLink:
             tls_error = self._tls_error(exc)
             if tls_error is not None:
                 raise tls_error from None
+            if code is grpc.StatusCode.ALREADY_EXISTS:
+                raise RegistrationError(
+                    f"router {self.router} refused the handshake: {exc.details()}"
+                ) from None
             log.warning(
                 "could not announce the plan to the router; loading anyway",
                 router=self.router,
@@ -180,7 +192,10 @@ class RouterLink:
         while True:
             await asyncio.sleep(interval_s)
             request = worker_pb2.HeartbeatRequest(
-                worker_id=self.worker_id, load=load_to_pb(load()), auth_token=self._auth_token
+                worker_id=self.worker_id,
+                load=load_to_pb(load()),
+                auth_token=self._auth_token,
+                registration_id=self.registration_id,
             )
             try:
                 reply = await self._stub.Heartbeat(request, timeout=max(interval_s, 1.0))

@@ -164,7 +164,9 @@ async def test_a_late_worker_that_misses_the_policy_is_refused_alone():
             "late": router_pb2.WORKER_STATE_FAILED,
             "off": router_pb2.WORKER_STATE_REFUSED,
         }
-        beat = await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="off"))
+        beat = await registry.Heartbeat(
+            worker_pb2.HeartbeatRequest(worker_id="off", registration_id=off.registration_id)
+        )
         assert beat.known and beat.shutdown
 
 
@@ -325,7 +327,10 @@ async def test_heartbeats_keep_workers_alive_and_silence_marks_them_dead():
         load = worker_pb2.WorkerLoad(
             num_running=2, num_waiting=1, num_free_blocks=40, num_total_blocks=64, tokens_per_second=12.5
         )
-        beat = await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=load))
+        rid = admission.registration_id
+        beat = await registry.Heartbeat(
+            worker_pb2.HeartbeatRequest(worker_id="a", load=load, registration_id=rid)
+        )
         assert beat.known and not beat.shutdown
         assert (await client.cluster_status()).workers[0].load == load
         clock.advance(0.3)  # under --heartbeat-timeout since the last beat: a beat keeps it alive
@@ -342,7 +347,10 @@ async def test_heartbeats_keep_workers_alive_and_silence_marks_them_dead():
             await client.complete("x")
         assert err.value.code is grpc.StatusCode.UNAVAILABLE and "no live worker" in err.value.details
 
-        assert (await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=load))).known
+        revived = await registry.Heartbeat(
+            worker_pb2.HeartbeatRequest(worker_id="a", load=load, registration_id=rid)
+        )
+        assert revived.known
         assert (await client.complete("x", max_tokens=1)).worker_id == "a"
 
 
@@ -359,11 +367,15 @@ async def test_auth_token_is_required_for_register_and_heartbeat():
             assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
             assert "s3cret" not in err.value.details()
         assert router.cluster.registry.get("a") is None
-        assert (await registry.Register(ready("a", a.address, token="s3cret"))).admitted
+        admission = await registry.Register(ready("a", a.address, token="s3cret"))
+        assert admission.admitted
+        rid = admission.registration_id
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a"))
+            await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", registration_id=rid))
         assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
-        ok = await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", auth_token="s3cret"))
+        ok = await registry.Heartbeat(
+            worker_pb2.HeartbeatRequest(worker_id="a", auth_token="s3cret", registration_id=rid)
+        )
         assert ok.known
 
 

@@ -226,10 +226,15 @@ class ClusterStatusResponse(_message.Message):
     EXPECTED_WORKERS_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     FAILURE_REPORT_FIELD_NUMBER: _builtins.int
+    HEALTH_FIELD_NUMBER: _builtins.int
     state: Global___ClusterState.ValueType
     policy: _cache_pb2.PagedAttentionMode.ValueType
     expected_workers: _builtins.int
     failure_report: _builtins.str
+    health: _builtins.str
+    """What grpc.health.v1 says for the router: SERVING once started with at least one worker alive;
+    NOT_SERVING while starting, failed or stopping, or with no live worker.
+    """
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]: ...
     def __init__(
@@ -240,10 +245,11 @@ class ClusterStatusResponse(_message.Message):
         expected_workers: _builtins.int = ...,
         workers: _abc.Iterable[Global___WorkerStatus] | None = ...,
         failure_report: _builtins.str = ...,
+        health: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_workers", b"expected_workers", "failure_report", b"failure_report", "policy", b"policy", "state", b"state", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_workers", b"expected_workers", "failure_report", b"failure_report", "health", b"health", "policy", b"policy", "state", b"state", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
