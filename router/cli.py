@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker silent this long is marked DEAD and gets no new requests (default 10)",
     )
     parser.add_argument(
+        "--max-in-flight-per-worker",
+        type=_positive_int,
+        default=512,
+        metavar="N",
+        help="forward at most N requests to one worker at once; a request finds a worker with room, or is "
+        "refused at once with RESOURCE_EXHAUSTED naming this bound (default 512)",
+    )
+    parser.add_argument(
         "--auth-token-file",
         metavar="PATH",
         help="workers must present a secret in this file (one per line) to register and heartbeat; "
@@ -136,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tls=tls_from_args(args),
         metrics_port=args.metrics_port,
         balance=args.balance,
+        max_in_flight_per_worker=args.max_in_flight_per_worker,
     )
 
 

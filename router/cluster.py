@@ -51,6 +51,7 @@ class Cluster:
         self.health = health.aio.HealthServicer()
         self.clock = clock
         self.failure_report = ""
+        self.stopping = False  # SIGTERM: draining the in-flight calls before exit
         self.exit_code: int | None = None
         self.finished = asyncio.Event()  # set with exit_code when the router should exit
         self._report_stream = report_stream
@@ -236,6 +237,12 @@ class Cluster:
             if realized is not None
             else WorkerLoad(),
         )
+
+    async def call_failed(self, entry: WorkerEntry, reason: str) -> None:
+        """A relayed call found `entry` gone: route nothing more to it until it beats again."""
+        if self.registry.mark_unreachable(entry, reason):
+            log.warning("worker_dead", worker_id=entry.worker_id, reason=reason)
+            await self._refresh_health()
 
     # -- Startup transitions --------------------------------------------------------------------------
 

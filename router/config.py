@@ -25,3 +25,6 @@ class RouterConfig:
     metrics_port: int | None = None
     balance: str = "least-load"  # a name in router/balancing POLICIES (--balance)
     shutdown_timeout_s: float = 0.8  # bound on telling the workers to stop when the cluster fails
+    max_in_flight_per_worker: int = (
+        512  # requests forwarded to one worker at once; past it: RESOURCE_EXHAUSTED
+    )

@@ -20,6 +20,10 @@ class NoLiveWorker(RouterError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Overloaded(RouterError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED  # every worker of the model is at the router's bound
+
+
 class UnknownModel(RouterError):
     code = grpc.StatusCode.NOT_FOUND
 
@@ -42,3 +46,13 @@ class WorkerCallFailed(RouterError):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code = code
+
+    @property
+    def worker_gone(self) -> bool:
+        """The worker could not serve it at all (unreachable, killed, stopping): try another one."""
+        return self.code is grpc.StatusCode.UNAVAILABLE
+
+    @property
+    def worker_full(self) -> bool:
+        """The worker refused it for lack of room (its --max-waiting): another one may have room."""
+        return self.code is grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -91,6 +91,15 @@ class Registry:
             entry.state_reason = "heartbeats resumed"
         return entry
 
+    def mark_unreachable(self, entry: WorkerEntry, reason: str) -> bool:
+        """A call to an ADMITTED worker failed as if it were gone: DEAD at once (not after missed
+        heartbeats), so nothing more is routed to it; a heartbeat from it revives it. True if marked."""
+        if self._entries.get(entry.worker_id) is not entry or entry.state is not WorkerState.ADMITTED:
+            return False
+        entry.state = WorkerState.DEAD
+        entry.state_reason = reason
+        return True
+
     def mark_dead(self, now: float, timeout_s: float) -> list[WorkerEntry]:
         """Mark ADMITTED workers silent for longer than `timeout_s` as DEAD; returns the newly dead."""
         dead = []

@@ -25,7 +25,7 @@ import structlog
 from kvpact.router.balancer import resolve_model, route
 from kvpact.router.balancing import make_policy
 from kvpact.router.cluster import Cluster
-from kvpact.router.errors import NotServing, WorkerCallFailed
+from kvpact.router.errors import NoLiveWorker, NotServing, Overloaded, WorkerCallFailed
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
 from kvpact.router.startup import ClusterState
@@ -50,6 +50,7 @@ REQUEST_CODES = frozenset(
     }
 )
 _ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.]+\]|\d{1,3}(?:\.\d{1,3}){3}|[\w.-]+\.[A-Za-z]\w*):\d+")
+MAX_RETRIES_GONE = 1  # a request whose worker was gone before it produced anything is retried once
 
 
 class GenerationService(router_pb2_grpc.GenerationServicer):
@@ -61,42 +62,26 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
-        entry = self._route(request)
-        with structlog.contextvars.bound_contextvars(
-            request_id=request.request_id, worker_id=entry.worker_id
-        ):
-            async with aclosing(self._forward(entry, request, context)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+        async with aclosing(self._relay(request, context)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
-        entry = self._route(request)
-        response = generation_pb2.CompleteResponse(request_id=request.request_id, worker_id=entry.worker_id)
-        bound = structlog.contextvars.bound_contextvars(
-            request_id=request.request_id, worker_id=entry.worker_id
-        )
-        with bound:
-            await self._relay(entry, request, context, response)
-        return response
-
-    async def _relay(
-        self,
-        entry: WorkerEntry,
-        request: generation_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext,
-        response: generation_pb2.CompleteResponse,
-    ) -> None:
-        async with aclosing(self._forward(entry, request, context)) as chunks:
+        response = generation_pb2.CompleteResponse()
+        async with aclosing(self._relay(request, context)) as chunks:
             async for chunk in chunks:
                 response.text += chunk.text
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
+                response.worker_id = chunk.worker_id
                 if chunk.finish_reason:
                     response.finish_reason = chunk.finish_reason
                 if chunk.HasField("usage"):
                     response.usage.CopyFrom(chunk.usage)
+        response.request_id = request.request_id
+        return response
 
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -127,15 +112,69 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     def _check_serving(self) -> None:
         if self.cluster.state is not ClusterState.SERVING:
             raise NotServing(self.cluster.startup.describe())
+        if self.cluster.stopping:
+            raise NotServing("the router is stopping; send new requests to another router")
 
-    def _route(self, request: generation_pb2.GenerateRequest) -> WorkerEntry:
+    def _prepare(self, request: generation_pb2.GenerateRequest) -> None:
         self._check_serving()
         check_request_limits(request)  # before the request is routed, logged or echoed
         if not request.model:
             request.model, _ = resolve_model(self.cluster.registry, "")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        return route(self.cluster.registry, request.model, self.policy, request)
+
+    def _route(self, request: generation_pb2.GenerateRequest, tried: set[str]) -> WorkerEntry:
+        limit = self.cluster.config.max_in_flight_per_worker
+        return route(
+            self.cluster.registry, request.model, self.policy, request, max_in_flight=limit, exclude=tried
+        )
+
+    async def _relay(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
+        """Forward to a worker with room and relay its chunks. A worker that fails the call before it
+        produced anything is not the client's problem: when it is gone (UNAVAILABLE: killed, unreachable,
+        stopping) the request is retried once on another worker (and the gone one marked DEAD); when it
+        is full (RESOURCE_EXHAUSTED) the next worker with room is tried. Once a chunk went out, a failure
+        ends the stream with the worker's status (never a retry: no duplicate tokens)."""
+        self._prepare(request)
+        tried: set[str] = set()
+        num_retries = 0
+        entry = self._route(request, tried)
+        while True:
+            tried.add(entry.worker_id)
+            produced = False
+            bound = structlog.contextvars.bound_contextvars(
+                request_id=request.request_id, worker_id=entry.worker_id
+            )
+            try:
+                with bound:
+                    async with aclosing(self._forward(entry, request, context)) as chunks:
+                        async for chunk in chunks:
+                            produced = True
+                            yield chunk
+                return
+            except WorkerCallFailed as failure:
+                if failure.worker_gone:
+                    await self.cluster.call_failed(entry, f"a call to it failed: {failure.details}")
+                retry = not produced and (
+                    (failure.worker_gone and num_retries < MAX_RETRIES_GONE) or failure.worker_full
+                )
+                if not retry:
+                    raise
+                num_retries += failure.worker_gone
+                failed_worker = entry.worker_id
+                try:
+                    entry = self._route(request, tried)
+                except (NoLiveWorker, Overloaded):
+                    raise failure from None
+                log.info(
+                    "request_retried",
+                    request_id=request.request_id,
+                    failed_worker=failed_worker,
+                    code=failure.code.name,
+                    next_worker=entry.worker_id,
+                )
 
     async def _forward(
         self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext

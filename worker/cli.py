@@ -34,6 +34,7 @@ from kvpact.shared.intent import (
 from kvpact.shared.reasons import reasons_help
 from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
 from kvpact.shared.tls import add_tls_args, tls_from_args
+from kvpact.worker.engine import DEFAULT_MAX_WAITING
 from kvpact.worker.kv.sizing import (
     CPU_DEFAULTS,
     CPU_PAGED_BUDGET_BYTES,
@@ -282,6 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="put each request's prompt in its `request` log line (DEBUG); without it no prompt text is "
         "ever logged",
     )
+    serving.add_argument(
+        "--max-waiting",
+        type=_whole_number(1, UINT32_MAX),
+        default=DEFAULT_MAX_WAITING,
+        metavar="N",
+        help="at most N requests accepted and not yet running (being tokenized, queued or waiting for a "
+        "place in the batch); past it a new request is refused at once with RESOURCE_EXHAUSTED naming "
+        f"this flag (default {DEFAULT_MAX_WAITING})",
+    )
     add_log_args(parser)
     return parser
 
@@ -330,6 +340,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
         model_name=args.model_name,
         auth_token_file=args.auth_token_file,
         tls=tls,
+        max_waiting=args.max_waiting,
         log_format=args.log_format,
         log_level=args.log_level,
         metrics_port=args.metrics_port,

@@ -40,6 +40,7 @@ from kvpact.worker.output_stream import OutputStream, Sink
 from kvpact.worker.request import (
     ChatMessage,
     EngineClosedError,
+    EngineOverloadedError,
     FinishReason,
     GenerationError,
     GenerationOutput,
@@ -53,6 +54,7 @@ from kvpact.worker.tokenizer import Tokenizer
 DEFAULT_MAX_TOKENS = 256
 CLOSE_TIMEOUT_S = 30.0
 TPS_WINDOW_S = 5.0
+DEFAULT_MAX_WAITING = 256  # requests accepted but not yet running, beyond which new ones are refused
 PREPARE_THREADS = 2  # prompts rendered and tokenized at once (the tokenizer is native code)
 
 
@@ -87,6 +89,10 @@ class Engine:
         self._closed = threading.Event()
         self._generated: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
         self._counts = (0, 0)  # (running, waiting) after the last step
+        # Requests accepted but not running yet (being tokenized, queued, or waiting in the scheduler)
+        # are capped: past it a new request is refused at once (the worker's --max-waiting).
+        self.max_waiting = DEFAULT_MAX_WAITING
+        self._num_preparing = 0  # guarded by _lock
         # Called from the step thread, once, if the engine stops on an internal error (the worker exits).
         self.on_fatal: Callable[[str], object] | None = None
         # Renders and tokenizes prompts for generate(), off the caller's event loop.
@@ -112,14 +118,20 @@ class Engine:
         # Rendering and tokenizing run in a thread: a large prompt must not stall the worker's event
         # loop (heartbeats, Stats, every other stream).
         try:
+            with self._lock:
+                self._check_room()
+                self._num_preparing += 1
             try:
                 prepared = await loop.run_in_executor(self._preparer, self._prepare, request)
             except RuntimeError as exc:  # the preparer was shut down: the engine is closing
                 if not self._closed.is_set():
                     raise
                 raise EngineClosedError("the engine is closed") from exc
+            finally:
+                with self._lock:
+                    self._num_preparing -= 1
             self._enqueue(request, prepared, sink)
-        except (RequestError, EngineClosedError):
+        except (RequestError, EngineClosedError, EngineOverloadedError):
             self._rejected()
             raise
         finished = False
@@ -140,7 +152,7 @@ class Engine:
         thread with each piece, or once with an exception."""
         try:
             self._enqueue(request, self._prepare(request), sink)
-        except (RequestError, EngineClosedError):
+        except (RequestError, EngineClosedError, EngineOverloadedError):
             self._rejected()
             raise
 
@@ -164,6 +176,7 @@ class Engine:
         with self._lock:  # with close() under the same lock, a queued add is always drained
             if self._closed.is_set():
                 raise EngineClosedError("the engine is closed")
+            self._check_room()
             if request.request_id in self._live:
                 raise RequestError(
                     f"request_id {excerpt(request.request_id)} is already in flight; send a new request_id "
@@ -171,6 +184,16 @@ class Engine:
                 )
             self._live.add(request.request_id)
             self._commands.put(("add", stream))
+
+    def _check_room(self) -> None:
+        """Under _lock: refuse a new request when max_waiting requests are already accepted and not
+        running (those being tokenized count too)."""
+        waiting = len(self._live) - self._counts[0] + self._num_preparing
+        if waiting >= self.max_waiting:
+            raise EngineOverloadedError(
+                f"{waiting} requests are already waiting for a place in the batch (--max-waiting "
+                f"{self.max_waiting}); retry later, or send fewer requests at once"
+            )
 
     def abort(self, request_id: str) -> bool:
         """True if the request was queued or running (it ends with finish_reason ABORT)."""

@@ -56,7 +56,7 @@ from kvpact.shared.tls import TlsConfig, describe_tls, plaintext_warning
 from kvpact.shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
 from kvpact.v1 import worker_pb2
 from kvpact.worker.device import probe_device
-from kvpact.worker.engine import Engine
+from kvpact.worker.engine import DEFAULT_MAX_WAITING, Engine
 from kvpact.worker.loader import model_name, resolve_model_path
 from kvpact.worker.metrics import WorkerMetrics
 from kvpact.worker.registration import RegistrationError, RouterLink
@@ -88,6 +88,7 @@ class WorkerOptions:
     model_name: str | None = None  # None = the engine's
     auth_token_file: str | None = None
     tls: TlsConfig | None = None  # None = plaintext (loopback)
+    max_waiting: int = DEFAULT_MAX_WAITING
     log_format: str = "auto"
     log_level: str = "INFO"
     metrics_port: int | None = None  # serve /metrics on the --listen host; 0 = a free port; None = off
@@ -247,6 +248,7 @@ class WorkerProcess:
         if engine is None:
             return self.stop.exit_code
         self.engine = engine
+        engine.max_waiting = options.max_waiting
         loop = asyncio.get_running_loop()
         engine.on_fatal = lambda reason: loop.call_soon_threadsafe(self._engine_stopped, reason)
         served_name = options.model_name or engine.model_name

@@ -132,6 +132,10 @@ class EngineClosedError(GenerationError):
     """The engine was closed before or while serving the request (maps to UNAVAILABLE)."""
 
 
+class EngineOverloadedError(KvpactError):
+    """Too many requests already wait for a place in the batch (maps to RESOURCE_EXHAUSTED)."""
+
+
 @dataclass(slots=True)
 class GenerationResult:
     """A whole generation, joined from its streamed pieces (what unary callers and tests want)."""

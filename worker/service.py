@@ -30,7 +30,7 @@ from kvpact.shared.rpc_errors import ErrorInterceptor, LogContextInterceptor
 from kvpact.shared.tls import TlsConfig, add_port
 from kvpact.shared.wire import load_to_pb
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from kvpact.worker.request import EngineClosedError, GenerationError
+from kvpact.worker.request import EngineClosedError, EngineOverloadedError, GenerationError
 from kvpact.worker.wire import chunk_to_pb, request_from_pb
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ STATUS_FOR_ERROR: dict[type[BaseException], grpc.StatusCode] = {
     ModelNotServedError: grpc.StatusCode.NOT_FOUND,
     WorkerNotReadyError: grpc.StatusCode.UNAVAILABLE,
     EngineClosedError: grpc.StatusCode.UNAVAILABLE,
+    EngineOverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     GenerationError: grpc.StatusCode.INTERNAL,
 }
 

@@ -18,6 +18,7 @@ from tests.integration.test_cluster import START_S, router_address, router_argv,
 MAX_MODEL_LEN = 2048
 LONG = 1800  # new tokens: seconds of work for the tiny model, so a request is surely still in flight
 MAX_NUM_SEQS = 2
+MAX_WAITING = 16
 VOCAB = 384  # the tiny tokenizer's
 INVALID, NOT_FOUND, DEADLINE = (
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -37,7 +38,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log_dir = tmp_path_factory.mktemp("bad-input")
     model = make_tiny_llama(log_dir / "model", max_position_embeddings=MAX_MODEL_LEN)
     worker_args = ["--model", str(model), "--model-name", "tiny", "--worker-id", "w-bad", "--paged-attn",
-                   "on", "--max-num-seqs", str(MAX_NUM_SEQS), "--router-timeout", "30"]  # fmt: skip
+                   "on", "--max-num-seqs", str(MAX_NUM_SEQS), "--router-timeout", "30",
+                   "--max-waiting", str(MAX_WAITING)]  # fmt: skip
     with running(router_argv("--paged-attn", "on"), name="router", log_dir=log_dir) as router:
         address = router_address(router)
         with started_worker(
@@ -173,4 +175,43 @@ def test_a_large_prompt_being_tokenized_does_not_starve_the_workers_event_loop(c
     assert max(latencies) < 0.5, sorted(latencies)[-5:]  # tokenizing it alone takes ~1 s here
     with Client(cluster.address, timeout=30) as client:
         assert client.complete("hi", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+    wait_all_blocks_free(cluster.worker_address)
+
+
+def test_past_max_waiting_a_request_is_refused_at_once_and_the_accepted_ones_go_on(cluster):
+    """2 running + 16 waiting fill the worker: the next request gets RESOURCE_EXHAUSTED at once, naming
+    the limit and its value (the router found no other worker with room); the accepted ones go on."""
+    from kvpact.v1 import worker_pb2, worker_pb2_grpc
+
+    async def run() -> None:
+        async with AsyncClient(cluster.address, timeout=60) as client:
+            streams = [
+                client.generate(f"s{i}", max_tokens=LONG, ignore_eos=True)
+                for i in range(MAX_NUM_SEQS + MAX_WAITING)
+            ]
+            firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+            async with grpc.aio.insecure_channel(cluster.worker_address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                for _ in range(400):
+                    load = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+                    if (load.num_running, load.num_waiting) == (MAX_NUM_SEQS, MAX_WAITING):
+                        break
+                    await asyncio.sleep(0.05)
+                assert (load.num_running, load.num_waiting) == (MAX_NUM_SEQS, MAX_WAITING), load
+            with pytest.raises(KvpactRpcError) as exc:
+                await client.complete("one too many", max_tokens=4)
+            assert exc.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (
+                f"16 requests are already waiting for a place in the batch (--max-waiting {MAX_WAITING})"
+                in (exc.value.details)
+            )
+            running = [f for f in firsts if f.done()]
+            assert len(running) == MAX_NUM_SEQS and all(f.result().finish_reason is None for f in running)
+            for f in firsts:
+                f.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
+            for s in streams:
+                await s.aclose()
+
+    asyncio.run(run())
     wait_all_blocks_free(cluster.worker_address)

@@ -61,6 +61,7 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
         self.shutdown_reasons: list[str] = []
         self.timeouts: list[float | None] = []
         self.address = ""
+        self.refuse: tuple[grpc.StatusCode, str] | None = None  # answer every Generate with this status
 
     @staticmethod
     def tokens_for(request: generation_pb2.GenerateRequest) -> list[int]:
@@ -73,6 +74,8 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         rid = request.request_id
         self.requests.append(request)
+        if self.refuse is not None:
+            await context.abort(*self.refuse)
         self.timeouts.append(context.time_remaining())
         self.active.add(rid)
         tokens = self.tokens_for(request)

@@ -13,6 +13,7 @@ from kvpact.shared.handshake import WorkerLoad
 from kvpact.worker.engine import Engine
 from kvpact.worker.request import (
     EngineClosedError,
+    EngineOverloadedError,
     FinishReason,
     GenerationError,
     GenerationRequest,
@@ -320,3 +321,25 @@ def test_whoever_receives_a_piece_sees_that_steps_counts(engine):
     engine.submit(greedy("counted", TEXT, 4), sink)
     assert done.wait(30)
     assert running_at_first_piece == [1]
+
+
+def test_past_max_waiting_a_new_request_is_refused_at_once_naming_the_flag(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama, mode="on", max_model_len=128, max_num_seqs=1, context_tokens=512)
+    engine.max_waiting = 2
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(collect(engine, greedy("run", TEXT, 60)))]
+        assert await eventually_async(lambda: engine.stats().num_running == 1)
+        tasks += [asyncio.create_task(collect(engine, greedy(f"wait{i}", TEXT, 5))) for i in range(2)]
+        assert await eventually_async(lambda: engine.stats().num_waiting == 2)
+        with pytest.raises(EngineOverloadedError) as err:
+            await collect(engine, greedy("one too many", TEXT, 5))
+        assert str(err.value) == (
+            "2 requests are already waiting for a place in the batch (--max-waiting 2); retry later, or "
+            "send fewer requests at once"
+        )
+        results = await asyncio.gather(*tasks)  # the accepted ones complete
+        assert [r.usage.completion_tokens for r in results] == [60, 5, 5]
+
+    asyncio.run(main())
+    assert all_blocks_free(engine)

@@ -1,0 +1,140 @@
+"""Worker loss with real processes (issue 11, items 2 and 7 "kill"): SIGKILL of a worker mid-stream.
+
+Two workers behind one router; the doomed one runs one sequence at a time, so of the requests routed to
+it one is producing tokens and the others are waiting (nothing produced yet). After the kill: the stream
+that had tokens ends with UNAVAILABLE naming the worker within 5 s; the waiting ones are retried once on
+the other worker and the client sees one clean stream (the exact greedy tokens, no duplicate); the router
+marks the worker DEAD at once (a failed call, not missed heartbeats); a worker restarted with the same id
+is admitted again under the same policy checks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvpact.client import Client, KvpactRpcError
+from kvpact.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+from tests.factories.processes import running, started_worker, wait_for_health
+from tests.factories.tiny_models import make_tiny_llama
+from tests.integration.test_cluster import (
+    MAX_MODEL_LEN,
+    START_S,
+    log_events,
+    router_address,
+    router_argv,
+    wait_all_blocks_free,
+    worker_args,
+)
+
+PROMPT = "Once upon a time"
+NUM_TOKENS = 600  # long enough that the doomed worker is still on its first when killed
+NUM_REQUESTS = 6
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=int(MAX_MODEL_LEN))
+
+
+def test_a_killed_worker_fails_only_the_streams_that_had_tokens_and_the_rest_are_retried(
+    model: Path, tmp_path: Path
+):
+    argv = router_argv(
+        "--paged-attn",
+        "on",
+        "--expect-workers",
+        "2",
+        "--heartbeat-interval",
+        "0.5",
+        "--heartbeat-timeout",
+        "30",
+    )  # fmt: skip  (so only the failed call can mark it)
+    with running(argv, name="router", log_dir=tmp_path) as r:
+        address = router_address(r)
+        doomed_args = worker_args(model, address, "w-doomed", "--paged-attn", "on", "--max-num-seqs", "1")
+        other_args = worker_args(model, address, "w-other", "--paged-attn", "on")
+        with (
+            started_worker(doomed_args, log_dir=tmp_path, name="w-doomed", wait_serving=False,
+                           timeout_s=START_S) as doomed,
+            started_worker(other_args, log_dir=tmp_path, name="w-other", wait_serving=False,
+                           timeout_s=START_S) as other,
+        ):  # fmt: skip
+            wait_for_health(address, START_S, watch=[r, doomed.handle, other.handle])
+            with Client(address, timeout=60) as client:
+                want = list(client.complete(PROMPT, max_tokens=NUM_TOKENS, temperature=0.0,
+                                            ignore_eos=True).token_ids)  # fmt: skip
+            results: dict[int, tuple[str, list[int], str, float]] = {}
+            progress: dict[int, int] = {}
+
+            def one(i: int) -> None:
+                tokens: list[int] = []
+                with Client(address, timeout=60) as client:
+                    try:
+                        worker = ""
+                        for chunk in client.generate(PROMPT, max_tokens=NUM_TOKENS, temperature=0.0,
+                                                     ignore_eos=True):  # fmt: skip
+                            tokens += chunk.token_ids
+                            worker = chunk.worker_id
+                            progress[i] = len(tokens)
+                        results[i] = ("OK", tokens, worker, time.monotonic())
+                    except KvpactRpcError as exc:
+                        results[i] = (exc.code.name, tokens, exc.details, time.monotonic())
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(NUM_REQUESTS)]
+            for t in threads:
+                t.start()
+            # 3 requests go to each worker (fewest in flight first); the doomed one runs one of its three
+            # and the other two wait, having produced nothing.
+            with grpc.insecure_channel(doomed.address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                deadline = time.monotonic() + 30
+                while True:
+                    load = stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+                    if (load.num_running, load.num_waiting) == (1, 2) and len(progress) >= 4:
+                        break
+                    assert time.monotonic() < deadline, (load, progress)
+                    time.sleep(0.02)
+            doomed.handle.popen.kill()
+            killed_at = time.monotonic()
+            for t in threads:
+                t.join(60)
+            failed = {i: res for i, res in results.items() if res[0] != "OK"}
+            kill_to_error = [round(res[3] - killed_at, 2) for res in failed.values()]
+            retried = log_events(r, "request_retried")
+            hops = [(e["failed_worker"], e["next_worker"]) for e in retried]
+            print(f"kill: {len(results)} requests, {len(failed)} failed, kill-to-error {kill_to_error} s, "
+                  f"{len(retried)} retried: {hops}")  # fmt: skip
+            assert len(results) == NUM_REQUESTS
+            assert len(failed) == 1, results  # only the stream that was running on the doomed worker
+            [(code, tokens, details, _)] = failed.values()
+            assert code == "UNAVAILABLE" and 'worker "w-doomed"' in details and 0 < len(tokens) < NUM_TOKENS
+            assert max(kill_to_error) < 5.0
+            assert len(retried) == 2 and {e["failed_worker"] for e in retried} == {"w-doomed"}
+            for i, (code, tokens, worker, _) in results.items():
+                if code == "OK":
+                    assert tokens == want and worker == "w-other", (i, worker)  # one clean stream each
+            with Client(address, timeout=30) as client:
+                by_id = {w.worker_id: w for w in client.cluster_status().workers}
+                assert by_id["w-doomed"].state == router_pb2.WORKER_STATE_DEAD  # within 30 s of heartbeats
+                assert "a call to it failed" in by_id["w-doomed"].state_reason
+                assert client.complete("next", max_tokens=2).worker_id == "w-other"
+            wait_all_blocks_free(other.address)
+
+            # Restarted with the same id (another port): admitted again under the same policy checks.
+            with started_worker(doomed_args, log_dir=tmp_path, name="w-doomed-2", wait_serving=True,
+                                timeout_s=START_S) as again:  # fmt: skip
+                deadline = time.monotonic() + START_S
+                with Client(address, timeout=30) as client:
+                    while True:
+                        by_id = {w.worker_id: w for w in client.cluster_status().workers}
+                        if by_id["w-doomed"].state == router_pb2.WORKER_STATE_ADMITTED:
+                            break
+                        assert time.monotonic() < deadline, by_id["w-doomed"]
+                        time.sleep(0.1)
+                    assert by_id["w-doomed"].address == again.address
+        assert r.returncode is None
