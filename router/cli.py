@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker silent this long is marked DEAD and gets no new requests (default 10)",
     )
     parser.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM: health NOT_SERVING and new calls refused at once, in-flight calls finish for up "
+        "to this long, then exit 0 (default 30)",
+    )
+    parser.add_argument(
         "--max-in-flight-per-worker",
         type=_positive_int,
         default=512,
@@ -145,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_port=args.metrics_port,
         balance=args.balance,
         max_in_flight_per_worker=args.max_in_flight_per_worker,
+        drain_timeout_s=args.drain_timeout,
     )
 
 

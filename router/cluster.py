@@ -171,16 +171,53 @@ class Cluster:
     async def heartbeat(self, request: worker_pb2.HeartbeatRequest) -> worker_pb2.HeartbeatReply:
         known = self.registry.get(request.worker_id)
         was_dead = known is not None and known.state is WorkerState.DEAD
+        was_draining = known is not None and known.state is WorkerState.DRAINING
         entry = self.registry.heartbeat(
-            request.worker_id, wire.load_from_pb(request.load), self.clock(), request.registration_id
+            request.worker_id,
+            wire.load_from_pb(request.load),
+            self.clock(),
+            request.registration_id,
+            draining=request.draining,
         )
         if entry is None:
-            return worker_pb2.HeartbeatReply(known=False)
+            return worker_pb2.HeartbeatReply(known=False, router_stopping=self.stopping)
+        if entry.state is WorkerState.DRAINING and not was_draining:
+            log.info("worker_draining", worker_id=entry.worker_id, num_outstanding=entry.num_outstanding)
+            await self.refresh_health()
         if was_dead:
             log.info("worker_revived", worker_id=entry.worker_id)
             await self.refresh_health()
         stop = entry.state in (WorkerState.REFUSED, WorkerState.FAILED) or self.state is ClusterState.FAILED
-        return worker_pb2.HeartbeatReply(known=True, shutdown=stop)
+        return worker_pb2.HeartbeatReply(known=True, shutdown=stop, router_stopping=self.stopping)
+
+    async def deregister(self, request: worker_pb2.DeregisterRequest) -> worker_pb2.DeregisterReply:
+        entry = self.registry.remove(request.worker_id, request.registration_id)
+        if entry is not None:
+            log.info("worker_left", worker_id=entry.worker_id, address=entry.address, reason=request.reason)
+            await self.refresh_health()
+        return worker_pb2.DeregisterReply(known=entry is not None)
+
+    def on_stop_signal(self) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(self.drain_and_exit(0), name="drain"))
+
+    async def drain_and_exit(self, exit_code: int = 0) -> None:
+        """SIGTERM: health NOT_SERVING and new calls refused at once (UNAVAILABLE), heartbeats answered
+        with `router_stopping`; the in-flight calls finish for up to --drain-timeout; then exit."""
+        if self.stopping:  # a second signal: now
+            self.request_exit(exit_code)
+            return
+        self.stopping = True
+        await self.refresh_health()
+        started = self.clock()
+        in_flight = sum(e.num_outstanding for e in self.registry.entries())
+        log.info("router_draining", in_flight=in_flight, timeout_s=self.config.drain_timeout_s)
+        while sum(e.num_outstanding for e in self.registry.entries()) and (
+            self.clock() - started < self.config.drain_timeout_s
+        ):
+            await asyncio.sleep(0.05)
+        left = sum(e.num_outstanding for e in self.registry.entries())
+        log.info("router_drained", seconds=round(self.clock() - started, 2), unfinished=left)
+        self.request_exit(exit_code)
 
     def _admission(
         self, admitted: bool, reason: str, *, pending: bool = False, registration_id: str = ""
@@ -242,13 +279,15 @@ class Cluster:
         """A relayed call found `entry` gone: route nothing more to it until it beats again."""
         if self.registry.mark_unreachable(entry, reason):
             log.warning("worker_dead", worker_id=entry.worker_id, reason=reason)
-            await self._refresh_health()
+            await self.refresh_health()
 
     # -- Startup transitions --------------------------------------------------------------------------
 
     async def refresh_health(self) -> None:
-        """Bring grpc.health.v1 in line with the cluster (router/readiness.py); only changes are set."""
+        """Bring grpc.health.v1 in line with the cluster (router/readiness.py); only changes are set.
+        A stopping router (SIGTERM) is NOT_SERVING everywhere."""
         for service, ready in readiness(self.state, self.registry).items():
+            ready = ready and not self.stopping
             if self._health_now.get(service) is not ready:
                 self._health_now[service] = ready
                 status = (

@@ -25,6 +25,5 @@ class RouterConfig:
     metrics_port: int | None = None
     balance: str = "least-load"  # a name in router/balancing POLICIES (--balance)
     shutdown_timeout_s: float = 0.8  # bound on telling the workers to stop when the cluster fails
-    max_in_flight_per_worker: int = (
-        512  # requests forwarded to one worker at once; past it: RESOURCE_EXHAUSTED
-    )
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight calls get this long to finish
+    max_in_flight_per_worker: int = 512  # requests forwarded to one worker at once, then RESOURCE_EXHAUSTED

@@ -3,7 +3,9 @@
 No I/O here: the Registry servicer and the heartbeat monitor update it; the balancer and the status
 page read it. Times are `time.monotonic()` seconds passed in by the caller.
 
-States: LOADING (announced a pre-load plan that meets the policy; not admitted, gets no requests, sends
+States (DRAINING: the worker said it is stopping; it gets no new requests, its in-flight ones finish,
+then it deregisters and its entry is removed; silent, it becomes DEAD like any other):
+LOADING (announced a pre-load plan that meets the policy; not admitted, gets no requests, sends
 no heartbeats yet, so it is never marked DEAD; its `ready` registration replaces it) -> ADMITTED (serving)
 <-> DEAD (missed heartbeats for --heartbeat-timeout; a later heartbeat
 revives it); REFUSED (did not meet the policy) and FAILED (reported a startup failure) are final for
@@ -33,6 +35,7 @@ class WorkerState(enum.Enum):
     REFUSED = "refused"
     FAILED = "failed"
     DEAD = "dead"
+    DRAINING = "draining"
 
 
 @dataclass(slots=True)
@@ -69,6 +72,13 @@ class Registry:
         self._entries[entry.worker_id] = entry
         return old
 
+    def remove(self, worker_id: str, registration_id: str) -> WorkerEntry | None:
+        """Forget a registration (the worker deregistered). None if it is not the current one."""
+        entry = self._entries.get(worker_id)
+        if entry is None or entry.registration_id != registration_id:
+            return None
+        return self._entries.pop(worker_id)
+
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._entries.get(worker_id)
 
@@ -77,7 +87,7 @@ class Registry:
         return list(self._entries.values())
 
     def heartbeat(
-        self, worker_id: str, load: WorkerLoad, now: float, registration_id: str = ""
+        self, worker_id: str, load: WorkerLoad, now: float, registration_id: str = "", draining: bool = False
     ) -> WorkerEntry | None:
         """Record a heartbeat; revives a DEAD worker. None when the worker is unknown, or known under
         another registration (it must register again)."""
@@ -86,7 +96,10 @@ class Registry:
             return None
         entry.load = load
         entry.last_heartbeat = now
-        if entry.state is WorkerState.DEAD:
+        if draining and entry.state in (WorkerState.ADMITTED, WorkerState.DEAD):
+            entry.state = WorkerState.DRAINING
+            entry.state_reason = "draining: it finishes its in-flight requests, then leaves"
+        elif entry.state is WorkerState.DEAD:
             entry.state = WorkerState.ADMITTED
             entry.state_reason = "heartbeats resumed"
         return entry
@@ -105,7 +118,7 @@ class Registry:
         dead = []
         for entry in self._entries.values():
             silent = now - entry.last_heartbeat
-            if entry.state is WorkerState.ADMITTED and silent > timeout_s:
+            if entry.state in (WorkerState.ADMITTED, WorkerState.DRAINING) and silent > timeout_s:
                 entry.state = WorkerState.DEAD
                 entry.state_reason = f"no heartbeat for {silent:.1f} s (--heartbeat-timeout {timeout_s:g})"
                 dead.append(entry)
@@ -122,7 +135,7 @@ class Registry:
         """Models of workers that were admitted (serving or DEAD) -> their serving workers."""
         found: dict[str, list[WorkerEntry]] = {}
         for entry in self._entries.values():
-            if entry.state in (WorkerState.ADMITTED, WorkerState.DEAD):
+            if entry.state in (WorkerState.ADMITTED, WorkerState.DEAD, WorkerState.DRAINING):
                 found.setdefault(entry.model_name, [])
                 if entry.serving:
                     found[entry.model_name].append(entry)

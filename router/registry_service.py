@@ -38,6 +38,12 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         self._authenticate(request.auth_token, request.worker_id, "Heartbeat")
         return await self.cluster.heartbeat(request)
 
+    async def Deregister(
+        self, request: worker_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DeregisterReply:
+        self._authenticate(request.auth_token, request.worker_id, "Deregister")
+        return await self.cluster.deregister(request)
+
     def _authenticate(self, given: str, worker_id: str, method: str) -> None:
         if self.tokens.matches(given):
             return

@@ -126,8 +126,8 @@ async def serve(config: RouterConfig) -> int:
     server = RouterServer(config)
     await server.start()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.cluster.request_exit, 0)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # drain first (--drain-timeout); a second signal: now
+        loop.add_signal_handler(sig, server.cluster.on_stop_signal)
     loop.add_signal_handler(signal.SIGHUP, server.reload_secrets)
     try:
         code = await server.wait()

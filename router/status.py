@@ -19,6 +19,7 @@ _WORKER_STATE_TO_PB = {
     WorkerState.FAILED: router_pb2.WORKER_STATE_FAILED,
     WorkerState.DEAD: router_pb2.WORKER_STATE_DEAD,
     WorkerState.LOADING: router_pb2.WORKER_STATE_LOADING,
+    WorkerState.DRAINING: router_pb2.WORKER_STATE_DRAINING,
 }
 
 

@@ -43,7 +43,7 @@ from kvpact.worker.kv.sizing import (
     GPU_DEFAULTS,
     GiB,
 )
-from kvpact.worker.process import DEFAULT_ROUTER_TIMEOUT_S, WorkerOptions, run_worker
+from kvpact.worker.process import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_ROUTER_TIMEOUT_S, WorkerOptions, run_worker
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1  # what the WorkerSpec's fields carry on the wire
@@ -292,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
         "place in the batch); past it a new request is refused at once with RESOURCE_EXHAUSTED naming "
         f"this flag (default {DEFAULT_MAX_WAITING})",
     )
+    serving.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM, let in-flight requests finish this long (new ones are refused and the router "
+        f"shows DRAINING), then deregister and exit 0 (default {DEFAULT_DRAIN_TIMEOUT_S:.0f})",
+    )
     add_log_args(parser)
     return parser
 
@@ -341,6 +349,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
         auth_token_file=args.auth_token_file,
         tls=tls,
         max_waiting=args.max_waiting,
+        drain_timeout_s=args.drain_timeout,
         log_format=args.log_format,
         log_level=args.log_level,
         metrics_port=args.metrics_port,

@@ -195,6 +195,11 @@ class Engine:
                 f"{self.max_waiting}); retry later, or send fewer requests at once"
             )
 
+    def num_in_flight(self) -> int:
+        """Requests accepted and not finished (being tokenized, queued, waiting or running)."""
+        with self._lock:
+            return len(self._live) + self._num_preparing
+
     def abort(self, request_id: str) -> bool:
         """True if the request was queued or running (it ends with finish_reason ABORT)."""
         with self._lock:

@@ -13,6 +13,11 @@
 With --metrics-port, /metrics is served from the start (worker/metrics.py) and its address goes into
 every Handshake.
 
+Drain: the first SIGTERM/SIGINT once serving drains the worker: health NOT_SERVING, new requests refused
+with UNAVAILABLE (the router sends them elsewhere), a heartbeat with `draining` at once (the router shows
+DRAINING and routes nothing new here), in-flight requests finish for up to --drain-timeout, then it
+deregisters and exits 0. A second signal (or one before it serves) stops it at once.
+
 A startup that fails prints one line on stderr (no stack trace), reports Handshake{failed} to the
 router when there is one (retrying for up to --router-timeout if the router is not up yet), and
 exits 78 when the configuration cannot be honored (--paged-attn on not realizable, ConfigError),
@@ -68,6 +73,7 @@ log = structlog.get_logger(__name__)
 
 EXIT_OK = 0
 DEFAULT_ROUTER_TIMEOUT_S = 60.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0  # in-flight streams get this long to finish when the worker stops
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # when the Admission does not say
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -89,6 +95,7 @@ class WorkerOptions:
     auth_token_file: str | None = None
     tls: TlsConfig | None = None  # None = plaintext (loopback)
     max_waiting: int = DEFAULT_MAX_WAITING
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     log_format: str = "auto"
     log_level: str = "INFO"
     metrics_port: int | None = None  # serve /metrics on the --listen host; 0 = a free port; None = off
@@ -165,11 +172,12 @@ class WorkerProcess:
         self._health_task: asyncio.Task[None] | None = None
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S  # the router's, once admitted
         self.handshake = worker_pb2.Handshake(worker_id=self.worker_id, spec=spec_to_pb(options.spec))
+        self._drain_task: asyncio.Task[None] | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stop.request, f"signal {sig.name}")
+            loop.add_signal_handler(sig, self._on_signal, sig.name)
         loop.add_signal_handler(signal.SIGHUP, self._reload_token)
         heartbeats: asyncio.Task[None] | None = None
         try:
@@ -182,9 +190,10 @@ class WorkerProcess:
             log.info("stopping", reason=self.stop.reason, exit_code=self.stop.exit_code)
             return self.stop.exit_code
         finally:
-            if heartbeats is not None:
-                heartbeats.cancel()
-                await asyncio.gather(heartbeats, return_exceptions=True)
+            for task in (heartbeats, self._drain_task):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             await self._close()
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -389,6 +398,31 @@ class WorkerProcess:
             log.error("token_reload_failed", error=str(exc))
             return
         log.info("token_reloaded")
+
+    def _on_signal(self, name: str) -> None:
+        """The first SIGTERM/SIGINT once serving drains; a second one, or one before serving, stops."""
+        if self.engine is None or self.server is None or self._drain_task is not None:
+            self.stop.request(f"signal {name}")
+            return
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(f"signal {name}"))
+
+    async def _drain(self, why: str) -> None:
+        assert self.engine is not None and self.server is not None
+        engine, started = self.engine, time.monotonic()
+        await self.server.set_draining()
+        if self.link is not None:
+            await self.link.start_draining(engine.stats())
+        timeout_s = self.options.drain_timeout_s
+        log.info("draining", reason=why, in_flight=engine.num_in_flight(), timeout_s=timeout_s)
+        deadline = started + timeout_s
+        while engine.num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        unfinished = engine.num_in_flight()
+        if self.link is not None:
+            await self.link.deregister(f"{why}: drained")
+        seconds = round(time.monotonic() - started, 2)
+        log.info("drained", seconds=seconds, unfinished=unfinished)
+        self.stop.request(f"{why}; drained in {seconds} s ({unfinished} requests cut off by --drain-timeout)")
 
     async def _until_stopped(self, awaitable: Awaitable[T]) -> T | None:
         """Await `awaitable`, or give up on it (None) as soon as a stop is requested."""

@@ -37,6 +37,7 @@ log = structlog.get_logger(__name__)
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
+NOTICE_TIMEOUT_S = 1.0  # draining and deregistering: the worker never waits long on the router to stop
 ANNOUNCE_TIMEOUT_S = 3.0  # one attempt: the plan is an early warning, never a reason to wait
 PLAINTEXT_HINT = (
     " (a router that serves TLS closes plaintext connections: give this worker --tls-cert, --tls-key and "
@@ -78,6 +79,7 @@ class RouterLink:
         self._tls = tls
         self._channel = aio_channel(router, tls, CHANNEL_OPTIONS)
         self.registration_id = ""  # from the latest Admission; heartbeats carry it
+        self.draining = False  # heartbeats say so once set (the router routes nothing new here)
         self._stub = worker_pb2_grpc.RegistryStub(self._channel)
 
     async def close(self) -> None:
@@ -179,6 +181,36 @@ class RouterLink:
             )
             return None
 
+    def _beat(self, load: WorkerLoad) -> worker_pb2.HeartbeatRequest:
+        return worker_pb2.HeartbeatRequest(
+            worker_id=self.worker_id,
+            load=load_to_pb(load),
+            auth_token=self._auth_token,
+            registration_id=self.registration_id,
+            draining=self.draining,
+        )
+
+    async def start_draining(self, load: WorkerLoad) -> None:
+        """Say at once (not at the next beat) that this worker is draining; bounded, best effort."""
+        self.draining = True
+        try:
+            await self._stub.Heartbeat(self._beat(load), timeout=NOTICE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not tell the router this worker is draining", status=exc.code().name)
+
+    async def deregister(self, reason: str) -> None:
+        """Leave the router's registry (after draining); bounded, best effort."""
+        request = worker_pb2.DeregisterRequest(
+            worker_id=self.worker_id,
+            registration_id=self.registration_id,
+            auth_token=self._auth_token,
+            reason=reason,
+        )
+        try:
+            await self._stub.Deregister(request, timeout=NOTICE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not deregister from the router", status=exc.code().name)
+
     async def heartbeats(
         self,
         interval_s: float,
@@ -191,14 +223,8 @@ class RouterLink:
         outage_logged = False
         while True:
             await asyncio.sleep(interval_s)
-            request = worker_pb2.HeartbeatRequest(
-                worker_id=self.worker_id,
-                load=load_to_pb(load()),
-                auth_token=self._auth_token,
-                registration_id=self.registration_id,
-            )
             try:
-                reply = await self._stub.Heartbeat(request, timeout=max(interval_s, 1.0))
+                reply = await self._stub.Heartbeat(self._beat(load()), timeout=max(interval_s, 1.0))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                     raise RouterAuthError(
@@ -219,6 +245,8 @@ class RouterLink:
             last_ok, outage_logged = time.monotonic(), False
             if reply.shutdown:
                 return "the router asked this worker to stop (heartbeat reply)"
-            if not reply.known:
+            if reply.router_stopping and not outage_logged:
+                log.info("the router is stopping; this worker registers again when a router answers")
+            if not reply.known and not self.draining:  # draining, it is leaving: never register again
                 log.info("router does not know this worker; registering again", router=self.router)
                 await reregister()

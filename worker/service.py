@@ -68,6 +68,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._request_shutdown = request_shutdown
         self._engine: Engine | None = None
         self._model_name = ""
+        self.draining = False  # set on SIGTERM: new requests are refused, in-flight ones finish
 
     def attach(self, engine: Engine, model_name: str) -> None:
         self._engine, self._model_name = engine, model_name
@@ -77,11 +78,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise WorkerNotReadyError(f"worker {self.worker_id} is not serving (still loading, or stopping)")
         return self._engine
 
+    def _accepting(self) -> Engine:
+        if self.draining:
+            raise WorkerNotReadyError(
+                f"worker {self.worker_id} is draining (stopping): it takes no new requests; send to another"
+            )
+        return self._ready()
+
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         check_request_limits(request)  # before anything reads, renders or tokenizes the request
-        engine = self._ready()
+        engine = self._accepting()
         if request.model and request.model != self._model_name:
             raise ModelNotServedError(
                 f"model {excerpt(request.model)} is not served here; this worker serves {self._model_name!r}"
@@ -179,6 +187,11 @@ class WorkerServer:
         """Health SERVING (admitted, or standalone and loaded) or NOT_SERVING (its engine stopped)."""
         serving = health_pb2.HealthCheckResponse.SERVING
         await self._set_health(serving if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def set_draining(self) -> None:
+        """New requests are refused (UNAVAILABLE, so the router sends them elsewhere); health NOT_SERVING."""
+        self.service.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
         """NOT_SERVING at once, let in-flight calls finish for `grace_s`, then cancel them."""

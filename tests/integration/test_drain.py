@@ -1,0 +1,128 @@
+"""Graceful drain with real processes (issue 11, items 3 and 7 "drain").
+
+A rolling restart of both workers of a cluster under steady load loses no request: each worker, sent
+SIGTERM, tells the router it is draining (the router shows DRAINING and routes nothing new to it),
+finishes what it has, deregisters and exits 0; restarted with the same id, it is admitted again. Then
+the router, sent SIGTERM with a stream in flight: health NOT_SERVING and new calls UNAVAILABLE at once,
+the stream finishes, and it exits 0.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvpact.client import Client, KvpactRpcError
+from kvpact.v1 import router_pb2
+from tests.factories.processes import (
+    health_status,
+    module_argv,
+    running,
+    wait_for_exit,
+    wait_for_health,
+    wait_for_line,
+)
+from tests.factories.tiny_models import make_tiny_llama
+from tests.integration.test_cluster import MAX_MODEL_LEN, START_S, log_events, router_address, router_argv
+
+NUM_CLIENTS = 3
+WORKER_LISTENING = r"^worker \S+ listening on (\S+)$"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=int(MAX_MODEL_LEN))
+
+
+def worker(model: Path, router: str, worker_id: str, log_dir: Path):
+    argv = module_argv("kvpact.worker", "--model", str(model), "--model-name", "tiny", "--router", router,
+                       "--worker-id", worker_id, "--router-timeout", "30", "--max-model-len", MAX_MODEL_LEN,
+                       "--drain-timeout", "20", "--listen", "127.0.0.1:0", "--log-format", "json",
+                       )  # fmt: skip
+    return running(argv, name=worker_id, log_dir=log_dir)
+
+
+def states(client: Client) -> dict[str, int]:
+    return {w.worker_id: w.state for w in client.cluster_status().workers}
+
+
+def wait_admitted(client: Client, worker_ids: set[str]) -> None:
+    deadline = time.monotonic() + START_S
+    while {w for w, s in states(client).items() if s == router_pb2.WORKER_STATE_ADMITTED} != worker_ids:
+        assert time.monotonic() < deadline, states(client)
+        time.sleep(0.1)
+
+
+def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_drains(model, tmp_path):
+    argv = router_argv("--expect-workers", "2", "--heartbeat-interval", "0.3", "--drain-timeout", "20")
+    with running(argv, name="router", log_dir=tmp_path) as r, ExitStack() as workers:
+        address = router_address(r)
+        handles = {w: workers.enter_context(worker(model, address, w, tmp_path)) for w in ("w-1", "w-2")}
+        wait_for_health(address, START_S, watch=[r, *handles.values()])
+        outcomes: list[str] = []
+        stop_load = threading.Event()
+
+        def load(seed: int) -> None:
+            rng = random.Random(seed)
+            with Client(address, timeout=60) as client:
+                while not stop_load.is_set():
+                    try:
+                        reply = client.complete("steady", max_tokens=rng.randint(4, 48), ignore_eos=True)
+                        outcomes.append("OK" if reply.finish_reason == "length" else reply.finish_reason)
+                    except KvpactRpcError as exc:
+                        outcomes.append(f"{exc.code.name}: {exc.details}")
+
+        clients = [threading.Thread(target=load, args=(i,)) for i in range(NUM_CLIENTS)]
+        for t in clients:
+            t.start()
+        drain_s: dict[str, float] = {}
+        with Client(address, timeout=30) as status_client:
+            for worker_id in ("w-1", "w-2"):
+                time.sleep(1.0)  # steady load on both
+                sent = time.monotonic()
+                handles[worker_id].popen.send_signal(signal.SIGTERM)
+                assert wait_for_exit(handles[worker_id], 30) == 0, handles[worker_id].output()
+                drain_s[worker_id] = round(time.monotonic() - sent, 2)
+                assert worker_id not in states(status_client)  # deregistered
+                handles[worker_id] = workers.enter_context(worker(model, address, worker_id, tmp_path))
+                wait_for_line(handles[worker_id], WORKER_LISTENING, START_S)
+                wait_admitted(status_client, {"w-1", "w-2"})
+            time.sleep(1.0)
+        stop_load.set()
+        for t in clients:
+            t.join(60)
+        statuses = sorted({o.split(":")[0] for o in outcomes})
+        print(f"rolling restart: {len(outcomes)} requests, drain times {drain_s} s, statuses {statuses}")
+        assert outcomes and all(o == "OK" for o in outcomes), [o for o in outcomes if o != "OK"][:5]
+        assert {e["worker_id"] for e in log_events(r, "worker_draining")} == {"w-1", "w-2"}
+        assert {e["worker_id"] for e in log_events(r, "worker_left")} == {"w-1", "w-2"}
+
+        # The router, SIGTERM with a stream in flight.
+        with Client(address, timeout=60) as client:
+            stream = client.generate("last", max_tokens=300, ignore_eos=True)
+            assert next(stream).finish_reason is None
+            sent = time.monotonic()
+            r.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while health_status(address) != "NOT_SERVING":
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            not_serving_s = round(time.monotonic() - sent, 2)
+            with pytest.raises(KvpactRpcError) as err:
+                client.complete("refused", max_tokens=1)
+            assert (
+                err.value.code is grpc.StatusCode.UNAVAILABLE
+                and "the router is stopping" in err.value.details
+            )
+            rest = list(stream)
+            assert rest[-1].finish_reason == "length" and 1 + len(rest) <= 300
+            assert wait_for_exit(r, 30) == 0
+            print(f"router drain: NOT_SERVING after {not_serving_s} s, exit 0 after "
+                  f"{round(time.monotonic() - sent, 2)} s")  # fmt: skip
