@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker silent this long is marked DEAD and gets no new requests (default 10)",
     )
     parser.add_argument(
+        "--failed-linger",
+        type=seconds,
+        default=15.0,
+        metavar="SECONDS",
+        help="after a failed start, stay up this long at most (exit code unchanged), refusing every "
+        "handshake and heartbeat with the failure, so that a worker that starts meanwhile is told before it "
+        "loads; the router exits sooner once every expected worker was told (default 15)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=seconds,
         default=30.0,
@@ -154,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         balance=args.balance,
         max_in_flight_per_worker=args.max_in_flight_per_worker,
         drain_timeout_s=args.drain_timeout,
+        failed_linger_s=args.failed_linger,
     )
 
 

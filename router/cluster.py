@@ -52,6 +52,7 @@ class Cluster:
         self.clock = clock
         self.failure_report = ""
         self.stopping = False  # SIGTERM: draining the in-flight calls before exit
+        self.told_after_failure: set[str] = set()  # workers refused while lingering in FAILED
         self.exit_code: int | None = None
         self.finished = asyncio.Event()  # set with exit_code when the router should exit
         self._report_stream = report_stream
@@ -113,6 +114,8 @@ class Cluster:
         policy = self.config.policy
         if self.state is ClusterState.FAILED:
             entry.state, entry.state_reason = WorkerState.REFUSED, self.startup.describe()
+            self.told_after_failure.add(entry.worker_id)
+            log.info("worker_told_cluster_failed", worker_id=entry.worker_id, planned=entry.plan is not None)
             return self._admission(False, entry.state_reason)
         if entry.plan is not None and entry.realized is None and entry.failure is None:
             decision = admit_plan(policy, entry.spec.cache, entry.plan)
@@ -312,9 +315,9 @@ class Cluster:
             ],
         )
 
-    async def _fail(self) -> None:
+    async def _fail(self, linger: bool = True) -> None:
         """Tell every registered worker to stop (bounded), those still LOADING included, print the one
-        report, and exit."""
+        report, linger for the workers not heard from yet (not after a startup timeout), and exit."""
         await self.refresh_health()
         workers = self.registry.entries()
         shutdown = await self.channels.shutdown_workers(
@@ -336,7 +339,25 @@ class Cluster:
         log.error(
             "cluster_failed", exit_code=self.startup.exit_code, worker_ids=[w.worker_id for w in workers]
         )
+        if linger:
+            await self._linger({w.worker_id for w in workers})
         self.request_exit(self.startup.exit_code)
+
+    async def _linger(self, told: set[str]) -> None:
+        """Stay reachable in FAILED until every expected worker was told (registered before the failure,
+        or refused since), or --failed-linger passed: a worker that announces its plan meanwhile is
+        refused before it loads its weights, and exits too."""
+        started = self.clock()
+        while len(told | self.told_after_failure) < self.startup.num_expected:
+            if self.clock() - started >= self.config.failed_linger_s:
+                log.warning(
+                    "cluster_failed_linger_over",
+                    told=sorted(told | self.told_after_failure),
+                    expected=self.startup.num_expected,
+                    seconds=self.config.failed_linger_s,
+                )
+                return
+            await asyncio.sleep(0.05)
 
     async def _startup_timer(self) -> None:
         await asyncio.sleep(self.config.startup_timeout_s)
@@ -345,7 +366,7 @@ class Cluster:
         loading = [e.worker_id for e in entries if e.state is WorkerState.LOADING]
         if self.state is ClusterState.STARTING:
             self.startup.on_timeout(self.config.startup_timeout_s, registered, loading)
-            await self._fail()
+            await self._fail(linger=False)  # the missing workers are not coming: no point waiting for them
 
     async def _watch_heartbeats(self) -> None:
         period = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s) / 2

@@ -25,5 +25,9 @@ class RouterConfig:
     metrics_port: int | None = None
     balance: str = "least-load"  # a name in router/balancing POLICIES (--balance)
     shutdown_timeout_s: float = 0.8  # bound on telling the workers to stop when the cluster fails
+    # After a failed start the router stays up this long at most, refusing every handshake (a plan
+    # included) and heartbeat with the failure, so a worker that starts meanwhile is told before it loads;
+    # it exits sooner once every expected worker has been told.
+    failed_linger_s: float = 15.0
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight calls get this long to finish
     max_in_flight_per_worker: int = 512  # requests forwarded to one worker at once, then RESOURCE_EXHAUSTED

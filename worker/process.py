@@ -3,8 +3,9 @@
     bind the gRPC server (Worker + health NOT_SERVING + reflection), print "worker ID listening on ADDR"
     -> probe the device (its Capabilities go into every Handshake from here on, a failed one too)
     -> capability check and pre-load verdict (worker.startup; fast, before any weight is read)
-    -> with --router: Handshake{loading=plan} (one attempt, ANNOUNCE_TIMEOUT_S): refused -> exit 78 before a
-       weight is read; pending, or no answer -> go on (a Shutdown while loading stops it with 0)
+    -> with --router: Handshake{loading=plan}, waiting up to --router-timeout for the router's answer:
+       refused -> exit 78 before a weight is read; no answer -> exit 1 before a weight is read; pending
+       -> go on (a Shutdown while loading stops it with 0)
     -> load the model, build the KV cache, choose the scheduler (in a thread; health answers meanwhile)
     -> print the realized cache table; Worker calls are answered from here on
     -> with --router: Handshake{ready} -> Admission, then heartbeats until asked to stop
@@ -331,8 +332,9 @@ class WorkerProcess:
         return engine
 
     async def _announce(self, plan: WorkerPlan) -> None:
-        """With a router: tell it the plan before loading. Raises PlanRefused if the plan cannot meet the
-        cluster policy; an unreachable router (or one that does not know `loading`) is logged and ignored."""
+        """With a router: tell it the plan before loading, and load only once it answered. Raises PlanRefused
+        if the plan cannot meet the cluster policy (or the cluster failed), RouterError if the router
+        cannot be reached within --router-timeout."""
         if self.link is None:
             return
         announced = LoadingPlan(
@@ -343,8 +345,6 @@ class WorkerProcess:
         )
         self.handshake.loading.CopyFrom(plan_to_pb(announced))
         admission = await self.link.announce(self.handshake)
-        if admission is None:
-            return
         if not admission.admitted and not admission.pending:
             raise PlanRefused(admission.reason)
         log.info(

@@ -4,9 +4,11 @@
   is retried with backoff until the link's timeout (--router-timeout), then RouterUnreachableError.
   UNAUTHENTICATED (no or wrong --auth-token-file) raises RouterAuthError at once; any other status
   raises RegistrationError. A failed startup is reported the same way (Handshake.failed).
-- `announce` sends the pre-load plan (Handshake.loading) once, bounded (ANNOUNCE_TIMEOUT_S): None when
-  the router cannot be reached or does not understand it (the worker keeps loading; its `ready`
-  registration keeps the retries). UNAUTHENTICATED raises RouterAuthError, as for `register`.
+- `announce` sends the pre-load plan (Handshake.loading) and waits for the router to acknowledge it,
+  for up to --router-timeout (a router not up yet is waited for): a worker never loads weights before
+  its plan is acknowledged, so one that a failed cluster would have refused never loads them.
+  No answer by then raises RouterUnreachableError (the worker exits 1 without loading).
+  UNAUTHENTICATED raises RouterAuthError, as for `register`.
 - The Admission names the registration (`registration_id`); the link keeps the latest and sends it in
   every heartbeat. ALREADY_EXISTS (a live worker holds this --worker-id) raises RegistrationError at once,
   from `announce` too, so such a worker never loads its weights.
@@ -38,7 +40,6 @@ CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconn
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
 NOTICE_TIMEOUT_S = 1.0  # draining and deregistering: the worker never waits long on the router to stop
-ANNOUNCE_TIMEOUT_S = 3.0  # one attempt: the plan is an early warning, never a reason to wait
 PLAINTEXT_HINT = (
     " (a router that serves TLS closes plaintext connections: give this worker --tls-cert, --tls-key and "
     "--tls-ca)"
@@ -149,10 +150,10 @@ class RouterLink:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    async def announce(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission | None:
-        """Send `handshake` (its `loading` plan) once, waiting up to ANNOUNCE_TIMEOUT_S (no longer than
-        --router-timeout) for the router to be up."""
-        timeout_s = min(ANNOUNCE_TIMEOUT_S, self.timeout_s)
+    async def announce(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission:
+        """Send `handshake` (its `loading` plan), waiting up to --router-timeout for the router to be up
+        and answer."""
+        timeout_s = self.timeout_s
         message = worker_pb2.Handshake()
         message.CopyFrom(handshake)
         message.auth_token = self._auth_token
@@ -169,17 +170,12 @@ class RouterLink:
             tls_error = self._tls_error(exc)
             if tls_error is not None:
                 raise tls_error from None
-            if code is grpc.StatusCode.ALREADY_EXISTS:
-                raise RegistrationError(
-                    f"router {self.router} refused the handshake: {exc.details()}"
+            if code in _RETRYABLE:
+                raise RouterUnreachableError(
+                    f"router {self.router} did not acknowledge the plan within --router-timeout "
+                    f"{self.timeout_s:g}s ({code.name}); not loading weights it might refuse"
                 ) from None
-            log.warning(
-                "could not announce the plan to the router; loading anyway",
-                router=self.router,
-                status=code.name,
-                detail=exc.details(),
-            )
-            return None
+            raise RegistrationError(f"router {self.router} refused the handshake: {exc.details()}") from None
 
     def _beat(self, load: WorkerLoad) -> worker_pb2.HeartbeatRequest:
         return worker_pb2.HeartbeatRequest(

@@ -40,7 +40,8 @@ def started(handle, timeout_s=15.0):
 
 
 def test_router_exits_78_within_2s_of_a_worker_that_cannot_honor_on(tmp_path):
-    argv = router_argv("--paged-attn", "on", "--expect-workers", "3")
+    # The third worker never comes: the router waits for it in FAILED no longer than --failed-linger.
+    argv = router_argv("--paged-attn", "on", "--expect-workers", "3", "--failed-linger", "0.5")
     with BackgroundLoop() as bg, running(argv, name="router", log_dir=tmp_path) as router:
         address = started(router)
         a = bg.enter(serving_double(WorkerDouble("a")))

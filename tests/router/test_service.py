@@ -102,7 +102,10 @@ async def test_reflection_lists_the_services():
 @run_async
 async def test_a_worker_that_cannot_honor_on_fails_the_cluster_at_once():
     async with (
-        running_router(policy=_mode("on"), num_expected_workers=3, startup_timeout_s=60) as router,
+        # a third worker never comes: the router lingers for it no longer than --failed-linger
+        running_router(
+            policy=_mode("on"), num_expected_workers=3, startup_timeout_s=60, failed_linger_s=0.3
+        ) as router,
         serving_double(WorkerDouble("a")) as a,
         serving_double(WorkerDouble("b")) as b,
         registry_stub(router) as registry,
@@ -131,7 +134,7 @@ async def test_a_worker_that_cannot_honor_on_fails_the_cluster_at_once():
 @run_async
 async def test_a_worker_whose_realized_state_misses_the_policy_fails_the_startup():
     async with (
-        running_router(policy=_mode("on"), num_expected_workers=2) as router,
+        running_router(policy=_mode("on"), num_expected_workers=2, failed_linger_s=0.3) as router,
         serving_double(WorkerDouble("a")) as a,
         registry_stub(router) as registry,
     ):

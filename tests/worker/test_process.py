@@ -283,7 +283,12 @@ def test_a_shutdown_while_it_is_loading_stops_it_with_0(model_dir, tmp_path):
     [
         ("refused", 78, "refused it: policy off admits only EAGER workers"),
         ("no-token", 1, "refused the handshake: missing or wrong auth token"),
-        ("no-router", 1, "did not answer the handshake within --router-timeout 1s"),
+        # A worker never loads its weights before the router acknowledged its plan.
+        (
+            "no-router",
+            1,
+            "did not acknowledge the plan within --router-timeout 1s (DEADLINE_EXCEEDED); not loading",
+        ),
     ],
 )
 def test_a_router_that_will_not_have_it_ends_it(model_dir, tmp_path, case, code, message):
@@ -299,6 +304,8 @@ def test_a_router_that_will_not_have_it_ends_it(model_dir, tmp_path, case, code,
     [line] = human_lines(worker.stderr())
     assert message in line
     assert "Traceback" not in worker.stderr()
+    if case == "no-router":
+        assert "model_loaded" not in log_events(worker.stderr())
 
 
 def test_sigint_stops_a_serving_worker_with_0(model_dir, tmp_path):
