@@ -29,17 +29,18 @@ class ExitCode:
 EXIT_CODES = (
     ExitCode(
         EXIT_OK,
-        router="stopped by SIGINT/SIGTERM",
-        worker="stopped on request (SIGINT/SIGTERM, or the router asked it to stop)",
+        router="stopped by SIGINT/SIGTERM (after draining, up to --drain-timeout)",
+        worker="stopped on request (SIGINT/SIGTERM, after draining up to --drain-timeout; or the router "
+        "asked it to stop)",
     ),
     ExitCode(
         EXIT_FATAL,
         router="startup timeout (names who is missing), a port in use (--listen, --metrics-port), "
         "other startup failure",
         worker="model failed to load, a port in use (--listen, --metrics-port), router unreachable for "
-        "--router-timeout, "
-        "auth token rejected, TLS handshake with the router failed or its certificate refused, an internal "
-        "(engine) failure",
+        "--router-timeout (before loading, if it never acknowledged the plan), auth token rejected, TLS "
+        "handshake with the router failed or its certificate refused, its --worker-id held by a live "
+        "worker, an internal (engine) failure",
     ),
     ExitCode(
         EXIT_USAGE,

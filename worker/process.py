@@ -333,7 +333,7 @@ class WorkerProcess:
 
     async def _announce(self, plan: WorkerPlan) -> None:
         """With a router: tell it the plan before loading, and load only once it answered. Raises PlanRefused
-        if the plan cannot meet the cluster policy (or the cluster failed), RouterError if the router
+        if the plan cannot meet the cluster policy (or the cluster failed), RegistrationError if the router
         cannot be reached within --router-timeout."""
         if self.link is None:
             return
