@@ -55,16 +55,18 @@ async def test_serving_while_a_worker_is_live_per_model_and_not_when_all_are_dea
         assert await check(address, "") == "NOT_SERVING"
         assert await check(address, tiny) == "NOT_FOUND"  # no worker of that model yet
 
-        assert (await registry.Register(ready("a", a.address))).admitted
+        admitted = {"a": await registry.Register(ready("a", a.address))}
         hs = ready("b", b.address)
         hs.model_name = "other"
-        assert (await registry.Register(hs)).admitted
+        admitted["b"] = await registry.Register(hs)
+        assert all(admission.admitted for admission in admitted.values())
+        rid = {worker_id: admission.registration_id for worker_id, admission in admitted.items()}
         for service in ("", "kvpact.v1.Generation", tiny, other):
             assert await check(address, service) == "SERVING", service
 
         # b beats, a falls silent: "tiny" has no live worker, the cluster still serves "other"
         clock.advance(0.3)
-        await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="b"))
+        await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="b", registration_id=rid["b"]))
         clock.advance(0.3)  # a: 0.6 s silent (past --heartbeat-timeout 0.5); b: 0.3 s
         await eventually(address, tiny, "NOT_SERVING")
         assert await check(address, other) == "SERVING"
@@ -74,6 +76,6 @@ async def test_serving_while_a_worker_is_live_per_model_and_not_when_all_are_dea
         assert await check(address, "") == "NOT_SERVING"
         assert await check(address, "kvpact.v1.Generation") == "NOT_SERVING"
 
-        await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a"))  # a comes back
+        await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", registration_id=rid["a"]))  # back
         await eventually(address, tiny, "SERVING")
         await eventually(address, "", "SERVING")
