@@ -374,3 +374,28 @@ def test_a_shutdown_while_it_reads_its_weights_exits_0_not_an_abort(tmp_path):
                 stub.Shutdown(worker_pb2.ShutdownRequest(reason="the cluster failed to start"), timeout=10)
             assert wait_for_exit(worker, 20) == 0, worker.output()
     assert "model_loaded" not in log_events(worker.stderr())  # it really was stopped mid-load
+
+
+class IdTakenRegistry(RecordingRegistry):
+    """A router where a live worker already holds this worker's id."""
+
+    def Register(self, request, context):
+        with self._lock:
+            self.handshakes.append(request)
+        context.abort(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f'worker id "{request.worker_id}" is held by a live worker at 127.0.0.1:9 (admitted); give this '
+            "worker another --worker-id, or stop that one first",
+        )
+
+
+def test_a_worker_whose_id_is_held_by_a_live_worker_exits_1_before_loading(model_dir, tmp_path):
+    registry = IdTakenRegistry()
+    with serving(registry) as router:
+        args = ["--model", str(model_dir), "--router", router, "--worker-id", "w-dup", "--paged-attn", "on"]
+        with running(worker_argv(*args), log_dir=tmp_path) as worker:
+            assert wait_for_exit(worker, START_TIMEOUT_S) == 1, worker.output()
+    [line] = human_lines(worker.stderr())
+    assert 'refused the handshake: worker id "w-dup" is held by a live worker at 127.0.0.1:9' in line
+    assert "model_loaded" not in log_events(worker.stderr())
+    assert [h.WhichOneof("outcome") for h in registry.handshakes] == ["loading"]
