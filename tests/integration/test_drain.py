@@ -22,6 +22,7 @@ import pytest
 from kvpact.client import Client, KvpactRpcError
 from kvpact.v1 import router_pb2
 from tests.factories.processes import (
+    free_port,
     health_status,
     module_argv,
     running,
@@ -126,3 +127,24 @@ def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_dr
             assert wait_for_exit(r, 30) == 0
             print(f"router drain: NOT_SERVING after {not_serving_s} s, exit 0 after "
                   f"{round(time.monotonic() - sent, 2)} s")  # fmt: skip
+
+
+def test_a_restarted_router_admits_its_workers_again(model, tmp_path):
+    """The router restarted on the same address: its workers (told it was stopping) keep beating, are
+    unknown to the new router, register again (the same policy checks) and serve once admitted."""
+    address = f"127.0.0.1:{free_port()}"
+    argv = module_argv("kvpact.router", "--listen", address, "--log-format", "json", "--heartbeat-interval",
+                       "0.3")  # fmt: skip
+    with (
+        running(argv, name="router-1", log_dir=tmp_path) as first,
+        worker(model, address, "w-1", tmp_path) as w,
+    ):
+        wait_for_health(address, START_S, watch=[first, w])
+        first.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(first, 30) == 0
+        with running(argv, name="router-2", log_dir=tmp_path) as second:
+            wait_for_health(address, START_S, watch=[second, w])
+            with Client(address, timeout=30) as client:
+                assert states(client) == {"w-1": router_pb2.WORKER_STATE_ADMITTED}
+                assert client.complete("again", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+        assert w.returncode is None  # it waited for a router instead of exiting
