@@ -188,7 +188,11 @@ class Engine:
     def _check_room(self) -> None:
         """Under _lock: refuse a new request when max_waiting requests are already accepted and not
         running (those being tokenized count too)."""
-        waiting = len(self._live) - self._counts[0] + self._num_preparing
+        # Running: what the last step ran, or what the batch will take at once (a burst arrives before
+        # any step has counted it), so a burst is not refused early by a stale count.
+        in_flight = len(self._live) + self._num_preparing
+        running = max(self._counts[0], min(in_flight, self.scheduler.max_num_seqs))
+        waiting = in_flight - running
         if waiting >= self.max_waiting:
             raise EngineOverloadedError(
                 f"{waiting} requests are already waiting for a place in the batch (--max-waiting "
