@@ -165,8 +165,8 @@ def test_on_that_cannot_be_honored_exits_78_before_loading(model_dir, tmp_path, 
 
 
 def test_started_before_its_router_it_retries_registers_and_heartbeats(model_dir, tmp_path):
-    """The router comes up late; its first heartbeat reply forgets the worker (re-register), a later one
-    asks it to stop (exit 0)."""
+    """The router comes up late: the worker waits for it to acknowledge its plan before loading; the
+    router's first heartbeat reply forgets the worker (re-register), a later one asks it to stop (exit 0)."""
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     port = free_port()
@@ -181,11 +181,15 @@ def test_started_before_its_router_it_retries_registers_and_heartbeats(model_dir
     args = ["--model", str(model_dir), "--router", f"127.0.0.1:{port}", "--worker-id", "w-late"]
     args += ["--auth-token-file", str(token_file)]
     with running(worker_argv(*args), log_dir=tmp_path) as worker:
-        wait_for_line(worker, r"router not reachable yet; retrying", START_TIMEOUT_S, stream="stderr")
+        wait_for_line(worker, r'"event": "pre-load verdict"', START_TIMEOUT_S, stream="stderr")
+        time.sleep(0.5)  # announcing its plan, to a router that is not up yet
+        assert "model_loaded" not in log_events(worker.stderr())
         with serving(registry, port):
             assert wait_for_exit(worker, START_TIMEOUT_S) == 0, worker.output()
-    assert len(registry.handshakes) == 2  # the first registration, and again after known=false
-    for handshake in registry.handshakes:
+    plan, *readies = registry.handshakes
+    assert plan.WhichOneof("outcome") == "loading"
+    assert len(readies) == 2  # the first registration, and again after known=false
+    for handshake in readies:
         assert handshake.WhichOneof("outcome") == "ready"
         assert handshake.worker_id == "w-late"
         assert handshake.model_name == model_dir.name
