@@ -39,8 +39,9 @@ class WorkerChannels:
 
     async def answers(self, address: str, timeout_s: float) -> bool:
         """Whether a process answers gRPC at `address` within `timeout_s` (any reply to a health check,
-        even UNIMPLEMENTED, is an answer; no connection or no reply in time is not)."""
-        async with grpc.aio.insecure_channel(address) as channel:
+        even UNIMPLEMENTED, is an answer; no connection or no reply in time is not). Over TLS when the
+        router's calls to workers are."""
+        async with aio_channel(address, self._tls, CHANNEL_OPTIONS) as channel:
             try:
                 await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=timeout_s

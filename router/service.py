@@ -208,7 +208,9 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             # The worker call was cut off here (its channel was closed): the client still gets a status.
             code = grpc.StatusCode.UNAVAILABLE
             raise WorkerCallFailed(
-                code, f'worker "{entry.worker_id}" at {entry.address}: the call to it was cut off; retry'
+                code,
+                f'worker "{entry.worker_id}": the call to it was cut off (request id '
+                f"{request.request_id}); retry",
             ) from None
         except BaseException:  # the client cancelled (or its deadline passed): stop the worker's work too
             code = grpc.StatusCode.CANCELLED

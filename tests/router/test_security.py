@@ -175,7 +175,9 @@ async def test_key_and_token_rotation_keeps_a_stream_in_flight(pki, tmp_path):
         serving_double(double) as a,
         registry_stub(router) as registry,
     ):
-        assert (await registry.Register(ready("a", a.address, token="token-1"))).admitted
+        admission = await registry.Register(ready("a", a.address, token="token-1"))
+        assert admission.admitted
+        rid = admission.registration_id
         old = AsyncClient(f"127.0.0.1:{router.port}", timeout=10, api_key=KEY)
         new = AsyncClient(f"127.0.0.1:{router.port}", timeout=10, api_key=OTHER_KEY)
         async with old, new:
@@ -191,7 +193,7 @@ async def test_key_and_token_rotation_keeps_a_stream_in_flight(pki, tmp_path):
             assert err.value.code is grpc.StatusCode.UNAUTHENTICATED
             assert (await new.complete("x", max_tokens=1)).worker_id == "a"
             for token in ("token-1", "token-2"):
-                beat = worker_pb2.HeartbeatRequest(worker_id="a", auth_token=token)
+                beat = worker_pb2.HeartbeatRequest(worker_id="a", auth_token=token, registration_id=rid)
                 assert (await registry.Heartbeat(beat)).known
             tokens.write_text("token-2\n")
             router.reload_secrets()
