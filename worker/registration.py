@@ -151,31 +151,14 @@ class RouterLink:
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def announce(self, handshake: worker_pb2.Handshake) -> worker_pb2.Admission:
-        """Send `handshake` (its `loading` plan), waiting up to --router-timeout for the router to be up
-        and answer."""
-        timeout_s = self.timeout_s
-        message = worker_pb2.Handshake()
-        message.CopyFrom(handshake)
-        message.auth_token = self._auth_token
+        """Send `handshake` (its `loading` plan) as `register` does, retrying while the router is not up
+        for up to --router-timeout: the worker loads nothing before this returns."""
         try:
-            admission = await self._stub.Register(message, timeout=timeout_s, wait_for_ready=True)
-            self.registration_id = admission.registration_id
-            return admission
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code is grpc.StatusCode.UNAUTHENTICATED:
-                raise RouterAuthError(
-                    f"router {self.router} refused the handshake: {exc.details()}"
-                ) from None
-            tls_error = self._tls_error(exc)
-            if tls_error is not None:
-                raise tls_error from None
-            if code in _RETRYABLE:
-                raise RouterUnreachableError(
-                    f"router {self.router} did not acknowledge the plan within --router-timeout "
-                    f"{self.timeout_s:g}s ({code.name}); not loading weights it might refuse"
-                ) from None
-            raise RegistrationError(f"router {self.router} refused the handshake: {exc.details()}") from None
+            return await self.register(handshake)
+        except RouterUnreachableError as exc:
+            raise RouterUnreachableError(
+                f"{exc}; it did not load its weights (it loads only once the router acknowledged its plan)"
+            ) from None
 
     def _beat(self, load: WorkerLoad) -> worker_pb2.HeartbeatRequest:
         return worker_pb2.HeartbeatRequest(

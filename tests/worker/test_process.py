@@ -291,7 +291,7 @@ def test_a_shutdown_while_it_is_loading_stops_it_with_0(model_dir, tmp_path):
         (
             "no-router",
             1,
-            "did not acknowledge the plan within --router-timeout 1s (DEADLINE_EXCEEDED); not loading",
+            "did not answer the handshake within --router-timeout 1s",
         ),
     ],
 )
@@ -309,6 +309,7 @@ def test_a_router_that_will_not_have_it_ends_it(model_dir, tmp_path, case, code,
     assert message in line
     assert "Traceback" not in worker.stderr()
     if case == "no-router":
+        assert "it did not load its weights" in line
         assert "model_loaded" not in log_events(worker.stderr())
 
 
@@ -400,6 +401,6 @@ def test_a_worker_whose_id_is_held_by_a_live_worker_exits_1_before_loading(model
         with running(worker_argv(*args), log_dir=tmp_path) as worker:
             assert wait_for_exit(worker, START_TIMEOUT_S) == 1, worker.output()
     [line] = human_lines(worker.stderr())
-    assert 'refused the handshake: worker id "w-dup" is held by a live worker at 127.0.0.1:9' in line
+    assert 'ALREADY_EXISTS: worker id "w-dup" is held by a live worker at 127.0.0.1:9' in line
     assert "model_loaded" not in log_events(worker.stderr())
     assert [h.WhichOneof("outcome") for h in registry.handshakes] == ["loading"]
