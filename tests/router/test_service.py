@@ -337,7 +337,8 @@ async def test_heartbeats_keep_workers_alive_and_silence_marks_them_dead():
         assert beat.known and not beat.shutdown
         assert (await client.cluster_status()).workers[0].load == load
         clock.advance(0.3)  # under --heartbeat-timeout since the last beat: a beat keeps it alive
-        assert (await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=load))).known
+        again = worker_pb2.HeartbeatRequest(worker_id="a", load=load, registration_id=rid)
+        assert (await registry.Heartbeat(again)).known
         clock.advance(0.3)
         assert (await client.complete("x", max_tokens=1)).worker_id == "a"
 
