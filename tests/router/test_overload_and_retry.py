@@ -24,10 +24,10 @@ def test_route_only_offers_workers_with_room_to_the_policy():
     for e in (entry("a", outstanding=2), entry("b", outstanding=4, free=99)):
         registry.add(e)
     assert [e.worker_id for e in with_room(registry.entries(), 3)] == ["a"]
-    assert route(registry, "tiny", 3).worker_id == "a"
-    assert route(registry, "tiny", 8, exclude={"a"}).worker_id == "b"
+    assert route(registry, "tiny", max_in_flight=3).worker_id == "a"
+    assert route(registry, "tiny", max_in_flight=8, exclude={"a"}).worker_id == "b"
     with pytest.raises(Overloaded) as err:
-        route(registry, "tiny", 2)
+        route(registry, "tiny", max_in_flight=2)
     assert err.value.details == (
         "every live worker of model 'tiny' already has 2 requests in flight from this router "
         "(--max-in-flight-per-worker 2); retry later, or add workers"
