@@ -269,6 +269,7 @@ class Cluster:
             failure=wire.failure_from_pb(hs.failed) if outcome == "failed" else None,
             plan=plan,
             metrics_address=hs.metrics_address,
+            labels=dict(hs.labels),
             state=WorkerState.REFUSED,
             state_reason="",
             last_heartbeat=self.clock(),

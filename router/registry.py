@@ -56,6 +56,7 @@ class WorkerEntry:
     plan: LoadingPlan | None = None  # the pre-load plan it announced (Handshake.loading)
     metrics_address: str = ""  # where its Prometheus /metrics is served (Handshake.metrics_address)
     registration_id: str = ""  # names this registration; its heartbeats must carry it
+    labels: dict[str, str] = field(default_factory=dict)  # Handshake.labels: where it runs, relayed as-is
 
     @property
     def serving(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpact.router.registry import WorkerEntry
-from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
+from kvpact.shared.describe import describe_intent, describe_labels, describe_plan, describe_realized
 from kvpact.shared.errors import EXIT_POLICY
 from kvpact.shared.intent import PagedAttentionMode
 
@@ -41,6 +41,8 @@ def render_failure_report(failed: FailedStartup) -> str:
             f'worker "{w.worker_id}" at {w.address or "(no address)"}, model {w.model_name or "?"}: '
             f"{w.state.value.upper()}"
         )
+        if w.labels:
+            lines.append(f"  placed:    {describe_labels(w.labels)}")
         lines.append(f"  asked:     {describe_intent(w.spec.cache)}")
         if w.realized is not None:
             lines.append(f"  realized:  {describe_realized(w.realized)}")

@@ -37,6 +37,7 @@ def worker_status_to_pb(entry: WorkerEntry, now: float) -> router_pb2.WorkerStat
         seconds_since_heartbeat=max(0.0, now - entry.last_heartbeat),
         num_outstanding=entry.num_outstanding,
         metrics_address=entry.metrics_address,
+        labels=entry.labels,
     )
     if entry.realized is not None:
         msg.realized.CopyFrom(wire.realized_to_pb(entry.realized))

@@ -14,6 +14,7 @@ ClusterStatus, the client's status table).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvpact.shared.intent import CacheIntent, PagedBackend
@@ -122,3 +123,8 @@ def realized_table(realized: RealizedCache, title: str = "realized KV cache") ->
     width = max(len(k) for k, _ in rows)
     lines = [title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def describe_labels(labels: Mapping[str, str]) -> str:
+    """A worker's labels (where it runs), e.g. `ray.bundle=1 ray.node=4b1c0e`, sorted by key."""
+    return " ".join(f"{key}={labels[key]}" for key in sorted(labels))

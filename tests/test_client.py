@@ -123,6 +123,14 @@ def test_the_status_table_shows_realized_kinds_reasons_and_failures():
     assert f"  w1: fallback [device] {EAGER_CPU_REASON}" in lines
     assert "  w2: failed (PAGED_ATTENTION_REQUIRED) [device] no CUDA" in lines
 
+    # Labels (a worker's Ray node and bundle, under kvpact-launch): a LABELS column, sorted by key.
+    entries[0].labels = {"ray.node": "4b1c0e", "ray.bundle": "0"}
+    status = cluster_status_to_pb(ClusterState.SERVING, PagedAttentionMode.ON, 1, entries, now=10.0)
+    assert dict(status.workers[0].labels) == {"ray.node": "4b1c0e", "ray.bundle": "0"}
+    lines = render_cluster_status(status).splitlines()
+    assert lines[1].split() == [*header, "LABELS"]
+    assert lines[2].endswith("ray.bundle=0 ray.node=4b1c0e")
+
 
 @pytest.fixture
 def cluster():

@@ -63,6 +63,13 @@ def _device_map(value: str) -> tuple[LayerPlacement, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _label(value: str) -> tuple[str, str]:
+    key, sep, label = value.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    return key.strip(), label
+
+
 def _whole_number(minimum: int, maximum: int) -> Callable[[str], int]:
     """An argparse type: a whole number in [minimum, maximum] (minimum 0 or 1)."""
 
@@ -246,6 +253,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the Worker service listens (default 127.0.0.1:0, a free port)",
     )
     serving.add_argument(
+        "--advertise-host",
+        default=None,
+        metavar="HOST",
+        help="the host (name or IP) the router reaches this worker at, with the port it bound (default: the "
+        "--listen host; a wildcard --listen advertises this machine's hostname). kvpact-launch sets the "
+        "node's IP as Ray reports it, since other nodes may not resolve a hostname",
+    )
+    serving.add_argument(
+        "--label",
+        type=_label,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="shown with this worker in the router's ClusterStatus and failure report; repeatable "
+        "(kvpact-launch sets ray.node, ray.node_ip and ray.bundle)",
+    )
+    serving.add_argument(
         "--router",
         type=host_port,
         default=None,
@@ -342,6 +366,8 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
         spec=spec,
         listen_host=host,
         listen_port=port,
+        advertise_host=args.advertise_host,
+        labels=tuple(args.label),
         router=f"{args.router[0]}:{args.router[1]}" if args.router else None,
         router_timeout_s=args.router_timeout,
         worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",

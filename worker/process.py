@@ -90,6 +90,8 @@ class WorkerOptions:
     worker_id: str
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
+    advertise_host: str | None = None  # None = the listen host (a wildcard: this machine's hostname)
+    labels: tuple[tuple[str, str], ...] = ()  # Handshake.labels (e.g. its Ray node and bundle)
     router: str | None = None  # HOST:PORT; None = standalone
     router_timeout_s: float = DEFAULT_ROUTER_TIMEOUT_S
     model_name: str | None = None  # None = the engine's
@@ -172,7 +174,9 @@ class WorkerProcess:
         self.metrics = WorkerMetrics(self.worker_id, options.spec.cache.mode)
         self._health_task: asyncio.Task[None] | None = None
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S  # the router's, once admitted
-        self.handshake = worker_pb2.Handshake(worker_id=self.worker_id, spec=spec_to_pb(options.spec))
+        self.handshake = worker_pb2.Handshake(
+            worker_id=self.worker_id, spec=spec_to_pb(options.spec), labels=dict(options.labels)
+        )
         self._drain_task: asyncio.Task[None] | None = None
 
     async def run(self) -> int:
@@ -447,7 +451,7 @@ class WorkerProcess:
         self.metrics.close()
 
     def _advertised_address(self, port: int) -> str:
-        host = self.options.listen_host
+        host = self.options.advertise_host or self.options.listen_host
         if host in _WILDCARD_HOSTS:
             host = socket.gethostname()  # a wildcard bind is reached through the host's name
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

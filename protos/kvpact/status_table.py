@@ -1,8 +1,9 @@
 """ClusterStatus as a readable table (re-exported by kvpact.client; `make serve` prints it).
 
 One row per worker (state, model, address, what it was asked, what it realized, capacity, load,
-heartbeat age), then every fallback reason, failure and refusal. The cells are kvpact.shared.describe's
-(the renderer the router and worker use), over the messages as kvpact.shared.wire converts them.
+heartbeat age, and its labels when any worker has some, e.g. its Ray node and bundle), then every
+fallback reason, failure and refusal. The cells are kvpact.shared.describe's (the renderer the router and
+worker use), over the messages as kvpact.shared.wire converts them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpact.shared import wire
-from kvpact.shared.describe import describe_asked, describe_compact
+from kvpact.shared.describe import describe_asked, describe_compact, describe_labels
 from kvpact.v1 import cache_pb2, router_pb2, worker_pb2
 
 
@@ -44,8 +45,14 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
         f"cluster {state}  policy --paged-attn {policy}  "
         f"workers {num_admitted}/{status.expected_workers} admitted"
     )
-    columns = ("WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "LOAD", "HEARTBEAT")
-    rows, notes = [], []
+    columns: tuple[str, ...] = (
+        "WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "LOAD", "HEARTBEAT",
+    )  # fmt: skip
+    with_labels = any(w.labels for w in status.workers)
+    if with_labels:
+        columns += ("LABELS",)
+    rows: list[tuple[str, ...]] = []
+    notes = []
     for w in status.workers:
         kind, capacity = _realized_cells(w)
         load = (
@@ -64,6 +71,7 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
                 load,
                 f"{w.seconds_since_heartbeat:.1f}s ago",
             )
+            + ((describe_labels(w.labels),) if with_labels else ())
         )
         for f in w.realized.fallbacks:
             notes.append(f"  {w.worker_id}: fallback [{f.component}] {f.reason}")

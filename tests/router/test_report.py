@@ -104,3 +104,15 @@ def test_report_without_workers():
     )
     assert "no worker registered" in report
     assert report.endswith("exit code 1: the cluster did not come up")
+
+
+def test_report_says_where_a_labelled_worker_runs():
+    b = entry("b", realized=paged_realized(), state=WorkerState.ADMITTED, reason="realized a PAGED KV cache")
+    b.labels = {"ray.node": "4b1c0e", "ray.bundle": "1"}
+    report = render_failure_report(
+        FailedStartup(PagedAttentionMode.ON, 2, "startup timed out", 1, workers=[b], shutdown={"b": "sent"})
+    )
+    assert (
+        'worker "b" at 127.0.0.1:5001, model tiny: ADMITTED\n  placed:    ray.bundle=1 ray.node=4b1c0e\n  asked:'
+        in report
+    )

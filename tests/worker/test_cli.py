@@ -72,6 +72,13 @@ def test_defaults():
     assert options.router is None
     assert options.router_timeout_s == 60.0
     assert options.worker_id  # hostname-pid
+    assert options.advertise_host is None and options.labels == ()
+
+
+def test_advertise_host_and_labels():
+    options = parse_args(["--advertise-host", "10.0.0.7", "--label", "ray.node=ab12", "--label", "empty="])
+    assert options.advertise_host == "10.0.0.7"
+    assert options.labels == (("ray.node", "ab12"), ("empty", ""))
 
 
 def test_every_flag_reaches_the_spec():
@@ -120,6 +127,7 @@ def test_every_flag_reaches_the_spec():
         (["--router-timeout", "0"], "expected a number of seconds > 0"),
         (["--router-timeout", "inf"], "expected a number of seconds > 0"),
         (["--router-timeout", "nan"], "expected a number of seconds > 0"),
+        (["--label", "ray.node"], "expected KEY=VALUE, got 'ray.node'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):

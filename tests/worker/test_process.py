@@ -135,8 +135,8 @@ def test_on_that_cannot_be_honored_exits_78_before_loading(model_dir, tmp_path, 
             "--worker-id",
             "w-cpu",
         ]
-        if with_router:
-            args += ["--router", router]
+        if with_router:  # as kvpact-launch starts it: the node's IP advertised, its Ray placement as labels
+            args += ["--router", router, "--advertise-host", "10.1.2.3", "--label", "ray.bundle=3"]
         with running(worker_argv(*args), log_dir=tmp_path) as worker:
             assert wait_for_exit(worker, START_TIMEOUT_S) == 78, worker.output()
             stderr = worker.stderr()
@@ -152,6 +152,8 @@ def test_on_that_cannot_be_honored_exits_78_before_loading(model_dir, tmp_path, 
         return
     [handshake] = registry.handshakes
     assert handshake.WhichOneof("outcome") == "failed"
+    assert handshake.address.startswith("10.1.2.3:")  # the advertised host, with the port it bound
+    assert dict(handshake.labels) == {"ray.bundle": "3"}
     assert handshake.failed.code == worker_pb2.STARTUP_FAILURE_CODE_PAGED_ATTENTION_REQUIRED
     assert handshake.failed.component == "device"
     assert handshake.failed.reason == reason

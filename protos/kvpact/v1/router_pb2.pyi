@@ -139,6 +139,26 @@ Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
 class WorkerStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     WORKER_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
@@ -153,6 +173,7 @@ class WorkerStatus(_message.Message):
     NUM_OUTSTANDING_FIELD_NUMBER: _builtins.int
     PLANNED_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
     model_name: _builtins.str
@@ -176,6 +197,10 @@ class WorkerStatus(_message.Message):
     def planned(self) -> _worker_pb2.LoadingPlan:
         """the pre-load plan it announced, if any"""
 
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """from its Handshake (e.g. its Ray node and bundle)"""
+
     def __init__(
         self,
         *,
@@ -193,10 +218,11 @@ class WorkerStatus(_message.Message):
         num_outstanding: _builtins.int = ...,
         planned: _worker_pb2.LoadingPlan | None = ...,
         metrics_address: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failure", b"failure", "load", b"load", "planned", b"planned", "realized", b"realized", "requested", b"requested"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capabilities", b"capabilities", "failure", b"failure", "load", b"load", "metrics_address", b"metrics_address", "model_name", b"model_name", "num_outstanding", b"num_outstanding", "planned", b"planned", "realized", b"realized", "requested", b"requested", "seconds_since_heartbeat", b"seconds_since_heartbeat", "state", b"state", "state_reason", b"state_reason", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capabilities", b"capabilities", "failure", b"failure", "labels", b"labels", "load", b"load", "metrics_address", b"metrics_address", "model_name", b"model_name", "num_outstanding", b"num_outstanding", "planned", b"planned", "realized", b"realized", "requested", b"requested", "seconds_since_heartbeat", b"seconds_since_heartbeat", "state", b"state", "state_reason", b"state_reason", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,15 +26,17 @@ from kvpact.v1 import cache_pb2 as kvpact_dot_v1_dot_cache__pb2
 from kvpact.v1 import generation_pb2 as kvpact_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpact/v1/worker.proto\x12\tkvpact.v1\x1a\x15kvpact/v1/cache.proto\x1a\x1akvpact/v1/generation.proto\"4\n\x0eLayerPlacement\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\"\xf9\x01\n\nWorkerSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12-\n\ndevice_map\x18\x03 \x03(\x0b\x32\x19.kvpact.v1.LayerPlacement\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12%\n\x05\x63\x61\x63he\x18\x08 \x01(\x0b\x32\x16.kvpact.v1.CacheIntent\x12\x1a\n\x12max_model_len_auto\x18\t \x01(\x08\"\x97\x02\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x04 \x01(\x04\x12 \n\x18\x63ompute_capability_major\x18\x05 \x01(\r\x12 \n\x18\x63ompute_capability_minor\x18\x06 \x01(\r\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x16\n\x0etriton_version\x18\x08 \x01(\t\x12\x33\n\x12supported_backends\x18\t \x03(\x0e\x32\x17.kvpact.v1.PagedBackend\"`\n\x0eStartupFailure\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.kvpact.v1.StartupFailureCode\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tcomponent\x18\x03 \x01(\t\"\xac\x01\n\x0bLoadingPlan\x12*\n\x0cplanned_kind\x18\x01 \x01(\x0e\x32\x14.kvpact.v1.CacheKind\x12\x30\n\x0fplanned_backend\x18\x02 \x01(\x0e\x32\x17.kvpact.v1.PagedBackend\x12&\n\tfallbacks\x18\x03 \x03(\x0b\x32\x13.kvpact.v1.Fallback\x12\x17\n\x0fverdict_seconds\x18\x04 \x01(\x01\"\xd2\x02\n\tHandshake\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12#\n\x04spec\x18\x04 \x01(\x0b\x32\x15.kvpact.v1.WorkerSpec\x12-\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x17.kvpact.v1.Capabilities\x12)\n\x05ready\x18\x06 \x01(\x0b\x32\x18.kvpact.v1.RealizedCacheH\x00\x12+\n\x06\x66\x61iled\x18\x07 \x01(\x0b\x32\x19.kvpact.v1.StartupFailureH\x00\x12)\n\x07loading\x18\t \x01(\x0b\x32\x16.kvpact.v1.LoadingPlanH\x00\x12\x12\n\nauth_token\x18\x08 \x01(\t\x12\x17\n\x0fmetrics_address\x18\n \x01(\tB\t\n\x07outcome\"\xad\x01\n\tAdmission\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x35\n\x0e\x63luster_policy\x18\x03 \x01(\x0e\x32\x1d.kvpact.v1.PagedAttentionMode\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x0f\n\x07pending\x18\x05 \x01(\x08\x12\x17\n\x0fregistration_id\x18\x06 \x01(\t\"\xc2\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12#\n\x1bkernel_compiles_after_ready\x18\x07 \x01(\x04\"\x89\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvpact.v1.WorkerLoad\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12\x17\n\x0fregistration_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\"J\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x10\n\x08shutdown\x18\x02 \x01(\x08\x12\x17\n\x0frouter_stopping\x18\x03 \x01(\x08\"c\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rShutdownReply*\x86\x02\n\x12StartupFailureCode\x12$\n STARTUP_FAILURE_CODE_UNSPECIFIED\x10\x00\x12\x31\n-STARTUP_FAILURE_CODE_PAGED_ATTENTION_REQUIRED\x10\x01\x12\'\n#STARTUP_FAILURE_CODE_INVALID_CONFIG\x10\x02\x12#\n\x1fSTARTUP_FAILURE_CODE_MODEL_LOAD\x10\x03\x12&\n\"STARTUP_FAILURE_CODE_OUT_OF_MEMORY\x10\x04\x12!\n\x1dSTARTUP_FAILURE_CODE_INTERNAL\x10\x05\x32\x80\x02\n\x06Worker\x12\x42\n\x08Generate\x12\x1a.kvpact.v1.GenerateRequest\x1a\x18.kvpact.v1.GenerateChunk0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.kvpact.v1.AbortRequest\x1a\x15.kvpact.v1.AbortReply\x12\x37\n\x05Stats\x12\x17.kvpact.v1.StatsRequest\x1a\x15.kvpact.v1.WorkerLoad\x12@\n\x08Shutdown\x12\x1a.kvpact.v1.ShutdownRequest\x1a\x18.kvpact.v1.ShutdownReply2\xcf\x01\n\x08Registry\x12\x36\n\x08Register\x12\x14.kvpact.v1.Handshake\x1a\x14.kvpact.v1.Admission\x12\x43\n\tHeartbeat\x12\x1b.kvpact.v1.HeartbeatRequest\x1a\x19.kvpact.v1.HeartbeatReply\x12\x46\n\nDeregister\x12\x1c.kvpact.v1.DeregisterRequest\x1a\x1a.kvpact.v1.DeregisterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpact/v1/worker.proto\x12\tkvpact.v1\x1a\x15kvpact/v1/cache.proto\x1a\x1akvpact/v1/generation.proto\"4\n\x0eLayerPlacement\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\"\xf9\x01\n\nWorkerSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12-\n\ndevice_map\x18\x03 \x03(\x0b\x32\x19.kvpact.v1.LayerPlacement\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12%\n\x05\x63\x61\x63he\x18\x08 \x01(\x0b\x32\x16.kvpact.v1.CacheIntent\x12\x1a\n\x12max_model_len_auto\x18\t \x01(\x08\"\x97\x02\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x04 \x01(\x04\x12 \n\x18\x63ompute_capability_major\x18\x05 \x01(\r\x12 \n\x18\x63ompute_capability_minor\x18\x06 \x01(\r\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x16\n\x0etriton_version\x18\x08 \x01(\t\x12\x33\n\x12supported_backends\x18\t \x03(\x0e\x32\x17.kvpact.v1.PagedBackend\"`\n\x0eStartupFailure\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.kvpact.v1.StartupFailureCode\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tcomponent\x18\x03 \x01(\t\"\xac\x01\n\x0bLoadingPlan\x12*\n\x0cplanned_kind\x18\x01 \x01(\x0e\x32\x14.kvpact.v1.CacheKind\x12\x30\n\x0fplanned_backend\x18\x02 \x01(\x0e\x32\x17.kvpact.v1.PagedBackend\x12&\n\tfallbacks\x18\x03 \x03(\x0b\x32\x13.kvpact.v1.Fallback\x12\x17\n\x0fverdict_seconds\x18\x04 \x01(\x01\"\xb3\x03\n\tHandshake\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12#\n\x04spec\x18\x04 \x01(\x0b\x32\x15.kvpact.v1.WorkerSpec\x12-\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x17.kvpact.v1.Capabilities\x12)\n\x05ready\x18\x06 \x01(\x0b\x32\x18.kvpact.v1.RealizedCacheH\x00\x12+\n\x06\x66\x61iled\x18\x07 \x01(\x0b\x32\x19.kvpact.v1.StartupFailureH\x00\x12)\n\x07loading\x18\t \x01(\x0b\x32\x16.kvpact.v1.LoadingPlanH\x00\x12\x12\n\nauth_token\x18\x08 \x01(\t\x12\x17\n\x0fmetrics_address\x18\n \x01(\t\x12\x30\n\x06labels\x18\x0b \x03(\x0b\x32 .kvpact.v1.Handshake.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07outcome\"\xad\x01\n\tAdmission\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x35\n\x0e\x63luster_policy\x18\x03 \x01(\x0e\x32\x1d.kvpact.v1.PagedAttentionMode\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x0f\n\x07pending\x18\x05 \x01(\x08\x12\x17\n\x0fregistration_id\x18\x06 \x01(\t\"\xc2\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12#\n\x1bkernel_compiles_after_ready\x18\x07 \x01(\x04\"\x89\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvpact.v1.WorkerLoad\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12\x17\n\x0fregistration_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\"J\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x10\n\x08shutdown\x18\x02 \x01(\x08\x12\x17\n\x0frouter_stopping\x18\x03 \x01(\x08\"c\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rShutdownReply*\x86\x02\n\x12StartupFailureCode\x12$\n STARTUP_FAILURE_CODE_UNSPECIFIED\x10\x00\x12\x31\n-STARTUP_FAILURE_CODE_PAGED_ATTENTION_REQUIRED\x10\x01\x12\'\n#STARTUP_FAILURE_CODE_INVALID_CONFIG\x10\x02\x12#\n\x1fSTARTUP_FAILURE_CODE_MODEL_LOAD\x10\x03\x12&\n\"STARTUP_FAILURE_CODE_OUT_OF_MEMORY\x10\x04\x12!\n\x1dSTARTUP_FAILURE_CODE_INTERNAL\x10\x05\x32\x80\x02\n\x06Worker\x12\x42\n\x08Generate\x12\x1a.kvpact.v1.GenerateRequest\x1a\x18.kvpact.v1.GenerateChunk0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.kvpact.v1.AbortRequest\x1a\x15.kvpact.v1.AbortReply\x12\x37\n\x05Stats\x12\x17.kvpact.v1.StatsRequest\x1a\x15.kvpact.v1.WorkerLoad\x12@\n\x08Shutdown\x12\x1a.kvpact.v1.ShutdownRequest\x1a\x18.kvpact.v1.ShutdownReply2\xcf\x01\n\x08Registry\x12\x36\n\x08Register\x12\x14.kvpact.v1.Handshake\x1a\x14.kvpact.v1.Admission\x12\x43\n\tHeartbeat\x12\x1b.kvpact.v1.HeartbeatRequest\x1a\x19.kvpact.v1.HeartbeatReply\x12\x46\n\nDeregister\x12\x1c.kvpact.v1.DeregisterRequest\x1a\x1a.kvpact.v1.DeregisterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpact.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STARTUPFAILURECODE']._serialized_start=2148
-  _globals['_STARTUPFAILURECODE']._serialized_end=2410
+  _globals['_HANDSHAKE_LABELSENTRY']._loaded_options = None
+  _globals['_HANDSHAKE_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_STARTUPFAILURECODE']._serialized_start=2245
+  _globals['_STARTUPFAILURECODE']._serialized_end=2507
   _globals['_LAYERPLACEMENT']._serialized_start=88
   _globals['_LAYERPLACEMENT']._serialized_end=140
   _globals['_WORKERSPEC']._serialized_start=143
@@ -46,31 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADINGPLAN']._serialized_start=775
   _globals['_LOADINGPLAN']._serialized_end=947
   _globals['_HANDSHAKE']._serialized_start=950
-  _globals['_HANDSHAKE']._serialized_end=1288
-  _globals['_ADMISSION']._serialized_start=1291
-  _globals['_ADMISSION']._serialized_end=1464
-  _globals['_WORKERLOAD']._serialized_start=1467
-  _globals['_WORKERLOAD']._serialized_end=1661
-  _globals['_HEARTBEATREQUEST']._serialized_start=1664
-  _globals['_HEARTBEATREQUEST']._serialized_end=1801
-  _globals['_HEARTBEATREPLY']._serialized_start=1803
-  _globals['_HEARTBEATREPLY']._serialized_end=1877
-  _globals['_DEREGISTERREQUEST']._serialized_start=1879
-  _globals['_DEREGISTERREQUEST']._serialized_end=1978
-  _globals['_DEREGISTERREPLY']._serialized_start=1980
-  _globals['_DEREGISTERREPLY']._serialized_end=2012
-  _globals['_ABORTREQUEST']._serialized_start=2014
-  _globals['_ABORTREQUEST']._serialized_end=2048
-  _globals['_ABORTREPLY']._serialized_start=2050
-  _globals['_ABORTREPLY']._serialized_end=2077
-  _globals['_STATSREQUEST']._serialized_start=2079
-  _globals['_STATSREQUEST']._serialized_end=2093
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2095
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2128
-  _globals['_SHUTDOWNREPLY']._serialized_start=2130
-  _globals['_SHUTDOWNREPLY']._serialized_end=2145
-  _globals['_WORKER']._serialized_start=2413
-  _globals['_WORKER']._serialized_end=2669
-  _globals['_REGISTRY']._serialized_start=2672
-  _globals['_REGISTRY']._serialized_end=2879
+  _globals['_HANDSHAKE']._serialized_end=1385
+  _globals['_HANDSHAKE_LABELSENTRY']._serialized_start=1329
+  _globals['_HANDSHAKE_LABELSENTRY']._serialized_end=1374
+  _globals['_ADMISSION']._serialized_start=1388
+  _globals['_ADMISSION']._serialized_end=1561
+  _globals['_WORKERLOAD']._serialized_start=1564
+  _globals['_WORKERLOAD']._serialized_end=1758
+  _globals['_HEARTBEATREQUEST']._serialized_start=1761
+  _globals['_HEARTBEATREQUEST']._serialized_end=1898
+  _globals['_HEARTBEATREPLY']._serialized_start=1900
+  _globals['_HEARTBEATREPLY']._serialized_end=1974
+  _globals['_DEREGISTERREQUEST']._serialized_start=1976
+  _globals['_DEREGISTERREQUEST']._serialized_end=2075
+  _globals['_DEREGISTERREPLY']._serialized_start=2077
+  _globals['_DEREGISTERREPLY']._serialized_end=2109
+  _globals['_ABORTREQUEST']._serialized_start=2111
+  _globals['_ABORTREQUEST']._serialized_end=2145
+  _globals['_ABORTREPLY']._serialized_start=2147
+  _globals['_ABORTREPLY']._serialized_end=2174
+  _globals['_STATSREQUEST']._serialized_start=2176
+  _globals['_STATSREQUEST']._serialized_end=2190
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2192
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2225
+  _globals['_SHUTDOWNREPLY']._serialized_start=2227
+  _globals['_SHUTDOWNREPLY']._serialized_end=2242
+  _globals['_WORKER']._serialized_start=2510
+  _globals['_WORKER']._serialized_end=2766
+  _globals['_REGISTRY']._serialized_start=2769
+  _globals['_REGISTRY']._serialized_end=2976
 # @@protoc_insertion_point(module_scope)

@@ -247,6 +247,26 @@ class Handshake(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     WORKER_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
@@ -257,6 +277,7 @@ class Handshake(_message.Message):
     LOADING_FIELD_NUMBER: _builtins.int
     AUTH_TOKEN_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
     """where its Worker service listens (host:port)"""
@@ -278,6 +299,12 @@ class Handshake(_message.Message):
     def loading(self) -> Global___LoadingPlan:
         """the plan meets the policy? register again with `ready` when loaded"""
 
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Where it runs, as whoever started it says (worker --label KEY=VALUE; kvpact-launch sets ray.node,
+        ray.node_ip, ray.bundle). Shown in ClusterStatus and the failure report; never used to decide.
+        """
+
     def __init__(
         self,
         *,
@@ -291,10 +318,11 @@ class Handshake(_message.Message):
         loading: Global___LoadingPlan | None = ...,
         auth_token: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failed", b"failed", "loading", b"loading", "outcome", b"outcome", "ready", b"ready", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "auth_token", b"auth_token", "capabilities", b"capabilities", "failed", b"failed", "loading", b"loading", "metrics_address", b"metrics_address", "model_name", b"model_name", "outcome", b"outcome", "ready", b"ready", "spec", b"spec", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "auth_token", b"auth_token", "capabilities", b"capabilities", "failed", b"failed", "labels", b"labels", "loading", b"loading", "metrics_address", b"metrics_address", "model_name", b"model_name", "outcome", b"outcome", "ready", b"ready", "spec", b"spec", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["ready", "failed", "loading"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
