@@ -1,0 +1,415 @@
+"""The cluster file `kvpact-launch --config FILE` reads: its schema, its validation, and the command lines
+it implies. Pure: nothing here touches Ray, a socket or a process.
+
+    ray:
+      address: auto              # "auto" = the cluster this job runs in ($RAY_ADDRESS, else the local
+                                 # head); "local" = start one on this machine; or a head's HOST:PORT
+      placement_strategy: PACK   # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+      placement_timeout_s: 300   # resources never granted -> exit 1 naming what could not be placed
+    router:
+      listen: 0.0.0.0:50051
+      paged_attn: on             # the cluster policy; also each worker's --paged-attn unless its flags say
+      startup_timeout_s: 900
+      auth_token_file: null      # read on the launcher's node; the same token reaches every worker
+      flags: {}                  # any other router flag, by its CLI name without the dashes
+    workers:                     # one or more groups; replicas get worker ids NAME-0, NAME-1, ...
+      - name: gpu
+        replicas: 2
+        resources: {num_gpus: 1, num_cpus: 4}   # one placement-group bundle per replica; any Ray resource
+        max_restarts: 0          # restarts, in its bundle, of a replica that dies after the cluster serves
+        flags: {paged-attn: on, model: /models/llama, pa-memory-fraction: 0.9}
+
+Validation happens before Ray is touched: every error is one line naming the key (`workers[1].flags.model`)
+and what is allowed, and `kvpact-launch` exits 2 with it. Worker and router `flags` are checked by the
+CLIs' own argument parsers (kvpact.worker.cli, kvpact.router.cli), so the file and the CLIs cannot drift.
+YAML 1.1 reads a bare `on`/`off` as a boolean: for `paged_attn` and the `paged-attn` flag, true means
+"on" and false means "off"; any other flag given a boolean must be a switch (`no-prefix-caching: true`),
+else the error says to quote the value. Flags the launcher sets itself (the worker's --router,
+--worker-id, --listen, --label; the router's --listen, --paged-attn, --expect-workers, --startup-timeout,
+--auth-token-file) are refused in `flags`, with the key to use instead where there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kvpact.shared.errors import ConfigError, KvpactError
+from kvpact.shared.intent import PagedAttentionMode
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
+# Ray's built-in resources under the names ray.remote takes; any other key is a custom resource.
+_RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+# Flags the launcher sets on every worker / the router (flag -> what to set instead, "" = nothing).
+LAUNCHER_WORKER_FLAGS = {
+    "router": "",
+    "worker-id": "the group's name (ids are NAME-0, NAME-1, ...)",
+    "listen": "",
+    "label": "",
+    "auth-token-file": "router.auth_token_file",
+    "help": "",
+}
+LAUNCHER_ROUTER_FLAGS = {
+    "listen": "router.listen",
+    "paged-attn": "router.paged_attn",
+    "expect-workers": "the workers' replicas (their sum)",
+    "startup-timeout": "router.startup_timeout_s",
+    "auth-token-file": "router.auth_token_file",
+    "help": "",
+}
+
+
+class ClusterFileError(KvpactError):
+    """The cluster file is not valid. The message is one line: FILE: KEY: what is wrong, what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RaySection:
+    address: str = "auto"
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSection:
+    listen: str = "0.0.0.0:50051"
+    paged_attn: PagedAttentionMode = PagedAttentionMode.AUTO
+    startup_timeout_s: float = 900.0
+    auth_token_file: str | None = None
+    flags: tuple[str, ...] = ()  # argv of the other router flags, in file order
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGroup:
+    name: str
+    replicas: int
+    resources: Mapping[str, float]  # as Ray names them: CPU, GPU, memory, custom ones
+    flags: tuple[str, ...]  # argv from the group's flags (--paged-attn always present)
+    max_restarts: int = 0
+
+    def worker_ids(self) -> list[str]:
+        return [f"{self.name}-{i}" for i in range(self.replicas)]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """One worker of the cluster: its id, its group, and its placement-group bundle."""
+
+    worker_id: str
+    group: WorkerGroup
+    bundle_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterFile:
+    path: str
+    ray: RaySection
+    router: RouterSection
+    workers: tuple[WorkerGroup, ...] = field(default_factory=tuple)
+
+    @property
+    def num_workers(self) -> int:
+        """The router's --expect-workers: the sum of the replicas."""
+        return sum(g.replicas for g in self.workers)
+
+    def slots(self) -> list[WorkerSlot]:
+        """Every worker in bundle order (group by group, replica by replica)."""
+        slots = []
+        for group in self.workers:
+            for worker_id in group.worker_ids():
+                slots.append(WorkerSlot(worker_id, group, len(slots)))
+        return slots
+
+    def bundles(self) -> list[dict[str, float]]:
+        """The placement group's bundles, one per worker, in slot order."""
+        return [dict(slot.group.resources) for slot in self.slots()]
+
+    def router_argv(self, listen: str | None = None) -> list[str]:
+        """The router's flags (without the program): the file's, or `listen` in place of router.listen."""
+        r = self.router
+        argv = ["--listen", listen or r.listen, "--paged-attn", r.paged_attn.value]
+        argv += ["--expect-workers", str(self.num_workers), "--startup-timeout", _number(r.startup_timeout_s)]
+        if r.auth_token_file:
+            argv += ["--auth-token-file", r.auth_token_file]
+        return argv + list(r.flags)
+
+
+def worker_argv(
+    slot: WorkerSlot,
+    *,
+    router: str,
+    host: str,
+    labels: Mapping[str, str] = {},  # noqa: B006 (read only)
+    auth_token_file: str | None = None,
+) -> list[str]:
+    """A worker's flags (without the program): the group's, then what the launcher decides: its id, the
+    router, a free port on `host`, `host` as the advertised address unless the group sets
+    advertise-host, and its labels."""
+    argv = list(slot.group.flags)
+    argv += ["--worker-id", slot.worker_id, "--router", router, "--listen", f"{_bracket(host)}:0"]
+    if "--advertise-host" not in argv:
+        argv += ["--advertise-host", host]
+    for key, value in labels.items():
+        argv += ["--label", f"{key}={value}"]
+    if auth_token_file:
+        argv += ["--auth-token-file", auth_token_file]
+    return argv
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if value != int(value) else str(int(value))
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_cluster_file(path: str | Path) -> ClusterFile:
+    """Read and validate the cluster file; ClusterFileError (one line) on anything wrong."""
+    import yaml  # the ray extra; imported here so the schema's users need it only when reading a file
+
+    where = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ClusterFileError(
+            f"{where}: cannot read it ({exc.strerror or exc}); pass --config FILE"
+        ) from None
+    try:
+        document = yaml.load(text, Loader=_unique_key_loader(yaml))  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as exc:
+        raise ClusterFileError(f"{where}: not valid YAML: {' '.join(str(exc).split())}") from None
+    return parse_cluster_file(document, where)
+
+
+def _unique_key_loader(yaml: Any) -> type:
+    """yaml.SafeLoader that refuses a key given twice (PyYAML would keep the last one silently)."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} appears twice", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
+
+    return UniqueKeyLoader
+
+
+def parse_cluster_file(document: object, where: str = "<cluster file>") -> ClusterFile:
+    """Validate an already-parsed document (a dict as YAML gives it)."""
+    top = _mapping(document, where, "the file", {"ray", "router", "workers"}, required={"workers"})
+    ray_section = _ray(_mapping(top.get("ray", {}), where, "ray", set(RaySection.__slots__)), where)
+    router = _router(_mapping(top.get("router", {}), where, "router", set(RouterSection.__slots__)), where)
+    groups = top["workers"]
+    if not isinstance(groups, list) or not groups:
+        _fail(where, "workers", "expected a list of one or more worker groups", groups)
+    workers = tuple(_group(g, where, f"workers[{i}]", router.paged_attn) for i, g in enumerate(groups))
+    names = [g.name for g in workers]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            _fail(where, f"workers[{i}].name", "expected a name no other group has", name)
+    cluster = ClusterFile(where, ray_section, router, workers)
+    _check_router_flags(cluster, where)
+    return cluster
+
+
+def _ray(section: dict[str, Any], where: str) -> RaySection:
+    address = section.get("address", "auto")
+    if not isinstance(address, str) or not address:
+        _fail(where, "ray.address", 'expected "auto", "local" or a head\'s HOST:PORT', address)
+    strategy = section.get("placement_strategy", "PACK")
+    if strategy not in PLACEMENT_STRATEGIES:
+        _fail(where, "ray.placement_strategy", f"expected one of {', '.join(PLACEMENT_STRATEGIES)}", strategy)
+    timeout = _seconds(section.get("placement_timeout_s", 300), where, "ray.placement_timeout_s")
+    return RaySection(address, strategy, timeout)
+
+
+def _router(section: dict[str, Any], where: str) -> RouterSection:
+    listen = section.get("listen", "0.0.0.0:50051")
+    if not isinstance(listen, str):
+        _fail(where, "router.listen", "expected HOST:PORT (port 0 = a free port)", listen)
+    policy = _mode(section.get("paged_attn", "auto"), where, "router.paged_attn")
+    timeout = _seconds(section.get("startup_timeout_s", 900), where, "router.startup_timeout_s")
+    token_file = section.get("auth_token_file")
+    if token_file is not None and (not isinstance(token_file, str) or not token_file):
+        _fail(where, "router.auth_token_file", "expected a file path or null", token_file)
+    from kvpact.router.cli import build_parser
+
+    flags = _flags_argv(
+        section.get("flags", {}), where, "router.flags", build_parser(), LAUNCHER_ROUTER_FLAGS
+    )
+    return RouterSection(listen, policy, timeout, token_file, tuple(flags))
+
+
+def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> WorkerGroup:
+    allowed = {"name", "replicas", "resources", "flags", "max_restarts"}
+    group = _mapping(raw, where, key, allowed, required={"name", "replicas"})
+    name = group["name"]
+    if not isinstance(name, str) or not _NAME.match(name):
+        _fail(where, f"{key}.name", "expected lowercase letters, digits and '-' (at most 40)", name)
+    replicas = _whole(group["replicas"], where, f"{key}.replicas", minimum=1)
+    max_restarts = _whole(group.get("max_restarts", 0), where, f"{key}.max_restarts", minimum=0)
+    resources = _resources(group.get("resources", {"num_cpus": 1}), where, f"{key}.resources")
+    from kvpact.worker.cli import build_parser
+
+    parser = build_parser()
+    flags = _flags_argv(group.get("flags", {}), where, f"{key}.flags", parser, LAUNCHER_WORKER_FLAGS)
+    if "--paged-attn" not in flags:
+        flags = ["--paged-attn", policy.value, *flags]
+    worker = WorkerGroup(name, replicas, resources, tuple(flags), max_restarts)
+    slot = WorkerSlot(f"{name}-0", worker, 0)
+    _check_with(parser, worker_argv(slot, router="127.0.0.1:1", host="127.0.0.1"), where, f"{key}.flags")
+    return worker
+
+
+def _resources(raw: object, where: str, key: str) -> dict[str, float]:
+    if not isinstance(raw, dict) or not raw:
+        _fail(where, key, "expected a mapping of Ray resources, e.g. {num_gpus: 1, num_cpus: 4}", raw)
+    resources = {}
+    for name, amount in raw.items():
+        if not isinstance(name, str) or name in ("CPU", "GPU"):
+            _fail(
+                where, f"{key}.{name}", "expected num_cpus, num_gpus, memory or a custom resource name", name
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount >= 0:
+            _fail(where, f"{key}.{name}", "expected a number >= 0", amount)
+        resources[_RESOURCE_NAMES.get(name, name)] = amount
+    if not any(resources.values()):
+        _fail(where, key, "expected at least one resource > 0 (Ray cannot place an empty bundle)", raw)
+    return {name: amount for name, amount in resources.items() if amount}
+
+
+def _flags_argv(
+    raw: object, where: str, key: str, parser: argparse.ArgumentParser, reserved: Mapping[str, str]
+) -> list[str]:
+    """`{name: value}` -> ["--name", "value", ...]; a switch is given `true` (or `false` to leave it off)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, dict):
+        _fail(where, key, "expected a mapping of flag names (without the dashes) to values", raw)
+    switches = {
+        option
+        for action in parser._actions  # argparse has no public way to ask which options take no value
+        if action.nargs == 0
+        for option in action.option_strings
+    }
+    argv: list[str] = []
+    for name, value in raw.items():
+        here = f"{key}.{name}"
+        if not isinstance(name, str) or name.startswith("-"):
+            _fail(where, here, "expected a flag name without the leading dashes, e.g. pa-backend", name)
+        if name in reserved:
+            instead = f"; set {reserved[name]} instead" if reserved[name] else ""
+            _fail(where, here, f"--{name} is set by kvpact-launch{instead}", value)
+        option = f"--{name}"
+        if option in switches:
+            if not isinstance(value, bool):
+                _fail(where, here, f"{option} is a switch: expected true or false", value)
+            argv += [option] if value else []
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            argv += [option, _flag_value(item, where, here, paged=name == "paged-attn")]
+    return argv
+
+
+def _flag_value(value: object, where: str, key: str, *, paged: bool) -> str:
+    if paged:
+        return _mode(value, where, key).value
+    if isinstance(value, bool):
+        _fail(where, key, "YAML read a boolean (yes/no/on/off/true/false); quote the value", value)
+    if isinstance(value, int | float | str) and not (isinstance(value, float) and not math.isfinite(value)):
+        return value if isinstance(value, str) else _number(value)
+    _fail(where, key, "expected a string or a number", value)
+
+
+def _check_router_flags(cluster: ClusterFile, where: str) -> None:
+    """The router's whole command line through its parser (the token file is read by the launcher)."""
+    from kvpact.router.cli import build_parser
+
+    _check_with(build_parser(), cluster.router_argv(), where, "router")
+
+
+def _check_with(
+    parser: argparse.ArgumentParser, argv: Sequence[str], where: str, key: str
+) -> argparse.Namespace:
+    """Parse `argv` with the CLI's own parser; its complaint becomes a ClusterFileError for `key`. For
+    the worker, its spec is built too (a --pa-* value the intent core rejects is caught here)."""
+
+    def error(message: str) -> NoReturn:
+        raise ClusterFileError(f"{where}: {key}: {message} (flags checked by the {parser.prog} CLI)")
+
+    parser.error = error  # type: ignore[method-assign]
+    args = parser.parse_args(list(argv))
+    if parser.prog == "worker":
+        from kvpact.worker.cli import spec_from_args
+
+        try:
+            spec_from_args(args)
+        except ConfigError as exc:
+            error(str(exc))
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ values
+
+
+def _mapping(
+    raw: object, where: str, key: str, allowed: set[str], required: frozenset[str] | set[str] = frozenset()
+) -> dict[str, Any]:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        _fail(where, key, "expected a mapping", raw)
+    for name in raw:
+        if name not in allowed:
+            path = name if key == "the file" else f"{key}.{name}"
+            _fail(where, str(path), f"unknown key; allowed here: {', '.join(sorted(allowed))}", raw[name])
+    for name in sorted(required - raw.keys()):
+        _fail(where, name if key == "the file" else f"{key}.{name}", "required", None)
+    return raw
+
+
+def _mode(value: object, where: str, key: str) -> PagedAttentionMode:
+    if value is True:
+        return PagedAttentionMode.ON
+    if value is False:
+        return PagedAttentionMode.OFF
+    try:
+        return PagedAttentionMode(value)
+    except ValueError:
+        _fail(where, key, "expected auto, on or off", value)
+
+
+def _whole(value: object, where: str, key: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(where, key, f"expected a whole number >= {minimum}", value)
+    return value
+
+
+def _seconds(value: object, where: str, key: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        _fail(where, key, "expected a number of seconds > 0", value)
+    return float(value)
+
+
+def _fail(where: str, key: str, allowed: str, value: object) -> NoReturn:
+    got = "" if value is None and allowed == "required" else f", got {value!r}"
+    raise ClusterFileError(f"{where}: {key}: {allowed}{got}")

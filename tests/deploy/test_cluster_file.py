@@ -1,0 +1,222 @@
+"""The cluster file: its schema, one-line errors naming the key, flags checked by the CLIs' own parsers,
+and `kvpact-launch` exiting 2 on a bad file without touching Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpact.deploy.cluster_file import (
+    ClusterFileError,
+    WorkerSlot,
+    load_cluster_file,
+    parse_cluster_file,
+    worker_argv,
+)
+from kvpact.shared.intent import PagedAttentionMode
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "deploy" / "examples"
+
+MINIMAL = {"workers": [{"name": "cpu", "replicas": 2}]}
+
+
+def document(**sections: object) -> dict:
+    base = {
+        "ray": {"address": "auto", "placement_strategy": "PACK", "placement_timeout_s": 300},
+        "router": {"listen": "0.0.0.0:50051", "paged_attn": "on", "startup_timeout_s": 900, "flags": {}},
+        "workers": [
+            {
+                "name": "gpu",
+                "replicas": 2,
+                "resources": {"num_gpus": 1, "num_cpus": 4},
+                "flags": {"paged-attn": "on", "model": "/models/llama", "pa-memory-fraction": 0.9},
+            }
+        ],
+    }
+    base.update(sections)
+    return base
+
+
+def error_of(doc: object) -> str:
+    with pytest.raises(ClusterFileError) as info:
+        parse_cluster_file(doc, "c.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_issue_shape_loads_with_its_defaults_and_command_lines():
+    cluster = parse_cluster_file(document(), "c.yaml")
+    assert cluster.num_workers == 2
+    assert cluster.bundles() == [{"GPU": 1, "CPU": 4}, {"GPU": 1, "CPU": 4}]
+    assert cluster.router_argv() == [
+        "--listen", "0.0.0.0:50051", "--paged-attn", "on", "--expect-workers", "2", "--startup-timeout", "900",
+    ]  # fmt: skip
+    [first, second] = cluster.slots()
+    assert (first.worker_id, second.worker_id, second.bundle_index) == ("gpu-0", "gpu-1", 1)
+    argv = worker_argv(second, router="10.0.0.1:50051", host="10.0.0.7", labels={"ray.bundle": "1"})
+    assert argv == [
+        "--paged-attn", "on", "--model", "/models/llama", "--pa-memory-fraction", "0.9",
+        "--worker-id", "gpu-1", "--router", "10.0.0.1:50051", "--listen", "10.0.0.7:0",
+        "--advertise-host", "10.0.0.7", "--label", "ray.bundle=1",
+    ]  # fmt: skip
+
+
+def test_defaults_and_the_policy_reaches_workers_that_do_not_say():
+    cluster = parse_cluster_file({**MINIMAL, "router": {"paged_attn": "off"}}, "c.yaml")
+    assert cluster.ray.address == "auto" and cluster.ray.placement_strategy == "PACK"
+    assert cluster.router.listen == "0.0.0.0:50051" and cluster.router.startup_timeout_s == 900
+    assert cluster.workers[0].flags == ("--paged-attn", "off")
+    assert cluster.workers[0].resources == {"CPU": 1}
+    assert cluster.workers[0].max_restarts == 0
+
+
+def test_yaml_booleans_are_the_modes_on_and_off_never_something_else(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "router: {paged_attn: on}\n"
+        "workers:\n"
+        "  - {name: a, replicas: 1, flags: {paged-attn: off, no-prefix-caching: true}}\n"
+        "  - {name: b, replicas: 1, flags: {paged-attn: yes}}\n"
+    )
+    cluster = load_cluster_file(path)
+    assert cluster.router.paged_attn is PagedAttentionMode.ON
+    assert cluster.workers[0].flags == ("--paged-attn", "off", "--no-prefix-caching")
+    assert cluster.workers[1].flags == ("--paged-attn", "on")
+    path.write_text("workers:\n  - {name: a, replicas: 1, flags: {model: yes}}\n")
+    with pytest.raises(ClusterFileError, match=r"workers\[0\]\.flags\.model: .*quote the value"):
+        load_cluster_file(path)
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        (
+            document(colour="red"),
+            "c.yaml: colour: unknown key; allowed here: ray, router, workers, got 'red'",
+        ),
+        (
+            document(ray={"adress": "auto"}),
+            "c.yaml: ray.adress: unknown key; allowed here: address, placement_strategy, placement_timeout_s",
+        ),
+        (
+            document(ray={"placement_strategy": "BEST"}),
+            "c.yaml: ray.placement_strategy: expected one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD, "
+            "got 'BEST'",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": -1}]},
+            "c.yaml: workers[0].replicas: expected a whole number >= 1, got -1",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": 1, "flags": {"pa-backend": "cuda"}}]},
+            "c.yaml: workers[0].flags: argument --pa-backend: invalid choice: 'cuda'",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": 1, "flags": {"colour": "red"}}]},
+            "c.yaml: workers[0].flags: unrecognized arguments: --colour red (flags checked by the worker CLI)",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": 1, "flags": {"pa-block-size": 0}}]},
+            "c.yaml: workers[0].flags: argument --pa-block-size: expected a whole number > 0",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": 1, "flags": {"router": "x:1"}}]},
+            "c.yaml: workers[0].flags.router: --router is set by kvpact-launch",
+        ),
+        (
+            {"router": {"flags": {"expect-workers": 3}}, **MINIMAL},
+            "c.yaml: router.flags.expect-workers: --expect-workers is set by kvpact-launch; "
+            "set the workers' replicas (their sum) instead",
+        ),
+        (
+            {"router": {"flags": {"heartbeat-timeout": -1}}, **MINIMAL},
+            "c.yaml: router: argument --heartbeat-timeout: expected a number of seconds > 0, got '-1' "
+            "(flags checked by the router CLI)",
+        ),
+        (
+            {"router": {"paged_attn": "maybe"}, **MINIMAL},
+            "c.yaml: router.paged_attn: expected auto, on or off",
+        ),
+        ({"workers": []}, "c.yaml: workers: expected a list of one or more worker groups"),
+        ({"ray": {}}, "c.yaml: workers: required"),
+        (
+            {"workers": [{"name": "a", "replicas": 1}, {"name": "a", "replicas": 1}]},
+            "c.yaml: workers[1].name: expected a name no other group has, got 'a'",
+        ),
+        (
+            {"workers": [{"name": "a", "replicas": 1, "resources": {"num_gpus": -1}}]},
+            "c.yaml: workers[0].resources.num_gpus: expected a number >= 0, got -1",
+        ),
+        (
+            {"workers": [{"name": "a", "replicas": 1, "resources": {"GPU": 1}}]},
+            "c.yaml: workers[0].resources.GPU: expected num_cpus, num_gpus, memory or a custom resource name",
+        ),
+    ],
+)
+def test_each_error_is_one_line_naming_the_key_and_what_is_allowed(doc: dict, expected: str):
+    assert error_of(doc).startswith(expected)
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("workers:\n  - {name: a, replicas: 1}\nworkers: []\n")
+    with pytest.raises(ClusterFileError, match="the key 'workers' appears twice"):
+        load_cluster_file(path)
+
+
+@pytest.mark.parametrize("name", ["cpu.yaml", "gpu.yaml", "fail_on.yaml"])
+def test_each_example_loads(name: str):
+    cluster = load_cluster_file(EXAMPLES / name)
+    assert cluster.num_workers >= 2
+    assert cluster.router.paged_attn is PagedAttentionMode.ON
+
+
+def test_the_examples_say_what_they_are_for():
+    cpu = load_cluster_file(EXAMPLES / "cpu.yaml")
+    assert all("GPU" not in b for b in cpu.bundles())  # runs here
+    gpu = load_cluster_file(EXAMPLES / "gpu.yaml")
+    assert {g.name for g in gpu.workers} == {"a100", "l4"}  # heterogeneous
+    assert len({tuple(sorted(g.resources.items())) for g in gpu.workers}) == 2
+    fail = load_cluster_file(EXAMPLES / "fail_on.yaml")
+    triton = next(g for g in fail.workers if g.name == "triton")
+    assert triton.resources.get("GPU") == 1 and "triton" in triton.flags
+
+
+def test_worker_argv_keeps_an_advertise_host_the_group_chose():
+    cluster = parse_cluster_file(
+        {"workers": [{"name": "a", "replicas": 1, "flags": {"advertise-host": "a.example"}}]}, "c.yaml"
+    )
+    argv = worker_argv(cluster.slots()[0], router="r:1", host="10.0.0.7", auth_token_file="/t")
+    assert argv.count("--advertise-host") == 1 and "a.example" in argv
+    assert argv[-2:] == ["--auth-token-file", "/t"]
+
+
+def test_kvpact_launch_exits_2_with_one_line_and_never_imports_ray(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"workers": [{"name": "cpu", "replicas": -2}]}))
+    check = (
+        "import sys; from kvpact.deploy.launch import main; code = main(['--config', sys.argv[1]]); "
+        "assert 'ray' not in sys.modules, 'ray was imported'; sys.exit(code)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"kvpact-launch: {path}: workers[0].replicas: expected a whole number >= 1, got -2"
+    )
+    assert result.stdout == ""
+
+
+def test_worker_slot_ids_follow_the_groups():
+    cluster = parse_cluster_file(
+        {"workers": [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}]}, "c.yaml"
+    )
+    assert [(s.worker_id, s.bundle_index) for s in cluster.slots()] == [("a-0", 0), ("a-1", 1), ("b-0", 2)]
+    assert isinstance(cluster.slots()[0], WorkerSlot)
