@@ -9,15 +9,17 @@ with what it printed, and a chatty one can never block on a full pipe.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,11 +93,14 @@ def start_process(
     env: Mapping[str, str] | None = None,
     log_dir: str | Path | None = None,
     cwd: str | Path | None = None,
+    die_with_parent: bool = False,
 ) -> ProcessHandle:
     """Start `argv` in a new session with stdout/stderr written to `<log_dir>/<name>.{stdout,stderr}`.
 
     `env` is added to (not substituted for) this process's environment. `log_dir` defaults to a new
-    temporary directory."""
+    temporary directory. `die_with_parent` (Linux): the process gets SIGKILL when the thread that started
+    it ends, so a parent that is itself killed (a Ray actor, a launcher stopped with SIGKILL) leaves
+    nothing behind; start it from a thread that lives as long as the parent (the main thread)."""
     name = name or Path(argv[0]).name
     directory = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvpact-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -109,8 +114,28 @@ def start_process(
             env={**os.environ, **(env or {})},
             cwd=cwd,
             start_new_session=True,
+            preexec_fn=_parent_death_signal() if die_with_parent else None,
         )
     return ProcessHandle(name, list(argv), popen, stdout_path, stderr_path)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn asking the kernel to SIGKILL the child when its parent dies (None off Linux). libc is
+    loaded here, before the fork, so the child only makes the one system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def set_signal() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the call: the signal will never come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return set_signal
 
 
 def stop(handle: ProcessHandle, *, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> int:

@@ -55,7 +55,8 @@ def test_the_issue_shape_loads_with_its_defaults_and_command_lines():
     assert cluster.num_workers == 2
     assert cluster.bundles() == [{"GPU": 1, "CPU": 4}, {"GPU": 1, "CPU": 4}]
     assert cluster.router_argv() == [
-        "--listen", "0.0.0.0:50051", "--paged-attn", "on", "--expect-workers", "2", "--startup-timeout", "900",
+        "--listen", "0.0.0.0:50051", "--paged-attn", "on", "--expect-workers", "2",
+        "--startup-timeout", "900",
     ]  # fmt: skip
     [first, second] = cluster.slots()
     assert (first.worker_id, second.worker_id, second.bundle_index) == ("gpu-0", "gpu-1", 1)
@@ -119,7 +120,8 @@ def test_yaml_booleans_are_the_modes_on_and_off_never_something_else(tmp_path: P
         ),
         (
             {"workers": [{"name": "cpu", "replicas": 1, "flags": {"colour": "red"}}]},
-            "c.yaml: workers[0].flags: unrecognized arguments: --colour red (flags checked by the worker CLI)",
+            "c.yaml: workers[0].flags: unrecognized arguments: --colour red "
+            "(flags checked by the worker CLI)",
         ),
         (
             {"workers": [{"name": "cpu", "replicas": 1, "flags": {"pa-block-size": 0}}]},

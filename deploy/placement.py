@@ -1,0 +1,193 @@
+"""The Ray side of a launch: connect, one placement group with a bundle per worker, one WorkerActor pinned
+to each bundle, and their release. Imports ray only when called (the cluster file is validated first).
+
+Every wait is bounded; every failure is a LaunchFailure whose message is one line saying which and where.
+Actors and the placement group are never detached: if the launcher dies, Ray releases them with its job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpact.deploy.cluster_file import ClusterFile, WorkerSlot
+from kvpact.deploy.worker_actor import WorkerActor
+
+ACTOR_READY_TIMEOUT_S = 120.0  # an actor process on a busy node: Python, kvpact's imports
+STOP_GRACE_S = 10.0
+_RAY_LABEL_NODE, _RAY_LABEL_NODE_IP, _RAY_LABEL_BUNDLE = "ray.node", "ray.node_ip", "ray.bundle"
+
+
+class LaunchFailure(RuntimeError):
+    """The cluster could not be placed or started for a reason outside the policy (exit 1)."""
+
+
+@dataclass(slots=True)
+class PlacedWorker:
+    """A worker slot and the actor that runs it (replaced when the actor is lost and restarted)."""
+
+    slot: WorkerSlot
+    actor: Any  # a ray ActorHandle of WorkerActor
+    node_id: str = ""
+    node_ip: str = ""
+    log_dir: str = ""
+    num_restarts: int = 0
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {
+            _RAY_LABEL_NODE: self.node_id[:12],
+            _RAY_LABEL_NODE_IP: self.node_ip,
+            _RAY_LABEL_BUNDLE: str(self.slot.bundle_index),
+        }
+
+    def where(self) -> str:
+        node = f"node {self.node_id[:12]} ({self.node_ip})" if self.node_id else "a node not known yet"
+        return f"bundle {self.slot.bundle_index} on {node}"
+
+
+def connect(address: str) -> None:
+    """ray.init for the cluster file's ray.address ("auto": $RAY_ADDRESS or the local head; "local":
+    start one here). Raises LaunchFailure when there is no cluster to join."""
+    import ray
+
+    options: dict[str, Any] = {"log_to_driver": False, "logging_level": "WARNING"}
+    try:
+        if address == "local":
+            ray.init(include_dashboard=False, **options)
+        else:
+            ray.init(address=address, **options)
+    except (ConnectionError, RuntimeError) as exc:
+        raise LaunchFailure(
+            f"cannot connect to Ray at ray.address {address!r}: {' '.join(str(exc).split())[:300]}; start a "
+            'head with `ray start --head`, set RAY_ADDRESS, or set ray.address: "local"'
+        ) from None
+
+
+def node_ip() -> str:
+    """This (the driver's) node's IP as Ray reports it."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
+def reserve(cluster: ClusterFile, name: str, cancelled: Any) -> Any:
+    """Create the placement group and wait (bounded by ray.placement_timeout_s) until it is granted.
+    `cancelled()` ends the wait early (a signal): returns None. LaunchFailure names the resources."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = cluster.bundles()
+    group = placement_group(bundles, strategy=cluster.ray.placement_strategy, name=name)
+    deadline = time.monotonic() + cluster.ray.placement_timeout_s
+    while time.monotonic() < deadline:
+        ready, _ = ray.wait([group.ready()], timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        if ready:
+            return group
+        if cancelled():
+            remove_placement_group(group)
+            return None
+    remove_placement_group(group)
+    raise LaunchFailure(
+        f"placement: {len(bundles)} bundles {describe_bundles(cluster)} "
+        f"(strategy {cluster.ray.placement_strategy}) were not granted within ray.placement_timeout_s "
+        f"{cluster.ray.placement_timeout_s:g} s; the cluster has {_describe(ray.cluster_resources())} in "
+        f"all, {_describe(ray.available_resources())} free; add nodes with these resources, lower "
+        "workers[].resources or replicas, or choose another ray.placement_strategy"
+    )
+
+
+def describe_bundles(cluster: ClusterFile) -> str:
+    """e.g. `gpu x2 {GPU: 1, CPU: 4}, cpu x1 {CPU: 1}`."""
+    return ", ".join(f"{g.name} x{g.replicas} {_describe(g.resources)}" for g in cluster.workers)
+
+
+def _describe(resources: dict[str, float] | Any) -> str:
+    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "object_store_memory"))}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
+
+
+def start_actor(slot: WorkerSlot, group: Any) -> Any:
+    """A WorkerActor in `slot`'s bundle, asking for exactly that bundle's resources."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    resources = dict(slot.group.resources)
+    options: dict[str, Any] = {
+        "num_cpus": resources.pop("CPU", 0),
+        "num_gpus": resources.pop("GPU", 0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=slot.bundle_index
+        ),
+        "max_restarts": 0,  # the launcher restarts workers itself (workers[].max_restarts), in the bundle
+    }
+    if "memory" in resources:
+        options["memory"] = resources.pop("memory")
+    if resources:
+        options["resources"] = resources
+    return ray.remote(WorkerActor).options(**options).remote(slot.worker_id)
+
+
+def locate(placed: list[PlacedWorker], timeout_s: float = ACTOR_READY_TIMEOUT_S) -> None:
+    """Ask each actor where it runs (fills node_id, node_ip, log_dir). LaunchFailure if one is lost."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+
+    refs = {p.slot.worker_id: p.actor.placement.remote() for p in placed}
+    for worker in placed:
+        try:
+            where = ray.get(refs[worker.slot.worker_id], timeout=timeout_s)
+        except GetTimeoutError:
+            raise LaunchFailure(
+                f"worker {worker.slot.worker_id}: its Ray actor in {worker.where()} did not start within "
+                f"{timeout_s:g} s"
+            ) from None
+        except RayError as exc:
+            raise LaunchFailure(lost(worker, "while starting", exc)) from None
+        worker.node_id, worker.node_ip, worker.log_dir = where["node_id"], where["node_ip"], where["log_dir"]
+
+
+def lost(worker: PlacedWorker, when: str, exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"worker {worker.slot.worker_id}: its Ray actor in {worker.where()} was lost {when} ({first[:200]})"
+    )
+
+
+def release(placed: list[PlacedWorker], group: Any) -> list[str]:
+    """Stop every worker (SIGTERM via its actor, in parallel), kill the actors, remove the placement group.
+    Returns one log line per step; never raises."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    lines = []
+    stops = {}
+    for worker in placed:
+        try:
+            stops[worker.slot.worker_id] = worker.actor.stop.remote(STOP_GRACE_S)
+        except Exception:  # noqa: BLE001 (a dead actor: nothing to stop)
+            pass
+    codes = []
+    for worker_id, ref in stops.items():
+        try:
+            codes.append(f"{worker_id} {ray.get(ref, timeout=STOP_GRACE_S + 5)}")
+        except Exception:  # noqa: BLE001
+            codes.append(f"{worker_id} (actor gone)")
+    if codes:
+        lines.append(f"workers stopped (exit codes): {', '.join(codes)}")
+    for worker in placed:
+        try:
+            ray.kill(worker.actor, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
+    if placed:
+        lines.append(f"{len(placed)} Ray actors killed")
+    if group is not None:
+        try:
+            remove_placement_group(group)
+            lines.append("placement group removed")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"placement group not removed: {exc}")
+    return lines

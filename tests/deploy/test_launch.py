@@ -1,0 +1,178 @@
+"""`kvpact-launch` on a real local Ray cluster (one per module: 4 CPUs and 2 fake GPUs, with the dashboard
+so `ray.util.state` answers), a tiny Llama on CPU. Torch sees no CUDA behind the fake GPUs, so a worker
+asked for `--pa-backend triton` cannot honor `on`, exactly as on a GPU node without a usable device.
+
+The launcher runs as its own process (joining through $RAY_ADDRESS) and is stopped by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpact.client import Client
+from kvpact.deploy.processes import health_status, wait_for_exit
+from kvpact.v1 import cache_pb2, router_pb2
+from tests.factories.ray_launch import (
+    RAY_AUTH,
+    cluster_file,
+    launched,
+    placement_group_name,
+    short_temp_dir,
+    wait_serving,
+    worker_group,
+)
+from tests.factories.tiny_models import make_tiny_llama
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    address: str  # the GCS address, for RAY_ADDRESS
+    dashboard: str  # http://HOST:PORT, for ray.util.state
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    previous = {key: os.environ.get(key) for key in RAY_AUTH}
+    os.environ.update(RAY_AUTH)
+    context = ray.init(
+        num_cpus=4,
+        num_gpus=2,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=0,
+        object_store_memory=100 * 1024 * 1024,
+        _temp_dir=short_temp_dir(),
+        log_to_driver=False,
+    )
+    try:
+        yield RayCluster(context.address_info["gcs_address"], f"http://{context.dashboard_url}")
+    finally:
+        ray.shutdown()
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=256)
+
+
+def assert_nothing_left(cluster: RayCluster, group_name: str) -> None:
+    """No live actor in the cluster and no placement group of this launch that is not REMOVED."""
+    from ray.util import state
+
+    deadline = time.monotonic() + 30
+    while True:
+        alive = state.list_actors(address=cluster.dashboard, filters=[("state", "!=", "DEAD")])
+        groups = [
+            g
+            for g in state.list_placement_groups(
+                address=cluster.dashboard, filters=[("name", "=", group_name)]
+            )
+            if g.state != "REMOVED"
+        ]
+        if not alive and not groups or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert alive == [], f"actors left alive: {alive}"
+    assert groups == [], f"placement groups left: {groups}"
+
+
+def test_two_cpu_workers_serve_through_ray_then_sigterm_releases_everything(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    config = cluster_file(tmp_path, workers=[worker_group(model, "cpu", 2)])
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        group_name = placement_group_name(launch)
+        address = wait_serving(launch)
+        with Client(address, timeout=30) as client:
+            text = "".join(chunk.text for chunk in client.generate("hello", max_tokens=8, temperature=0))
+            status = client.cluster_status()
+        assert text
+        assert status.state == router_pb2.CLUSTER_STATE_SERVING
+        workers = {w.worker_id: w for w in status.workers}
+        assert sorted(workers) == ["cpu-0", "cpu-1"]
+        node_id = ray.get_runtime_context().get_node_id()
+        for index, worker_id in enumerate(["cpu-0", "cpu-1"]):
+            w = workers[worker_id]
+            assert w.state == router_pb2.WORKER_STATE_ADMITTED
+            assert w.realized.kind == cache_pb2.CACHE_KIND_PAGED
+            assert w.realized.backend == cache_pb2.PAGED_BACKEND_TORCH
+            assert dict(w.labels) == {
+                "ray.node": node_id[:12],
+                "ray.node_ip": ray.util.get_node_ip_address(),
+                "ray.bundle": str(index),
+            }
+            assert w.address.startswith(ray.util.get_node_ip_address() + ":")
+        # The table the launcher printed shows where each worker runs.
+        table = launch.stdout()
+        assert "LABELS" in table and f"ray.bundle=1 ray.node={node_id[:12]}" in table
+        worker_addresses = [w.address for w in status.workers]
+
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()
+    out = launch.stdout()
+    assert "teardown: placement group removed" in out
+    assert out.rstrip().endswith("kvpact-launch: stopped"), out[-2000:]
+    assert_nothing_left(ray_cluster, group_name)
+    for worker_address in [address, *worker_addresses]:
+        assert health_status(worker_address) == "UNREACHABLE"
+
+
+def test_on_with_a_worker_that_cannot_honor_it_fails_78_naming_it(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    workers = [
+        worker_group(model, "torch", 1),
+        worker_group(model, "triton", 1, resources={"num_gpus": 1, "num_cpus": 1}, pa_backend="triton"),
+    ]
+    config = cluster_file(tmp_path, workers=workers)
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        group_name = placement_group_name(launch)
+        code = wait_for_exit(launch, 180)
+    err = launch.stderr()
+    assert code == 78, launch.output()
+    last = err.rstrip().splitlines()[-1]
+    assert last.startswith('kvpact-launch: FAILED (exit code 78): worker "triton-0" was refused'), err[-3000:]
+    assert TRITON_REASON in last
+    # The router's report precedes the verdict: each worker, where Ray placed it, and the shutdown sent.
+    assert 'worker "triton-0" at ' in err and "ray.bundle=1" in err
+    assert "teardown: placement group removed" in launch.stdout()  # printed (and flushed) before the verdict
+    if 'worker "torch-0" at ' in err:  # it announced its plan in time: the router told it to stop
+        torch_block = err[err.index('worker "torch-0" at ') :].split("\n\n")[0]
+        assert "shutdown:  sent" in torch_block, torch_block
+    assert_nothing_left(ray_cluster, group_name)
+
+
+def test_a_placement_group_that_cannot_be_granted_exits_1_naming_the_resources(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    workers = [worker_group(model, "big", 1, resources={"num_gpus": 3, "num_cpus": 1})]
+    config = cluster_file(tmp_path, workers=workers, placement_timeout_s=3)
+    started = time.monotonic()
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        group_name = placement_group_name(launch)
+        code = wait_for_exit(launch, 60)
+    assert code == 1, launch.output()
+    last = launch.stderr().rstrip().splitlines()[-1]
+    assert last.startswith(
+        "kvpact-launch: FAILED (exit code 1): placement: 1 bundles big x1 {CPU: 1, GPU: 3}"
+    )
+    assert "ray.placement_timeout_s 3 s" in last and "GPU: 2" in last  # what the cluster has
+    assert time.monotonic() - started < 45  # the timeout, plus starting Python and joining Ray
+    assert_nothing_left(ray_cluster, group_name)

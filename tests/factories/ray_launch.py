@@ -1,0 +1,109 @@
+"""Helpers for tests that run `kvpact-launch` against a Ray cluster on this machine.
+
+    cluster = cluster_file(tmp_path, workers=[cpu_group(model, "cpu", 2)])
+    with launched(cluster, ray_address) as launch:
+        address = wait_serving(launch)
+
+The launcher runs as a real process (`python -m kvpact.deploy.launch`), joining the test's Ray cluster
+through $RAY_ADDRESS, and is stopped by pid. Token authentication is set explicitly (RAY_AUTH_MODE): Ray
+2.59+ turns it on by default for local clusters.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpact.deploy.processes import ProcessHandle, running, wait_for_line
+
+# The cluster's Ray processes (raylet, GCS) take unix sockets under the temp dir: keep the path short.
+RAY_AUTH = {"RAY_AUTH_MODE": "disabled"}
+SERVING_LINE = r"^kvpact-launch: the cluster is SERVING on (\S+)$"
+PLACEMENT_GROUP_LINE = r"\(placement group (kvpact-[0-9a-f]+);"
+MAX_MODEL_LEN = 256
+
+
+def short_temp_dir(prefix: str = "kvr-") -> str:
+    """A directory for Ray's session files with a short path (unix socket paths are limited to 107 bytes)."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+def worker_group(
+    model: Path, name: str, replicas: int, *, resources: Mapping[str, float] | None = None, **flags: Any
+) -> dict[str, Any]:
+    """A workers[] entry running the tiny model on CPU (paged, torch backend unless flags say)."""
+    return {
+        "name": name,
+        "replicas": replicas,
+        "resources": dict(resources or {"num_cpus": 1}),
+        "flags": {
+            "model": str(model),
+            "model-name": "tiny",
+            "device": "cpu",
+            "pa-backend": "torch",
+            "max-model-len": MAX_MODEL_LEN,
+            "log-format": "json",
+            "router-timeout": 60,
+            **{key.replace("_", "-"): value for key, value in flags.items()},
+        },
+    }
+
+
+def cluster_file(
+    directory: Path,
+    *,
+    workers: list[dict[str, Any]],
+    policy: str = "on",
+    strategy: str = "PACK",
+    placement_timeout_s: float = 120,
+    startup_timeout_s: float = 150,
+    listen: str = "127.0.0.1:0",
+    name: str = "cluster.yaml",
+) -> Path:
+    document = {
+        "ray": {
+            "address": "auto",
+            "placement_strategy": strategy,
+            "placement_timeout_s": placement_timeout_s,
+        },
+        "router": {
+            "listen": listen,
+            "paged_attn": policy,
+            "startup_timeout_s": startup_timeout_s,
+            "flags": {"log-format": "json"},
+        },
+        "workers": workers,
+    }
+    path = directory / name
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def launch_argv(config: Path) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "kvpact.deploy.launch", "--config", str(config)]
+
+
+@contextmanager
+def launched(
+    config: Path, ray_address: str, *, log_dir: Path, name: str = "launch"
+) -> Iterator[ProcessHandle]:
+    """The launcher joining the cluster at `ray_address`; stopped (SIGTERM, then SIGKILL) on the way out."""
+    env = {**RAY_AUTH, "RAY_ADDRESS": ray_address, "PYTHONUNBUFFERED": "1"}
+    with running(launch_argv(config), name=name, env=env, log_dir=log_dir, grace_s=60) as handle:
+        yield handle
+
+
+def wait_serving(handle: ProcessHandle, timeout_s: float = 240) -> str:
+    """The router's address, once the launcher says the cluster serves."""
+    return wait_for_line(handle, SERVING_LINE, timeout_s).group(1)
+
+
+def placement_group_name(handle: ProcessHandle, timeout_s: float = 60) -> str:
+    return wait_for_line(handle, PLACEMENT_GROUP_LINE, timeout_s).group(1)
