@@ -222,11 +222,10 @@ class Launch:
         """Serve until a signal or the router's exit; restart workers that die, within their budget."""
         while not self.stopping.wait(POLL_INTERVAL_S):
             code = self._router_code()
+            if code == EXIT_OK:  # `ray job stop` signals the driver and its children (the router) at once
+                return EXIT_OK, "stopped (the router was stopped by a signal)"
             if code is not None:
-                return (
-                    code or EXIT_FATAL,
-                    f"FAILED (exit code {code or 1}): the router exited with code {code}",
-                )
+                return EXIT_FATAL, f"FAILED (exit code 1): the router exited with code {code} while serving"
             for worker_id, state in self._poll_workers().items():
                 if state is not None:
                     self._worker_down(next(w for w in self.placed if w.slot.worker_id == worker_id), state)

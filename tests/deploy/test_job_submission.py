@@ -1,0 +1,211 @@
+"""`kvpact-launch` submitted as a Ray job, end to end, to a head started here with `ray start --head
+--block` (its own temp dir, ports and process group, token authentication on, 1 fake GPU). The head is
+stopped by signalling its process group at the end: never `ray stop`, which ends every Ray on the machine.
+
+The failing cluster file ends the job FAILED with driver_exit_code 78 and the worker's name and reason in
+the job's message (Ray keeps the tail of the driver's output there); the CPU one serves until the job is
+stopped, then leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpact.client import Client, render_cluster_status
+from kvpact.deploy.processes import free_port, health_status
+from kvpact.v1 import router_pb2
+from tests.factories.ray_launch import cluster_file, short_temp_dir, worker_group
+from tests.factories.tiny_models import make_tiny_llama
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
+LAUNCH = str(Path(sys.executable).parent / "kvpact-launch")  # the console script of this environment
+HEAD_START_S = 90.0
+JOB_END_S = 180.0
+
+
+@dataclass(frozen=True)
+class Head:
+    dashboard: str  # http://127.0.0.1:PORT: jobs and ray.util.state
+    auth: dict[str, str]  # RAY_AUTH_MODE / RAY_AUTH_TOKEN for clients of this head
+
+    def jobs(self):
+        """A job client that presents the token itself (Ray reads its auth mode once per process, and this
+        process may already have joined a cluster without one)."""
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(
+            self.dashboard, headers={"Authorization": f"Bearer {self.auth['RAY_AUTH_TOKEN']}"}
+        )
+
+    def live(self) -> tuple[list[str], list[str]]:
+        """Live WorkerActors and placement groups not REMOVED, asked with ray.util.state in a process of
+        its own, with this head's token in its environment."""
+        script = (
+            "import sys; from ray.util import state; a = sys.argv[1]; "
+            "print([x.actor_id for x in state.list_actors(address=a) "
+            "if x.state != 'DEAD' and x.class_name == 'WorkerActor']); "
+            "print([g.placement_group_id for g in state.list_placement_groups(address=a) "
+            "if g.state != 'REMOVED'])"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", script, self.dashboard],
+            env={**os.environ, **self.auth},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        actors, groups = result.stdout.strip().splitlines()[-2:]
+        return ast.literal_eval(actors), ast.literal_eval(groups)
+
+
+def _head_argv(temp_dir: str) -> list[str]:
+    argv = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+        "--node-ip-address", "127.0.0.1", "--temp-dir", temp_dir,
+        "--include-dashboard=true", "--dashboard-host", "127.0.0.1",
+        "--num-cpus", "4", "--num-gpus", "1", "--object-store-memory", str(100 * 1024 * 1024),
+    ]  # fmt: skip
+    for flag in (
+        "port", "dashboard-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+        "metrics-export-port",
+    ):  # fmt: skip
+        argv += [f"--{flag}", str(free_port())]
+    low = free_port()
+    return [*argv, "--min-worker-port", str(low), "--max-worker-port", str(low + 40)]
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[Head]:
+    temp_dir = short_temp_dir("kvh-")
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    argv = _head_argv(temp_dir)
+    dashboard = f"http://127.0.0.1:{argv[argv.index('--dashboard-port') + 1]}"
+    # A stopped job's driver gets SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (default 3 s): give
+    # the launcher's teardown time to finish and say so.
+    env = {**os.environ, **auth, "RAY_JOB_STOP_WAIT_TIME_S": "30"}
+    env.pop("RAY_ADDRESS", None)
+    with open(Path(temp_dir) / "head.log", "wb") as log:
+        process = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    head = Head(dashboard, auth)
+    try:
+        deadline = time.monotonic() + HEAD_START_S
+        while True:
+            try:
+                head.jobs().list_jobs()
+                break
+            except Exception:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"ray head did not come up: {(Path(temp_dir) / 'head.log').read_text()[-3000:]}"
+                    ) from None
+                time.sleep(0.5)
+        yield head
+    finally:
+        _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the head's process group (raylet, GCS, dashboard stop with it), SIGKILL what is left."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=256)
+
+
+def wait_job(client, job_id: str, timeout_s: float = JOB_END_S):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.get_job_status(job_id)
+        if status.is_terminal():
+            return status
+        assert time.monotonic() < deadline, f"job {job_id} still {status} after {timeout_s:g} s"
+        time.sleep(0.5)
+
+
+def assert_nothing_left(head: Head) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        actors, groups = head.live()
+        if not actors and not groups or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert actors == [] and groups == [], (actors, groups)
+
+
+def test_a_job_whose_cluster_cannot_honor_on_fails_78_with_the_worker_and_reason(
+    head: Head, model: Path, tmp_path: Path
+):
+    from ray.job_submission import JobStatus
+
+    workers = [
+        worker_group(model, "torch", 1),
+        worker_group(model, "triton", 1, resources={"num_gpus": 1, "num_cpus": 1}, pa_backend="triton"),
+    ]
+    config = cluster_file(tmp_path, workers=workers, listen=f"127.0.0.1:{free_port()}")
+    client = head.jobs()
+    job_id = client.submit_job(entrypoint=f"{LAUNCH} --config {config}")
+    assert wait_job(client, job_id) == JobStatus.FAILED, client.get_job_logs(job_id)[-3000:]
+    info = client.get_job_info(job_id)
+    assert info.driver_exit_code == 78
+    assert info.message.rstrip().endswith(
+        'kvpact-launch: FAILED (exit code 78): worker "triton-0" was refused while the cluster was starting: '
+        f"its startup failed (paged-attention-required) [device]: {TRITON_REASON}"
+    ), info.message[-3000:]
+    assert_nothing_left(head)
+
+
+def test_a_job_serves_the_cpu_cluster_until_it_is_stopped(head: Head, model: Path, tmp_path: Path):
+    from ray.job_submission import JobStatus
+
+    router = f"127.0.0.1:{free_port()}"
+    config = cluster_file(tmp_path, workers=[worker_group(model, "cpu", 2)], listen=router)
+    client = head.jobs()
+    job_id = client.submit_job(entrypoint=f"{LAUNCH} --config {config}")
+    deadline = time.monotonic() + JOB_END_S
+    while health_status(router) != "SERVING":
+        assert not client.get_job_status(job_id).is_terminal(), client.get_job_logs(job_id)[-3000:]
+        assert time.monotonic() < deadline, client.get_job_logs(job_id)[-3000:]
+        time.sleep(0.5)
+    with Client(router, timeout=30) as kvpact:
+        status = kvpact.cluster_status()
+        assert "".join(c.text for c in kvpact.generate("hi", max_tokens=4, temperature=0))
+    assert [w.state for w in status.workers] == [router_pb2.WORKER_STATE_ADMITTED] * 2
+    print(render_cluster_status(status))
+
+    client.stop_job(job_id)
+    assert wait_job(client, job_id, 60) in (JobStatus.STOPPED, JobStatus.SUCCEEDED)
+    assert_nothing_left(head)
+    assert health_status(router) == "UNREACHABLE"
+    for worker in status.workers:
+        assert health_status(worker.address) == "UNREACHABLE"
