@@ -125,7 +125,6 @@ class Launch:
         placement.locate(self.placed)
         for worker in self.placed:
             self._start_worker(worker)
-            say(f"worker {worker.slot.worker_id} started in {worker.where()} (logs in {worker.log_dir})")
         code = self._until_serving()
         if code is not None:
             return code, self._failure_verdict(code)
@@ -164,12 +163,14 @@ class Launch:
             worker.slot, router=self.router_address, host=worker.node_ip, labels=worker.labels
         )
         try:
-            ray.get(
+            worker.pid = ray.get(
                 worker.actor.start.remote(worker.argv, self.auth_token),
                 timeout=placement.ACTOR_READY_TIMEOUT_S,
             )
         except ray.exceptions.RayError as exc:
             raise LaunchFailure(placement.lost(worker, "while starting", exc)) from None
+        where = f"{worker.where()} (logs in {worker.log_dir})"
+        say(f"worker {worker.slot.worker_id} (pid {worker.pid}) started in {where}")
 
     def _poll_workers(self) -> dict[str, int | BaseException | None]:
         """worker id -> its process's exit code, None while it runs, or the error of a lost actor."""

@@ -33,6 +33,7 @@ class PlacedWorker:
     node_ip: str = ""
     log_dir: str = ""
     num_restarts: int = 0
+    pid: int = 0  # its worker process, on its node
     argv: list[str] = field(default_factory=list)
 
     @property

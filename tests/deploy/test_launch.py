@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from kvpact.client import Client
-from kvpact.deploy.processes import health_status, wait_for_exit
+from kvpact.deploy.processes import health_status, wait_for_exit, wait_for_line
 from kvpact.v1 import cache_pb2, router_pb2
+from tests.factories.processes import wait_until
 from tests.factories.ray_launch import (
     RAY_AUTH,
     cluster_file,
@@ -176,3 +177,31 @@ def test_a_placement_group_that_cannot_be_granted_exits_1_naming_the_resources(
     assert "ray.placement_timeout_s 3 s" in last and "GPU: 2" in last  # what the cluster has
     assert time.monotonic() - started < 45  # the timeout, plus starting Python and joining Ray
     assert_nothing_left(ray_cluster, group_name)
+
+
+def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitted_again(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    group = {**worker_group(model, "cpu", 1), "max_restarts": 1}
+    config = cluster_file(tmp_path, workers=[group])
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        address = wait_serving(launch)
+        pid = int(wait_for_line(launch, r"^kvpact-launch: worker cpu-0 \(pid (\d+)\) started", 5).group(1))
+        with Client(address, timeout=30) as client:
+            before = client.cluster_status().workers[0].address
+        os.kill(pid, signal.SIGKILL)  # the worker process this test's launcher started, by its pid
+        wait_for_line(
+            launch, r"cpu-0 .* exited with code -9; restarting it in its bundle \(restart 1 of 1\)", 30
+        )
+        wait_for_line(launch, rf"^kvpact-launch: worker cpu-0 \(pid (?!{pid}\))\d+\) started in bundle 0", 30)
+
+        def admitted_again() -> bool:
+            with Client(address, timeout=10) as client:
+                [w] = client.cluster_status().workers
+            return w.state == router_pb2.WORKER_STATE_ADMITTED and w.address != before
+
+        wait_until(admitted_again, 120, "cpu-0 admitted again at a new address")
+        with Client(address, timeout=30) as client:
+            assert "".join(c.text for c in client.generate("hello", max_tokens=4, temperature=0))
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()
