@@ -179,6 +179,7 @@ def test_a_placement_group_that_cannot_be_granted_exits_1_naming_the_resources(
     assert_nothing_left(ray_cluster, group_name)
 
 
+@pytest.mark.slow  # ~50 s: a second cold start of a worker; the default suite keeps the cases
 def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitted_again(
     ray_cluster: RayCluster, model: Path, tmp_path: Path
 ):
