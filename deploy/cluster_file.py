@@ -145,7 +145,7 @@ def worker_argv(
     *,
     router: str,
     host: str,
-    labels: Mapping[str, str] = {},  # noqa: B006 (read only)
+    labels: Mapping[str, str] | None = None,
     auth_token_file: str | None = None,
 ) -> list[str]:
     """A worker's flags (without the program): the group's, then what the launcher decides: its id, the
@@ -155,7 +155,7 @@ def worker_argv(
     argv += ["--worker-id", slot.worker_id, "--router", router, "--listen", f"{_bracket(host)}:0"]
     if "--advertise-host" not in argv:
         argv += ["--advertise-host", host]
-    for key, value in labels.items():
+    for key, value in (labels or {}).items():
         argv += ["--label", f"{key}={value}"]
     if auth_token_file:
         argv += ["--auth-token-file", auth_token_file]
@@ -185,7 +185,7 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
             f"{where}: cannot read it ({exc.strerror or exc}); pass --config FILE"
         ) from None
     try:
-        document = yaml.load(text, Loader=_unique_key_loader(yaml))  # noqa: S506 (a SafeLoader subclass)
+        document = yaml.load(text, Loader=_unique_key_loader(yaml))  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ClusterFileError(f"{where}: not valid YAML: {' '.join(str(exc).split())}") from None
     return parse_cluster_file(document, where)

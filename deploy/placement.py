@@ -168,20 +168,20 @@ def release(placed: list[PlacedWorker], group: Any) -> list[str]:
     for worker in placed:
         try:
             stops[worker.slot.worker_id] = worker.actor.stop.remote(STOP_GRACE_S)
-        except Exception:  # noqa: BLE001 (a dead actor: nothing to stop)
+        except Exception:  # a dead actor: nothing to stop
             pass
     codes = []
     for worker_id, ref in stops.items():
         try:
             codes.append(f"{worker_id} {ray.get(ref, timeout=STOP_GRACE_S + 5)}")
-        except Exception:  # noqa: BLE001
+        except Exception:  # teardown goes on whatever one step says
             codes.append(f"{worker_id} (actor gone)")
     if codes:
         lines.append(f"workers stopped (exit codes): {', '.join(codes)}")
     for worker in placed:
         try:
             ray.kill(worker.actor, no_restart=True)
-        except Exception:  # noqa: BLE001
+        except Exception:  # teardown goes on whatever one step says
             pass
     if placed:
         lines.append(f"{len(placed)} Ray actors killed")
@@ -189,6 +189,6 @@ def release(placed: list[PlacedWorker], group: Any) -> list[str]:
         try:
             remove_placement_group(group)
             lines.append("placement group removed")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # teardown goes on whatever one step says
             lines.append(f"placement group not removed: {exc}")
     return lines

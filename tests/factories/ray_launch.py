@@ -63,6 +63,7 @@ def cluster_file(
     placement_timeout_s: float = 120,
     startup_timeout_s: float = 150,
     listen: str = "127.0.0.1:0",
+    auth_token_file: Path | None = None,
     name: str = "cluster.yaml",
 ) -> Path:
     document = {
@@ -75,6 +76,7 @@ def cluster_file(
             "listen": listen,
             "paged_attn": policy,
             "startup_timeout_s": startup_timeout_s,
+            "auth_token_file": str(auth_token_file) if auth_token_file else None,
             "flags": {"log-format": "json"},
         },
         "workers": workers,
