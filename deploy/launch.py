@@ -273,8 +273,11 @@ class Launch:
     def _cluster_table(self) -> str:
         from kvpact.client import Client, render_cluster_status
 
-        with Client(self.router_address, timeout=10) as client:
-            return render_cluster_status(client.cluster_status())
+        try:
+            with Client(self.router_address, timeout=10) as client:
+                return render_cluster_status(client.cluster_status())
+        except Exception as exc:  # e.g. a router that wants an API key: the cluster serves all the same
+            return f"(no cluster table: ClusterStatus from {self.router_address} failed: {exc})"
 
     # -- teardown --------------------------------------------------------------------------------------
 
