@@ -128,8 +128,8 @@ class Launch:
         code = self._until_serving()
         if code is not None:
             return code, self._failure_verdict(code)
-        say(f"the cluster is SERVING on {self.router_address}")
-        print(self._cluster_table(), flush=True)
+        table = self._cluster_table()  # fetched first: whoever reads "SERVING" finds the table with it
+        say(f"the cluster is SERVING on {self.router_address}\n{table}")
         return self._serve()
 
     # -- the router ------------------------------------------------------------------------------------
