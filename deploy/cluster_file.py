@@ -120,7 +120,7 @@ class ClusterFile:
 
     def slots(self) -> list[WorkerSlot]:
         """Every worker in bundle order (group by group, replica by replica)."""
-        slots = []
+        slots: list[WorkerSlot] = []
         for group in self.workers:
             for worker_id in group.worker_ids():
                 slots.append(WorkerSlot(worker_id, group, len(slots)))
@@ -175,7 +175,8 @@ def _number(value: float) -> str:
 
 def load_cluster_file(path: str | Path) -> ClusterFile:
     """Read and validate the cluster file; ClusterFileError (one line) on anything wrong."""
-    import yaml  # the ray extra; imported here so the schema's users need it only when reading a file
+    # The ray extra's; imported here, so the schema's users need it only to read a file.
+    import yaml  # type: ignore[import-untyped]
 
     where = str(path)
     try:
@@ -194,7 +195,7 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
 def _unique_key_loader(yaml: Any) -> type:
     """yaml.SafeLoader that refuses a key given twice (PyYAML would keep the last one silently)."""
 
-    class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
+    class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
             seen = set()
             for key_node, _ in node.value:
@@ -204,7 +205,7 @@ def _unique_key_loader(yaml: Any) -> type:
                         None, None, f"the key {key!r} appears twice", key_node.start_mark
                     )
                 seen.add(key)
-            return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
+            return super().construct_mapping(node, deep=deep)
 
     return UniqueKeyLoader
 
