@@ -20,7 +20,7 @@ import pytest
 from kvpact.client import Client
 from kvpact.deploy.processes import health_status, wait_for_exit, wait_for_line
 from kvpact.v1 import cache_pb2, router_pb2
-from tests.factories.processes import wait_until
+from tests.factories.eventually import eventually
 from tests.factories.ray_launch import (
     RAY_AUTH,
     cluster_file,
@@ -210,7 +210,7 @@ def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitte
                 [w] = client.cluster_status().workers
             return w.state == router_pb2.WORKER_STATE_ADMITTED and w.address != before
 
-        wait_until(admitted_again, 120, "cpu-0 admitted again at a new address")
+        eventually(admitted_again, 120, "cpu-0 admitted again at a new address", interval=0.5)
         with Client(address, timeout=30) as client:
             assert "".join(c.text for c in client.generate("hello", max_tokens=4, temperature=0))
         launch.popen.send_signal(signal.SIGTERM)
