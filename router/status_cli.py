@@ -13,8 +13,9 @@ it prints again every SECONDS until Ctrl-C (exit: the last answer's code).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-import time
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
@@ -140,10 +141,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextI
         code = show_once(client, address, args.json, out, err)
         if args.watch is None:
             return code
-        try:
-            while True:
-                time.sleep(args.watch)
-                out.write("\n")
-                code = show_once(client, address, args.json, out, err)
-        except KeyboardInterrupt:
-            return code
+        # Ctrl-C / SIGTERM end the watch between two calls (a KeyboardInterrupt raised inside grpc's
+        # call machinery could leave the channel's close waiting); a call in flight is bounded by
+        # --timeout.
+        stopped = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopped.set())
+        while not stopped.wait(args.watch):
+            out.write("\n")
+            code = show_once(client, address, args.json, out, err)
+        return code
