@@ -150,11 +150,15 @@ def worker_argv(
 ) -> list[str]:
     """A worker's flags (without the program): the group's, then what the launcher decides: its id, the
     router, a free port on `host`, `host` as the advertised address unless the group sets
-    advertise-host, and its labels."""
+    advertise-host, Prometheus metrics on a free port of `host` unless the group sets metrics-port (the
+    worker reports the address it bound, so ClusterStatus tells a scraper where each worker's
+    /metrics is), and its labels."""
     argv = list(slot.group.flags)
     argv += ["--worker-id", slot.worker_id, "--router", router, "--listen", f"{_bracket(host)}:0"]
     if "--advertise-host" not in argv:
         argv += ["--advertise-host", host]
+    if "--metrics-port" not in argv:
+        argv += ["--metrics-port", "0"]
     for key, value in (labels or {}).items():
         argv += ["--label", f"{key}={value}"]
     if auth_token_file:

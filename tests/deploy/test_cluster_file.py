@@ -64,7 +64,7 @@ def test_the_issue_shape_loads_with_its_defaults_and_command_lines():
     assert argv == [
         "--paged-attn", "on", "--model", "/models/llama", "--pa-memory-fraction", "0.9",
         "--worker-id", "gpu-1", "--router", "10.0.0.1:50051", "--listen", "10.0.0.7:0",
-        "--advertise-host", "10.0.0.7", "--label", "ray.bundle=1",
+        "--advertise-host", "10.0.0.7", "--metrics-port", "0", "--label", "ray.bundle=1",
     ]  # fmt: skip
 
 

@@ -123,6 +123,8 @@ def test_two_cpu_workers_serve_through_ray_then_sigterm_releases_everything(
                 "ray.bundle": str(index),
             }
             assert w.address.startswith(ray.util.get_node_ip_address() + ":")
+            # A scraper finds each worker's /metrics in ClusterStatus.
+            assert w.metrics_address.startswith(ray.util.get_node_ip_address() + ":"), w.metrics_address
         # The table the launcher printed shows where each worker runs.
         table = launch.stdout()
         assert "LABELS" in table and f"ray.bundle=1 ray.node={node_id[:12]}" in table
