@@ -34,8 +34,9 @@ from kvpact.deploy import placement
 from kvpact.deploy.cluster_file import ClusterFile, ClusterFileError, load_cluster_file, worker_argv
 from kvpact.deploy.placement import LaunchFailure, PlacedWorker
 from kvpact.deploy.processes import ProcessHandle, health_status, start_process, stop, wait_for_line
-from kvpact.shared.auth import read_token
+from kvpact.shared.auth import read_secrets, read_token
 from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY, ConfigError
+from kvpact.transport import TransportParams, channel_credentials
 
 EXIT_OK, EXIT_USAGE = 0, 2
 PROG = "kvpact-launch"
@@ -74,13 +75,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         say(f"{args.config}: router.auth_token_file: {exc}", error=True)
         return EXIT_USAGE
-    return Launch(cluster, auth_token).run()
+    try:
+        client_params = router_client_params(cluster)
+    except ConfigError as exc:
+        say(f"{args.config}: {exc}", error=True)
+        return EXIT_USAGE
+    return Launch(cluster, auth_token, client_params).run()
+
+
+def router_client_params(cluster: ClusterFile) -> tuple[TransportParams, str | None]:
+    """How the launcher itself reaches the router it starts, from the router's own flags: TLS when the
+    router serves it (verified against its --tls-ca, else the system's roots, for its --tls-server-name),
+    and the first key of its --api-key-file. Read once, at start."""
+    from kvpact.router.cli import build_parser
+
+    args = build_parser().parse_args(cluster.router_argv())
+    transport: TransportParams = {}
+    if args.tls_cert:
+        transport = {"ca_file": args.tls_ca} if args.tls_ca else {"tls": True}
+        transport["server_name"] = args.tls_server_name
+    api_key = read_secrets(args.api_key_file, "router.flags.api-key-file")[0] if args.api_key_file else None
+    return transport, api_key
 
 
 class Launch:
     """One launch: what it started (to release it all), and the verdict."""
 
-    def __init__(self, cluster: ClusterFile, auth_token: str | None = None) -> None:
+    def __init__(
+        self,
+        cluster: ClusterFile,
+        auth_token: str | None = None,
+        client_params: tuple[TransportParams, str | None] = ({}, None),
+    ) -> None:
         self.cluster = cluster
         self.name = f"kvpact-{uuid.uuid4().hex[:8]}"
         self.log_dir = tempfile.mkdtemp(prefix=f"{self.name}-")
@@ -92,6 +118,7 @@ class Launch:
         self.placed: list[PlacedWorker] = []
         self.retired: list[PlacedWorker] = []  # dead after serving, not restarted (released at teardown)
         self.auth_token = auth_token
+        self.transport, self.api_key = client_params  # how the launcher itself reaches the router
 
     def run(self) -> int:
         try:
@@ -195,7 +222,8 @@ class Launch:
             code = self._router_code()
             if code is not None:
                 return code if code in (EXIT_POLICY, EXIT_FATAL) else EXIT_FATAL
-            if health_status(self.router_address) == "SERVING":
+            credentials = channel_credentials(**self.transport)
+            if health_status(self.router_address, credentials=credentials) == "SERVING":
                 return None
             if self.stopping.is_set():
                 return EXIT_OK
@@ -274,7 +302,7 @@ class Launch:
         from kvpact.client import Client, render_cluster_status
 
         try:
-            with Client(self.router_address, timeout=10) as client:
+            with Client(self.router_address, timeout=10, api_key=self.api_key, **self.transport) as client:
                 return render_cluster_status(client.cluster_status())
         except Exception as exc:  # e.g. a router that wants an API key: the cluster serves all the same
             return f"(no cluster table: ClusterStatus from {self.router_address} failed: {exc})"

@@ -185,9 +185,16 @@ def wait_for_line(
         time.sleep(POLL_INTERVAL_S)
 
 
-def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> str:
-    """One standard gRPC health check: "SERVING", "NOT_SERVING", ..., or "UNREACHABLE"."""
-    with grpc.insecure_channel(address) as channel:
+def health_status(
+    address: str,
+    service: str = "",
+    timeout_s: float = 1.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> str:
+    """One standard gRPC health check: "SERVING", "NOT_SERVING", ..., or "UNREACHABLE".
+    `credentials`: TLS for a router that serves it (None = plaintext)."""
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

@@ -15,11 +15,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
-from kvpact.client import Client
+from kvpact.client import Client, KvpactRpcError
 from kvpact.deploy.processes import health_status, wait_for_exit, wait_for_line
 from kvpact.v1 import cache_pb2, router_pb2
+from tests.factories.certs import CertificateAuthority
 from tests.factories.eventually import eventually
 from tests.factories.ray_launch import (
     RAY_AUTH,
@@ -138,6 +140,37 @@ def test_two_cpu_workers_serve_through_ray_then_sigterm_releases_everything(
     assert_nothing_left(ray_cluster, group_name)
     for worker_address in [address, *worker_addresses]:
         assert health_status(worker_address) == "UNREACHABLE"
+
+
+def test_router_tls_and_api_keys_in_the_cluster_file_reach_router_and_workers(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    """Mutual TLS between router and worker, TLS + an API key for clients, all from the cluster file; the
+    launcher itself reaches its router the same way (it prints the cluster table once SERVING)."""
+    files = CertificateAuthority.create("test CA").issue("kvpact", tmp_path / "pki")
+    tls = {"tls-cert": str(files.cert), "tls-key": str(files.key), "tls-ca": str(files.ca)}
+    tls["tls-server-name"] = "localhost"  # one certificate for every node: workers advertise the node IP
+    keys = tmp_path / "api-keys"
+    keys.write_text("k-launch\n")
+    config = cluster_file(
+        tmp_path,
+        workers=[worker_group(model, "tls", 1, **{k.replace("-", "_"): v for k, v in tls.items()})],
+        router_flags={**tls, "api-key-file": str(keys)},
+    )
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        address = wait_serving(launch)
+        assert "ADMITTED" in launch.stdout(), launch.output()  # the table, fetched over TLS with the key
+        with Client(address, timeout=30, ca_file=str(files.ca), server_name="localhost") as client:
+            with pytest.raises(KvpactRpcError) as refused:
+                client.cluster_status()
+            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        secured = Client(
+            address, timeout=30, ca_file=str(files.ca), server_name="localhost", api_key="k-launch"
+        )
+        with secured as client:
+            assert "".join(c.text for c in client.generate("hello", max_tokens=4, temperature=0))
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()
 
 
 def test_on_with_a_worker_that_cannot_honor_it_fails_78_naming_it(

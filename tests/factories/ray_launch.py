@@ -64,6 +64,7 @@ def cluster_file(
     startup_timeout_s: float = 150,
     listen: str = "127.0.0.1:0",
     auth_token_file: Path | None = None,
+    router_flags: Mapping[str, Any] | None = None,
     name: str = "cluster.yaml",
 ) -> Path:
     document = {
@@ -77,7 +78,7 @@ def cluster_file(
             "paged_attn": policy,
             "startup_timeout_s": startup_timeout_s,
             "auth_token_file": str(auth_token_file) if auth_token_file else None,
-            "flags": {"log-format": "json"},
+            "flags": {"log-format": "json", **(router_flags or {})},
         },
         "workers": workers,
     }
