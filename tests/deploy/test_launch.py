@@ -24,10 +24,10 @@ from kvpact.v1 import cache_pb2, router_pb2
 from tests.factories.certs import CertificateAuthority
 from tests.factories.eventually import eventually
 from tests.factories.ray_launch import (
-    RAY_AUTH,
     cluster_file,
     launched,
     placement_group_name,
+    ray_auth_env,
     short_temp_dir,
     wait_serving,
     worker_group,
@@ -48,27 +48,21 @@ class RayCluster:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
-    previous = {key: os.environ.get(key) for key in RAY_AUTH}
-    os.environ.update(RAY_AUTH)
-    context = ray.init(
-        num_cpus=4,
-        num_gpus=2,
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        dashboard_port=0,
-        object_store_memory=100 * 1024 * 1024,
-        _temp_dir=short_temp_dir(),
-        log_to_driver=False,
-    )
-    try:
-        yield RayCluster(context.address_info["gcs_address"], f"http://{context.dashboard_url}")
-    finally:
-        ray.shutdown()
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with ray_auth_env():
+        context = ray.init(
+            num_cpus=4,
+            num_gpus=2,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=0,
+            object_store_memory=100 * 1024 * 1024,
+            _temp_dir=short_temp_dir(),
+            log_to_driver=False,
+        )
+        try:
+            yield RayCluster(context.address_info["gcs_address"], f"http://{context.dashboard_url}")
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ launcher puts one worker on each node; each registers its own address and says w
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +13,9 @@ from kvpact.client import Client
 from kvpact.deploy.processes import wait_for_exit
 from kvpact.v1 import cache_pb2, router_pb2
 from tests.factories.ray_launch import (
-    RAY_AUTH,
     cluster_file,
     launched,
+    ray_auth_env,
     short_temp_dir,
     wait_serving,
     worker_group,
@@ -32,25 +31,18 @@ def two_nodes() -> Iterator[tuple[str, set[str]]]:
     """The cluster's address and its two node ids."""
     from ray.cluster_utils import Cluster
 
-    previous = {key: os.environ.get(key) for key in RAY_AUTH}
-    os.environ.update(RAY_AUTH)
     node = {"num_cpus": 2, "num_gpus": 1, "object_store_memory": 80 * 1024 * 1024}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**node, "include_dashboard": False, "temp_dir": short_temp_dir()},
-    )
-    try:
-        cluster.add_node(**node)
-        cluster.wait_for_nodes()
-        node_ids = {n.node_id for n in cluster.list_all_nodes()}
-        yield cluster.address, node_ids
-    finally:
-        cluster.shutdown()
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with ray_auth_env():
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={**node, "include_dashboard": False, "temp_dir": short_temp_dir()},
+        )
+        try:
+            cluster.add_node(**node)
+            cluster.wait_for_nodes()
+            yield cluster.address, {n.node_id for n in cluster.list_all_nodes()}
+        finally:
+            cluster.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ through $RAY_ADDRESS, and is stopped by pid. Token authentication is set explici
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -26,6 +27,21 @@ RAY_AUTH = {"RAY_AUTH_MODE": "disabled"}
 SERVING_LINE = r"^kvpact-launch: the cluster is SERVING on (\S+)$"
 PLACEMENT_GROUP_LINE = r"\(placement group (kvpact-[0-9a-f]+);"
 MAX_MODEL_LEN = 256
+
+
+@contextmanager
+def ray_auth_env() -> Iterator[None]:
+    """RAY_AUTH in this process's environment for the block (an in-process Ray), restored after."""
+    previous = {key: os.environ.get(key) for key in RAY_AUTH}
+    os.environ.update(RAY_AUTH)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def short_temp_dir(prefix: str = "kvr-") -> str:
