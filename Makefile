@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # Every shell script in the repository (shellcheck); pre-commit finds them by their shebang instead.
 SHELL_SCRIPTS := .ci/run $(wildcard benchmarks/*.sh)
 
-.PHONY: venv serve test test-all protos lint print-shell-scripts clean
+.PHONY: venv serve test test-all bench bench-quick protos lint print-shell-scripts clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,13 @@ test: lint
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m '' $(PYTEST_ARGS)
+
+# The benchmark suites (benchmarks/run.py): tables on stdout, results under benchmarks/results/.
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks.run --quick
 
 protos: $(STAMP)
 	$(PY) protos/generate.py
