@@ -1,0 +1,42 @@
+"""`python -m benchmarks.run --quick --suites failfast` on the tiny model: a real router and two real
+workers, one refused; the report times the router's failure report and exit and says the Ray path was
+skipped (the suite cannot rot unnoticed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.factories.tiny_models import make_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_failfast_suite_times_the_cli_path_and_says_ray_was_skipped(tmp_path: Path):
+    model = make_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "benchmarks.run", "--quick", "--suites", "failfast"]
+    done = subprocess.run(
+        [*argv, "--model", str(model), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for suffix in (".md", ".json", ".png"):
+        assert (out / f"failfast{suffix}").stat().st_size > 0
+    result = json.loads((out / "failfast.json").read_text())
+    (table,) = result["tables"]
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["rows"]]
+    cli, ray = rows
+    assert cli["path"] == "CLI" and cli["router exit code"] == 78  # the policy failure's exit code
+    assert cli["every known worker told"] == "yes"
+    assert "healthy: sent" in cli["report's shutdown lines"]
+    assert 0 < cli["worker report -> router report s"] <= cli["-> router exit s"]
+    assert ray["path"] == "Ray" and "skipped in --quick" in ray["report's shutdown lines"]
+    (target,) = result["targets"]
+    assert target["name"].startswith("fail-fast") and target["met"] in (True, False)
+    assert "CLI" in target["measured"]
