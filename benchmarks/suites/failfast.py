@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -92,6 +93,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             ray_note = ""
         except ImportError:
             ray_note = "skipped: ray is not installed (pip install 'kvpact[ray]')"
+    shutil.rmtree(scratch, ignore_errors=True)  # the processes' logs; kept when a run raised
     suffix = " --quick" if ctx.quick else ""
     command = f"python -m benchmarks.run --suites {NAME}{suffix}"
     rows: list[list[Any]] = []
@@ -277,12 +279,13 @@ def _ray_run(ctx: BenchContext, logs: Path) -> FailRun:
     previous = {key: os.environ.get(key) for key in auth}
     os.environ.update(auth)
     # Ray's unix sockets live under its temp dir: keep the path short (107-byte limit).
+    ray_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
     context = ray.init(
         num_cpus=4,
         num_gpus=1,
         include_dashboard=False,
         object_store_memory=100 * 2**20,
-        _temp_dir=tempfile.mkdtemp(prefix="kvr-", dir="/tmp"),
+        _temp_dir=ray_dir,
         log_to_driver=False,
     )
     launch: ProcessHandle | None = None
@@ -316,6 +319,7 @@ def _ray_run(ctx: BenchContext, logs: Path) -> FailRun:
         if launch is not None:
             stop(launch, grace_s=60)
         ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
         for key, value in previous.items():
             if value is None:
                 os.environ.pop(key, None)

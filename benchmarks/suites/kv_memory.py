@@ -23,7 +23,7 @@ every step.
    tokens held / (blocks in use x block size); eager, at the step holding the most tokens, tokens
    held / (slots x max_model_len).
 2. Prefix cache. The shared_prefix workload (one 768-token system prompt + a 32-128 token question;
-   6 requests. --quick: a 128-token system prompt, 2 requests, outputs cut to 16 tokens) on two
+   4 requests. --quick: a 128-token system prompt, 2 requests, outputs cut to 16 tokens) on two
    paged engines that differ only in `--no-prefix-caching`, default budget. One request with the
    system prompt runs first on each (the prompt a server has already seen), then the requests
    arrive at once. Hit rate = cached prompt tokens / prompt tokens (from each request's usage);
@@ -78,9 +78,9 @@ class Scale:
 
 FULL = Scale(
     2048,
-    window_steps=72,
-    window_cap_s=60.0,
-    prefix_requests=6,
+    window_steps=64,
+    window_cap_s=40.0,
+    prefix_requests=4,
     prefix_tokens=768,
     prefix_max_tokens=None,
     run_timeout_s=300.0,
