@@ -1,6 +1,7 @@
 """The client-facing Generation service: a thin relay to the chosen worker.
 
-Generate forwards the request to one worker's Worker.Generate and relays its chunks; Complete does the
+Generate forwards the request to one worker's Worker.Generate and relays its chunks, merging the ones
+that are ready together when the client's side falls behind (router/coalesce.py); Complete does the
 same and aggregates. The client's remaining deadline becomes the worker call's timeout, and a client
 that cancels cancels the worker call (the worker aborts the request and frees its cache). The relay
 is closed with `aclosing`, so the worker call ends when the client's call does, not whenever the
@@ -25,6 +26,7 @@ import structlog
 from kvpact.router.balancer import resolve_model, route
 from kvpact.router.balancing import make_policy
 from kvpact.router.cluster import Cluster
+from kvpact.router.coalesce import coalesced
 from kvpact.router.errors import NoLiveWorker, NotServing, Overloaded, WorkerCallFailed
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
@@ -62,7 +64,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
-        async with aclosing(self._relay(request, context)) as chunks:
+        async with aclosing(coalesced(self._relay(request, context))) as chunks:
             async for chunk in chunks:
                 yield chunk
 

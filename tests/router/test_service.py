@@ -185,9 +185,11 @@ async def test_generate_relays_exactly_what_the_worker_streams():
         admission = await registry.Register(ready("a", a.address, eager, mode="auto"))
         assert admission.admitted and EAGER_CPU_REASON in admission.reason
         chunks = [c async for c in client.generate([1, 2, 3, 4], max_tokens=5, temperature=0.0)]
-        assert [c.token_ids for c in chunks] == [(4,), (5,), (6,), (7,), (8,)]
+        # The tokens and text as the worker streamed them; chunks that were ready together may have been
+        # merged into one message (router/coalesce.py), so only the last one carries the finish.
+        assert [t for c in chunks for t in c.token_ids] == [4, 5, 6, 7, 8]
         assert "".join(c.text for c in chunks) == "t4 t5 t6 t7 t8 "
-        assert [c.finish_reason for c in chunks] == [None] * 4 + ["length"]
+        assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
         assert chunks[-1].usage.completion_tokens == 5 and {c.worker_id for c in chunks} == {"a"}
         forwarded = a.requests[-1]
         assert (

@@ -1,0 +1,139 @@
+"""Coalescing a relayed Generate stream: when the client's side falls behind, the chunks that are ready
+go out as one message.
+
+The worker sends one GenerateChunk per decode step. The router reads them in a task of their own and
+the client's writer takes whatever has arrived each time it is free to write:
+
+- a writer that is waiting gets the first chunk at once (never held back to wait for a second: the
+  first token and every token on a stream that keeps up go out as they came);
+- a writer that was busy (the client, the network or this process fell behind) finds several chunks
+  ready and sends them as one message: token ids and logprobs concatenated, the text deltas joined,
+  finish_reason and usage from the last one (only the last chunk of a stream has them);
+- nothing is reordered, dropped or sent twice; a merged message never spans more than
+  MAX_TOKENS_PER_MESSAGE tokens or MAX_TEXT_PER_MESSAGE characters of text (a long backlog goes out
+  as several messages, still in order);
+- the reader stops reading while MAX_READY chunks wait for the writer, so a stuck client still
+  pushes back on the worker (HTTP/2 flow control) instead of piling its stream up in the router;
+- the source's error (a worker's status, a cancelled call) reaches the client after every chunk that
+  was read before it, so the stream's final status is what it was without coalescing.
+
+Chunk boundaries are not part of the contract: a client that needs per-token timing reads the token
+ids. Closing the coalesced stream (the client went away) cancels the reader and waits for it, so the
+worker call is over when `aclose()` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from kvpact.v1 import generation_pb2
+
+MAX_TOKENS_PER_MESSAGE = 1024
+MAX_TEXT_PER_MESSAGE = 64 * 1024  # characters; far below the gRPC message cap (shared/limits.py)
+MAX_READY = 4 * MAX_TOKENS_PER_MESSAGE  # chunks read ahead of the writer before the reader waits
+
+
+def merge_chunks(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.GenerateChunk:
+    """One chunk carrying `chunks` (consecutive, of one stream) in order."""
+    if len(chunks) == 1:
+        return chunks[0]
+    merged = generation_pb2.GenerateChunk()
+    for chunk in chunks:
+        merged.MergeFrom(chunk)  # repeated fields concatenate; set scalars/messages: the last one wins
+    merged.text = "".join(chunk.text for chunk in chunks)
+    return merged
+
+
+def take_batch(ready: list[generation_pb2.GenerateChunk]) -> list[generation_pb2.GenerateChunk]:
+    """Remove and return the longest prefix of `ready` that fits one message (at least one chunk)."""
+    num_tokens = num_chars = 0
+    end = 0
+    for chunk in ready:
+        num_tokens += len(chunk.token_ids)
+        num_chars += len(chunk.text)
+        if end and (num_tokens > MAX_TOKENS_PER_MESSAGE or num_chars > MAX_TEXT_PER_MESSAGE):
+            break
+        end += 1
+    batch = ready[:end]
+    del ready[:end]
+    return batch
+
+
+class _Reader:
+    """Reads `source` into `ready` until it ends; wakes the writer when something arrives, and waits for
+    the writer while MAX_READY chunks are ready."""
+
+    def __init__(self, source: AsyncIterator[generation_pb2.GenerateChunk]) -> None:
+        self.source = source
+        self.ready: list[generation_pb2.GenerateChunk] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None  # the writer, waiting for a chunk
+        self._space: asyncio.Future[None] | None = None  # this reader, waiting for the writer
+
+    async def run(self) -> None:
+        try:
+            async for chunk in self.source:
+                self.ready.append(chunk)
+                self._wake()
+                if len(self.ready) >= MAX_READY:
+                    self._space = asyncio.get_running_loop().create_future()
+                    try:
+                        await self._space
+                    finally:
+                        self._space = None
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the writer, raised there in order
+            self.error = exc
+        finally:
+            self.done = True
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> list[generation_pb2.GenerateChunk]:
+        batch = take_batch(self.ready)
+        space = self._space
+        if space is not None and not space.done():
+            space.set_result(None)
+        return batch
+
+    async def wait(self) -> None:
+        """Until a chunk is ready or the source ended."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+
+async def coalesced(
+    source: AsyncGenerator[generation_pb2.GenerateChunk, None],
+) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
+    """`source`'s chunks, the ones ready together merged into one (see the module docstring)."""
+    reader = _Reader(source)
+    task = asyncio.get_running_loop().create_task(reader.run())
+    try:
+        while True:
+            if not reader.ready:
+                if reader.done:
+                    break
+                await reader.wait()
+                continue
+            yield merge_chunks(reader.take())
+        if reader.error is not None:
+            raise reader.error
+    finally:
+        if not task.done():
+            task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await source.aclose()
