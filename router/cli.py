@@ -9,11 +9,11 @@ Exit codes: kvpact.shared.exit_codes.EXIT_CODES (rendered into `router --help`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from kvpact.router.balancing import DEFAULT_POLICY, POLICIES
 from kvpact.router.config import RouterConfig
+from kvpact.router.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS, loop_factory, run_loop
 from kvpact.shared.auth import read_secrets
 from kvpact.shared.cli import add_log_args, add_paged_attn_arg, host_port, seconds
 from kvpact.shared.errors import EXIT_FATAL, BindError, ConfigError
@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix-affinity: prompts that start alike go to the same worker (its prefix cache holds their "
         "shared blocks), bounded by load, else least-load (default: least-load)",
     )
+    parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default=DEFAULT_EVENT_LOOP,
+        help="the event loop the router runs on: asyncio (the standard library's) or uvloop (where it is "
+        "installed; measured no faster for the relay here, docs/performance.md) (default: asyncio)",
+    )
     add_log_args(parser)
     return parser
 
@@ -177,13 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        factory = loop_factory(args.event_loop)
     except ConfigError as exc:
         parser.error(str(exc))
     configure_logging(args.log_format, args.log_level)
     from kvpact.router.server import serve  # grpc and the servicers only once the flags are good
 
     try:
-        return asyncio.run(serve(config))
+        return run_loop(serve(config), factory)
     except BindError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return EXIT_FATAL

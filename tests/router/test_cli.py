@@ -120,9 +120,41 @@ def test_metrics_show_each_workers_realized_kind(tmp_path):
     assert 'kvpact_router_request_duration_seconds_count{model="tiny"} 1.0' in text
 
 
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_either_event_loop_serves_streams(tmp_path, loop):
+    with (
+        BackgroundLoop() as bg,
+        running(router_argv("--event-loop", loop), name="router", log_dir=tmp_path) as router,
+    ):
+        address = started(router)
+        a = bg.enter(serving_double(WorkerDouble("a")))
+        with grpc.insecure_channel(address) as channel:
+            assert worker_pb2_grpc.RegistryStub(channel).Register(ready("a", a.address), timeout=5).admitted
+        with Client(address, timeout=10) as client:
+            chunks = list(client.generate("abc", max_tokens=50))
+        assert [t for c in chunks for t in c.token_ids] == list(range(3, 53))
+        assert stop(router, sig=signal.SIGTERM, grace_s=5) == 0
+
+
+def test_event_loop_uvloop_where_it_is_missing_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    from kvpact.router.event_loop import loop_factory
+    from kvpact.shared.errors import ConfigError
+
+    assert loop_factory("asyncio") is None
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "uvloop" else real_find_spec(name)
+    )
+    with pytest.raises(ConfigError, match="--event-loop uvloop: uvloop is not installed here"):
+        loop_factory("uvloop")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--event-loop", "tokio"], "argument --event-loop: invalid choice: 'tokio'"),
         (["--auth-token-file", "/nonexistent/token"], "--auth-token-file /nonexistent/token: cannot read it"),
         (["--expect-workers", "0"], "must be positive"),
         (["--listen", "nowhere"], "expected HOST:PORT"),
