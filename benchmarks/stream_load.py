@@ -1,0 +1,152 @@
+"""A load-generating client for the router suite, run as its own process so the client is not what
+limits the figures: it keeps `--streams` Generate streams open against one target for `--seconds`
+(each slot opens a new stream when its previous one ends) and prints one JSON line of what it saw.
+
+    python -m benchmarks.stream_load --target HOST:PORT --service router|worker --streams 64
+        --tokens-per-s 50 --max-tokens 100 --seconds 5 [--warmup 1] [--latency] [--uvloop]
+
+`--service worker` calls kvpact.v1.Worker/Generate on a (synthetic) worker directly, `router` calls
+kvpact.v1.Generation/Generate on a router; both take the same GenerateRequest. The prompt text
+`tokens_per_s=R` sets a synthetic worker's rate for the stream (benchmarks/synthetic_worker.py);
+`--prompt-text` sends a real prompt instead (a real worker; greedy). With `--latency`, each token's delivery
+latency is the receive time minus the send time the synthetic worker wrote in its text (one
+monotonic clock on one host). Only what arrives after `--warmup` seconds counts; with `--requests N`, N
+requests are sent in all (`--streams` at a time) and everything counts, until the last one ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import grpc
+
+from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
+from kvpact.v1 import generation_pb2, router_pb2_grpc, worker_pb2_grpc
+
+CALL_TIMEOUT_S = 120.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    options: list[tuple[str, str | int]] = [*GRPC_MESSAGE_OPTIONS]
+    if "," in args.target:  # several routers: spread the streams over them
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    target = args.target if "," not in args.target else "ipv4:" + args.target
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        if args.service == "worker":
+            call_generate = worker_pb2_grpc.WorkerStub(channel).Generate
+        else:
+            call_generate = router_pb2_grpc.GenerationStub(channel).Generate
+        await channel.channel_ready()
+        if "," in args.target:  # round_robin connects to each router; let them all be ready first
+            await asyncio.sleep(0.5)
+        start = time.monotonic()
+        counted_from = start + args.warmup
+        end = counted_from + args.seconds
+        num_requests_left = args.requests
+        if args.requests:  # a fixed amount of work, counted whole: until the last request ends
+            counted_from, end = start, float("inf")
+        num_tokens = num_messages = num_streams = 0
+        latencies_ms: list[float] = []
+        first_token_ms: list[float] = []
+        by_worker: dict[str, int] = {}  # tokens per worker id (several routers: each has its own)
+
+        async def slot(index: int) -> None:
+            nonlocal num_tokens, num_messages, num_streams
+            await asyncio.sleep(index * args.stagger / max(args.streams, 1))  # not all in lockstep
+            nonlocal num_requests_left
+            while time.monotonic() < end:
+                if args.requests:
+                    if num_requests_left <= 0:
+                        break
+                    num_requests_left -= 1
+                request = generation_pb2.GenerateRequest(max_tokens=args.max_tokens, ignore_eos=True)
+                if args.prompt_text:
+                    request.text = f"{index}. {args.prompt_text}"
+                    request.sampling.temperature = 0.0
+                else:
+                    request.text = f"tokens_per_s={args.tokens_per_s:g}"
+                sent = time.monotonic()
+                first = True
+                call = call_generate(request, timeout=CALL_TIMEOUT_S)
+                try:
+                    async for chunk in call:
+                        now_s = time.monotonic()
+                        if now_s < counted_from:
+                            first = False
+                            continue
+                        if now_s > end:
+                            break
+                        num_messages += 1
+                        num_tokens += len(chunk.token_ids)
+                        by_worker[chunk.worker_id] = by_worker.get(chunk.worker_id, 0) + len(chunk.token_ids)
+                        if first:
+                            first_token_ms.append((now_s - sent) * 1e3)
+                            first = False
+                        if args.latency:
+                            now_ns = time.monotonic_ns()
+                            for stamp in chunk.text.split(";")[:-1]:
+                                latencies_ms.append((now_ns - int(stamp)) / 1e6)
+                finally:
+                    call.cancel()
+                if time.monotonic() >= counted_from:
+                    num_streams += 1
+
+        await asyncio.gather(*(slot(i) for i in range(args.streams)))
+        seconds = min(time.monotonic(), end) - counted_from
+    return {
+        "num_tokens": num_tokens,
+        "num_messages": num_messages,
+        "num_streams": num_streams,
+        "tokens_by_worker": by_worker,
+        "seconds": seconds,
+        "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
+        "latency_ms": latencies_ms if args.keep_latencies else [],
+        "latency_p50_ms": percentile(latencies_ms, 50),
+        "latency_p99_ms": percentile(latencies_ms, 99),
+        "first_token_p50_ms": percentile(first_token_ms, 50),
+        "first_token_p99_ms": percentile(first_token_ms, 99),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", required=True, help="HOST:PORT, or several comma-separated")
+    parser.add_argument("--service", choices=("router", "worker"), default="router")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens-per-s", type=float, default=0.0, help="per stream; 0 = full speed")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-text", default="", help="the prompt (a real model; greedy, ignore_eos)")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--requests", type=int, default=0, help="send N requests in all, then stop (no warmup)"
+    )
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--stagger", type=float, default=0.02, help="seconds over which the slots start")
+    parser.add_argument("--latency", action="store_true", help="per-token delivery latency")
+    parser.add_argument("--keep-latencies", action="store_true", help="print every latency, not only p50/p99")
+    parser.add_argument("--uvloop", action="store_true")
+    args = parser.parse_args(argv)
+    if args.uvloop:
+        import uvloop
+
+        result = uvloop.run(run(args))
+    else:
+        result = asyncio.run(run(args))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,311 @@
+"""The router suite: what the router adds to a stream, what one router process relays, what a tier of
+several relays, and whether a real model loses anything behind it.
+
+Every figure compares paths measured in the same run, interleaved: the same client processes
+(benchmarks/stream_load.py, each its own process, so the client is not one event loop shared with
+what it measures) stream from a model-free synthetic worker (benchmarks/synthetic_worker.py) either
+directly (kvpact.v1.Worker/Generate) or through the router (kvpact.v1.Generation/Generate).
+
+(a) added latency: 64 streams of 50 tokens/s; each token's delivery latency is its arrival at the client
+    minus the send time the worker wrote into it; "added" is the router path's percentile minus the
+    direct path's.
+(b) capacity: 64 and 256 streams at full speed (the worker writes one message per token as fast as
+    it can). Tokens/s are wall-clock; on a machine where the client, the worker and the router share
+    the cores, the router's own capacity is its tokens per CPU-second (its CPU time over the counted
+    window, read from /proc): what one router process relays with a core to itself. The router on the
+    default event loop (asyncio) is measured beside uvloop (`router --event-loop uvloop`).
+(c) a real model (ctx.model, one real worker): output tokens/s through the router vs directly.
+(d) scale-out: two router processes, each with its own worker, the client's streams spread over both
+    (gRPC round_robin over the routers' addresses): aggregate tokens/s and tokens per CPU-second.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
+from benchmarks.router_tier import LoadResult, model_tier, percentile, run_load, synthetic_tier
+
+NAME = "router"
+TARGET_CAPACITY = 40_000.0  # streamed tokens/s through one router process at 256 streams
+TARGET_ADDED_P99_MS = 1.0
+REAL_MODEL_TOLERANCE = 0.95  # router/direct on a real model: >= this is "no loss" (run-to-run noise)
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _plan(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {"latency_s": 1.5, "capacity_s": 1.0, "rounds": 1, "warmup": 0.3, "model_rounds": 1,
+                "uvloop_streams": (256,),
+                "model_streams": 4, "model_tokens": 16, "model_requests": 8}  # fmt: skip
+    return {"latency_s": 6.0, "capacity_s": 4.0, "rounds": 2, "warmup": 1.0, "model_rounds": 3,
+            "uvloop_streams": (64, 256),
+            "model_streams": 16, "model_tokens": 64, "model_requests": 32}  # fmt: skip
+
+
+def run(ctx: BenchContext) -> SuiteResult:
+    plan = _plan(ctx.quick)
+    command = f"python -m benchmarks.run --suites {NAME}" + (" --quick" if ctx.quick else "")
+    log_dir = Path(tempfile.mkdtemp(prefix="kvpact-bench-router-"))
+    latency = _added_latency(log_dir, plan)
+    capacity = _capacity(log_dir, plan)
+    scale = _scale_out(log_dir, plan, capacity["by"][(256, "router")])
+    model = _real_model(log_dir, ctx.model, plan)
+
+    direct_l, routed_l = latency["direct"], latency["router"]
+    added_p50 = routed_l.latency_p50_ms - direct_l.latency_p50_ms
+    added_p99 = routed_l.latency_p99_ms - direct_l.latency_p99_ms
+    tables = [
+        Table(
+            "Router: added latency per token, 64 streams x 50 tokens/s",
+            ["path", "tokens", "p50 ms", "p99 ms", "first token p50 ms", "added p50 ms", "added p99 ms"],
+            [
+                [
+                    "direct to the worker",
+                    direct_l.num_tokens,
+                    direct_l.latency_p50_ms,
+                    direct_l.latency_p99_ms,
+                    direct_l.first_token_p50_ms,
+                    0.0,
+                    0.0,
+                ],
+                [
+                    "through the router",
+                    routed_l.num_tokens,
+                    routed_l.latency_p50_ms,
+                    routed_l.latency_p99_ms,
+                    routed_l.first_token_p50_ms,
+                    added_p50,
+                    added_p99,
+                ],
+            ],  # fmt: skip
+            command,
+            ["latency = arrival at the client - the worker's send time (one monotonic clock on one host)"],
+        ),
+        Table(
+            "Router: capacity, full-speed streams (one message per token from the worker)",
+            [
+                "streams",
+                "path",
+                "tokens/s",
+                "messages per token",
+                "tokens per router CPU-s",
+                "tokens per worker CPU-s",
+            ],
+            capacity["rows"],  # fmt: skip
+            command,
+            [
+                "tokens per CPU-s: tokens relayed over the process's CPU seconds in the counted window, the "
+                "rate one process sustains with a core to itself",
+                "the client, the worker and the router share this machine's cores: wall tokens/s of the "
+                "router path are bounded by all three",
+            ],
+        ),
+        Table(
+            "Router: scale-out (256 full-speed streams)",
+            ["tier", "tokens/s", "tokens per router CPU-s (sum over routers)"],
+            scale["rows"],
+            command,
+            [
+                "the client spreads its streams over the routers with gRPC round_robin; each router has its "
+                "own worker (docs/performance.md, Router: running the router tier on several cores)"
+            ],
+        ),
+        Table(
+            f"Router: a real model ({ctx.model.name}), output tokens/s",
+            ["path", "output tokens/s", "ratio to direct"],
+            model["rows"],
+            command,
+            [
+                f"{model['requests']} requests of {model['max_tokens']} tokens, {model['streams']} at a "
+                "time, greedy, ignore_eos; the whole batch timed, best of the interleaved rounds"
+            ],
+        ),
+    ]
+    cap256, direct256 = capacity["by"][(256, "router")], capacity["by"][(256, "direct")]
+    targets = [
+        Target(
+            "router capacity, 256 streams",
+            f">= {TARGET_CAPACITY:,.0f} streamed tokens/s through one router process",
+            f"{cap256.tokens_per_cpu_s('router-0'):,.0f} tokens per router CPU-s "
+            f"({cap256.tokens_per_s:,.0f} tokens/s wall; direct {direct256.tokens_per_s:,.0f})",
+            cap256.tokens_per_cpu_s("router-0") >= TARGET_CAPACITY,
+            "per CPU-s: the client and the worker share the cores; see the profile in docs/performance.md",
+        ),
+        Target(
+            "added p99 latency, 64 x 50 tokens/s",
+            f"< {TARGET_ADDED_P99_MS:g} ms",
+            f"{added_p99:.2f} ms (p50 {added_p50:.2f} ms)",
+            added_p99 < TARGET_ADDED_P99_MS,
+        ),
+        Target(
+            "real model: router vs direct",
+            "no throughput loss",
+            f"{model['ratio']:.2f}x direct",
+            model["ratio"] >= REAL_MODEL_TOLERANCE,
+            f">= {REAL_MODEL_TOLERANCE} counts as no loss (run-to-run noise)",
+        ),
+        Target(
+            "router tier on several cores",
+            "measured",
+            f"2 routers: {scale['two_tokens_per_cpu_s']:,.0f} tokens per router CPU-s summed, "
+            f"{scale['ratio_wall']:.2f}x one router's wall tokens/s",
+            True,
+        ),
+    ]
+    figure = _figure(capacity, latency, scale)
+    data = {
+        "latency": {k: v.summary() for k, v in latency.items()},
+        "capacity": {f"{s}/{p}": r.summary() for (s, p), r in capacity["by"].items()},
+        "scale_out": {k: v.summary() for k, v in scale["by"].items()},
+        "real_model": {k: v.summary() for k, v in model["by"].items()},
+        "added_latency_ms": {"p50": added_p50, "p99": added_p99},
+    }
+    return SuiteResult(NAME, tables, targets, data, figure, notes=[__doc__.split("\n\n")[1]])
+
+
+def _interleaved(rounds: int, runs: dict[str, Any]) -> dict[str, LoadResult]:
+    """Run each of `runs` (name -> no-argument measurement) once per round, in turn; keep the best."""
+    best: dict[str, LoadResult] = {}
+    for _ in range(rounds):
+        for name, measure in runs.items():
+            result = measure()
+            if name not in best or result.tokens_per_s > best[name].tokens_per_s:
+                best[name] = result
+    return best
+
+
+def _added_latency(log_dir: Path, plan: dict[str, Any]) -> dict[str, LoadResult]:
+    with synthetic_tier(log_dir / "latency", tokens_per_s=50) as tier:
+        kwargs = {"streams": 64, "tokens_per_s": 50.0, "max_tokens": 100, "seconds": plan["latency_s"],
+                  "warmup": plan["warmup"], "latency": True}  # fmt: skip
+        results: dict[str, list[LoadResult]] = {"direct": [], "router": []}
+        for _ in range(plan["rounds"]):
+            results["direct"].append(run_load(tier.worker_addresses[0], "worker", log_dir, **kwargs))
+            results["router"].append(run_load(tier.router_target, "router", log_dir, **kwargs))
+    return {path: _pooled(runs) for path, runs in results.items()}
+
+
+def _pooled(runs: list[LoadResult]) -> LoadResult:
+    """One result over several runs: tokens summed, percentiles over every token."""
+    latencies = [x for r in runs for x in r.latencies_ms]
+    return LoadResult(
+        num_tokens=sum(r.num_tokens for r in runs),
+        num_messages=sum(r.num_messages for r in runs),
+        seconds=sum(r.seconds for r in runs),
+        latency_p50_ms=percentile(latencies, 50),
+        latency_p99_ms=percentile(latencies, 99),
+        first_token_p50_ms=percentile([r.first_token_p50_ms for r in runs], 50),
+        cpu_s={},
+        latencies_ms=latencies,
+    )
+
+
+def _capacity(log_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
+    by: dict[tuple[int, str], LoadResult] = {}
+    rows: list[list[Any]] = []
+    for loop, label, counts in (
+        ("asyncio", "router", (64, 256)),
+        ("uvloop", "router, uvloop", plan["uvloop_streams"]),
+    ):
+        with synthetic_tier(log_dir / f"capacity-{loop}", event_loop=loop) as tier:
+            watch = {"router-0": tier.pids["router-0"], "worker-0": tier.pids["worker-0"]}
+            for streams in counts:
+                kwargs = {"streams": streams, "seconds": plan["capacity_s"], "warmup": plan["warmup"],
+                          "num_clients": 2, "watch": watch}  # fmt: skip
+                runs = {label: lambda kw=kwargs, t=tier: run_load(t.router_target, "router", log_dir, **kw)}
+                if loop == "asyncio":
+                    runs = {
+                        "direct": lambda kw=kwargs, t=tier: run_load(
+                            t.worker_addresses[0], "worker", log_dir, **kw
+                        ),
+                        **runs,
+                    }
+                for path, result in _interleaved(plan["rounds"], runs).items():
+                    by[(streams, path)] = result
+    for (streams, path), r in sorted(by.items()):
+        routed = path != "direct"
+        rows.append([
+            streams, path, r.tokens_per_s, r.num_messages / max(r.num_tokens, 1),
+            r.tokens_per_cpu_s("router-0") if routed else float("nan"), r.tokens_per_cpu_s("worker-0"),
+        ])  # fmt: skip
+    return {"by": by, "rows": rows}
+
+
+def _router_tokens_per_cpu_s(result: LoadResult) -> float:
+    cpu = sum(seconds for name, seconds in result.cpu_s.items() if name.startswith("router-"))
+    return result.num_tokens / cpu if cpu > 0 else float("nan")
+
+
+def _scale_out(log_dir: Path, plan: dict[str, Any], one_router: LoadResult) -> dict[str, Any]:
+    """Two routers, each with its own worker, 256 streams spread over both; against `one_router`, the
+    capacity run at 256 streams (same clients, same window)."""
+    with synthetic_tier(log_dir / "scale-2", num_routers=2) as tier:
+        watch = {name: pid for name, pid in tier.pids.items() if name.startswith("router-")}
+        two = run_load(
+            tier.router_target, "router", log_dir, streams=256, seconds=plan["capacity_s"],
+            warmup=plan["warmup"], num_clients=2, watch=watch,
+        )  # fmt: skip
+    by = {"1 router": one_router, "2 routers": two}
+    rows = [[name, r.tokens_per_s, _router_tokens_per_cpu_s(r)] for name, r in by.items()]
+    return {
+        "by": by,
+        "rows": rows,
+        "ratio_wall": two.tokens_per_s / max(one_router.tokens_per_s, 1e-9),
+        "two_tokens_per_cpu_s": _router_tokens_per_cpu_s(two),
+    }
+
+
+def _real_model(log_dir: Path, model: Path, plan: dict[str, Any]) -> dict[str, Any]:
+    streams, max_tokens, requests = plan["model_streams"], plan["model_tokens"], plan["model_requests"]
+    with model_tier(log_dir / "model", model) as tier:
+        # A fixed amount of work each time: `requests` requests, `streams` at a time, timed whole.
+        kwargs = {"streams": streams, "max_tokens": max_tokens, "prompt_text": PROMPT, "requests": requests,
+                  "seconds": 0.0, "warmup": 0.0}  # fmt: skip
+        direct = lambda: run_load(tier.worker_addresses[0], "worker", log_dir, **kwargs)  # noqa: E731
+        direct()  # the worker's first requests are slower (warm-up): not counted
+        by = _interleaved(
+            plan["model_rounds"],
+            {"direct": direct, "router": lambda: run_load(tier.router_target, "router", log_dir, **kwargs)},
+        )
+    ratio = by["router"].tokens_per_s / max(by["direct"].tokens_per_s, 1e-9)
+    rows = [
+        ["direct to the worker", by["direct"].tokens_per_s, 1.0],
+        ["through the router", by["router"].tokens_per_s, ratio],
+    ]
+    return {"by": by, "rows": rows, "ratio": ratio, "streams": streams, "max_tokens": max_tokens,
+            "requests": requests}  # fmt: skip
+
+
+def _figure(capacity: dict[str, Any], latency: dict[str, LoadResult], scale: dict[str, Any]) -> Any:
+    fig, (ax_cap, ax_lat) = new_figure(ncols=2)
+    by = capacity["by"]
+    labels, wall, per_cpu = [], [], []
+    for (streams, path), r in sorted(by.items()):
+        labels.append(f"{path}\n{streams} streams")
+        wall.append(r.tokens_per_s)
+        per_cpu.append(r.tokens_per_cpu_s("router-0") if path != "direct" else 0.0)
+    for name, r in scale["by"].items():
+        labels.append(f"{name}\n256 streams")
+        wall.append(r.tokens_per_s)
+        per_cpu.append(_router_tokens_per_cpu_s(r))
+    xs = range(len(labels))
+    ax_cap.bar([x - 0.2 for x in xs], wall, width=0.4, label="tokens/s (wall)")
+    ax_cap.bar([x + 0.2 for x in xs], per_cpu, width=0.4, label="tokens per router CPU-s")
+    ax_cap.axhline(TARGET_CAPACITY, color="red", linestyle="--", linewidth=1, label="target")
+    ax_cap.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
+    ax_cap.set_ylabel("streamed tokens / s")
+    ax_cap.set_title("Router capacity (full-speed streams)")
+    ax_cap.legend(fontsize=7)
+    for path, r in latency.items():
+        values = sorted(r.latencies_ms)
+        if values:
+            ax_lat.plot(values, [i / len(values) for i in range(len(values))], label=path)
+    ax_lat.set_xscale("log")
+    ax_lat.set_xlabel("per-token delivery latency, ms (log)")
+    ax_lat.set_ylabel("fraction of tokens")
+    ax_lat.set_title("64 streams x 50 tokens/s")
+    ax_lat.legend(fontsize=7)
+    return fig
