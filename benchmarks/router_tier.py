@@ -29,7 +29,7 @@ from kvpact.deploy.processes import (
 
 START_TIMEOUT_S = 60.0
 MODEL_START_TIMEOUT_S = 240.0
-LOAD_GRACE_S = 120.0  # a load client's own start and end beyond its --warmup + --seconds
+LOAD_GRACE_S = 300.0  # a load client's own start and end beyond its --warmup + --seconds
 _ADDRESS = r"listening on (\S+:\d+)"
 
 

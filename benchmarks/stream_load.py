@@ -26,7 +26,7 @@ import grpc
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.v1 import generation_pb2, router_pb2_grpc, worker_pb2_grpc
 
-CALL_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 300.0
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -42,7 +42,7 @@ def _plan(quick: bool) -> dict[str, Any]:
                 "model_streams": 4, "model_tokens": 16, "model_requests": 8}  # fmt: skip
     return {"latency_s": 6.0, "capacity_s": 4.0, "rounds": 2, "warmup": 1.0, "model_rounds": 3,
             "uvloop_streams": (64, 256),
-            "model_streams": 16, "model_tokens": 64, "model_requests": 32}  # fmt: skip
+            "model_streams": 8, "model_tokens": 32, "model_requests": 16}  # fmt: skip
 
 
 def run(ctx: BenchContext) -> SuiteResult:
