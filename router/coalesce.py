@@ -1,14 +1,17 @@
 """Coalescing a relayed Generate stream: when the client's side falls behind, the chunks that are ready
 go out as one message.
 
-The worker sends one GenerateChunk per decode step. The router reads them in a task of their own and
-the client's writer takes whatever has arrived each time it is free to write:
+The worker sends one GenerateChunk per decode step. While the client keeps up, the relay reads one
+chunk and writes it, in one task, as it came (nothing between the worker's message and the client's).
+A write that takes longer than BEHIND_AFTER_S means the client's side fell behind (a slow client, a
+slow network, HTTP/2 flow control holding the router's writes): from then on the router reads the
+worker's chunks in a task of their own, and the writer takes whatever has arrived each time it is free:
 
-- a writer that is waiting gets the first chunk at once (never held back to wait for a second: the
-  first token and every token on a stream that keeps up go out as they came);
-- a writer that was busy (the client, the network or this process fell behind) finds several chunks
-  ready and sends them as one message: token ids and logprobs concatenated, the text deltas joined,
-  finish_reason and usage from the last one (only the last chunk of a stream has them);
+- the first token, and every token of a stream that keeps up, goes out as it came (a writer that is
+  waiting gets a chunk at once, never held back to wait for a second);
+- a writer that was busy finds several chunks ready and sends them as one message: token ids and
+  logprobs concatenated, the text deltas joined, finish_reason and usage from the last one (only the
+  last chunk of a stream has them);
 - nothing is reordered, dropped or sent twice; a merged message never spans more than
   MAX_TOKENS_PER_MESSAGE tokens or MAX_TEXT_PER_MESSAGE characters of text (a long backlog goes out
   as several messages, still in order);
@@ -17,9 +20,13 @@ the client's writer takes whatever has arrived each time it is free to write:
 - the source's error (a worker's status, a cancelled call) reaches the client after every chunk that
   was read before it, so the stream's final status is what it was without coalescing.
 
+Why not read ahead always: measured at 256 full-speed streams (docs/performance.md, "Router"), a relay
+that always reads in a second task merged nothing (the router's reads, not its writes, are the slow
+side when it is busy) and spent about a quarter more CPU per token on the extra task switch.
+
 Chunk boundaries are not part of the contract: a client that needs per-token timing reads the token
-ids. Closing the coalesced stream (the client went away) cancels the reader and waits for it, so the
-worker call is over when `aclose()` returns.
+ids. Closing the coalesced stream (the client went away) closes the source, and cancels and waits for
+the reader, so the worker call is over when `aclose()` returns.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from kvpact.v1 import generation_pb2
 MAX_TOKENS_PER_MESSAGE = 1024
 MAX_TEXT_PER_MESSAGE = 64 * 1024  # characters; far below the gRPC message cap (shared/limits.py)
 MAX_READY = 4 * MAX_TOKENS_PER_MESSAGE  # chunks read ahead of the writer before the reader waits
+BEHIND_AFTER_S = 0.05  # a write that took longer: the client's side is behind; read ahead from then on
 
 
 def merge_chunks(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.GenerateChunk:
@@ -114,11 +122,22 @@ class _Reader:
 
 async def coalesced(
     source: AsyncGenerator[generation_pb2.GenerateChunk, None],
+    behind_after_s: float = BEHIND_AFTER_S,
 ) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
-    """`source`'s chunks, the ones ready together merged into one (see the module docstring)."""
-    reader = _Reader(source)
-    task = asyncio.get_running_loop().create_task(reader.run())
+    """`source`'s chunks; once a write took longer than `behind_after_s`, the ones ready together are
+    merged into one (see the module docstring)."""
+    clock = asyncio.get_running_loop().time
+    task: asyncio.Task[None] | None = None
     try:
+        async for chunk in source:  # the client keeps up: one read, one write
+            started = clock()
+            yield chunk
+            if clock() - started > behind_after_s:
+                break
+        else:
+            return
+        reader = _Reader(source)  # the client fell behind: read ahead, merge what is ready
+        task = asyncio.get_running_loop().create_task(reader.run())
         while True:
             if not reader.ready:
                 if reader.done:
@@ -129,11 +148,12 @@ async def coalesced(
         if reader.error is not None:
             raise reader.error
     finally:
-        if not task.done():
-            task.cancel()
         try:
-            await task
-        except asyncio.CancelledError:
-            pass
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         finally:
             await source.aclose()

@@ -1,6 +1,7 @@
 """Coalescing a relayed stream (router/coalesce.py): a client that falls behind gets the ready chunks
 merged, every token exactly once and in order, the first token never held back, the final status
-unchanged; and through a real router, a slow reader gets fewer messages than tokens."""
+unchanged; a client that keeps up gets the chunks as they came; and through a real router, a reader
+that stalls gets fewer messages than tokens."""
 
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ import grpc
 import pytest
 
 from kvpact.router import coalesce
-from kvpact.router.coalesce import MAX_READY, MAX_TOKENS_PER_MESSAGE, coalesced, merge_chunks
+from kvpact.router.coalesce import (
+    BEHIND_AFTER_S,
+    MAX_READY,
+    MAX_TOKENS_PER_MESSAGE,
+    coalesced,
+    merge_chunks,
+)
 from kvpact.router.errors import WorkerCallFailed
+from kvpact.router.service import GenerationService
 from kvpact.v1 import generation_pb2, router_pb2_grpc
 from tests.factories.eventually import eventually_async
 from tests.router.doubles import WorkerDouble, one_worker_router, run_async
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
+STALL_S = 2 * BEHIND_AFTER_S  # a client this slow to take one message has fallen behind
 
 
 def chunk(i: int, *, last: bool = False) -> generation_pb2.GenerateChunk:
@@ -54,7 +63,7 @@ async def test_a_slow_consumer_gets_every_token_once_in_order_in_fewer_messages(
     messages = []
     async for message in coalesced(fast_source(300)):
         messages.append(message)
-        await asyncio.sleep(0.002)  # the client falls behind
+        await asyncio.sleep(STALL_S if len(messages) == 1 else 0.002)  # stalls, then stays behind
     assert_whole_stream(messages, 300)
     assert len(messages) < 300 / 4, len(messages)
     assert len(messages[0].token_ids) == 1  # the first token went out alone, at once
@@ -105,7 +114,7 @@ async def test_the_sources_error_comes_after_every_chunk_read_before_it():
     with pytest.raises(WorkerCallFailed) as err:
         async for message in coalesced(failing()):
             messages.append(message)
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(STALL_S if len(messages) == 1 else 0.002)
     assert err.value.code is grpc.StatusCode.INTERNAL
     assert flatten(messages)[0] == list(range(50)) and len(messages) < 50
 
@@ -124,8 +133,17 @@ async def test_closing_the_stream_ends_the_source_before_close_returns():
         finally:
             ended.append(True)
 
+    stream = coalesced(endless())  # the client keeps up: no reader task
+    await anext(stream)
+    await stream.aclose()
+    assert ended == [True]
+
+    ended.clear()
     stream = coalesced(endless())
     await anext(stream)
+    await asyncio.sleep(STALL_S)  # behind: the reader task reads ahead
+    await anext(stream)
+    await asyncio.sleep(0.02)
     await stream.aclose()
     assert ended == [True]
 
@@ -143,12 +161,15 @@ async def test_a_backlog_goes_out_in_bounded_messages_and_a_stuck_client_pushes_
     n = MAX_READY + 500
     stream = coalesced(counted(n))
     assert list((await anext(stream)).token_ids) == [0]
+    assert len(produced) == 1  # keeping up, the relay reads only what it writes
+    await asyncio.sleep(STALL_S)
+    second = await anext(stream)  # behind from here: the reader reads ahead while nobody takes
     await eventually_async(lambda: len(produced) >= MAX_READY, what="the reader to fill its read-ahead")
     await asyncio.sleep(0.05)
-    assert len(produced) <= MAX_READY + 1  # it stopped reading: the worker's stream waits
+    assert len(produced) <= MAX_READY + len(second.token_ids) + 1  # it stopped: the worker's stream waits
     rest = [m async for m in stream]
     assert max(len(m.token_ids) for m in rest) == MAX_TOKENS_PER_MESSAGE
-    assert_whole_stream([chunk(0), *rest], n)
+    assert_whole_stream([chunk(0), second, *rest], n)
 
 
 def test_merge_keeps_one_chunk_as_it_is_and_joins_several():
@@ -169,11 +190,11 @@ SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024
 
 
 @run_async
-async def test_through_the_router_a_slow_reader_gets_every_token_in_fewer_messages():
-    """A real router relaying a worker that streams 1,500 tokens at once to a client that reads slowly
-    (a small HTTP/2 window, so the router's writes wait for it): the same tokens, text and finish as the
-    worker sent, in fewer messages."""
-    n = 1500
+async def test_through_the_router_a_stalling_reader_gets_every_token_once_in_order():
+    """A real router relaying a worker that streams 3,000 tokens as fast as it can to a client that
+    stalls now and then (a small HTTP/2 window, so the router's writes wait for it): the same tokens,
+    text, finish and status as the worker sent."""
+    n = 3000
     double = WorkerDouble("a")
     async with one_worker_router(double) as (router, _):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}", options=SMALL_WINDOW) as channel:
@@ -183,12 +204,39 @@ async def test_through_the_router_a_slow_reader_gets_every_token_in_fewer_messag
             messages = []
             async for message in call:
                 messages.append(message)
-                if len(messages) < 20:
-                    await asyncio.sleep(0.02)  # behind while the worker streams everything
+                if len(messages) % 500 == 1:
+                    await asyncio.sleep(STALL_S)
             assert await call.code() is grpc.StatusCode.OK
     expected = WorkerDouble.tokens_for(generation_pb2.GenerateRequest(text="hello", max_tokens=n))
     assert [t for m in messages for t in m.token_ids] == expected
     assert "".join(m.text for m in messages) == "".join(f"t{t} " for t in expected)
+    assert messages[-1].finish_reason == LENGTH and messages[-1].usage.completion_tokens == n
+    assert len(messages[0].token_ids) == 1 and len(messages) <= n
+
+
+class _NoDeadline:
+    """The little of a grpc.aio ServicerContext that the relay reads."""
+
+    def time_remaining(self):
+        return None
+
+
+@run_async
+async def test_the_routers_relay_merges_what_a_slow_client_leaves_waiting():
+    """The router's Generate handler, relaying a real worker over gRPC, to a consumer that falls behind:
+    every token once and in order, in far fewer messages; the worker call over when it ends."""
+    n = 600
+    double = WorkerDouble("a")
+    async with one_worker_router(double) as (router, _):
+        handler = GenerationService(router.cluster).Generate
+        relay = handler(generation_pb2.GenerateRequest(text="hello", max_tokens=n), _NoDeadline())
+        messages = []
+        async for message in relay:
+            messages.append(message)
+            await asyncio.sleep(STALL_S if len(messages) == 1 else 0.002)
+        assert router.cluster.registry.get("a").num_outstanding == 0
+    expected = WorkerDouble.tokens_for(generation_pb2.GenerateRequest(text="hello", max_tokens=n))
+    assert [t for m in messages for t in m.token_ids] == expected
     assert messages[-1].finish_reason == LENGTH and messages[-1].usage.completion_tokens == n
     assert len(messages[0].token_ids) == 1
     assert len(messages) < n / 4, len(messages)
