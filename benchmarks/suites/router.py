@@ -39,10 +39,10 @@ def _plan(quick: bool) -> dict[str, Any]:
     if quick:
         return {"latency_s": 1.5, "capacity_s": 1.0, "rounds": 1, "warmup": 0.3, "model_rounds": 1,
                 "uvloop_streams": (256,),
-                "model_streams": 4, "model_tokens": 16, "model_requests": 8}  # fmt: skip
-    return {"latency_s": 6.0, "capacity_s": 4.0, "rounds": 2, "warmup": 1.0, "model_rounds": 3,
+                "model_streams": 4, "model_tokens": 8, "model_requests": 4}  # fmt: skip
+    return {"latency_s": 6.0, "capacity_s": 4.0, "rounds": 2, "warmup": 1.0, "model_rounds": 2,
             "uvloop_streams": (64, 256),
-            "model_streams": 8, "model_tokens": 32, "model_requests": 16}  # fmt: skip
+            "model_streams": 8, "model_tokens": 16, "model_requests": 8}  # fmt: skip
 
 
 def run(ctx: BenchContext) -> SuiteResult:
