@@ -31,6 +31,7 @@ from benchmarks.router_tier import LoadResult, model_tier, percentile, run_load,
 NAME = "router"
 TARGET_CAPACITY = 40_000.0  # streamed tokens/s through one router process at 256 streams
 TARGET_ADDED_P99_MS = 1.0
+NOISE_FLOOR_P99_MS = 5.0  # a direct p99 above this: the machine's noise hides a 1 ms difference
 REAL_MODEL_TOLERANCE = 0.95  # router/direct on a real model: >= this is "no loss" (run-to-run noise)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -57,6 +58,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     direct_l, routed_l = latency["direct"], latency["router"]
     added_p50 = routed_l.latency_p50_ms - direct_l.latency_p50_ms
     added_p99 = routed_l.latency_p99_ms - direct_l.latency_p99_ms
+    noisy = not direct_l.latency_p99_ms <= NOISE_FLOOR_P99_MS
     tables = [
         Table(
             "Router: added latency per token, 64 streams x 50 tokens/s",
@@ -137,8 +139,13 @@ def run(ctx: BenchContext) -> SuiteResult:
         Target(
             "added p99 latency, 64 x 50 tokens/s",
             f"< {TARGET_ADDED_P99_MS:g} ms",
-            f"{added_p99:.2f} ms (p50 {added_p50:.2f} ms)",
-            added_p99 < TARGET_ADDED_P99_MS,
+            f"{added_p99:.2f} ms (p50 {added_p50:.2f} ms; direct p99 {direct_l.latency_p99_ms:.2f} ms)",
+            None if noisy else added_p99 < TARGET_ADDED_P99_MS,
+            f"not judged: the direct path's own p99 ({direct_l.latency_p99_ms:.1f} ms) is over "
+            f"{NOISE_FLOOR_P99_MS:g} ms, this machine's scheduling noise, far more than the 1 ms the target "
+            "resolves; rerun on a quiet machine"
+            if noisy
+            else "",
         ),
         Target(
             "real model: router vs direct",

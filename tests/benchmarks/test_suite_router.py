@@ -33,7 +33,8 @@ def test_quick_router_suite_writes_its_tables_targets_and_plot(tmp_path):
         assert (out / f"router{suffix}").stat().st_size > 0
     result = json.loads((out / "router.json").read_text())
     assert {t["name"] for t in result["targets"]} == TARGETS
-    assert all(t["met"] in (True, False) for t in result["targets"])
+    for target in result["targets"]:  # judged, or (a loaded machine's latency) said why not
+        assert target["met"] in (True, False) or "not judged" in target["note"], target
     tables = {t["title"].split(":", 1)[1].split(",")[0].strip(): t for t in result["tables"]}
     latency = tables["added latency per token"]
     assert [r[0] for r in latency["rows"]] == ["direct to the worker", "through the router"]
