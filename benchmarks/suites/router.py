@@ -21,6 +21,7 @@ directly (kvpact.v1.Worker/Generate) or through the router (kvpact.v1.Generation
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -213,10 +214,10 @@ def _pooled(runs: list[LoadResult]) -> LoadResult:
 def _capacity(log_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
     by: dict[tuple[int, str], LoadResult] = {}
     rows: list[list[Any]] = []
-    for loop, label, counts in (
-        ("asyncio", "router", (64, 256)),
-        ("uvloop", "router, uvloop", plan["uvloop_streams"]),
-    ):
+    loops = [("asyncio", "router", (64, 256))]
+    if importlib.util.find_spec("uvloop") is not None:  # the dev extra installs it
+        loops.append(("uvloop", "router, uvloop", plan["uvloop_streams"]))
+    for loop, label, counts in loops:
         with synthetic_tier(log_dir / f"capacity-{loop}", event_loop=loop) as tier:
             watch = {"router-0": tier.pids["router-0"], "worker-0": tier.pids["worker-0"]}
             for streams in counts:

@@ -122,6 +122,8 @@ def test_metrics_show_each_workers_realized_kind(tmp_path):
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_either_event_loop_serves_streams(tmp_path, loop):
+    if loop == "uvloop":
+        pytest.importorskip("uvloop", reason="uvloop comes with the dev extra (make venv)")
     with (
         BackgroundLoop() as bg,
         running(router_argv("--event-loop", loop), name="router", log_dir=tmp_path) as router,
