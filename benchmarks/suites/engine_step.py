@@ -1,0 +1,393 @@
+"""Engine step: where one decode step's time goes, paged vs eager, at 32 sequences and at batch 1.
+
+For each cache (paged: `--paged-attn on`, the torch backend on CPU; eager: `--paged-attn off`) one
+engine is built through `kvpact.worker.startup.build_engine` with `--max-num-seqs 32`. Its model
+runner is wrapped (in this benchmark only) so each step is timed on the engine's own step thread,
+and a few steps run under `torch.profiler` there for the breakdown by op group.
+
+- 32 sequences: 32 requests with prompts spread evenly over 64..320 tokens (seeded token ids), greedy,
+  ignore_eos; the steps timed are those where all 32 are decoding (one token each).
+- batch 1: one request with a 192-token prompt.
+- matmuls alone: the model's own linear layers (every layer's qkv, o, gate_up, down, then the LM head
+  on the sampled rows) run back to back on inputs of the step's shape, in the engine's dtype and
+  threads, on the step thread right after each timed step (so both see the same machine load): the
+  floor a step cannot go under without faster matrix multiplies.
+
+Reported: median step ms, matmul-alone ms, the share of the step outside the matmuls
+(1 - matmul / step), batch-1 step / matmul ratio, paged / eager step ratio, and the profiled op
+groups (self CPU time, as a share of the profiled step; the profiler itself inflates small ops).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
+from kvpact.shared.intent import PagedAttentionMode, cache_intent
+from kvpact.shared.spec import WorkerSpec
+from kvpact.worker.engine import Engine
+from kvpact.worker.loader import read_model_config
+from kvpact.worker.request import GenerationOutput, GenerationRequest, SamplingParams
+from kvpact.worker.startup import build_engine
+
+NUM_SEQS = 32
+WAIT_S = 600.0
+
+# Profiled op -> group. Anything not listed is "other ops"; the rest of the step is "host (Python)".
+GROUPS = {
+    "matmul (linear)": ("aten::mm", "aten::addmm"),
+    "attention kernel": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_attention_math",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_softmax",
+        "aten::_safe_softmax",
+        "kvpact::",
+    ),
+    "KV gather / scatter": (
+        "aten::index",
+        "aten::index_select",
+        "aten::index_put_",
+        "aten::_index_put_impl_",
+    ),
+    "copies / casts": ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::contiguous"),
+    "masks / fills": ("aten::masked_fill_", "aten::fill_", "aten::zero_", "aten::le", "aten::ge", "aten::lt"),
+    "norm, RoPE, SiLU, residual": (
+        "aten::mul",
+        "aten::add",
+        "aten::sub",
+        "aten::rsqrt",
+        "aten::pow",
+        "aten::mean",
+        "aten::silu",
+        "aten::cos",
+        "aten::sin",
+        "aten::embedding",
+    ),
+}
+
+
+@dataclass(slots=True)
+class StepLog:
+    """Filled on the engine's step thread by `_TimedRunner`."""
+
+    steps: list[tuple[int, int, float]] = field(default_factory=list)  # (num decodes, num chunks, ms)
+    profile_steps: int = 0  # profile the next N all-decode steps of this many sequences...
+    profile_width: int = 0
+    profiled: list[dict[str, float]] = field(default_factory=list)  # op -> self ms, per profiled step
+    profiled_ms: list[float] = field(default_factory=list)
+    matmul_ms: list[float] = field(default_factory=list)  # the linears alone, right after each timed step
+
+
+class _TimedRunner:
+    """The engine's ModelRunner, timed (and sometimes profiled) on the step thread. Benchmark-only."""
+
+    def __init__(self, runner: Any, log: StepLog) -> None:
+        self._runner = runner
+        self._log = log
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def run(self, chunks: list[Any]) -> Any:
+        decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        log = self._log
+        if log.profile_steps and decodes == len(chunks) == log.profile_width:
+            log.profile_steps -= 1
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                result = self._runner.run(chunks)
+                elapsed = (time.perf_counter() - start) * 1e3
+            ops = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+            log.profiled.append(ops)
+            log.profiled_ms.append(elapsed)
+            return result
+        start = time.perf_counter()
+        result = self._runner.run(chunks)
+        log.steps.append((decodes, len(chunks), (time.perf_counter() - start) * 1e3))
+        if log.profile_width and decodes == len(chunks) == log.profile_width:
+            # Interleaved with the steps, so both see the same load on a shared machine.
+            log.matmul_ms.append(matmul_alone_ms(self._runner.model, decodes, reps=1))
+        return result
+
+
+def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int, tag: str) -> None:
+    done = threading.Semaphore(0)
+    failures: list[str] = []
+
+    def sink(item: GenerationOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            failures.append(str(item))
+            done.release()
+        elif item.finish_reason is not None:
+            done.release()
+
+    for i, prompt in enumerate(prompts):
+        request = GenerationRequest(
+            f"{tag}-{i}", tuple(prompt), SamplingParams(temperature=0), max_tokens=max_tokens, ignore_eos=True
+        )
+        engine.submit(request, sink)
+    deadline = time.monotonic() + WAIT_S
+    for _ in prompts:
+        if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"{tag}: {len(prompts)} requests did not finish within {WAIT_S:g} s")
+    if failures:
+        raise RuntimeError(f"{tag}: a request failed: {failures[0]}")
+
+
+def _prompts(n: int, lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+@torch.inference_mode()
+def matmul_alone_ms(model: Any, rows: int, reps: int) -> float:
+    """Median ms of the model's linear layers alone on `rows` tokens (and the LM head on `rows`)."""
+    weights = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            weights.append((lin.weight, lin.bias))
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    weights.append((head, None))
+    dtype = head.dtype
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=w.device) for w, _ in weights}
+    times = []
+    F.linear(inputs[weights[0][0].shape[1]], *weights[0])  # warm
+    for _ in range(reps):
+        start = time.perf_counter()
+        for w, b in weights:
+            F.linear(inputs[w.shape[1]], w, b)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _breakdown(log: StepLog) -> tuple[dict[str, float], float]:
+    """Op group -> mean self ms over the profiled steps, and the mean profiled step ms."""
+    if not log.profiled:
+        return {}, float("nan")
+    totals: dict[str, float] = defaultdict(float)
+    for ops in log.profiled:
+        for op, ms in ops.items():
+            group = next((g for g, names in GROUPS.items() if any(op.startswith(n) for n in names)), None)
+            if group is None and op.startswith("aten::"):
+                group = "other ops"
+            if group is not None:
+                totals[group] += ms / len(log.profiled)
+    step = statistics.mean(log.profiled_ms)
+    totals["host (Python, dispatch)"] = max(0.0, step - sum(totals.values()))
+    return dict(totals), step
+
+
+@dataclass(slots=True)
+class Scenario:
+    cache: str
+    seqs: int
+    step_ms: float
+    matmul_ms: float
+    steps: int
+    groups: dict[str, float]
+    profiled_ms: float
+    top_ops: dict[str, float]
+
+    @property
+    def outside_share(self) -> float:
+        return max(0.0, 1.0 - self.matmul_ms / self.step_ms)
+
+
+def _measure(engine: Engine, log: StepLog, seqs: int, lengths: list[int], tokens: int, seed: int) -> Scenario:
+    model = engine.runner.model
+    prompts = _prompts(seqs, lengths, engine.vocab_size, seed)
+    log.steps.clear()
+    log.profiled.clear()
+    log.profiled_ms.clear()
+    log.matmul_ms.clear()
+    log.profile_steps, log.profile_width = 2, seqs
+    _generate(engine, prompts, tokens, f"{engine.realized.kind.value}-{seqs}")
+    times = [ms for d, n, ms in log.steps if d == n == seqs]
+    groups, profiled = _breakdown(log)
+    top: dict[str, float] = defaultdict(float)
+    for ops in log.profiled:
+        for op, ms in ops.items():
+            top[op] += ms / len(log.profiled)
+    return Scenario(
+        cache=engine.realized.kind.value,
+        seqs=seqs,
+        step_ms=statistics.median(times) if times else float("nan"),
+        matmul_ms=statistics.median(log.matmul_ms) if log.matmul_ms else matmul_alone_ms(model, seqs, reps=5),
+        steps=len(times),
+        groups=groups,
+        profiled_ms=profiled,
+        top_ops=dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]),
+    )
+
+
+def run(ctx: BenchContext) -> SuiteResult:
+    command = "python -m benchmarks.run --suites engine_step" + (" --quick" if ctx.quick else "")
+    if "--model" in ctx.command:
+        command += f" --model {ctx.model}"
+    tokens = 12 if ctx.quick else 40
+    max_model_len = min(1024, read_model_config(ctx.model).max_position_embeddings)
+    longest = min(320, max_model_len - tokens - 1)  # a tiny test model has few positions
+    lengths = [longest // 5 + (longest * 4 // 5 * i) // (NUM_SEQS - 1) for i in range(NUM_SEQS)]
+    single = [min(192, longest)]
+    base = WorkerSpec(
+        model=str(ctx.model), device=ctx.device, max_num_seqs=NUM_SEQS, max_model_len=max_model_len
+    )
+    scenarios: list[Scenario] = []
+    realized: dict[str, str] = {}
+    for name, mode in (("paged", PagedAttentionMode.ON), ("eager", PagedAttentionMode.OFF)):
+        started = time.monotonic()
+        engine = build_engine(replace(base, cache=cache_intent(mode)))
+        startup_s = time.monotonic() - started
+        with engine:
+            r = engine.realized
+            realized[name] = (
+                f"{r.kind.value} cache, backend {r.backend.value if r.backend else 'eager'}, "
+                f"startup {startup_s:.1f} s"
+            )
+            log = StepLog()
+            engine.runner = _TimedRunner(engine.runner, log)  # type: ignore[assignment]
+            _generate(engine, _prompts(2, [32], engine.vocab_size, ctx.seed), 4, f"{name}-warmup")
+            scenarios.append(_measure(engine, log, NUM_SEQS, lengths, tokens, ctx.seed))
+            scenarios.append(_measure(engine, log, 1, single, tokens, ctx.seed + 1))
+    return _result(ctx, command, scenarios, realized)
+
+
+def _result(
+    ctx: BenchContext, command: str, scenarios: list[Scenario], realized: dict[str, str]
+) -> SuiteResult:
+    by = {(s.cache, s.seqs): s for s in scenarios}
+    rows = [
+        [s.cache, s.seqs, s.step_ms, s.matmul_ms, f"{s.outside_share:.0%}", s.step_ms / s.matmul_ms, s.steps]
+        for s in scenarios
+    ]
+    steps = Table(
+        "Decode step: wall time vs its matrix multiplies alone",
+        [
+            "cache",
+            "sequences",
+            "step ms (median)",
+            "matmuls alone ms",
+            "outside matmuls",
+            "step / matmuls",
+            "steps timed",
+        ],
+        rows,
+        command,
+        notes=[f"{k}: {v}" for k, v in realized.items()]
+        + ["32 sequences: prompts 64..320 tokens; batch 1: a 192-token prompt; greedy, ignore_eos."],
+    )
+    group_names = list(GROUPS) + ["other ops", "host (Python, dispatch)"]
+    breakdown_rows = []
+    for s in scenarios:
+        for g in group_names:
+            ms = s.groups.get(g, 0.0)
+            breakdown_rows.append([s.cache, s.seqs, g, ms, f"{ms / s.profiled_ms:.0%}"])
+    breakdown = Table(
+        "Profiled decode step by op group (torch.profiler on the step thread, self CPU time)",
+        ["cache", "sequences", "op group", "ms", "% of profiled step"],
+        breakdown_rows,
+        command,
+        notes=[
+            "mean of 2 profiled steps; the profiler adds per-op overhead, so small ops and the host share "
+            "read high next to the unprofiled medians above."
+        ],
+    )
+    targets = []
+    paged32, eager32 = by.get(("paged", NUM_SEQS)), by.get(("eager", NUM_SEQS))
+    paged1, eager1 = by.get(("paged", 1)), by.get(("eager", 1))
+    if paged32 and eager32:
+        ratio = eager32.step_ms / paged32.step_ms
+        targets.append(
+            Target(
+                "paged >= eager (decode step, 32 sequences)",
+                "eager step / paged step >= 1.0",
+                f"{ratio:.2f} (paged {paged32.step_ms:.1f} ms, eager {eager32.step_ms:.1f} ms)",
+                ratio >= 1.0,
+            )
+        )
+    for s in (paged32, eager32):
+        if s:
+            targets.append(
+                Target(
+                    f"32-sequence decode step outside the matmuls ({s.cache})",
+                    "<= 30% of the step",
+                    f"{s.outside_share:.0%} (step {s.step_ms:.1f} ms, matmuls {s.matmul_ms:.1f} ms)",
+                    s.outside_share <= 0.30,
+                    _top_groups(s),
+                )
+            )
+    for s in (paged1, eager1):
+        if s:
+            ratio = s.step_ms / s.matmul_ms
+            targets.append(
+                Target(
+                    f"batch-1 decode step / its matmuls ({s.cache})",
+                    "<= 1.15",
+                    f"{ratio:.2f} (step {s.step_ms:.1f} ms, matmuls {s.matmul_ms:.1f} ms)",
+                    ratio <= 1.15,
+                    _top_groups(s),
+                )
+            )
+    return SuiteResult(
+        suite="engine_step",
+        tables=[steps, breakdown],
+        targets=targets,
+        data={
+            "scenarios": [
+                {
+                    "cache": s.cache,
+                    "sequences": s.seqs,
+                    "step_ms": s.step_ms,
+                    "matmul_ms": s.matmul_ms,
+                    "steps": s.steps,
+                    "profiled_step_ms": s.profiled_ms,
+                    "groups_ms": s.groups,
+                    "top_ops_ms": s.top_ops,
+                }
+                for s in scenarios
+            ],
+            "realized": realized,
+        },
+        figure=_figure(scenarios, group_names),
+        notes=[f"Model {ctx.model.name}; torch {torch.__version__}, {torch.get_num_threads()} threads."],
+    )
+
+
+def _top_groups(s: Scenario) -> str:
+    outside = {g: ms for g, ms in s.groups.items() if g != "matmul (linear)"}
+    top = sorted(outside.items(), key=lambda kv: -kv[1])[:3]
+    return "profile, outside the matmuls: " + ", ".join(f"{g} {ms / s.profiled_ms:.0%}" for g, ms in top)
+
+
+def _figure(scenarios: list[Scenario], group_names: list[str]) -> Any:
+    fig, (ax_steps, ax_groups) = new_figure(ncols=2, width=6.5, height=4.2)
+    labels = [f"{s.cache}\n{s.seqs} seq" for s in scenarios]
+    x = range(len(scenarios))
+    ax_steps.bar([i - 0.2 for i in x], [s.step_ms for s in scenarios], width=0.4, label="step")
+    ax_steps.bar([i + 0.2 for i in x], [s.matmul_ms for s in scenarios], width=0.4, label="matmuls alone")
+    ax_steps.set_xticks(list(x), labels)
+    ax_steps.set_ylabel("ms per decode step (median)")
+    ax_steps.set_title("Decode step vs its matrix multiplies")
+    ax_steps.legend()
+    bottom = [0.0] * len(scenarios)
+    for g in group_names:
+        share = [100 * s.groups.get(g, 0.0) / s.profiled_ms if s.profiled_ms else 0.0 for s in scenarios]
+        ax_groups.bar(list(x), share, bottom=bottom, label=g)
+        bottom = [b + v for b, v in zip(bottom, share, strict=True)]
+    ax_groups.set_xticks(list(x), labels)
+    ax_groups.set_ylabel("% of the profiled step")
+    ax_groups.set_title("Profiled step by op group")
+    ax_groups.legend(fontsize=7, loc="lower right")
+    return fig
