@@ -252,6 +252,7 @@ def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
             plan.backend,
             max_model_len=plan.max_model_len,
         )
+        log.info("paged attention kernels", backend=cache.backend.value, kernels=cache.kernels)
         if cache.backend is PagedBackend.TRITON:
             warm = warm_up_paged_kernels(cache, num_heads=config.num_heads, dtype=plan.dtype)
             log.info(
@@ -271,6 +272,7 @@ def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
             plan.probe.device,
             sliding_window=config.sliding_window,
         )
+        log.info("eager attention kernels", kernels=cache.kernels)
     scheduler_kind = select_scheduler(plan.spec.cache, cache.kind)  # the backstop: from what was built
     scheduler: Scheduler
     if scheduler_kind is SchedulerKind.PAGED:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -39,9 +40,13 @@ def run_steps(cache: EagerCache, reference) -> None:  # type: ignore[no-untyped-
         torch.testing.assert_close(got, reference(step, q, k, v), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-decode-kernel", "torch-sdpa"])
 @torch.inference_mode()
-def test_eager_step_equals_contiguous_attention():
+def test_eager_step_equals_contiguous_attention(native):
     cache = EagerCache(1, 4, 64, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    assert (cache.native is not None) and cache.kernels.startswith("CPU C decode kernel")
+    if not native:  # the path a worker without a C compiler (or with another dtype) takes
+        cache.native = None
     ref = ContiguousAttention()
     ids = {"a": 0, "b": 1, "c": 2}
     run_steps(

@@ -8,7 +8,7 @@ import torch
 from kvpact import kernels
 from kvpact.shared.intent import PagedBackend
 from kvpact.worker.block_manager import BlockTable
-from kvpact.worker.kv.paged import PagedCache, paged_ops
+from kvpact.worker.kv.paged import PagedCache, paged_ops, reference_ops
 from kvpact.worker.request import SamplingParams
 from kvpact.worker.sequence import ScheduledChunk, Sequence
 from tests.factories.tiny_models import ContiguousAttention
@@ -100,19 +100,24 @@ def test_a_decode_only_step_has_empty_prefill_metadata():
 
 
 def test_backend_choice_is_only_which_functions_run():
-    # The torch backend runs the references behind the Triton wrappers' signature (out=, check=).
-    torch_ops = paged_ops(PagedBackend.TORCH)
+    # The torch backend's kernels take the Triton wrappers' signature (out=, check=) and agree with
+    # the references; on a CPU float32 cache they are the C kernels, and the cache says so.
+    torch_ops, which = paged_ops(PagedBackend.TORCH, torch.float32, torch.device("cpu"))
+    assert which.startswith("CPU C kernels"), which
     torch.manual_seed(0)
     key_cache, value_cache = torch.randn(2, 8, BS, KV_HEADS, DIM).unbind(0)
     query, tables = torch.randn(2, HEADS, DIM), torch.tensor([[1, 0], [2, 3]], dtype=torch.int32)
     lens = torch.tensor([3, 7], dtype=torch.int32)
     out = torch.full_like(query, float("nan"))
     got = torch_ops.decode(
-        query, key_cache, value_cache, tables, lens, 0.25, 2, out=out, workspace=None, check=False
+        query, key_cache, value_cache, tables, lens, 0.25, 2, out=out, workspace=None, check=True
     )
     want = kernels.paged_decode_attention_torch(query, key_cache, value_cache, tables, lens, 0.25)
-    assert got is out and torch.equal(out, want)
-    triton_ops = paged_ops(PagedBackend.TRITON)  # imports the Triton wrappers; nothing is launched
+    assert got is out
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    ref_ops, which = paged_ops(PagedBackend.TORCH, torch.bfloat16, torch.device("cpu"))
+    assert ref_ops == reference_ops() and "float32 only" in which, which
+    triton_ops, _ = paged_ops(PagedBackend.TRITON)  # imports the Triton wrappers; nothing is launched
     assert (triton_ops.write, triton_ops.decode, triton_ops.prefill) == (
         kernels.reshape_and_cache,
         kernels.paged_decode_attention,

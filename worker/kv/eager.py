@@ -7,6 +7,10 @@ slot at full length, which is simple and never runs out mid-sequence, but it cap
 
 With `sliding_window` W, a token at position p attends to positions p - W < t <= p (as Mistral and
 Qwen2 define it); the paged kernels have no window, so startup routes such models here.
+
+Decodes on a CPU float32 cache without a window run kernels/cpu_paged.py's C decode kernel, reading
+each slot where it lies (a slot is a block of max_model_len tokens); otherwise their histories are
+gathered and attended with torch's SDPA. Longer chunks attend with SDPA on their slot's view.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpact.kernels import cpu_paged
 from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.worker.device import to_device
 from kvpact.worker.sequence import ScheduledChunk
@@ -41,6 +46,20 @@ class EagerCache:
         self.scale = head_dim**-0.5
         self.device = device
         self.sliding_window = sliding_window
+        # Decodes read their slot in place with the C decode kernel (a slot is one block of
+        # max_model_len tokens); else (no compiler, not float32 on a CPU, a sliding window) the
+        # decodes' histories are gathered and attended with torch's SDPA.
+        native = (
+            cpu_paged.load(dtype, device)
+            if sliding_window is None
+            else "the C decode kernel has no sliding window"
+        )
+        self.native = None if isinstance(native, str) else native
+        self.kernels = (
+            f"CPU C decode kernel ({native.path.name})"
+            if not isinstance(native, str)
+            else f"torch SDPA on gathered histories ({native})"
+        )
 
     def visible(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
         """[num_queries, num_keys] bool: which keys each query attends to (causal, windowed if set)."""
@@ -69,10 +88,15 @@ class EagerAttentionStep:
         self.decode_slots = to_device(torch.tensor([c.seq.slot for c in decodes], dtype=torch.long), dev)
         self.decode_positions = to_device(torch.tensor([c.start for c in decodes], dtype=torch.long), dev)
         self.decode_len = max((c.end for c in decodes), default=0)
-        # [num_decodes, 1, 1, decode_len]
-        self.decode_mask = cache.visible(torch.arange(self.decode_len, device=dev), self.decode_positions)[
-            :, None, None, :
-        ]
+        if cache.native is not None:  # the C kernel: a slot is a one-block table; no mask, no gather
+            self.decode_tables = self.decode_slots.to(torch.int32)[:, None]
+            self.decode_context_lens = (self.decode_positions + 1).to(torch.int32)
+            self.decode_flat_slots = self.decode_slots * cache.max_model_len + self.decode_positions
+            self._checked = False
+        else:  # [num_decodes, 1, 1, decode_len]
+            self.decode_mask = cache.visible(
+                torch.arange(self.decode_len, device=dev), self.decode_positions
+            )[:, None, None, :]
         self.prefills: list[tuple[int, int, int, int]] = []  # (slot, start, num_tokens, offset in batch)
         offset = num_decodes
         for c in chunks[num_decodes:]:
@@ -85,7 +109,24 @@ class EagerAttentionStep:
         k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
         out = torch.empty_like(q)
         d = self.num_decodes
-        if d:
+        native = self.cache.native
+        if d and native is not None:
+            check, self._checked = not self._checked, True  # the first layer checks for all of them
+            native.write(k[:d], v[:d], key_cache, value_cache, self.decode_flat_slots, check=check)
+            same = out.dtype == key_cache.dtype  # else a float32 cache under a lower-precision model
+            got = native.decode(
+                q[:d].to(key_cache.dtype),
+                key_cache,
+                value_cache,
+                self.decode_tables,
+                self.decode_context_lens,
+                self.cache.scale,
+                out=out[:d] if same else None,
+                check=check,
+            )
+            if not same:
+                out[:d] = got
+        elif d:
             key_cache[self.decode_slots, self.decode_positions] = k[:d]
             value_cache[self.decode_slots, self.decode_positions] = v[:d]
             keys = key_cache[self.decode_slots, : self.decode_len]  # [d, len, kv_heads, head_dim]

@@ -7,8 +7,9 @@ block table (worker/block_manager.py owns the tables; this file only reads them)
 A step writes every new token's K/V into the pools first (`reshape_and_cache`), then attends through
 the pools: one-token chunks with `paged_decode_attention`, longer chunks (prefill, or extend after a
 prefix-cache hit or a previous chunk) with `paged_prefill_attention`. The backend only chooses which
-functions those are: TORCH = kernels.reference (CPU, MPS), TRITON = the Triton kernels (CUDA); they
-share signatures and layouts.
+functions those are: TORCH = kernels/cpu_paged.py on a CPU float32 cache (C decode reading blocks in
+place), else kernels/reference.py (MPS, other dtypes, no C compiler); TRITON = the Triton kernels
+(CUDA). They share signatures and layouts; `PagedCache.kernels` says which run.
 
 Host work is per step, not per layer: the step checks the kernels' arguments on its first layer only,
 picks the decode split count once (kernels/splits.py, capped at the largest count the startup warm-up
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpact import kernels
+from kvpact.kernels import cpu_paged
 from kvpact.kernels.compiles import compiled_variant_count
 from kvpact.kernels.splits import decode_workspace, default_num_splits, device_num_sms, split_variants
 from kvpact.shared.intent import PagedBackend
@@ -80,15 +82,28 @@ def _torch_prefill(  # noqa: ANN001 - the reference's arguments, passed through
     return got if out is None else out.copy_(got)
 
 
-def paged_ops(backend: PagedBackend) -> PagedOps:
+def reference_ops() -> PagedOps:
+    """kernels/reference.py behind the Triton wrappers' signature: any device and dtype, slow."""
+    return PagedOps(_torch_write, _torch_decode, _torch_prefill)
+
+
+def paged_ops(
+    backend: PagedBackend, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> tuple[PagedOps, str]:
+    """The backend's kernels and a line saying which they are (logged at startup). TORCH on a CPU
+    float32 cache: the C kernels of kernels/cpu_paged.py (decode reads blocks in place); where those
+    cannot run, the references, and the line says why."""
     if backend is PagedBackend.TORCH:
-        return PagedOps(_torch_write, _torch_decode, _torch_prefill)
+        native = cpu_paged.load(dtype, device or torch.device("cpu"))
+        if isinstance(native, str):
+            return reference_ops(), f"pure-torch reference kernels ({native})"
+        return PagedOps(native.write, native.decode, native.prefill), f"CPU C kernels ({native.path.name})"
     if backend is PagedBackend.TRITON:  # imports triton: only on a worker whose decision chose it
         from kvpact.kernels.cache_write import reshape_and_cache
         from kvpact.kernels.decode_attention import paged_decode_attention
         from kvpact.kernels.prefill_attention import paged_prefill_attention
 
-        return PagedOps(reshape_and_cache, paged_decode_attention, paged_prefill_attention)
+        return PagedOps(reshape_and_cache, paged_decode_attention, paged_prefill_attention), "Triton kernels"
     raise ValueError(f"the paged cache needs a concrete backend (torch or triton), got {backend}")
 
 
@@ -117,7 +132,7 @@ class PagedCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.backend = backend
-        self.ops = paged_ops(backend)
+        self.ops, self.kernels = paged_ops(backend, dtype, device)
         self.scale = head_dim**-0.5
         self.device = device
         self.num_sms = device_num_sms(device)

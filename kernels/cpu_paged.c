@@ -1,0 +1,178 @@
+/* Paged KV cache kernels for the CPU worker (fp32), reading each sequence's blocks where they lie.
+ *
+ * Built at worker startup by kernels/cpu_paged.py (cc -O3 -march=native, no torch headers) and called
+ * through ctypes with raw pointers; the layouts are kernels/reference.py's:
+ *   key_cache, value_cache  [num_blocks, block_size, kv_heads, head_dim] float, contiguous
+ *   block_tables            [num_seqs, table_stride] int32
+ *   slot                    block_id * block_size + offset; < 0 = skip
+ * Query head h reads KV head h / (q_heads / kv_heads) (GQA).
+ *
+ * Work is split over (sequence, kv head) pairs across `num_threads` POSIX threads (no OpenMP runtime,
+ * so nothing competes with torch's own thread pool between calls).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Copies each token's K/V row (kv_heads * head_dim floats) into its slot. Rows of key/value are
+ * `key_stride` / `value_stride` floats apart (a token's kv_heads x head_dim block is contiguous). */
+void kvp_write_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                   float *key_cache, float *value_cache, const int64_t *slots, int64_t num_tokens,
+                   int64_t row) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(key_cache + slot * row, key + t * key_stride, (size_t)row * sizeof(float));
+        memcpy(value_cache + slot * row, value + t * value_stride, (size_t)row * sizeof(float));
+    }
+}
+
+typedef struct {
+    const float *query;  /* [num_seqs, q_heads, head_dim], rows `query_stride` floats apart per seq */
+    int64_t query_stride;
+    const float *key_cache, *value_cache;
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int32_t *context_lens;
+    int64_t num_seqs, q_heads, kv_heads, head_dim, block_size;
+    float scale;
+    float *out; /* [num_seqs, q_heads, head_dim] contiguous */
+    int64_t first_item, end_item; /* this thread's (seq, kv head) items */
+    int status;                   /* 0 ok, 1 out of memory */
+} DecodeJob;
+
+static void decode_item(const DecodeJob *j, int64_t seq, int64_t kvh, float *scores) {
+    const int64_t group = j->q_heads / j->kv_heads, dim = j->head_dim, bs = j->block_size;
+    const int64_t ctx = j->context_lens[seq];
+    const int64_t token_stride = j->kv_heads * dim; /* floats between consecutive slots */
+    const int32_t *table = j->block_tables + seq * j->table_stride;
+    const float *q = j->query + seq * j->query_stride + kvh * group * dim;
+    float *out = j->out + (seq * j->q_heads + kvh * group) * dim;
+
+    /* scores[g * ctx + t] = q_g . k_t * scale */
+    for (int64_t start = 0; start < ctx; start += bs) {
+        const int64_t n = ctx - start < bs ? ctx - start : bs;
+        const float *k = j->key_cache + ((int64_t)table[start / bs] * bs * j->kv_heads + kvh) * dim;
+        for (int64_t i = 0; i < n; i++, k += token_stride) {
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * dim;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < dim; d++) acc += qg[d] * k[d];
+                scores[g * ctx + start + i] = acc * j->scale;
+            }
+        }
+    }
+    /* softmax per query head */
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * ctx;
+        float m = s[0];
+        for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
+        memset(out + g * dim, 0, (size_t)dim * sizeof(float));
+    }
+    /* out_g = sum_t p_gt v_t */
+    for (int64_t start = 0; start < ctx; start += bs) {
+        const int64_t n = ctx - start < bs ? ctx - start : bs;
+        const float *v = j->value_cache + ((int64_t)table[start / bs] * bs * j->kv_heads + kvh) * dim;
+        for (int64_t i = 0; i < n; i++, v += token_stride) {
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * ctx + start + i];
+                float *o = out + g * dim;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; d++) o[d] += p * v[d];
+            }
+        }
+    }
+}
+
+static void *decode_range(void *arg) {
+    DecodeJob *j = (DecodeJob *)arg;
+    const int64_t group = j->q_heads / j->kv_heads;
+    int64_t longest = 1;
+    for (int64_t it = j->first_item; it < j->end_item; it++) {
+        int64_t ctx = j->context_lens[it / j->kv_heads];
+        longest = ctx > longest ? ctx : longest;
+    }
+    float *scores = (float *)malloc((size_t)(longest * group) * sizeof(float));
+    if (scores == NULL) {
+        j->status = 1;
+        return NULL;
+    }
+    for (int64_t it = j->first_item; it < j->end_item; it++)
+        decode_item(j, it / j->kv_heads, it % j->kv_heads, scores);
+    free(scores);
+    return NULL;
+}
+
+/* One query token per sequence attends to its first context_lens[s] (>= 1) cached tokens.
+ * Returns 0, or 1 when memory or a thread could not be had (the output is then incomplete). */
+int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_cache,
+                   const float *value_cache, const int32_t *block_tables, int64_t table_stride,
+                   const int32_t *context_lens, int64_t num_seqs, int64_t q_heads, int64_t kv_heads,
+                   int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads) {
+    enum { MAX_THREADS = 64 };
+    const int64_t items = num_seqs * kv_heads;
+    int64_t total_tokens = 0;
+    for (int64_t s = 0; s < num_seqs; s++) total_tokens += context_lens[s];
+    /* A thread costs tens of microseconds to start: only split work worth more than that. */
+    int64_t threads = total_tokens * q_heads * head_dim < (1 << 18) ? 1 : num_threads;
+    if (threads > items) threads = items;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+
+    DecodeJob jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    /* Balance by tokens: item boundaries where the running token count crosses k / threads. */
+    int64_t item = 0, seen = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        DecodeJob *j = &jobs[t];
+        j->query = query;
+        j->query_stride = query_stride;
+        j->key_cache = key_cache;
+        j->value_cache = value_cache;
+        j->block_tables = block_tables;
+        j->table_stride = table_stride;
+        j->context_lens = context_lens;
+        j->num_seqs = num_seqs;
+        j->q_heads = q_heads;
+        j->kv_heads = kv_heads;
+        j->head_dim = head_dim;
+        j->block_size = block_size;
+        j->scale = scale;
+        j->out = out;
+        j->status = 0;
+        j->first_item = item;
+        const int64_t goal = (total_tokens * kv_heads * (t + 1)) / threads;
+        while (item < items && (t == threads - 1 || seen < goal)) {
+            seen += context_lens[item / kv_heads];
+            item++;
+        }
+        j->end_item = item;
+    }
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, decode_range, &jobs[t]) == 0;
+    decode_range(&jobs[0]);
+    int status = jobs[0].status;
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) {
+            pthread_join(tids[t], NULL);
+            status |= jobs[t].status;
+        } else {
+            decode_range(&jobs[t]); /* no thread: do its share here */
+            status |= jobs[t].status;
+        }
+    }
+    return status;
+}

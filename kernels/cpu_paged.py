@@ -1,0 +1,259 @@
+"""The CPU worker's fast paged-attention path: decode that reads each sequence's blocks where they lie.
+
+`kernels/reference.py` is the readable oracle; this is what the torch backend runs on a CPU (tests
+hold the two equal, tests/kernels/test_cpu_paged.py). Three operations, the reference's signatures:
+
+- `write`: each token's K/V row copied into its slot (a C loop of memcpy; skips slot < 0).
+- `decode`: one query per sequence over its first context_lens[i] tokens, in C
+  (kernels/cpu_paged.c): per (sequence, KV head), scores against each block in place, softmax,
+  weighted sum of the V rows in place. No gather, no padding to the longest context, no mask.
+- `prefill`: per sequence, its blocks gathered once (`index_select`) and attended with torch's
+  fused CPU attention (`scaled_dot_product_attention`); the gather is shared by all of the chunk's
+  query tokens, so it is small next to the attention itself.
+
+The C file is compiled once per machine and source (`cc -O3 -march=native`, about a second, no
+torch headers) into a cache folder ($KVPACT_CACHE_DIR, else $XDG_CACHE_HOME/kvpact, else
+~/.cache/kvpact) and loaded with ctypes. `load()` returns the operations, or the reason they
+cannot run here (no C compiler, a failed build, a cache dtype other than float32): the caller keeps
+the pure-torch path and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvpact.kernels import checks
+
+SOURCE = Path(__file__).with_name("cpu_paged.c")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
+BUILD_TIMEOUT_S = 120.0
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPagedOps:
+    """The loaded kernels; `write`, `decode` and `prefill` take paged.PagedOps' arguments."""
+
+    library: ctypes.CDLL
+    path: Path
+    num_threads: int
+
+    def write(self, key, value, key_cache, value_cache, slot_mapping, *, check=True) -> None:  # noqa: ANN001
+        row = key_cache.shape[2] * key_cache.shape[3]
+        if check:
+            checks.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+            _check_layout(key_cache, key=key, value=value)
+            if key.shape[0] and int(slot_mapping.max()) >= key_cache.shape[0] * key_cache.shape[1]:
+                raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())}, past the cache's end")
+        with torch.profiler.record_function("kvpact::cpu_paged_write"):
+            self.library.kvp_write_f32(
+                key.data_ptr(),
+                key.stride(0),
+                value.data_ptr(),
+                value.stride(0),
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+                slot_mapping.data_ptr(),
+                slot_mapping.shape[0],
+                row,
+            )
+
+    def decode(  # noqa: ANN001 - the reference's arguments
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale,
+        num_splits=None,
+        *,
+        out=None,
+        check=True,
+        **_,
+    ) -> torch.Tensor:
+        num_seqs, q_heads, head_dim = query.shape
+        _, block_size, kv_heads, _ = key_cache.shape
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype)
+        if check:
+            checks.check_decode(query, key_cache, value_cache, block_tables, context_lens)
+            checks.check_out("out", out, query)
+            _check_layout(key_cache, query=query, out=out)
+            if num_seqs and int(context_lens.min()) < 1:
+                raise ValueError("context_lens must be >= 1 (the decoded token is in the cache)")
+        if num_seqs == 0:
+            return out
+        with torch.profiler.record_function("kvpact::cpu_paged_decode"):
+            status = self.library.kvp_decode_f32(
+                query.data_ptr(),
+                query.stride(0),
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+                block_tables.data_ptr(),
+                block_tables.stride(0),
+                context_lens.data_ptr(),
+                num_seqs,
+                q_heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                float(scale),
+                out.data_ptr(),
+                self.num_threads,
+            )
+        if status:
+            raise MemoryError("the CPU paged decode kernel could not allocate its score buffer")
+        return out
+
+    def prefill(  # noqa: ANN001 - the reference's arguments
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        max_query_len=None,
+        *,
+        out=None,
+        **_,
+    ) -> torch.Tensor:
+        return prefill_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out=out
+        )
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, q_heads, head_dim], sequences back to back
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference's prefill (paged_prefill_attention_torch), one gather per sequence and torch's
+    fused attention instead of explicit scores; any cache dtype."""
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    starts = query_start_loc.tolist()
+    for i, context_len in enumerate(context_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        block_ids = block_tables[i, : -(-context_len // block_size)].long()
+        k = key_cache.index_select(0, block_ids).view(-1, kv_heads, head_dim)[:context_len]
+        v = value_cache.index_select(0, block_ids).view(-1, kv_heads, head_dim)[:context_len]
+        mask = None  # q_len == context_len: plain causal
+        if q_len != context_len:  # a cached prefix: query j sits at context_len - q_len + j
+            q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
+            mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None].to(k.dtype),
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def _check_layout(key_cache: torch.Tensor, **rows: torch.Tensor) -> None:
+    """What the C code assumes beyond kernels/checks.py: float32 on the CPU, a contiguous cache, and
+    each token's [heads, head_dim] block contiguous (tokens may be any stride apart)."""
+    if key_cache.dtype != torch.float32 or key_cache.device.type != "cpu" or not key_cache.is_contiguous():
+        raise ValueError(
+            f"the C kernels need a contiguous float32 CPU cache, got {key_cache.dtype} "
+            f"on {key_cache.device}, strides {key_cache.stride()}"
+        )
+    for name, t in rows.items():
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(
+                f"{name}: each token's [heads, head_dim] must be contiguous, strides {t.stride()}"
+            )
+
+
+def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
+    """The compiled kernels, or why they cannot run (the caller falls back to pure torch)."""
+    if device.type != "cpu":
+        return f"the C kernels run on CPU tensors, the cache is on {device.type}"
+    if dtype != torch.float32:
+        return f"the C kernels are float32 only, the cache is {str(dtype).removeprefix('torch.')}"
+    try:
+        path = _build()
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        return f"could not build {SOURCE.name}: {e}"
+    library.kvp_write_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]
+    library.kvp_write_f32.restype = None
+    library.kvp_decode_f32.argtypes = (
+        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 5 + [_f32, _ptr, _i64]
+    )
+    library.kvp_decode_f32.restype = ctypes.c_int
+    return CpuPagedOps(library, path, torch.get_num_threads())
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KVPACT_CACHE_DIR"):
+        return Path(os.environ["KVPACT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvpact"
+
+
+def _build() -> Path:
+    """The shared library for this source, flags and CPU, built once (atomically) into cache_dir()."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *CFLAGS)).encode() + _cpu_id().encode()).hexdigest()
+    target = cache_dir() / f"cpu_paged-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run(
+            [compiler, *CFLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-400:]}")
+        os.replace(built, target)  # atomic: concurrent workers see a whole file or none
+    return target
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return platform.machine() + flags

@@ -1,0 +1,116 @@
+"""The CPU C kernels (kernels/cpu_paged.py) against the references and textbook attention, and the
+reasons they give when they cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpact.kernels import cpu_paged
+from kvpact.kernels.reference import (
+    paged_decode_attention_torch,
+    paged_prefill_attention_torch,
+    reshape_and_cache_torch,
+)
+from tests.kernels.factory import dense_attention, make_paged_batch, make_queries, query_start_loc
+
+KV_HEADS = 2
+
+
+@pytest.fixture(scope="module")
+def ops() -> cpu_paged.CpuPagedOps:
+    loaded = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert not isinstance(loaded, str), loaded
+    return loaded
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_equals_the_reference_and_dense_attention_and_never_reads_a_poisoned_slot(
+    ops, head_dim, group, block_size
+):
+    # The factory fills every slot no sequence owns with NaN: one read past a context shows as NaN.
+    lens = [1, block_size, block_size + 1, 3 * block_size + 5, 200]
+    batch = make_paged_batch(
+        lens, block_size=block_size, kv_heads=KV_HEADS, head_dim=head_dim, dtype=torch.float32
+    )
+    query = make_queries(len(lens), KV_HEADS * group, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    args = (query, batch.key_cache, batch.value_cache, batch.block_tables, batch.context_lens, scale)
+    out = torch.full_like(query, float("nan"))
+    got = ops.decode(*args, out=out)
+    assert got is out
+    torch.testing.assert_close(got, paged_decode_attention_torch(*args), atol=1e-5, rtol=1e-5)
+    for i in range(len(lens)):
+        want = dense_attention(query[i : i + 1], batch.keys[i], batch.values[i], scale)[0]
+        torch.testing.assert_close(got[i].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_split_over_threads_equals_one_thread():
+    # Large enough that the kernel splits the (sequence, kv head) pairs over threads.
+    lens = [300, 17, 450, 1, 260, 333, 128, 90]
+    batch = make_paged_batch(lens, block_size=16, kv_heads=KV_HEADS, head_dim=64, dtype=torch.float32)
+    query = make_queries(len(lens), KV_HEADS * 4, 64, torch.float32)
+    args = (query, batch.key_cache, batch.value_cache, batch.block_tables, batch.context_lens, 0.125)
+    one = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert not isinstance(one, str)
+    single = cpu_paged.CpuPagedOps(one.library, one.path, num_threads=1).decode(*args)
+    many = cpu_paged.CpuPagedOps(one.library, one.path, num_threads=4).decode(*args)
+    assert torch.equal(single, many)
+    torch.testing.assert_close(many, paged_decode_attention_torch(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_equals_the_reference_with_and_without_a_cached_prefix(ops, group):
+    lens, query_lens = [5, 40, 33, 1], [5, 7, 33, 1]  # full prompt, extend after a prefix, full, one
+    batch = make_paged_batch(lens, block_size=16, kv_heads=KV_HEADS, head_dim=32, dtype=torch.float32)
+    query = make_queries(sum(query_lens), KV_HEADS * group, 32, torch.float32)
+    starts = query_start_loc(query_lens)
+    args = (query, batch.key_cache, batch.value_cache, batch.block_tables, starts, batch.context_lens, 0.2)
+    got = ops.prefill(*args)
+    torch.testing.assert_close(got, paged_prefill_attention_torch(*args), atol=1e-5, rtol=1e-5)
+    for i, (n, q_len) in enumerate(zip(lens, query_lens, strict=True)):
+        a, b = int(starts[i]), int(starts[i + 1])
+        want = dense_attention(query[a:b], batch.keys[i], batch.values[i], 0.2)
+        torch.testing.assert_close(got[a:b].double(), want, atol=1e-5, rtol=1e-5)
+        assert b - a == q_len and n >= q_len
+
+
+def test_write_equals_the_reference_and_skips_negative_slots(ops):
+    torch.manual_seed(0)
+    caches = [torch.zeros(6, 4, KV_HEADS, 8) for _ in range(4)]
+    key, value = torch.randn(5, KV_HEADS, 8), torch.randn(5, KV_HEADS, 8)
+    slots = torch.tensor([3, -1, 22, 0, 9], dtype=torch.int64)
+    ops.write(key, value, caches[0], caches[1], slots)
+    reshape_and_cache_torch(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert int((caches[0] != 0).any(-1).any(-1).sum()) == 4  # the -1 row went nowhere
+
+
+def test_arguments_the_c_code_cannot_read_are_refused_with_a_reason(ops):
+    cache = torch.zeros(4, 4, KV_HEADS, 8)
+    with pytest.raises(ValueError, match="past the cache's end"):
+        ops.write(
+            torch.ones(1, KV_HEADS, 8), torch.ones(1, KV_HEADS, 8), cache, cache.clone(), torch.tensor([16])
+        )
+    strided = torch.zeros(4, 4, 2 * KV_HEADS, 8)[:, :, :KV_HEADS]
+    with pytest.raises(ValueError, match="contiguous float32 CPU cache"):
+        ops.decode(
+            torch.ones(1, KV_HEADS, 8),
+            strided,
+            strided,
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+            1.0,
+        )
+
+
+def test_load_says_why_the_kernels_cannot_run(monkeypatch, tmp_path):
+    assert "float32 only" in str(cpu_paged.load(torch.bfloat16, torch.device("cpu")))
+    assert "CPU tensors" in str(cpu_paged.load(torch.float32, torch.device("meta")))
+    monkeypatch.setenv("KVPACT_CACHE_DIR", str(tmp_path))  # nothing built yet here
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    reason = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert isinstance(reason, str) and "could not build cpu_paged.c" in reason
+    assert list(tmp_path.iterdir()) == []  # no half-built library left behind
