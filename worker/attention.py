@@ -16,7 +16,8 @@ import torch
 
 class AttentionStep(Protocol):
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], each
+        token's [heads, head_dim] contiguous (tokens may be strided: views of the fused projection).
         Writes k, v to this layer's cache at the tokens' positions, then returns causal attention of
         each query over its sequence's cached tokens up to and including its own position:
         [num_tokens, num_heads, head_dim]."""

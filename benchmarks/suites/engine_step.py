@@ -20,6 +20,7 @@ groups (self CPU time, as a share of the profiled step; the profiler itself infl
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import threading
@@ -90,18 +91,19 @@ class StepLog:
 
 
 class _TimedRunner:
-    """The engine's ModelRunner, timed (and sometimes profiled) on the step thread. Benchmark-only."""
+    """The engine's ModelRunner, timed (and sometimes profiled) on the step thread into `log` (set
+    between batches, while the engine is idle). Benchmark-only."""
 
     def __init__(self, runner: Any, log: StepLog) -> None:
         self._runner = runner
-        self._log = log
+        self.log = log
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
 
     def run(self, chunks: list[Any]) -> Any:
         decodes = sum(1 for c in chunks if c.num_tokens == 1)
-        log = self._log
+        log = self.log
         if log.profile_steps and decodes == len(chunks) == log.profile_width:
             log.profile_steps -= 1
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -205,15 +207,22 @@ class Scenario:
         return max(0.0, 1.0 - self.matmul_ms / self.step_ms)
 
 
-def _measure(engine: Engine, log: StepLog, seqs: int, lengths: list[int], tokens: int, seed: int) -> Scenario:
-    model = engine.runner.model
-    prompts = _prompts(seqs, lengths, engine.vocab_size, seed)
-    log.steps.clear()
-    log.profiled.clear()
-    log.profiled_ms.clear()
-    log.matmul_ms.clear()
-    log.profile_steps, log.profile_width = 2, seqs
-    _generate(engine, prompts, tokens, f"{engine.realized.kind.value}-{seqs}")
+def _run_scenario(
+    engine: Engine, log: StepLog, seqs: int, lengths: list[int], tokens: int, seed: int
+) -> None:
+    """One batch of `seqs` requests; its all-decode steps land in `log` (the first batch is profiled)."""
+    engine.runner.log = log  # type: ignore[attr-defined]
+    log.profile_steps, log.profile_width = (2 if not log.profiled else 0), seqs
+    _generate(
+        engine,
+        _prompts(seqs, lengths, engine.vocab_size, seed),
+        tokens,
+        f"{engine.realized.kind.value}-{seed}",
+    )
+    log.profile_steps = 0
+
+
+def _summarize(cache: str, seqs: int, log: StepLog, model: Any) -> Scenario:
     times = [ms for d, n, ms in log.steps if d == n == seqs]
     groups, profiled = _breakdown(log)
     top: dict[str, float] = defaultdict(float)
@@ -221,7 +230,7 @@ def _measure(engine: Engine, log: StepLog, seqs: int, lengths: list[int], tokens
         for op, ms in ops.items():
             top[op] += ms / len(log.profiled)
     return Scenario(
-        cache=engine.realized.kind.value,
+        cache=cache,
         seqs=seqs,
         step_ms=statistics.median(times) if times else float("nan"),
         matmul_ms=statistics.median(log.matmul_ms) if log.matmul_ms else matmul_alone_ms(model, seqs, reps=5),
@@ -236,7 +245,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     command = "python -m benchmarks.run --suites engine_step" + (" --quick" if ctx.quick else "")
     if "--model" in ctx.command:
         command += f" --model {ctx.model}"
-    tokens = 12 if ctx.quick else 40
+    tokens, rounds = (12, 1) if ctx.quick else (24, 3)
     max_model_len = min(1024, read_model_config(ctx.model).max_position_embeddings)
     longest = min(320, max_model_len - tokens - 1)  # a tiny test model has few positions
     lengths = [longest // 5 + (longest * 4 // 5 * i) // (NUM_SEQS - 1) for i in range(NUM_SEQS)]
@@ -244,28 +253,36 @@ def run(ctx: BenchContext) -> SuiteResult:
     base = WorkerSpec(
         model=str(ctx.model), device=ctx.device, max_num_seqs=NUM_SEQS, max_model_len=max_model_len
     )
-    scenarios: list[Scenario] = []
     realized: dict[str, str] = {}
-    for name, mode in (("paged", PagedAttentionMode.ON), ("eager", PagedAttentionMode.OFF)):
-        started = time.monotonic()
-        engine = build_engine(replace(base, cache=cache_intent(mode)))
-        startup_s = time.monotonic() - started
-        with engine:
+    engines: dict[str, Engine] = {}
+    with contextlib.ExitStack() as stack:
+        for name, mode in (("paged", PagedAttentionMode.ON), ("eager", PagedAttentionMode.OFF)):
+            started = time.monotonic()
+            engine = stack.enter_context(build_engine(replace(base, cache=cache_intent(mode))))
             r = engine.realized
             realized[name] = (
                 f"{r.kind.value} cache, backend {r.backend.value if r.backend else 'eager'}, "
-                f"startup {startup_s:.1f} s"
+                f"{engine.runner.cache.kernels}, startup {time.monotonic() - started:.1f} s"
             )
-            log = StepLog()
-            engine.runner = _TimedRunner(engine.runner, log)  # type: ignore[assignment]
+            engine.runner = _TimedRunner(engine.runner, StepLog())  # type: ignore[assignment]
             _generate(engine, _prompts(2, [32], engine.vocab_size, ctx.seed), 4, f"{name}-warmup")
-            scenarios.append(_measure(engine, log, NUM_SEQS, lengths, tokens, ctx.seed))
-            scenarios.append(_measure(engine, log, 1, single, tokens, ctx.seed + 1))
-    return _result(ctx, command, scenarios, realized)
+            engines[name] = engine
+        logs = {(name, n): StepLog() for name in engines for n in (NUM_SEQS, 1)}
+        # Rounds alternate the caches, so a shared machine's load falls on both alike.
+        for i in range(rounds):
+            for name, engine in engines.items():
+                _run_scenario(engine, logs[(name, NUM_SEQS)], NUM_SEQS, lengths, tokens, ctx.seed + i)
+                _run_scenario(engine, logs[(name, 1)], 1, single, tokens, ctx.seed + 100 + i)
+        scenarios = [
+            _summarize(name, n, logs[(name, n)], engines[name].runner.model)
+            for name in engines
+            for n in (NUM_SEQS, 1)
+        ]
+    return _result(ctx, command, scenarios, realized, rounds)
 
 
 def _result(
-    ctx: BenchContext, command: str, scenarios: list[Scenario], realized: dict[str, str]
+    ctx: BenchContext, command: str, scenarios: list[Scenario], realized: dict[str, str], rounds: int
 ) -> SuiteResult:
     by = {(s.cache, s.seqs): s for s in scenarios}
     rows = [
@@ -286,7 +303,10 @@ def _result(
         rows,
         command,
         notes=[f"{k}: {v}" for k, v in realized.items()]
-        + ["32 sequences: prompts 64..320 tokens; batch 1: a 192-token prompt; greedy, ignore_eos."],
+        + [
+            "32 sequences: prompts 64..320 tokens; batch 1: a 192-token prompt; greedy, ignore_eos; "
+            f"{rounds} round(s), each running paged then eager, medians over every all-decode step."
+        ],
     )
     group_names = list(GROUPS) + ["other ops", "host (Python, dispatch)"]
     breakdown_rows = []

@@ -111,9 +111,8 @@ def test_attention_step_receives_documented_shapes():
                     q.shape,
                     k.shape,
                     v.shape,
-                    q.is_contiguous(),
-                    k.is_contiguous(),
-                    v.is_contiguous(),
+                    # each token's [heads, head_dim] contiguous (tokens may be strided: views)
+                    all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v)),
                 )
             )
             return super().forward(layer_idx, q, k, v)
@@ -125,8 +124,6 @@ def test_attention_step_receives_documented_shapes():
             (3, c.num_heads, c.head_dim),
             (3, c.num_kv_heads, c.head_dim),
             (3, c.num_kv_heads, c.head_dim),
-            True,
-            True,
             True,
         )
         for i in range(c.num_layers)

@@ -107,7 +107,7 @@ class EagerAttentionStep:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         key_cache, value_cache = self.cache.key[layer_idx], self.cache.value[layer_idx]
         k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = self.num_decodes
         native = self.cache.native
         if d and native is not None:

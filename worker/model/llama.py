@@ -7,7 +7,8 @@ One step runs every scheduled token of every sequence at once, concatenated (nan
     attn       AttentionStep         knows the batch layout; owns the KV cache write and the attention
 
 Each layer computes q `[num_tokens, num_heads, head_dim]` and k, v `[num_tokens, num_kv_heads,
-head_dim]` (contiguous, RoPE applied to q and k) and calls `attn.forward(layer_idx, q, k, v)`, which
+head_dim]` (RoPE applied to q and k; views into the fused projection's output, so tokens may be
+strided but each token's [heads, head_dim] is contiguous) and calls `attn.forward(layer_idx, q, k, v)`, which
 returns `[num_tokens, num_heads, head_dim]` computed with scale `config.head_dim ** -0.5`. The model
 never touches a cache. q/k/v and gate/up projections are fused into one matmul each.
 """
@@ -49,10 +50,16 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionStep
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim).contiguous()
+        qkv = self.qkv_proj(x)
+        # q and k rotated together (one set of RoPE ops per layer, not two); q, k and v stay views
+        # of their rows, each token's [heads, head_dim] contiguous.
+        qk = apply_rotary(
+            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+            cos,
+            sin,
+        )
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
