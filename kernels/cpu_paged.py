@@ -207,9 +207,8 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
         return f"could not build {SOURCE.name}: {e}"
     library.kvp_write_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]
     library.kvp_write_f32.restype = None
-    library.kvp_decode_f32.argtypes = (
-        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 5 + [_f32, _ptr, _i64]
-    )
+    library.kvp_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64]
+    library.kvp_decode_f32.argtypes += [_f32, _ptr, _i64]
     library.kvp_decode_f32.restype = ctypes.c_int
     return CpuPagedOps(library, path, torch.get_num_threads())
 

@@ -337,8 +337,9 @@ def _result(
                 ratio >= 1.0,
             )
         )
-    for s in (paged32, eager32):
-        if s:
+    for s32 in (paged32, eager32):
+        if s32:
+            s = s32
             targets.append(
                 Target(
                     f"32-sequence decode step outside the matmuls ({s.cache})",
@@ -348,8 +349,9 @@ def _result(
                     _top_groups(s),
                 )
             )
-    for s in (paged1, eager1):
-        if s:
+    for s1 in (paged1, eager1):
+        if s1:
+            s = s1
             ratio = s.step_ms / s.matmul_ms
             targets.append(
                 Target(

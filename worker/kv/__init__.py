@@ -17,6 +17,7 @@ from kvpact.worker.sequence import ScheduledChunk
 
 class KVCache(Protocol):
     kind: CacheKind
+    kernels: str  # which attention kernels run, and why not faster ones (logged at startup)
 
     @property
     def memory_bytes(self) -> int: ...
