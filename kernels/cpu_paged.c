@@ -7,8 +7,8 @@
  *   slot                    block_id * block_size + offset; < 0 = skip
  * Query head h reads KV head h / (q_heads / kv_heads) (GQA).
  *
- * Work is split over (sequence, kv head) pairs across `num_threads` POSIX threads (no OpenMP runtime,
- * so nothing competes with torch's own thread pool between calls).
+ * Work is split over sequences across `num_threads` POSIX threads, balanced by tokens (no OpenMP
+ * runtime, so nothing competes with torch's own thread pool between calls).
  */
 #include <math.h>
 #include <pthread.h>
@@ -39,35 +39,38 @@ typedef struct {
     int64_t num_seqs, q_heads, kv_heads, head_dim, block_size;
     float scale;
     float *out; /* [num_seqs, q_heads, head_dim] contiguous */
-    int64_t first_item, end_item; /* this thread's (seq, kv head) items */
+    int64_t first_item, end_item; /* this thread's sequences */
     int status;                   /* 0 ok, 1 out of memory */
 } DecodeJob;
 
-static void decode_item(const DecodeJob *j, int64_t seq, int64_t kvh, float *scores) {
-    const int64_t group = j->q_heads / j->kv_heads, dim = j->head_dim, bs = j->block_size;
+/* All query heads of one sequence: each block's rows are read once, front to back, for every KV head
+ * (a block is contiguous, so the reads stream). scores holds q_heads x ctx floats. */
+static void decode_seq(const DecodeJob *j, int64_t seq, float *scores) {
+    const int64_t q_heads = j->q_heads, kv_heads = j->kv_heads, group = q_heads / kv_heads;
+    const int64_t dim = j->head_dim, bs = j->block_size;
     const int64_t ctx = j->context_lens[seq];
-    const int64_t token_stride = j->kv_heads * dim; /* floats between consecutive slots */
     const int32_t *table = j->block_tables + seq * j->table_stride;
-    const float *q = j->query + seq * j->query_stride + kvh * group * dim;
-    float *out = j->out + (seq * j->q_heads + kvh * group) * dim;
+    const float *q = j->query + seq * j->query_stride;
+    float *out = j->out + seq * q_heads * dim;
 
-    /* scores[g * ctx + t] = q_g . k_t * scale */
+    /* scores[h * ctx + t] = q_h . k_t[h / group] * scale */
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
-        const float *k = j->key_cache + ((int64_t)table[start / bs] * bs * j->kv_heads + kvh) * dim;
-        for (int64_t i = 0; i < n; i++, k += token_stride) {
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + g * dim;
+        const float *k = j->key_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
+        for (int64_t i = 0; i < n; i++) {
+            for (int64_t h = 0; h < q_heads; h++) {
+                const float *qh = q + h * dim, *kh = k + (h / group) * dim;
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < dim; d++) acc += qg[d] * k[d];
-                scores[g * ctx + start + i] = acc * j->scale;
+                for (int64_t d = 0; d < dim; d++) acc += qh[d] * kh[d];
+                scores[h * ctx + start + i] = acc * j->scale;
             }
+            k += kv_heads * dim;
         }
     }
     /* softmax per query head */
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * ctx;
+    for (int64_t h = 0; h < q_heads; h++) {
+        float *s = scores + h * ctx;
         float m = s[0];
         for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
         float sum = 0.0f;
@@ -79,38 +82,38 @@ static void decode_item(const DecodeJob *j, int64_t seq, int64_t kvh, float *sco
         const float inv = 1.0f / sum;
 #pragma omp simd
         for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
-        memset(out + g * dim, 0, (size_t)dim * sizeof(float));
     }
-    /* out_g = sum_t p_gt v_t */
+    memset(out, 0, (size_t)(q_heads * dim) * sizeof(float));
+    /* out_h = sum_t p_ht v_t[h / group] */
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
-        const float *v = j->value_cache + ((int64_t)table[start / bs] * bs * j->kv_heads + kvh) * dim;
-        for (int64_t i = 0; i < n; i++, v += token_stride) {
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * ctx + start + i];
-                float *o = out + g * dim;
+        const float *v = j->value_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
+        for (int64_t i = 0; i < n; i++) {
+            for (int64_t h = 0; h < q_heads; h++) {
+                const float p = scores[h * ctx + start + i];
+                const float *vh = v + (h / group) * dim;
+                float *o = out + h * dim;
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) o[d] += p * v[d];
+                for (int64_t d = 0; d < dim; d++) o[d] += p * vh[d];
             }
+            v += kv_heads * dim;
         }
     }
 }
 
 static void *decode_range(void *arg) {
     DecodeJob *j = (DecodeJob *)arg;
-    const int64_t group = j->q_heads / j->kv_heads;
     int64_t longest = 1;
     for (int64_t it = j->first_item; it < j->end_item; it++) {
-        int64_t ctx = j->context_lens[it / j->kv_heads];
+        int64_t ctx = j->context_lens[it];
         longest = ctx > longest ? ctx : longest;
     }
-    float *scores = (float *)malloc((size_t)(longest * group) * sizeof(float));
+    float *scores = (float *)malloc((size_t)(longest * j->q_heads) * sizeof(float));
     if (scores == NULL) {
         j->status = 1;
         return NULL;
     }
-    for (int64_t it = j->first_item; it < j->end_item; it++)
-        decode_item(j, it / j->kv_heads, it % j->kv_heads, scores);
+    for (int64_t it = j->first_item; it < j->end_item; it++) decode_seq(j, it, scores);
     free(scores);
     return NULL;
 }
@@ -122,7 +125,7 @@ int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_ca
                    const int32_t *context_lens, int64_t num_seqs, int64_t q_heads, int64_t kv_heads,
                    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads) {
     enum { MAX_THREADS = 64 };
-    const int64_t items = num_seqs * kv_heads;
+    const int64_t items = num_seqs;
     int64_t total_tokens = 0;
     for (int64_t s = 0; s < num_seqs; s++) total_tokens += context_lens[s];
     /* A thread costs tens of microseconds to start: only split work worth more than that. */
@@ -154,9 +157,9 @@ int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_ca
         j->out = out;
         j->status = 0;
         j->first_item = item;
-        const int64_t goal = (total_tokens * kv_heads * (t + 1)) / threads;
+        const int64_t goal = (total_tokens * (t + 1)) / threads;
         while (item < items && (t == threads - 1 || seen < goal)) {
-            seen += context_lens[item / kv_heads];
+            seen += context_lens[item];
             item++;
         }
         j->end_item = item;

@@ -5,8 +5,8 @@ hold the two equal, tests/kernels/test_cpu_paged.py). Three operations, the refe
 
 - `write`: each token's K/V row copied into its slot (a C loop of memcpy; skips slot < 0).
 - `decode`: one query per sequence over its first context_lens[i] tokens, in C
-  (kernels/cpu_paged.c): per (sequence, KV head), scores against each block in place, softmax,
-  weighted sum of the V rows in place. No gather, no padding to the longest context, no mask.
+  (kernels/cpu_paged.c): per sequence, scores against each block in place (read front to back),
+  softmax, weighted sum of the V rows in place. No gather, no padding to the longest context, no mask.
 - `prefill`: per sequence, its blocks gathered once (`index_select`) and attended with torch's
   fused CPU attention (`scaled_dot_product_attention`); the gather is shared by all of the chunk's
   query tokens, so it is small next to the attention itself.
