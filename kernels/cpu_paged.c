@@ -29,6 +29,26 @@ void kvp_write_f32(const float *key, int64_t key_stride, const float *value, int
     }
 }
 
+/* e^x for x <= 0 (softmax after subtracting the max), relative error ~1e-7 (Cephes' expf polynomial).
+ * Written out so the softmax loop vectorizes without -ffast-math: a library built with -ffast-math
+ * turns on flush-to-zero for the whole process when it is loaded (denormals would read as 0). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
 typedef struct {
     const float *query;  /* [num_seqs, q_heads, head_dim], rows `query_stride` floats apart per seq */
     int64_t query_stride;
@@ -72,11 +92,12 @@ static void decode_seq(const DecodeJob *j, int64_t seq, float *scores) {
     for (int64_t h = 0; h < q_heads; h++) {
         float *s = scores + h * ctx;
         float m = s[0];
+#pragma omp simd reduction(max : m)
         for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < ctx; t++) {
-            s[t] = expf(s[t] - m);
+            s[t] = exp_nonpositive(s[t] - m);
             sum += s[t];
         }
         const float inv = 1.0f / sum;

@@ -11,8 +11,8 @@ hold the two equal, tests/kernels/test_cpu_paged.py). Three operations, the refe
   fused CPU attention (`scaled_dot_product_attention`); the gather is shared by all of the chunk's
   query tokens, so it is small next to the attention itself.
 
-The C file is compiled once per machine and source (`cc -O3 -march=native`, about a second, no
-torch headers) into a cache folder ($KVPACT_CACHE_DIR, else $XDG_CACHE_HOME/kvpact, else
+The C file is compiled once per machine and source (`cc -O3 -march=native`, never -ffast-math,
+about a second, no torch headers) into a cache folder ($KVPACT_CACHE_DIR, else $XDG_CACHE_HOME/kvpact, else
 ~/.cache/kvpact) and loaded with ctypes. `load()` returns the operations, or the reason they
 cannot run here (no C compiler, a failed build, a cache dtype other than float32): the caller keeps
 the pure-torch path and says so.
@@ -36,7 +36,23 @@ import torch.nn.functional as F
 from kvpact.kernels import checks
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
+# -ffast-math's parts, but not -ffast-math itself: a shared library linked with it sets flush-to-zero
+# for the whole process when loaded (denormals then read as 0 everywhere: a temperature of 1e-45
+# became 0 and sampling failed). The compile-only flags let the reductions and exp vectorize.
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffinite-math-only",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-fopenmp-simd",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+)
 BUILD_TIMEOUT_S = 120.0
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p

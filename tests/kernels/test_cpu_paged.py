@@ -116,6 +116,13 @@ def test_arguments_the_c_code_cannot_read_are_refused_with_a_reason(ops):
         )
 
 
+def test_loading_the_kernels_leaves_denormal_floats_alone(ops):
+    # A library linked with -ffast-math turns on flush-to-zero process-wide: 1e-45 would read as 0
+    # (a temperature of 1e-45 then divided logits by zero and failed the batch).
+    tiny = torch.tensor([1e-45])
+    assert tiny.item() > 0 and (tiny * 1).item() > 0
+
+
 def test_load_says_why_the_kernels_cannot_run(monkeypatch, tmp_path):
     assert "float32 only" in str(cpu_paged.load(torch.bfloat16, torch.device("cpu")))
     assert "CPU tensors" in str(cpu_paged.load(torch.float32, torch.device("meta")))
