@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpact.shared.intent import PagedBackend
 from kvpact.worker.kernel_check import triton_self_test
-from kvpact.worker.kv.paged import paged_ops
+from kvpact.worker.kv.paged import reference_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = dict(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16)
-TORCH_OPS = paged_ops(PagedBackend.TORCH)
+TORCH_OPS = reference_ops()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
