@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import time
 import traceback
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
 
+    # SIGTERM unwinds like Ctrl-C, so every suite's `finally` stops the processes it started.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     from kvpact.shared.log import configure_logging
 
     configure_logging("console", "WARNING")  # logs to stderr; tables on stdout
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.md").write_text(summary)
     print(summary)
     return 1 if failed else 0
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _summary(ctx: BenchContext, results: list[SuiteResult], failed: list[str]) -> str:
