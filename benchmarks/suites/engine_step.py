@@ -8,6 +8,7 @@ and a few steps run under `torch.profiler` there for the breakdown by op group.
 - 32 sequences: 32 requests with prompts spread evenly over 64..320 tokens (seeded token ids), greedy,
   ignore_eos; the steps timed are those where all 32 are decoding (one token each).
 - batch 1: one request with a 192-token prompt.
+- `--quick`: prompts 32..160 and 160 tokens, 12 new tokens, one round.
 - matmuls alone: the model's own linear layers (every layer's qkv, o, gate_up, down, then the LM head
   on the sampled rows) run back to back on inputs of the step's shape, in the engine's dtype and
   threads, on the step thread right after each timed step (so both see the same machine load): the
@@ -251,7 +252,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         command += f" --model {ctx.model}"
     tokens, rounds = (12, 1) if ctx.quick else (24, 3)
     max_model_len = min(1024, read_model_config(ctx.model).max_position_embeddings)
-    longest = min(320, max_model_len - tokens - 1)  # a tiny test model has few positions
+    # --quick halves the prompts (its prefill is most of its time); a tiny test model has few positions.
+    longest = min(160 if ctx.quick else 320, max_model_len - tokens - 1)
     lengths = [longest // 5 + (longest * 4 // 5 * i) // (NUM_SEQS - 1) for i in range(NUM_SEQS)]
     single = [min(192, longest)]
     base = WorkerSpec(
@@ -282,11 +284,17 @@ def run(ctx: BenchContext) -> SuiteResult:
             for name in engines
             for n in (NUM_SEQS, 1)
         ]
-    return _result(ctx, command, scenarios, realized, rounds)
+    return _result(ctx, command, scenarios, realized, rounds, lengths, single)
 
 
 def _result(
-    ctx: BenchContext, command: str, scenarios: list[Scenario], realized: dict[str, str], rounds: int
+    ctx: BenchContext,
+    command: str,
+    scenarios: list[Scenario],
+    realized: dict[str, str],
+    rounds: int,
+    lengths: list[int],
+    single: list[int],
 ) -> SuiteResult:
     by = {(s.cache, s.seqs): s for s in scenarios}
     rows = [
@@ -318,7 +326,8 @@ def _result(
         command,
         notes=[f"{k}: {v}" for k, v in realized.items()]
         + [
-            "32 sequences: prompts 64..320 tokens; batch 1: a 192-token prompt; greedy, ignore_eos; "
+            f"32 sequences: prompts {lengths[0]}..{lengths[-1]} tokens; batch 1: a {single[0]}-token prompt; "
+            "greedy, ignore_eos; "
             f"{rounds} round(s), each running paged then eager, medians over every all-decode step."
         ],
     )
