@@ -324,11 +324,12 @@ def test_whoever_receives_a_piece_sees_that_steps_counts(engine):
 
 
 def test_past_max_waiting_a_new_request_is_refused_at_once_naming_the_flag(make_engine, tiny_llama):
-    engine = make_engine(tiny_llama, mode="on", max_model_len=128, max_num_seqs=1, context_tokens=512)
+    engine = make_engine(tiny_llama, mode="on", max_model_len=256, max_num_seqs=1, context_tokens=512)
     engine.max_waiting = 2
 
     async def main() -> None:
-        tasks = [asyncio.create_task(collect(engine, greedy("run", TEXT, 60)))]
+        # long enough to still be running while the two waiters queue, however fast a decode step is
+        tasks = [asyncio.create_task(collect(engine, greedy("run", TEXT, 200)))]
         assert await eventually_async(lambda: engine.stats().num_running == 1)
         tasks += [asyncio.create_task(collect(engine, greedy(f"wait{i}", TEXT, 5))) for i in range(2)]
         assert await eventually_async(lambda: engine.stats().num_waiting == 2)
@@ -339,7 +340,7 @@ def test_past_max_waiting_a_new_request_is_refused_at_once_naming_the_flag(make_
             "send fewer requests at once"
         )
         results = await asyncio.gather(*tasks)  # the accepted ones complete
-        assert [r.usage.completion_tokens for r in results] == [60, 5, 5]
+        assert [r.usage.completion_tokens for r in results] == [200, 5, 5]
 
     asyncio.run(main())
     assert all_blocks_free(engine)
