@@ -1,0 +1,165 @@
+"""kvpact as the offline and online suites run it: in-process, and as real processes (router + worker).
+
+    open_engine(model, cache, ...)      an Engine built through kvpact.worker.startup (what a worker runs)
+    run_engine(engine, items)           every request submitted at once; wall time to the last token
+    Cluster(model, cache, ...)          a `router` and one `worker` process on 127.0.0.1 (free ports, logs in
+                                        a temporary folder, stopped by pid); `start()` then `wait_ready()`,
+                                        so several clusters can start at once
+    stream(address, items)              an asyncio client (kvpact.client.AsyncClient, one channel) sending
+                                        each request at its `arrival_s` (0: all at once) as token ids,
+                                        greedy, ignore_eos, streaming; records when every token arrived
+
+Both kvpact configurations get the same `--max-num-seqs` and `--max-model-len` (the eager cache on CPU
+defaults to 8 slots, which would cap its batch, not measure it); the paged cache keeps its CPU default
+budget (min(1 GiB, 10% of RAM)) and prefix caching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from benchmarks.peers import Run
+from benchmarks.workloads import WorkItem
+from kvpact.client import AsyncClient
+from kvpact.deploy.processes import ProcessHandle, free_port, start_process, stop, wait_for_health
+from kvpact.shared.intent import PagedAttentionMode, cache_intent
+from kvpact.shared.spec import WorkerSpec
+from kvpact.worker.engine import Engine
+from kvpact.worker.request import GenerationRequest, SamplingParams
+from kvpact.worker.startup import build_engine
+
+MODES = {"paged": PagedAttentionMode.ON, "eager": PagedAttentionMode.OFF}
+START_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = 1800.0
+WARMUP = (WorkItem(tuple(range(100, 124)), 4), WorkItem(tuple(range(200, 208)), 4))
+
+
+def open_engine(model: Path, cache: str, max_model_len: int, max_num_seqs: int) -> Engine:
+    """`cache`: "paged" (--paged-attn on) or "eager" (off). The caller closes it (`with engine:`)."""
+    spec = WorkerSpec(model=str(model), device="cpu", max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    engine = build_engine(replace(spec, cache=cache_intent(MODES[cache])))
+    run_engine(engine, [_fold(w, engine.vocab_size) for w in WARMUP])
+    return engine
+
+
+def _fold(item: WorkItem, vocab_size: int) -> WorkItem:
+    return replace(item, prompt=tuple(t % vocab_size for t in item.prompt))
+
+
+def run_engine(engine: Engine, items: Sequence[WorkItem], timeout_s: float = RUN_TIMEOUT_S) -> Run:
+    requests = [
+        GenerationRequest(
+            f"r{n}-{time.monotonic_ns()}",
+            list(item.prompt),
+            SamplingParams(temperature=0),
+            max_tokens=item.max_tokens,
+            ignore_eos=True,
+        )
+        for n, item in enumerate(items)
+    ]
+    started = time.perf_counter()
+    results = engine.run(requests, timeout=timeout_s)
+    wall = time.perf_counter() - started
+    r = engine.realized
+    settings = f"{r.kind.value} cache, backend {r.backend.value if r.backend else 'eager'}"
+    return Run(wall, [tuple(res.token_ids) for res in results], settings)
+
+
+@dataclass(slots=True)
+class Cluster:
+    """A router and one worker (`--paged-attn on|off`) as processes; `address` is the router's."""
+
+    model: Path
+    cache: str
+    max_model_len: int
+    max_num_seqs: int
+    address: str = ""
+    handles: list[ProcessHandle] = field(default_factory=list)
+
+    def start(self) -> Cluster:
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        logs = tempfile.mkdtemp(prefix=f"kvpact-bench-{self.cache}-")
+        python = sys.executable
+        quiet = ["--log-format", "json", "--log-level", "WARNING"]
+        router = [python, "-m", "kvpact.router", "--listen", self.address, *quiet]
+        worker = [python, "-m", "kvpact.worker", "--router", self.address, "--model", str(self.model)]
+        worker += ["--paged-attn", MODES[self.cache].value, "--device", "cpu", "--worker-id", self.cache]
+        worker += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
+        self.handles.append(start_process(router, name="router", log_dir=logs))
+        self.handles.append(start_process(worker + quiet, name="worker", log_dir=logs))
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        wait_for_health(self.address, timeout_s, watch=self.handles)
+        asyncio.run(stream(self.address, list(WARMUP)))
+
+    def stop(self) -> None:
+        for handle in reversed(self.handles):  # the worker first, then its router
+            stop(handle)
+
+
+@dataclass(slots=True)
+class Streamed:
+    """One request through the router: when it was sent and when each token arrived (perf_counter)."""
+
+    sent: float
+    token_times: list[float]
+    tokens: tuple[int, ...]
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+    def inter_token(self) -> list[float]:
+        """Gaps between consecutive tokens; tokens that arrive together in one message share the gap
+        before it evenly (so coalescing neither hides nor adds latency)."""
+        gaps: list[float] = []
+        times = self.token_times
+        i = 1
+        while i < len(times):
+            j = i
+            while j + 1 < len(times) and times[j + 1] == times[i]:
+                j += 1
+            share = (times[i] - times[i - 1]) / (j - i + 1)
+            gaps += [share] * (j - i + 1)
+            i = j + 1
+        return gaps
+
+
+async def _one(client: AsyncClient, item: WorkItem, start: float) -> Streamed:
+    delay = start + item.arrival_s - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    sent = time.perf_counter()
+    times: list[float] = []
+    tokens: list[int] = []
+    stream = client.generate(list(item.prompt), max_tokens=item.max_tokens, temperature=0, ignore_eos=True)
+    async for chunk in stream:
+        if chunk.token_ids:
+            now = time.perf_counter()
+            times += [now] * len(chunk.token_ids)
+            tokens += chunk.token_ids
+    if len(tokens) != item.max_tokens:
+        raise RuntimeError(f"asked for {item.max_tokens} tokens (ignore_eos), got {len(tokens)}")
+    return Streamed(sent, times, tuple(tokens))
+
+
+async def stream(address: str, items: Sequence[WorkItem], timeout_s: float = RUN_TIMEOUT_S) -> list[Streamed]:
+    """Every item sent at `arrival_s` after the start; results in item order."""
+    async with AsyncClient(address, timeout=timeout_s) as client:
+        start = time.perf_counter()
+        return list(await asyncio.gather(*(_one(client, item, start) for item in items)))
+
+
+def stream_run(address: str, items: Sequence[WorkItem]) -> Run:
+    """`stream` as an offline run: wall time from the first request sent to the last token."""
+    streamed = asyncio.run(stream(address, items))
+    wall = max(s.token_times[-1] for s in streamed) - min(s.sent for s in streamed)
+    return Run(wall, [s.tokens for s in streamed], "router + worker processes, streaming client")

@@ -1,0 +1,62 @@
+"""`python -m benchmarks.run --quick --suites offline` on the tiny model: every system runs every workload,
+the report names every target, and kvpact's greedy tokens are transformers' (so the suite compares the
+same work)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.factories.tiny_models import make_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+
+def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
+    model = make_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "results"
+    argv = [sys.executable, "-m", "benchmarks.run", "--quick", "--suites", "offline"]
+    argv += ["--model", str(model), "--out", str(out)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for suffix in (".md", ".json", ".png"):
+        assert (out / f"offline{suffix}").stat().st_size > 0
+    report = json.loads((out / "offline.json").read_text())
+
+    throughput = {t["title"]: t for t in report["tables"] if t["title"].startswith("Offline throughput")}
+    assert sorted(throughput) == [
+        f"Offline throughput, {w} workload" for w in ("long_prompt", "mixed", "shared_prefix")
+    ]
+    mixed = throughput["Offline throughput, mixed workload"]
+    assert [row[0] for row in mixed["rows"]] == [
+        "kvpact paged, router + worker",
+        "kvpact eager, router + worker",
+        "kvpact paged, in-process",
+        "kvpact eager, in-process",
+        "transformers generate, one padded batch",
+        "transformers generate, batches of 8",
+        "transformers continuous batching",
+    ]
+    for table in throughput.values():
+        assert table["command"] == "python -m benchmarks.run --suites offline --quick"
+        for row in table["rows"]:
+            assert all(value > 0 for value in row[1:4]), row  # wall s, output tok/s, processed tok/s
+
+    bounds = report["data"]["compute_bound"]
+    assert len(bounds) == 2 and all(b["tokens_per_s"] > 0 for b in bounds)
+
+    names = [t["name"] for t in report["targets"]]
+    assert names == [
+        "offline mixed, router + worker, paged vs transformers one padded batch",
+        "offline mixed, router + worker, paged vs transformers continuous batching",
+        "offline mixed, router + worker, paged: processed tokens / compute bound",
+        "paged >= eager on every offline workload (router + worker)",
+    ]
+    assert all(t["met"] in (True, False) and t["measured"] for t in report["targets"])
+
+    # The tiny model's logits are far from ties: every system generates transformers' tokens exactly.
+    agreement = report["data"]["agreement"]
+    assert agreement and all(a["identical"] == a["of"] for a in agreement), agreement
