@@ -56,7 +56,7 @@ def run_engine(engine: Engine, items: Sequence[WorkItem], timeout_s: float = RUN
     requests = [
         GenerationRequest(
             f"r{n}-{time.monotonic_ns()}",
-            list(item.prompt),
+            item.prompt,
             SamplingParams(temperature=0),
             max_tokens=item.max_tokens,
             ignore_eos=True,
