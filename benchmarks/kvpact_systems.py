@@ -92,8 +92,9 @@ class Cluster:
         worker = [python, "-m", "kvpact.worker", "--router", self.address, "--model", str(self.model)]
         worker += ["--paged-attn", MODES[self.cache].value, "--device", "cpu", "--worker-id", self.cache]
         worker += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
-        self.handles.append(start_process(router, name="router", log_dir=logs))
-        self.handles.append(start_process(worker + quiet, name="worker", log_dir=logs))
+        # die_with_parent: a benchmark killed mid-run (Ctrl-C twice, a timeout) leaves no process behind
+        self.handles.append(start_process(router, name="router", log_dir=logs, die_with_parent=True))
+        self.handles.append(start_process(worker + quiet, name="worker", log_dir=logs, die_with_parent=True))
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
