@@ -113,7 +113,8 @@ def run(ctx: BenchContext) -> SuiteResult:
             for w in plans:
                 if system in w.systems:
                     runs[w.name, system] = run_engine(engine, w.items)
-    peers.generate_padded(hf_model, plans[0].items[:2], 2)  # warm-up
+    warm = [WorkItem(item.prompt[:16], 4) for item in plans[0].items[:2]]
+    peers.generate_padded(hf_model, warm, 2)  # warm-up
     for w in plans:
         runs[w.name, HF_PADDED] = peers.generate_padded(hf_model, w.items, len(w.items))
         if HF_BATCH8 in w.systems:
