@@ -32,7 +32,8 @@ from tests.integration.test_cluster import (
 )
 
 PROMPT = "Once upon a time"
-NUM_TOKENS = 200  # long enough that the doomed worker is still on its first when killed
+NUM_TOKENS = 600  # long enough that the doomed worker is still on its first when killed (200 was not,
+# once the CPU decode read the cache in place)
 NUM_REQUESTS = 6
 
 
