@@ -27,6 +27,7 @@ class WindowRun:
     finished: int
     samples: list[StepSample]
     seconds: float
+    cut_short: bool = False  # the time cap ended it before its steps (a loaded machine): figures early
 
     @property
     def peak(self) -> StepSample:
@@ -138,7 +139,12 @@ def budget_table(
             "fraction), tokens held / (blocks x block size); eager at the step holding the most tokens, "
             "tokens held / (slots x max_model_len)",
             "each run stops after "
-            + ", ".join(f"{len(r.samples)} steps ({r.seconds:.0f} s, {r.finished} finished)" for r in runs)
+            + ", ".join(
+                f"{len(r.samples)} steps ({r.seconds:.0f} s, {r.finished} finished"
+                + (", CUT SHORT by the time cap" if r.cut_short else "")
+                + ")"
+                for r in runs
+            )
             + ": the rest are aborted",
         ],
     )
@@ -196,6 +202,7 @@ def window_data(r: WindowRun) -> dict[str, Any]:
         "sustained_running": r.sustained_running,
         "peak_fraction": r.peak.fraction,
         "step_s": r.step_s,
+        "cut_short": r.cut_short,
         "sample_columns": [
             "t",
             "running",
