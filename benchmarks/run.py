@@ -4,8 +4,9 @@
     make bench          # the full run, results under benchmarks/results/ (committed)
 
 Each suite (benchmarks/suites/<name>.py, see benchmarks/framework.py) writes `<out>/<name>.md`,
-`.json` and `.png`; this also writes `<out>/summary.md`: the machine, every suite's targets with the
-figure measured, and each suite's wall time. `--quick` is the smallest run that exercises every
+`.json` and `.png`; this also writes `<out>/summary.md`: every suite whose results are in `<out>`
+(this run's, and earlier runs' of the suites not run now), each with its command, wall time, and its
+targets with the figure measured. `--quick` is the smallest run that exercises every
 path (default out: benchmarks/results/quick/, not committed). Exit code 0 when every suite ran
 (targets may be missed: the report says so), 1 when a suite raised (its traceback is printed and
 the other suites still run).
@@ -15,13 +16,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from benchmarks.framework import RESULTS_DIR, BenchContext, Machine, SuiteResult, targets_table, write_result
+from benchmarks.framework import (
+    RESULTS_DIR,
+    BenchContext,
+    Machine,
+    Target,
+    targets_table,
+    write_result,
+)
 
 # In the order they run: the cheap, self-contained ones first.
 SUITES = ("engine_step", "offline", "kv_memory", "online", "router", "failfast")
@@ -66,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
     )
     print(f"# {ctx.command}\n# machine: {ctx.machine.line()}\n# model: {model}\n", flush=True)
-    results: list[SuiteResult] = []
     failed: list[str] = []
     for name in names:
         started = time.monotonic()
@@ -79,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"## suite {name}: FAILED after {time.monotonic() - started:.0f} s\n", flush=True)
             continue
         result.seconds = time.monotonic() - started
-        results.append(result)
         for table in result.tables:
             print(table.markdown(), flush=True)
         if result.targets:
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in write_result(result, ctx):
             print(f"# wrote {path}")
         print(f"## suite {name}: {result.seconds:.0f} s\n", flush=True)
-    summary = _summary(ctx, results, failed)
+    summary = _summary(ctx, failed)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(summary)
     print(summary)
@@ -98,24 +105,35 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _summary(ctx: BenchContext, results: list[SuiteResult], failed: list[str]) -> str:
+def _summary(ctx: BenchContext, failed: list[str]) -> str:
+    """Every suite whose results are in ctx.out_dir (this run's and earlier runs' of the others,
+    each with its own command and date), so running one suite again keeps the others' lines."""
     lines = [
         "# Benchmark summary",
         "",
-        f"- run: `{ctx.command}` ({'quick' if ctx.quick else 'full'}, seed {ctx.seed})",
         f"- model: {ctx.model.name}",
         f"- machine: {ctx.machine.line()}",
         "",
-        "| suite | seconds | targets met | report |",
-        "|---|---:|---:|---|",
+        "| suite | run | seconds | targets met | report |",
+        "|---|---|---:|---:|---|",
     ]
-    for r in results:
-        checked = [t for t in r.targets if t.met is not None]
+    targets: list[Target] = []
+    for name in SUITES:
+        path = ctx.out_dir / f"{name}.json"
+        if name in failed:
+            lines.append(f"| {name} | `{ctx.command}` | - | FAILED | (see the run's output) |")
+            continue
+        if not path.exists():
+            continue
+        saved = json.loads(path.read_text())
+        suite_targets = [Target(**t) for t in saved["targets"]]
+        checked = [t for t in suite_targets if t.met is not None]
         met = sum(1 for t in checked if t.met)
-        lines.append(f"| {r.suite} | {r.seconds:.0f} | {met}/{len(checked)} | [{r.suite}.md]({r.suite}.md) |")
-    for name in failed:
-        lines.append(f"| {name} | - | FAILED | (see the run's output) |")
-    targets = [t for r in results for t in r.targets]
+        lines.append(
+            f"| {name} | `{saved['command']}` | {saved['seconds']:.0f} | {met}/{len(checked)} "
+            f"| [{name}.md]({name}.md) |"
+        )
+        targets += suite_targets
     if targets:
         lines += ["", "## Every target", "", targets_table(targets)]
     return "\n".join(lines) + "\n"
