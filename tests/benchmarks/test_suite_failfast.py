@@ -4,31 +4,13 @@ skipped (the suite cannot rot unnoticed)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.factories.tiny_models import make_tiny_llama
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.quick_suite import run_quick_suite
 
 
 def test_quick_failfast_suite_times_the_cli_path_and_says_ray_was_skipped(tmp_path: Path):
-    model = make_tiny_llama(tmp_path / "tiny")
-    out = tmp_path / "out"
-    argv = [sys.executable, "-m", "benchmarks.run", "--quick", "--suites", "failfast"]
-    done = subprocess.run(
-        [*argv, "--model", str(model), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for suffix in (".md", ".json", ".png"):
-        assert (out / f"failfast{suffix}").stat().st_size > 0
-    result = json.loads((out / "failfast.json").read_text())
+    result = run_quick_suite("failfast", tmp_path, timeout_s=180)
     (table,) = result["tables"]
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["rows"]]
     cli, ray = rows

@@ -3,31 +3,13 @@ and measures both targets with figures a reader can trust (the suite cannot rot 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.factories.tiny_models import make_tiny_llama
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.quick_suite import run_quick_suite
 
 
 def test_quick_kv_memory_suite_reports_both_caches_the_prefix_cache_and_its_targets(tmp_path: Path):
-    model = make_tiny_llama(tmp_path / "tiny")
-    out = tmp_path / "out"
-    argv = [sys.executable, "-m", "benchmarks.run", "--quick", "--suites", "kv_memory"]
-    done = subprocess.run(
-        [*argv, "--model", str(model), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for suffix in (".md", ".json", ".png"):
-        assert (out / f"kv_memory{suffix}").stat().st_size > 0
-    result = json.loads((out / "kv_memory.json").read_text())
+    result = run_quick_suite("kv_memory", tmp_path, timeout_s=180)
     budget, prefix = result["tables"]
     rows = {row[0]: dict(zip(budget["columns"], row, strict=True)) for row in budget["rows"]}
     assert set(rows) == {"paged", "eager"}  # --quick leaves out the --pa-block-size 8 run

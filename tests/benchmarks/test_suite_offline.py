@@ -4,27 +4,15 @@ same work)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.factories.tiny_models import make_tiny_llama
+from tests.benchmarks.quick_suite import run_quick_suite
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 
 
 def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
-    model = make_tiny_llama(tmp_path / "tiny")
-    out = tmp_path / "results"
-    argv = [sys.executable, "-m", "benchmarks.run", "--quick", "--suites", "offline"]
-    argv += ["--model", str(model), "--out", str(out)]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for suffix in (".md", ".json", ".png"):
-        assert (out / f"offline{suffix}").stat().st_size > 0
-    report = json.loads((out / "offline.json").read_text())
+    report = run_quick_suite("offline", tmp_path, timeout_s=TIMEOUT_S)
 
     throughput = {t["title"]: t for t in report["tables"] if t["title"].startswith("Offline throughput")}
     assert sorted(throughput) == [

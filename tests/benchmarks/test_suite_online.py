@@ -3,27 +3,15 @@ a real router, and the report gives TTFT and inter-token latency percentiles and
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.factories.tiny_models import make_tiny_llama
+from tests.benchmarks.quick_suite import run_quick_suite
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 
 
 def test_quick_online_suite_on_the_tiny_model(tmp_path: Path) -> None:
-    model = make_tiny_llama(tmp_path / "tiny")
-    out = tmp_path / "results"
-    argv = [sys.executable, "-m", "benchmarks.run", "--quick", "--suites", "online"]
-    argv += ["--model", str(model), "--out", str(out)]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for suffix in (".md", ".json", ".png"):
-        assert (out / f"online{suffix}").stat().st_size > 0
-    report = json.loads((out / "online.json").read_text())
+    report = run_quick_suite("online", tmp_path, timeout_s=TIMEOUT_S)
 
     latency, crossing = report["tables"]
     assert latency["command"] == "python -m benchmarks.run --suites online --quick"
