@@ -52,15 +52,16 @@ def _fold(item: WorkItem, vocab_size: int) -> WorkItem:
     return replace(item, prompt=tuple(t % vocab_size for t in item.prompt))
 
 
+def greedy_request(request_id: str, prompt: Sequence[int], max_tokens: int) -> GenerationRequest:
+    """The request every benchmark sends: greedy, ignore_eos, exactly `max_tokens` new tokens."""
+    return GenerationRequest(
+        request_id, tuple(prompt), SamplingParams(temperature=0), max_tokens=max_tokens, ignore_eos=True
+    )
+
+
 def run_engine(engine: Engine, items: Sequence[WorkItem], timeout_s: float = RUN_TIMEOUT_S) -> Run:
     requests = [
-        GenerationRequest(
-            f"r{n}-{time.monotonic_ns()}",
-            item.prompt,
-            SamplingParams(temperature=0),
-            max_tokens=item.max_tokens,
-            ignore_eos=True,
-        )
+        greedy_request(f"r{n}-{time.monotonic_ns()}", item.prompt, item.max_tokens)
         for n, item in enumerate(items)
     ]
     started = time.perf_counter()

@@ -34,11 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
+from benchmarks.kvpact_systems import greedy_request
 from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine import Engine
 from kvpact.worker.loader import read_model_config
-from kvpact.worker.request import GenerationOutput, GenerationRequest, SamplingParams
+from kvpact.worker.request import GenerationOutput
 from kvpact.worker.startup import build_engine
 
 NUM_SEQS = 32
@@ -136,10 +137,7 @@ def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int, tag: st
             done.release()
 
     for i, prompt in enumerate(prompts):
-        request = GenerationRequest(
-            f"{tag}-{i}", tuple(prompt), SamplingParams(temperature=0), max_tokens=max_tokens, ignore_eos=True
-        )
-        engine.submit(request, sink)
+        engine.submit(greedy_request(f"{tag}-{i}", prompt, max_tokens), sink)
     deadline = time.monotonic() + WAIT_S
     for _ in prompts:
         if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):

@@ -50,9 +50,10 @@ from benchmarks.kv_memory_report import (
     window_data,
 )
 from benchmarks.kv_steps import StepLog
+from benchmarks.kvpact_systems import greedy_request
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
-from kvpact.worker.request import GenerationOutput, GenerationRequest, GenerationResult, SamplingParams
+from kvpact.worker.request import GenerationOutput, GenerationRequest, GenerationResult
 from kvpact.worker.startup import build_engine, plan_startup
 
 NAME = "kv_memory"
@@ -222,16 +223,7 @@ def _spec(
 
 
 def _requests(items: list[workloads.WorkItem], tag: str) -> list[GenerationRequest]:
-    return [
-        GenerationRequest(
-            f"{tag}-{i}",
-            item.prompt,
-            SamplingParams(temperature=0),
-            max_tokens=item.max_tokens,
-            ignore_eos=True,
-        )
-        for i, item in enumerate(items)
-    ]
+    return [greedy_request(f"{tag}-{i}", item.prompt, item.max_tokens) for i, item in enumerate(items)]
 
 
 def _window(
