@@ -50,8 +50,24 @@ def prompt_from_pb(msg: generation_pb2.GenerateRequest) -> Prompt:
     raise RequestError("the request has no prompt: set one of text, chat or token_ids")
 
 
+def _refuse_unimplemented(msg: generation_pb2.GenerateRequest) -> None:
+    """Fields of the contract this worker does not honor yet: refused by name, never ignored."""
+    unimplemented = {
+        "sampling.presence_penalty": msg.sampling.presence_penalty != 0,
+        "sampling.frequency_penalty": msg.sampling.frequency_penalty != 0,
+        "sampling.top_logprobs": msg.sampling.top_logprobs != 0,
+        "min_tokens": msg.min_tokens != 0,
+        "n": msg.n > 1,
+        "response_format": msg.HasField("response_format"),
+    }
+    for name, is_set in unimplemented.items():
+        if is_set:
+            raise RequestError(f"{name} is not supported by this worker yet: leave it unset")
+
+
 def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> GenerationRequest:
     """`request_id` is the message's, or one the server assigned when the message had none."""
+    _refuse_unimplemented(msg)
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt_from_pb(msg),

@@ -118,6 +118,9 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """unset = 1.0; 0 = greedy"""
     top_p: _builtins.float
@@ -132,6 +135,12 @@ class SamplingParams(_message.Message):
     """unset = nondeterministic"""
     logprobs: _builtins.bool
     """return the logprob of each sampled token"""
+    presence_penalty: _builtins.float
+    """0 = disabled; [-2, 2], subtracted once from each generated token's logit"""
+    frequency_penalty: _builtins.float
+    """0 = disabled; [-2, 2], subtracted per occurrence in the output"""
+    top_logprobs: _builtins.int
+    """0 = none; up to 20 most likely alternatives per token (needs logprobs)"""
     def __init__(
         self,
         *,
@@ -142,10 +151,13 @@ class SamplingParams(_message.Message):
         repetition_penalty: _builtins.float | None = ...,
         seed: _builtins.int | None = ...,
         logprobs: _builtins.bool = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        top_logprobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "logprobs", b"logprobs", "min_p", b"min_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "logprobs", b"logprobs", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
@@ -167,6 +179,60 @@ class SamplingParams(_message.Message):
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
+class ResponseFormat(_message.Message):
+    """Grammar-constrained decoding: the output is JSON, or JSON matching a schema."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    json_object: _builtins.bool
+    """any JSON object"""
+    json_schema: _builtins.str
+    """a JSON Schema, as JSON text"""
+    def __init__(
+        self,
+        *,
+        json_object: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___ResponseFormat: _TypeAlias = ResponseFormat  # noqa: Y015
+
+@_typing.final
+class TopLogprobs(_message.Message):
+    """the most likely tokens at one position, most likely first"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprobs: _TypeAlias = TopLogprobs  # noqa: Y015
+
+@_typing.final
 class GenerateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -180,6 +246,9 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """empty = assigned by the server"""
     model: _builtins.str
@@ -188,6 +257,10 @@ class GenerateRequest(_message.Message):
     max_tokens: _builtins.int
     """unset = min(256, what fits in max_model_len)"""
     ignore_eos: _builtins.bool
+    min_tokens: _builtins.int
+    """EOS and stop tokens cannot end the output before this many tokens"""
+    n: _builtins.int
+    """0 or 1 = one completion; n > 1: n completions of one prompt"""
     @_builtins.property
     def chat(self) -> Global___ChatPrompt:
         """rendered with the model's chat template"""
@@ -200,6 +273,10 @@ class GenerateRequest(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def response_format(self) -> Global___ResponseFormat:
+        """unset = free text"""
+
     def __init__(
         self,
         *,
@@ -213,10 +290,13 @@ class GenerateRequest(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
+        min_tokens: _builtins.int = ...,
+        n: _builtins.int = ...,
+        response_format: Global___ResponseFormat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "chat", b"chat", "max_tokens", b"max_tokens", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "chat", b"chat", "max_tokens", b"max_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "chat", b"chat", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "chat", b"chat", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "model", b"model", "n", b"n", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
@@ -267,11 +347,15 @@ class GenerateChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """text delta (never half a UTF-8 character)"""
     finish_reason: Global___FinishReason.ValueType
     worker_id: _builtins.str
+    index: _builtins.int
+    """which of the n completions this chunk continues (0-based)"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -280,6 +364,10 @@ class GenerateChunk(_message.Message):
 
     @_builtins.property
     def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
+        """one per token id, when top_logprobs > 0"""
+
     def __init__(
         self,
         *,
@@ -290,10 +378,12 @@ class GenerateChunk(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         worker_id: _builtins.str = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -310,6 +400,7 @@ class CompleteResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
@@ -320,6 +411,10 @@ class CompleteResponse(_message.Message):
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     @_builtins.property
     def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
+        """one per token id, when top_logprobs > 0"""
+
     def __init__(
         self,
         *,
@@ -330,10 +425,11 @@ class CompleteResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         worker_id: _builtins.str = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
