@@ -3,11 +3,12 @@
 Workers started by hand on one machine share one affinity mask, so the mask alone does not split the cores
 between them: each would take torch's default (every core), and two workers on 2 cores would run 4 OpenMP
 threads that spin at every barrier while the other process holds the core (measured: 9x slower than one
-thread each). So every worker holds a lease, a file named by its pid in one machine-wide folder, and a
-worker without `--threads` takes `len(its CPUs) // live leases on those CPUs` threads (at least 1). The
-step thread re-reads the leases every few seconds and applies a changed share with torch.set_num_threads
-from the step thread itself (OpenMP's thread count is per calling thread). Under Ray the launcher passes
-the bundle's num_cpus as `--threads`.
+thread each). So every worker holds a lease, a file named by its pid in one machine-wide folder that says
+whether it is busy (loading, or with requests to step), and a busy worker without `--threads` takes
+`len(its CPUs) // busy workers on those CPUs` threads (at least 1): an idle worker leaves its share to the
+others. The step thread marks the lease on each busy/idle change, re-reads the others every few seconds,
+and applies a changed share with torch.set_num_threads from the step thread itself (OpenMP's thread count
+is per calling thread). Under Ray the launcher passes the bundle's num_cpus as `--threads`.
 
 Invariant: a lease is removed when its worker exits; one left by a killed worker names a dead pid (or a
 reused pid with another start time) and is ignored, then removed, by the next reader.
@@ -57,6 +58,7 @@ class CpuShare:
     cpus: frozenset[int]
     directory: Path
     threads: int = 0  # what was last applied
+    busy: bool = True  # a worker starts busy: it is loading
     _lease: Path | None = None
     _next_read: float = field(default=0.0, repr=False)
 
@@ -65,12 +67,16 @@ class CpuShare:
         share = cls(requested, allowed_cpus(), directory or lease_dir())
         try:
             share.directory.mkdir(parents=True, exist_ok=True)
-            lease = share.directory / str(os.getpid())
-            lease.write_text(f"{_start_time(os.getpid())}\n{','.join(map(str, sorted(share.cpus)))}\n")
-            share._lease = lease
+            share._lease = share.directory / str(os.getpid())
+            share._write()
         except OSError:
-            pass  # no writable folder: this worker counts only itself
+            share._lease = None  # no writable folder: this worker counts only itself
         return share
+
+    def _write(self) -> None:
+        if self._lease is not None:
+            cpus = ",".join(map(str, sorted(self.cpus)))
+            self._lease.write_text(f"{_start_time(os.getpid())}\n{cpus}\n{int(self.busy)}\n")
 
     def release(self) -> None:
         if self._lease is not None:
@@ -85,15 +91,15 @@ class CpuShare:
         self.release()
 
     def num_sharing(self) -> int:
-        """Live workers (this one included) whose CPUs overlap this one's."""
-        count = 0
+        """Busy workers on CPUs that overlap this one's, this one included."""
+        count = 1
         try:
-            leases = list(self.directory.iterdir())
+            leases = [lease for lease in self.directory.iterdir() if lease != self._lease]
         except OSError:
-            return 1
+            return count
         for lease in leases:
             try:
-                started, cpus = lease.read_text().splitlines()[:2]
+                started, cpus, busy = lease.read_text().splitlines()[:3]
                 pid = int(lease.name)
             except (OSError, ValueError):
                 continue
@@ -101,18 +107,24 @@ class CpuShare:
                 with contextlib.suppress(OSError):
                     lease.unlink()
                 continue
-            if self.cpus & {int(c) for c in cpus.split(",") if c}:
+            if busy == "1" and self.cpus & {int(c) for c in cpus.split(",") if c}:
                 count += 1
-        return max(count, 1)
+        return count
 
     def wanted(self) -> int:
         if self.requested is not None:
             return self.requested
         return max(1, len(self.cpus) // self.num_sharing())
 
-    def apply(self) -> int:
-        """Set the calling thread's torch thread count to the current share (rate-limited re-reads)."""
+    def apply(self, busy: bool = True) -> int:
+        """Mark this worker busy or idle and set the calling thread's torch thread count to its share
+        (the others' leases are re-read at most every REREAD_S, and at once after a change)."""
         now = time.monotonic()
+        if busy != self.busy:
+            self.busy = busy
+            self._next_read = 0.0
+            with contextlib.suppress(OSError):
+                self._write()
         if self.threads and (self.requested is not None or now < self._next_read):
             return self.threads
         self._next_read = now + REREAD_S

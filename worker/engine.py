@@ -333,8 +333,8 @@ class Engine:
                 self._stop_on_error(e)
             while not self._closed.is_set():
                 try:
-                    if self.cpu_share is not None:
-                        self.cpu_share.apply()  # re-reads who shares the CPUs every few seconds
+                    if self.cpu_share is not None:  # idle: its share goes to the other workers here
+                        self.cpu_share.apply(busy=self.scheduler.has_work())
                     self._drain(block=not self.scheduler.has_work())
                     if not self._closed.is_set() and self.scheduler.has_work():
                         self._step()

@@ -20,9 +20,9 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def lease(directory: Path, pid: int, start: str, cpus: frozenset[int]) -> Path:
+def lease(directory: Path, pid: int, start: str, cpus: frozenset[int], busy: bool = True) -> Path:
     path = directory / str(pid)
-    path.write_text(f"{start}\n{','.join(map(str, sorted(cpus)))}\n")
+    path.write_text(f"{start}\n{','.join(map(str, sorted(cpus)))}\n{int(busy)}\n")
     return path
 
 
@@ -38,7 +38,9 @@ def test_a_worker_alone_takes_every_cpu_it_may_run_on(tmp_path: Path, restore_th
     assert list(tmp_path.iterdir()) == []  # the lease goes with the worker
 
 
-def test_live_workers_on_the_same_cpus_split_them(tmp_path: Path, restore_threads):
+def test_busy_workers_on_the_same_cpus_split_them_and_an_idle_one_leaves_its_share(
+    tmp_path: Path, restore_threads
+):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         cpus = allowed_cpus()
@@ -46,6 +48,15 @@ def test_live_workers_on_the_same_cpus_split_them(tmp_path: Path, restore_thread
         with CpuShare.acquire(None, tmp_path) as share:
             assert share.num_sharing() == 2
             assert share.apply() == max(1, len(cpus) // 2)
+            # the other worker's queue ran dry: this one takes every CPU at its next look
+            lease(tmp_path, other.pid, start_time(other.pid), cpus, busy=False)
+            share.apply(busy=False)
+            assert share.apply(busy=True) == len(cpus)
+            # and this one, idle, is not counted by the others
+            assert (tmp_path / str(os.getpid())).read_text().splitlines()[2] == "1"
+            share.apply(busy=False)
+            assert (tmp_path / str(os.getpid())).read_text().splitlines()[2] == "0"
+            lease(tmp_path, other.pid, start_time(other.pid), cpus)
             # a worker pinned to CPUs this one cannot use does not take a share of these
             lease(tmp_path, other.pid, start_time(other.pid), frozenset({max(cpus) + 1}))
             assert share.num_sharing() == 1
