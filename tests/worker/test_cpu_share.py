@@ -80,3 +80,15 @@ def test_threads_flag_wins_over_the_share(tmp_path: Path, restore_threads):
     with CpuShare.acquire(3, tmp_path) as share:
         assert share.apply() == 3
         assert torch.get_num_threads() == 3
+
+
+def test_openmp_threads_spin_briefly_unless_the_operator_chose():
+    from kvpact.worker.__main__ import SPIN_COUNT, set_openmp_waiting
+
+    env: dict[str, str] = {}
+    set_openmp_waiting(env)
+    assert env == {"GOMP_SPINCOUNT": SPIN_COUNT}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        env = dict(chosen)
+        set_openmp_waiting(env)
+        assert env == chosen
