@@ -5,7 +5,7 @@ UNSPECIFIED enum values are read as AUTO, explicitly, and written back as AUTO.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode, WorkerLoad
 from kvpact.shared.intent import (
@@ -169,33 +169,30 @@ def plan_from_pb(msg: worker_pb2.LoadingPlan) -> LoadingPlan:
     )
 
 
+# WorkerSpec's plain fields travel under their own names; a zero value read back means the field's
+# default (an older sender's "unset"); an `optional` proto field unset reads as None.
+_SPEC_SCALARS = tuple(f.name for f in fields(WorkerSpec) if f.name not in ("device_map", "cache"))
+
+
 def spec_to_pb(spec: WorkerSpec) -> worker_pb2.WorkerSpec:
-    return worker_pb2.WorkerSpec(
-        model=spec.model,
-        device=spec.device,
+    msg = worker_pb2.WorkerSpec(
         device_map=[
             worker_pb2.LayerPlacement(device=p.device, num_layers=p.num_layers) for p in spec.device_map
         ],
-        dtype=spec.dtype,
-        max_model_len=spec.max_model_len,
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
         cache=intent_to_pb(spec.cache),
-        max_model_len_auto=spec.max_model_len_auto,
     )
+    for name in _SPEC_SCALARS:
+        if (value := getattr(spec, name)) is not None:
+            setattr(msg, name, value)
+    return msg
 
 
 def spec_from_pb(msg: worker_pb2.WorkerSpec) -> WorkerSpec:
+    scalars = {f.name: value for f, value in msg.ListFields() if f.name in _SPEC_SCALARS}  # the set ones
     return WorkerSpec(
-        model=msg.model,
-        device=msg.device or "auto",
         device_map=tuple(LayerPlacement(device=p.device, num_layers=p.num_layers) for p in msg.device_map),
-        dtype=msg.dtype or "auto",
-        max_model_len=msg.max_model_len,
-        max_num_seqs=msg.max_num_seqs,
-        max_num_batched_tokens=msg.max_num_batched_tokens,
         cache=intent_from_pb(msg.cache),
-        max_model_len_auto=msg.max_model_len_auto,
+        **scalars,
     )
 
 

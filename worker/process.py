@@ -40,7 +40,6 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
@@ -57,14 +56,14 @@ from kvpact.shared.errors import (
 )
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.log import configure_logging
-from kvpact.shared.spec import WorkerSpec
-from kvpact.shared.tls import TlsConfig, describe_tls, plaintext_warning
+from kvpact.shared.tls import describe_tls, plaintext_warning
 from kvpact.shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
 from kvpact.v1 import worker_pb2
 from kvpact.worker.device import probe_device
-from kvpact.worker.engine import DEFAULT_MAX_WAITING, Engine
+from kvpact.worker.engine import Engine
 from kvpact.worker.loader import model_name, resolve_model_path
 from kvpact.worker.metrics import WorkerMetrics
+from kvpact.worker.options import WorkerOptions
 from kvpact.worker.registration import RegistrationError, RouterLink
 from kvpact.worker.service import WorkerServer, WorkerService
 from kvpact.worker.startup import WorkerPlan, build_engine, plan_startup
@@ -73,36 +72,11 @@ from kvpact.worker.wire import capabilities_to_pb
 log = structlog.get_logger(__name__)
 
 EXIT_OK = 0
-DEFAULT_ROUTER_TIMEOUT_S = 60.0
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0  # in-flight streams get this long to finish when the worker stops
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # when the Admission does not say
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerOptions:
-    """Everything the CLI decided; read once at start."""
-
-    spec: WorkerSpec
-    worker_id: str
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 0
-    advertise_host: str | None = None  # None = the listen host (a wildcard: this machine's hostname)
-    labels: tuple[tuple[str, str], ...] = ()  # Handshake.labels (e.g. its Ray node and bundle)
-    router: str | None = None  # HOST:PORT; None = standalone
-    router_timeout_s: float = DEFAULT_ROUTER_TIMEOUT_S
-    model_name: str | None = None  # None = the engine's
-    auth_token_file: str | None = None
-    tls: TlsConfig | None = None  # None = plaintext (loopback)
-    max_waiting: int = DEFAULT_MAX_WAITING
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    log_format: str = "auto"
-    log_level: str = "INFO"
-    metrics_port: int | None = None  # serve /metrics on the --listen host; 0 = a free port; None = off
-    log_prompts: bool = False  # prompt text in the request log line (never otherwise)
 
 
 class PlanRefused(Exception):
