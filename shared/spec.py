@@ -84,6 +84,15 @@ class WorkerSpec:
     max_num_batched_tokens: int = option(
         0, "--max-num-batched-tokens", "most tokens in one engine step (0 = default)", minimum=0, group=MODEL
     )
+    threads: int | None = option(
+        None,
+        "--threads",
+        "CPU threads for this worker's torch ops (default: its share of the machine: the Ray bundle's "
+        "num_cpus, else what the OS allows this process)",
+        metavar="N",
+        minimum=1,
+        group=MODEL,
+    )
     cache: CacheIntent = field(default_factory=CacheIntent)
     # --max-model-len auto (and the CUDA default): the longest sequence the realized cache can hold, up to
     # the model's positions; max_model_len is then 0
