@@ -141,13 +141,6 @@ class CacheIntent:
         group=CACHE,
     )
     paged: PagedAttentionConfig | None = field(default_factory=PagedAttentionConfig)
-    no_kv_cache: bool = option(
-        False,
-        "--no-kv-cache",
-        "recompute attention over the whole sequence every step",
-        action="store_true",
-        group=CACHE,
-    )
 
     def __post_init__(self) -> None:
         if (self.paged is None) != (self.mode is PagedAttentionMode.OFF):
@@ -173,10 +166,8 @@ def paged_config_for_mode(
     return replace(settings or PagedAttentionConfig(), required=mode is PagedAttentionMode.ON)
 
 
-def cache_intent(
-    mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None, *, no_kv_cache: bool = False
-) -> CacheIntent:
-    return CacheIntent(mode=mode, paged=paged_config_for_mode(mode, settings), no_kv_cache=no_kv_cache)
+def cache_intent(mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None) -> CacheIntent:
+    return CacheIntent(mode=mode, paged=paged_config_for_mode(mode, settings))
 
 
 @dataclass(frozen=True, slots=True)

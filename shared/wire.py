@@ -96,7 +96,7 @@ def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionC
 
 
 def intent_to_pb(intent: CacheIntent) -> cache_pb2.CacheIntent:
-    msg = cache_pb2.CacheIntent(mode=_MODE_TO_PB[intent.mode], no_kv_cache=intent.no_kv_cache)
+    msg = cache_pb2.CacheIntent(mode=_MODE_TO_PB[intent.mode])
     if intent.paged is not None:
         msg.paged.CopyFrom(paged_config_to_pb(intent.paged))
     return msg
@@ -107,11 +107,9 @@ def intent_from_pb(msg: cache_pb2.CacheIntent) -> CacheIntent:
     `required` always follows the mode (the mode is what the operator said)."""
     mode = mode_from_pb(msg.mode)
     if mode is PagedAttentionMode.OFF:
-        return CacheIntent(mode=mode, paged=None, no_kv_cache=msg.no_kv_cache)
+        return CacheIntent(mode=mode, paged=None)
     config = paged_config_from_pb(msg.paged) if msg.HasField("paged") else PagedAttentionConfig()
-    return CacheIntent(
-        mode=mode, paged=replace(config, required=mode is PagedAttentionMode.ON), no_kv_cache=msg.no_kv_cache
-    )
+    return CacheIntent(mode=mode, paged=replace(config, required=mode is PagedAttentionMode.ON))
 
 
 def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:

@@ -49,10 +49,9 @@ settings = st.builds(
     st.booleans(),
 )
 intents = st.builds(
-    lambda mode, s, no_kv: cache_intent(mode, s, no_kv_cache=no_kv),
+    cache_intent,
     st.sampled_from(list(PagedAttentionMode)),
     settings,
-    st.booleans(),
 )
 
 

@@ -111,8 +111,7 @@ def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
     """The spec its options say; --paged-attn and the --pa-* flags -> CacheIntent via
     shared.intent.cache_intent (the mode decides `required` and whether a paged config exists)."""
     settings = PagedAttentionConfig(**option_values(PagedAttentionConfig, args))
-    intent = option_values(CacheIntent, args)
-    cache = cache_intent(intent["mode"], settings, no_kv_cache=intent["no_kv_cache"])
+    cache = cache_intent(option_values(CacheIntent, args)["mode"], settings)
     return WorkerSpec(**option_values(WorkerSpec, args), cache=cache)
 
 

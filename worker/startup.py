@@ -7,7 +7,6 @@ report a failure before it spends minutes loading weights:
         -> read_model_config (config only)
         -> decide_paged_attention(device, state, ModelTraits)          [door, component "device"]
         -> loader compatibility findings, e.g. sliding window          [door, component "loader"]
-        -> --no-kv-cache without `on` is refused (no recompute mode)
         -> size the cache from the budget (weights estimated from file sizes, subtracted from the memory
            free before loading, so once):
            a pool that cannot hold one max_model_len sequence          [door, component "cache-budget"]
@@ -136,11 +135,6 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     max_model_len, fit_to_cache, max_model_len_source = _max_model_len(spec, config, defaults)
     for reason in loader_findings(config, max_model_len):
         disable_paged_attention(state, reason, component=reasons.SLIDING_WINDOW.component)
-    if spec.cache.no_kv_cache:  # `on` already failed in the decision above
-        raise ConfigError(
-            "--no-kv-cache asks for recompute-every-token generation, which this worker does not implement; "
-            "drop --no-kv-cache"
-        )
     _check_device_map(spec, config)
 
     max_num_batched_tokens = spec.max_num_batched_tokens or defaults.max_num_batched_tokens

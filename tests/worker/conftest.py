@@ -36,7 +36,6 @@ def worker_spec(
     max_model_len: int = 256,
     max_num_seqs: int = 0,
     max_num_batched_tokens: int = 0,
-    no_kv_cache: bool = False,
     **paged: object,
 ) -> WorkerSpec:
     """A CPU WorkerSpec; `paged` are PagedAttentionConfig fields (context_tokens=..., block_size=...)."""
@@ -47,7 +46,7 @@ def worker_spec(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        cache=cache_intent(PagedAttentionMode(mode), settings, no_kv_cache=no_kv_cache),
+        cache=cache_intent(PagedAttentionMode(mode), settings),
     )
 
 

@@ -31,7 +31,6 @@ def test_help_shows_the_policy_flag_and_every_reason():
         "KV dtypes bfloat16, float16, float32",
         "mixed device map",
         "sliding window",
-        "--no-kv-cache",
         "KV budget",
     ):
         assert reason in text, reason
@@ -130,6 +129,7 @@ def test_every_flag_reaches_the_spec():
         (["--router-timeout", "inf"], "expected a number of seconds > 0"),
         (["--router-timeout", "nan"], "expected a number of seconds > 0"),
         (["--label", "ray.node"], "expected KEY=VALUE, got 'ray.node'"),
+        (["--no-kv-cache"], "unrecognized arguments: --no-kv-cache"),  # removed: it was always refused
         (["--threads", "0"], "argument --threads: expected a whole number > 0 and <= 4294967295, got '0'"),
     ],
 )

@@ -137,21 +137,6 @@ def test_a_device_map_that_does_not_cover_the_model_says_what_the_counts_must_ad
         startup.plan_startup(spec)
 
 
-# ---- --no-kv-cache ----
-
-
-def test_no_kv_cache_with_on_fails_through_the_door(tiny_llama, no_loading):
-    with pytest.raises(PagedAttentionRequiredError, match="--no-kv-cache disables the KV cache") as info:
-        startup.plan_startup(worker_spec(tiny_llama, "on", no_kv_cache=True))
-    assert info.value.component == "device"
-
-
-@pytest.mark.parametrize("mode", ["auto", "off"])
-def test_no_kv_cache_without_on_is_refused_as_not_implemented(tiny_llama, no_loading, mode):
-    with pytest.raises(ConfigError, match="--no-kv-cache .* not implement.*drop --no-kv-cache"):
-        startup.plan_startup(worker_spec(tiny_llama, mode, no_kv_cache=True))
-
-
 # ---- loader findings: sliding window ----
 
 
