@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpact.router.balancing import DEFAULT_POLICY, POLICIES
+from kvpact.router.balancing import BALANCES, DEFAULT_BALANCE
 from kvpact.router.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from kvpact.shared.cli import host_port, seconds, tcp_port
 from kvpact.shared.intent import PagedAttentionMode
@@ -119,13 +119,13 @@ class RouterConfig:
         type=tcp_port,
         metavar="PORT",
     )
-    balance: str = option(  # a name in router/balancing POLICIES
-        DEFAULT_POLICY,
+    balance: str = option(  # a name in router/balancing's BALANCES
+        DEFAULT_BALANCE,
         "--balance",
         "which worker gets a request. least-load: fewest requests in flight, then most free KV blocks; "
         "prefix-affinity: prompts that start alike go to the same worker (its prefix cache holds their "
         "shared blocks), bounded by load, else least-load (default: least-load)",
-        choices=tuple(sorted(POLICIES)),
+        choices=tuple(sorted(BALANCES)),
     )
     event_loop: str = option(
         DEFAULT_EVENT_LOOP,

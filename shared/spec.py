@@ -1,5 +1,5 @@
-"""What a worker is asked to run (CLI -> WorkerSpec -> protobuf, converted in shared/wire.py). Its fields
-declare the `worker` options that say it (shared/options.py)."""
+"""What a worker is asked to run (CLI -> WorkerSpec -> protobuf, converted in shared/handshake_pb.py).
+Its fields declare the `worker` options that say it (shared/options.py)."""
 
 from __future__ import annotations
 

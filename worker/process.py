@@ -2,7 +2,7 @@
 
     bind the gRPC server (Worker + health NOT_SERVING + reflection), print "worker ID listening on ADDR"
     -> probe the device (its Capabilities go into every Handshake from here on, a failed one too)
-    -> capability check and pre-load verdict (worker.startup; fast, before any weight is read)
+    -> capability check and pre-load verdict (worker.engine_setup; fast, before any weight is read)
     -> with --router: Handshake{loading=plan}, waiting up to --router-timeout for the router's answer:
        refused -> exit 78 before a weight is read; no answer -> exit 1 before a weight is read; pending
        -> go on (a Shutdown while loading stops it with 0)
@@ -55,19 +55,19 @@ from kvpact.shared.errors import (
     PagedAttentionRequiredError,
 )
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
+from kvpact.shared.handshake_pb import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
 from kvpact.shared.log import configure_logging
 from kvpact.shared.tls import describe_tls, plaintext_warning
-from kvpact.shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
 from kvpact.v1 import worker_pb2
 from kvpact.worker.device import probe_device
 from kvpact.worker.engine import Engine
+from kvpact.worker.engine_setup import WorkerPlan, build_engine, plan_startup
+from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.loader import model_name, resolve_model_path
 from kvpact.worker.metrics import WorkerMetrics
 from kvpact.worker.options import WorkerOptions
 from kvpact.worker.registration import RegistrationError, RouterLink
 from kvpact.worker.service import WorkerServer, WorkerService
-from kvpact.worker.startup import WorkerPlan, build_engine, plan_startup
-from kvpact.worker.wire import capabilities_to_pb
 
 log = structlog.get_logger(__name__)
 
@@ -296,7 +296,7 @@ class WorkerProcess:
         return None
 
     async def _build_engine(self) -> Engine:
-        """The startup sequence proper, in worker/startup.py: the device probe (its capabilities go into
+        """The startup sequence proper, in worker/engine_setup.py: the device probe (its capabilities go into
         every handshake from then on, a failed one too), the pre-load verdict (it logs how long that
         took), then weights, cache and scheduler. All run in a thread, so health answers meanwhile."""
         started = time.monotonic()

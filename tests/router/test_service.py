@@ -229,7 +229,7 @@ async def test_models_route_by_name():
 
 
 @run_async
-async def test_balancer_spreads_concurrent_streams():
+async def test_the_balance_spreads_concurrent_streams():
     async with (
         running_router(num_expected_workers=2) as router,
         serving_double(WorkerDouble("a", delay_s=0.02)) as a,

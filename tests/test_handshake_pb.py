@@ -7,6 +7,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpact.shared.handshake import LoadingPlan
+from kvpact.shared.handshake_pb import (
+    intent_from_pb,
+    intent_to_pb,
+    mode_from_pb,
+    plan_from_pb,
+    plan_to_pb,
+    realized_from_pb,
+    realized_to_pb,
+    spec_from_pb,
+    spec_to_pb,
+)
 from kvpact.shared.intent import (
     CacheDtype,
     CacheIntent,
@@ -19,17 +30,6 @@ from kvpact.shared.intent import (
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
-from kvpact.shared.wire import (
-    intent_from_pb,
-    intent_to_pb,
-    mode_from_pb,
-    plan_from_pb,
-    plan_to_pb,
-    realized_from_pb,
-    realized_to_pb,
-    spec_from_pb,
-    spec_to_pb,
-)
 from kvpact.v1 import cache_pb2, worker_pb2
 
 budgets = st.one_of(

@@ -1,4 +1,5 @@
-"""Protobuf at the edge: the one place each internal type is converted to and from its message.
+"""Protobuf at the edge for what the handshake, heartbeats and ClusterStatus carry (spec, intent, realized
+cache, plan, failure, load): the one place each of these types is converted to and from its message.
 
 UNSPECIFIED enum values are read as AUTO, explicitly, and written back as AUTO.
 """

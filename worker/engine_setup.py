@@ -23,7 +23,7 @@ report a failure before it spends minutes loading weights:
 
 `build_engine(spec)` runs both. Every "cannot" goes through `disable_paged_attention`, so under `auto`
 it is recorded (and shown in the realized table) and under `on` it raises PagedAttentionRequiredError.
-Under `on` no path ends with an eager cache or the default scheduler: the only way to reach the
+Under `on` no path ends with an eager cache or the eager scheduler: the only way to reach the
 eager branch is a cleared paged config, which the door never clears when required, and
 `select_scheduler` refuses it again after the cache is built. Raises PagedAttentionRequiredError,
 ConfigError or ModelLoadError.
@@ -63,7 +63,7 @@ from kvpact.worker.loader import (
 )
 from kvpact.worker.model import ModelConfig
 from kvpact.worker.model_runner import ModelRunner
-from kvpact.worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
+from kvpact.worker.scheduler import EagerScheduler, PagedScheduler, Scheduler
 
 _CACHE_DTYPES = {
     CacheDtype.FLOAT32: torch.float32,
@@ -119,7 +119,7 @@ class WorkerPlan:
 def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any = None) -> WorkerPlan:
     """`probe`: the device as already probed (the worker process probes first, so a failed plan can still
     report the device's capabilities); None probes `spec.device` here."""
-    log = log or structlog.get_logger("worker.startup")
+    log = log or structlog.get_logger("worker.engine_setup")
     started = time.monotonic()
     if probe is None:
         probe = probe_device(spec.device, spec.device_map)
@@ -227,7 +227,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
 
 
 def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
-    log = log or structlog.get_logger("worker.startup")
+    log = log or structlog.get_logger("worker.engine_setup")
     if isinstance(plan, WorkerSpec):
         plan = plan_startup(plan, log=log)
     loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype)
@@ -274,7 +274,7 @@ def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
         manager = BlockManager(cache.num_blocks, cache.block_size, plan.state.paged_config.prefix_caching)
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
-        scheduler = DefaultScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
+        scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
     realized = realized_cache(plan, cache, scheduler_kind)
     log.info(
         "realized KV cache\n" + realized.table(),
