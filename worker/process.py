@@ -59,6 +59,7 @@ from kvpact.shared.handshake_pb import failure_to_pb, mode_from_pb, plan_to_pb, 
 from kvpact.shared.log import configure_logging
 from kvpact.shared.tls import describe_tls, plaintext_warning
 from kvpact.v1 import worker_pb2
+from kvpact.worker.cpu_share import CpuShare
 from kvpact.worker.device import probe_device
 from kvpact.worker.engine import Engine
 from kvpact.worker.engine_setup import WorkerPlan, build_engine, plan_startup
@@ -152,6 +153,7 @@ class WorkerProcess:
             worker_id=self.worker_id, spec=spec_to_pb(options.spec), labels=dict(options.labels)
         )
         self._drain_task: asyncio.Task[None] | None = None
+        self.cpu_share = CpuShare.acquire(options.spec.threads)  # released in _close
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -305,7 +307,7 @@ class WorkerProcess:
         self.handshake.capabilities.CopyFrom(capabilities_to_pb(probe))
         plan = await _in_daemon_thread(plan_startup, spec, probe=probe)
         await self._announce(plan)
-        engine = await _in_daemon_thread(build_engine, plan)
+        engine = await _in_daemon_thread(build_engine, plan, cpu_share=self.cpu_share)
         log.info("engine ready", seconds=round(time.monotonic() - started, 3))
         return engine
 
@@ -423,6 +425,7 @@ class WorkerProcess:
         if self.link is not None:
             await self.link.close()
         self.metrics.close()
+        self.cpu_share.release()
 
     def _advertised_address(self, port: int) -> str:
         host = self.options.advertise_host or self.options.listen_host
