@@ -3,7 +3,7 @@
     python -m benchmarks.engine_throughput [--concurrency 1,16,32] [--max-tokens 64] [--prompt-tokens 32]
 
 For each cache (eager: --paged-attn off; paged: --paged-attn on, the torch backend on CPU) one engine
-is built through worker.startup with the same --max-num-seqs (default 32, so eager is not capped by
+is built through worker.engine_setup with the same --max-num-seqs (default 32, so eager is not capped by
 its 8-slot CPU default), warmed up, then for each concurrency N, N requests with distinct prompts of
 --prompt-tokens tokens are submitted at once (greedy, ignore_eos, --max-tokens each).
 
@@ -26,8 +26,8 @@ from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.log import configure_logging
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine import Engine
+from kvpact.worker.engine_setup import build_engine
 from kvpact.worker.request import GenerationOutput, GenerationRequest, SamplingParams
-from kvpact.worker.startup import build_engine
 
 MEASURE_TIMEOUT_S = 1800.0
 

@@ -246,8 +246,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
     from kvpact.shared.scheduler_choice import CacheKind
     from kvpact.shared.spec import WorkerSpec
+    from kvpact.worker.engine_setup import build_engine
     from kvpact.worker.request import GenerationRequest, SamplingParams
-    from kvpact.worker.startup import build_engine
 
     cuda = args.device == "cuda"
     backends = [PagedBackend.TRITON, PagedBackend.TORCH] if cuda else [PagedBackend.TORCH, PagedBackend.TORCH]
@@ -355,7 +355,7 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
 def cmd_e2e(args: argparse.Namespace) -> int:
     from kvpact.client import Client
     from kvpact.deploy.processes import ProcessDied, free_port, start_process, stop, wait_for_health
-    from kvpact.shared.wire import realized_from_pb
+    from kvpact.shared.handshake_pb import realized_from_pb
 
     model = args.model
     cuda = args.device == "cuda"

@@ -1,6 +1,6 @@
 """kvpact as the offline and online suites run it: in-process, and as real processes (router + worker).
 
-    open_engine(model, cache, ...)      an Engine built through kvpact.worker.startup (what a worker runs)
+    open_engine(model, cache, ...)      an Engine built by kvpact.worker.engine_setup (what a worker runs)
     run_engine(engine, items)           every request submitted at once; wall time to the last token
     Cluster(model, cache, ...)          a `router` and `num_workers` (1) `worker` processes on 127.0.0.1 (free
                                         ports, logs in a temporary folder, stopped by pid); `start()` then
@@ -32,8 +32,8 @@ from kvpact.deploy.processes import ProcessHandle, free_port, start_process, sto
 from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine import Engine
+from kvpact.worker.engine_setup import build_engine
 from kvpact.worker.request import GenerationRequest, SamplingParams
-from kvpact.worker.startup import build_engine
 
 MODES = {"paged": PagedAttentionMode.ON, "eager": PagedAttentionMode.OFF}
 START_TIMEOUT_S = 300.0

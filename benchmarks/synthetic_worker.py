@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvpact.shared import wire
+from kvpact.shared import handshake_pb
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.intent import CacheDtype, PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
@@ -98,7 +98,7 @@ class SyntheticWorker(worker_pb2_grpc.WorkerServicer):
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
-        return wire.load_to_pb(self.load())
+        return handshake_pb.load_to_pb(self.load())
 
     async def Shutdown(
         self, request: worker_pb2.ShutdownRequest, context: grpc.aio.ServicerContext
@@ -133,10 +133,10 @@ def ready_handshake(worker_id: str, address: str, model: str) -> worker_pb2.Hand
         worker_id=worker_id,
         address=address,
         model_name=model,
-        spec=wire.spec_to_pb(spec),
+        spec=handshake_pb.spec_to_pb(spec),
         capabilities=worker_pb2.Capabilities(device_kind="cpu"),
         labels={"synthetic": "true"},
-        ready=wire.realized_to_pb(realized),
+        ready=handshake_pb.realized_to_pb(realized),
     )
 
 

@@ -33,7 +33,7 @@ from kvpact.deploy.processes import (
     wait_for_health,
 )
 from kvpact.shared.cli import add_paged_attn_arg
-from kvpact.shared.wire import realized_from_pb
+from kvpact.shared.handshake_pb import realized_from_pb
 
 DEFAULT_PORT = 50051
 PORT_ENV = "KVPACT_ROUTER_PORT"

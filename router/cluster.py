@@ -1,7 +1,7 @@
 """The router's state and the actions on it: register a worker, take a heartbeat, fail the startup.
 
 The servicers (router/service.py, router/registry_service.py) are thin adapters over this object;
-policy lives in admission.py and startup.py, I/O to the workers in connections.py.
+policy lives in admission.py and cluster_state.py, I/O to the workers in connections.py.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import structlog
 from grpc_health.v1 import health, health_pb2
 
 from kvpact.router.admission import admit, admit_plan
+from kvpact.router.cluster_state import ClusterState, Startup
 from kvpact.router.config import RouterConfig
 from kvpact.router.connections import WorkerChannels
 from kvpact.router.errors import AlreadyExists, InvalidRequest
 from kvpact.router.readiness import readiness
 from kvpact.router.registry import Registry, WorkerEntry, WorkerState
 from kvpact.router.report import FailedStartup, render_failure_report
-from kvpact.router.startup import ClusterState, Startup
-from kvpact.shared import wire
+from kvpact.shared import handshake_pb
 from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.handshake import WorkerLoad
@@ -177,7 +177,7 @@ class Cluster:
         was_draining = known is not None and known.state is WorkerState.DRAINING
         entry = self.registry.heartbeat(
             request.worker_id,
-            wire.load_from_pb(request.load),
+            handshake_pb.load_from_pb(request.load),
             self.clock(),
             request.registration_id,
             draining=request.draining,
@@ -230,7 +230,7 @@ class Cluster:
             pending=pending,
             registration_id=registration_id,
             reason=reason,
-            cluster_policy=wire.mode_to_pb(self.config.policy),
+            cluster_policy=handshake_pb.mode_to_pb(self.config.policy),
             heartbeat_interval_ms=int(self.config.heartbeat_interval_s * 1000),
         )
 
@@ -248,15 +248,15 @@ class Cluster:
                 f'worker "{hs.worker_id}": a ready Handshake needs the Worker service address'
             )
         try:
-            realized = wire.realized_from_pb(hs.ready) if outcome == "ready" else None
+            realized = handshake_pb.realized_from_pb(hs.ready) if outcome == "ready" else None
         except KeyError as exc:
             raise InvalidRequest(f'worker "{hs.worker_id}": its RealizedCache has no kind/scheduler') from exc
         try:
-            plan = wire.plan_from_pb(hs.loading) if outcome == "loading" else None
+            plan = handshake_pb.plan_from_pb(hs.loading) if outcome == "loading" else None
         except KeyError as exc:
             raise InvalidRequest(f'worker "{hs.worker_id}": its LoadingPlan has no planned kind') from exc
         try:
-            spec = wire.spec_from_pb(hs.spec)
+            spec = handshake_pb.spec_from_pb(hs.spec)
         except (KeyError, ValueError, ConfigError) as exc:  # an unknown enum, or --pa-* values out of range
             raise InvalidRequest(f'worker "{hs.worker_id}": its WorkerSpec is malformed: {exc}') from exc
         return WorkerEntry(
@@ -266,7 +266,7 @@ class Cluster:
             spec=spec,
             capabilities=hs.capabilities,
             realized=realized,
-            failure=wire.failure_from_pb(hs.failed) if outcome == "failed" else None,
+            failure=handshake_pb.failure_from_pb(hs.failed) if outcome == "failed" else None,
             plan=plan,
             metrics_address=hs.metrics_address,
             labels=dict(hs.labels),

@@ -1,33 +1,143 @@
-"""The router's configuration, read once from the command line (router/cli.py)."""
+"""The router's configuration, read once from the command line (router/cli.py): one field per `router`
+option, its flag, help, default and bounds declared on the field (shared/options.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpact.router.balancing import BALANCES, DEFAULT_BALANCE
+from kvpact.router.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
+from kvpact.shared.cli import host_port, seconds, tcp_port
 from kvpact.shared.intent import PagedAttentionMode
+from kvpact.shared.options import check_options, option
 from kvpact.shared.tls import TlsConfig
+
+POLICY_HELP = (
+    "the cluster's PagedAttention policy. auto: admit workers whatever they realized (each says why it "
+    "fell back); on: every admitted worker must realize PagedAttention, or the cluster does not start "
+    "(exit 78, naming each worker and reason); off: admit only workers with the eager KV cache. "
+    "Default: auto."
+)
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = a free port (the bound one is logged)
-    policy: PagedAttentionMode = PagedAttentionMode.AUTO
-    num_expected_workers: int = 1
-    startup_timeout_s: float = 300.0
-    heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 10.0
-    auth_tokens: tuple[str, ...] = field(default=(), repr=False)  # never logged; re-read on SIGHUP
-    auth_token_file: str | None = None
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never logged; re-read on SIGHUP
-    api_key_file: str | None = None
-    tls: TlsConfig | None = None  # None = plaintext (loopback)
-    metrics_port: int | None = None
-    balance: str = "least-load"  # a name in router/balancing POLICIES (--balance)
-    shutdown_timeout_s: float = 0.8  # bound on telling the workers to stop when the cluster fails
+    host: str = option(
+        "127.0.0.1",
+        "--listen",
+        "where clients and workers reach the router (default 127.0.0.1:50051; port 0 = free)",
+        type=host_port,
+        metavar="HOST:PORT",
+        into=("host", "port"),
+        cli_default=("127.0.0.1", 50051),
+    )
+    port: int = 50051  # set by --listen; 0 = a free port (the bound one is logged)
+    policy: PagedAttentionMode = option(
+        PagedAttentionMode.AUTO,
+        "--paged-attn",
+        POLICY_HELP,
+        choices=tuple(m.value for m in PagedAttentionMode),
+        convert=PagedAttentionMode,
+    )
+    num_expected_workers: int = option(
+        1,
+        "--expect-workers",
+        "serving starts when N workers are admitted (default 1)",
+        metavar="N",
+        minimum=1,
+    )
+    startup_timeout_s: float = option(
+        300.0,
+        "--startup-timeout",
+        "exit 1 naming who is missing if N workers are not admitted by then (default 300)",
+        type=seconds,
+        metavar="SECONDS",
+    )
+    heartbeat_interval_s: float = option(
+        2.0,
+        "--heartbeat-interval",
+        "how often workers send heartbeats (told to them on admission; default 2)",
+        type=seconds,
+        metavar="SECONDS",
+    )
+    heartbeat_timeout_s: float = option(
+        10.0,
+        "--heartbeat-timeout",
+        "a worker silent this long is marked DEAD and gets no new requests (default 10)",
+        type=seconds,
+        metavar="SECONDS",
+    )
     # After a failed start the router stays up this long at most, refusing every handshake (a plan
     # included) and heartbeat with the failure, so a worker that starts meanwhile is told before it loads;
     # it exits sooner once every expected worker has been told.
-    failed_linger_s: float = 15.0
-    drain_timeout_s: float = 30.0  # SIGTERM: in-flight calls get this long to finish
-    max_in_flight_per_worker: int = 512  # requests forwarded to one worker at once, then RESOURCE_EXHAUSTED
+    failed_linger_s: float = option(
+        15.0,
+        "--failed-linger",
+        "after a failed start, stay up this long at most (exit code unchanged), refusing every "
+        "handshake and heartbeat with the failure, so that a worker that starts meanwhile is told before it "
+        "loads; the router exits sooner once every expected worker was told (default 15)",
+        type=seconds,
+        metavar="SECONDS",
+    )
+    drain_timeout_s: float = option(  # SIGTERM: in-flight calls get this long to finish
+        30.0,
+        "--drain-timeout",
+        "on SIGTERM: health NOT_SERVING and new calls refused at once, in-flight calls finish for up "
+        "to this long, then exit 0 (default 30)",
+        type=seconds,
+        metavar="SECONDS",
+    )
+    max_in_flight_per_worker: int = (
+        option(  # requests forwarded to one worker at once, then RESOURCE_EXHAUSTED
+            512,
+            "--max-in-flight-per-worker",
+            "forward at most N requests to one worker at once; a request finds a worker with room, or is "
+            "refused at once with RESOURCE_EXHAUSTED naming this bound (default 512)",
+            metavar="N",
+            minimum=1,
+        )
+    )
+    auth_token_file: str | None = option(
+        None,
+        "--auth-token-file",
+        "workers must present a secret in this file (one per line) to register and heartbeat; "
+        "re-read on SIGHUP",
+        metavar="PATH",
+    )
+    api_key_file: str | None = option(
+        None,
+        "--api-key-file",
+        "clients must send one of the keys in this file (one per line) as 'authorization: Bearer <key>' "
+        "metadata, else UNAUTHENTICATED; health and reflection stay open; re-read on SIGHUP "
+        "(default: no keys)",
+        metavar="PATH",
+    )
+    metrics_port: int | None = option(
+        None,
+        "--metrics-port",
+        "serve Prometheus metrics on this port (default: off)",
+        type=tcp_port,
+        metavar="PORT",
+    )
+    balance: str = option(  # a name in router/balancing's BALANCES
+        DEFAULT_BALANCE,
+        "--balance",
+        "which worker gets a request. least-load: fewest requests in flight, then most free KV blocks; "
+        "prefix-affinity: prompts that start alike go to the same worker (its prefix cache holds their "
+        "shared blocks), bounded by load, else least-load (default: least-load)",
+        choices=tuple(sorted(BALANCES)),
+    )
+    event_loop: str = option(
+        DEFAULT_EVENT_LOOP,
+        "--event-loop",
+        "the event loop the router runs on: asyncio (the standard library's) or uvloop (where it is "
+        "installed; measured no faster for the relay here, docs/performance.md) (default: asyncio)",
+        choices=tuple(EVENT_LOOPS),
+    )
+    tls: TlsConfig | None = None  # --tls-* (shared/tls.py); None = plaintext (loopback)
+    auth_tokens: tuple[str, ...] = field(default=(), repr=False)  # --auth-token-file's; re-read on SIGHUP
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # --api-key-file's; re-read on SIGHUP
+    shutdown_timeout_s: float = 0.8  # bound on telling the workers to stop when the cluster fails
+
+    def __post_init__(self) -> None:
+        check_options(self)

@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpact.router.cluster_state import ClusterState, Startup
 from kvpact.router.registry import Registry
-from kvpact.router.startup import ClusterState, Startup
 
 NO_CACHE = "none"  # a worker that failed before building a cache
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from grpc_health.v1 import health
 
+from kvpact.router.cluster_state import ClusterState
 from kvpact.router.registry import Registry
-from kvpact.router.startup import ClusterState
 
 GENERATION_SERVICE = "kvpact.v1.Generation"
 

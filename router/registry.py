@@ -1,7 +1,7 @@
 """Every worker that registered: what it was asked, what it built, its state, load and liveness.
 
-No I/O here: the Registry servicer and the heartbeat monitor update it; the balancer and the status
-page read it. Times are `time.monotonic()` seconds passed in by the caller.
+No I/O here: the Registry servicer and the heartbeat monitor update it; routing (router/balancing/) and
+the status page read it. Times are `time.monotonic()` seconds passed in by the caller.
 
 States (DRAINING: the worker said it is stopping; it gets no new requests, its in-flight ones finish,
 then it deregisters and its entry is removed; silent, it becomes DEAD like any other):

@@ -23,14 +23,13 @@ from contextlib import aclosing
 import grpc
 import structlog
 
-from kvpact.router.balancer import resolve_model, route
-from kvpact.router.balancing import make_policy
+from kvpact.router.balancing import make_balance, resolve_model, route
 from kvpact.router.cluster import Cluster
+from kvpact.router.cluster_state import ClusterState
 from kvpact.router.coalesce import coalesced
 from kvpact.router.errors import NoLiveWorker, NotServing, Overloaded, WorkerCallFailed
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
-from kvpact.router.startup import ClusterState
 from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
@@ -59,7 +58,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, metrics: RouterMetrics | None = None) -> None:
         self.cluster = cluster
         self.metrics = metrics
-        self.policy = make_policy(cluster.config.balance)
+        self.balance = make_balance(cluster.config.balance)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -128,7 +127,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     def _route(self, request: generation_pb2.GenerateRequest, tried: set[str]) -> WorkerEntry:
         limit = self.cluster.config.max_in_flight_per_worker
         return route(
-            self.cluster.registry, request.model, self.policy, request, max_in_flight=limit, exclude=tried
+            self.cluster.registry, request.model, self.balance, request, max_in_flight=limit, exclude=tried
         )
 
     async def _relay(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvpact.router.cluster_state import ClusterState
 from kvpact.router.registry import WorkerEntry, WorkerState
-from kvpact.router.startup import ClusterState
-from kvpact.shared import wire
+from kvpact.shared import handshake_pb
 from kvpact.shared.intent import PagedAttentionMode
 from kvpact.v1 import router_pb2
 
@@ -28,23 +28,23 @@ def worker_status_to_pb(entry: WorkerEntry, now: float) -> router_pb2.WorkerStat
         worker_id=entry.worker_id,
         address=entry.address,
         model_name=entry.model_name,
-        requested=wire.spec_to_pb(entry.spec),
+        requested=handshake_pb.spec_to_pb(entry.spec),
         capabilities=entry.capabilities,
         state=_WORKER_STATE_TO_PB[entry.state],
         state_reason=entry.state_reason,
         # A DEAD worker's last reported load is not its load now: left unset (the state says why).
-        load=wire.load_to_pb(entry.load) if entry.state is not WorkerState.DEAD else None,
+        load=handshake_pb.load_to_pb(entry.load) if entry.state is not WorkerState.DEAD else None,
         seconds_since_heartbeat=max(0.0, now - entry.last_heartbeat),
         num_outstanding=entry.num_outstanding,
         metrics_address=entry.metrics_address,
         labels=entry.labels,
     )
     if entry.realized is not None:
-        msg.realized.CopyFrom(wire.realized_to_pb(entry.realized))
+        msg.realized.CopyFrom(handshake_pb.realized_to_pb(entry.realized))
     if entry.failure is not None:
-        msg.failure.CopyFrom(wire.failure_to_pb(entry.failure))
+        msg.failure.CopyFrom(handshake_pb.failure_to_pb(entry.failure))
     if entry.plan is not None:
-        msg.planned.CopyFrom(wire.plan_to_pb(entry.plan))
+        msg.planned.CopyFrom(handshake_pb.plan_to_pb(entry.plan))
     return msg
 
 
@@ -60,7 +60,7 @@ def cluster_status_to_pb(
     return router_pb2.ClusterStatusResponse(
         health="SERVING" if serving else "NOT_SERVING",
         state=_CLUSTER_STATE_TO_PB[state],
-        policy=wire.mode_to_pb(policy),
+        policy=handshake_pb.mode_to_pb(policy),
         expected_workers=num_expected,
         workers=[worker_status_to_pb(w, now) for w in workers],
         failure_report=failure_report,

@@ -9,7 +9,7 @@ on a CPU. Defaults mirror the seed write-up:
     CUDA without a usable Triton                                       -> auto falls back, on fails
     CPU / MPS                                                          -> auto stays eager; on uses torch
     a device map mixing CPU and accelerator layers                     -> unsupported
-    --pa-backend triton without CUDA, --no-kv-cache                    -> unsupported
+    --pa-backend triton without CUDA                                   -> unsupported
 
 Every "unsupported" goes through `disable_paged_attention`, so `auto` records the reason and `on` raises;
 the messages are shared/reasons.py's (component `device`; `kernels` for shared memory).
@@ -89,8 +89,6 @@ def _choose_backend(
 ) -> tuple[PagedBackend | None, str]:
     config = state.paged_config
     assert config is not None
-    if state.intent.no_kv_cache:
-        return None, reasons.NO_KV_CACHE.message()
     kinds = device.device_map_kinds or frozenset({device.kind})
     if "cpu" in kinds and kinds & ACCELERATOR_KINDS:
         return None, reasons.MIXED_DEVICE_MAP.message()

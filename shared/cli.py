@@ -5,15 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvpact.shared.intent import PagedAttentionMode
+from kvpact.shared.intent import PAGED_ATTN_HELP, PagedAttentionMode
 from kvpact.shared.log import LOG_FORMATS
-
-PAGED_ATTN_HELP = (
-    "PagedAttention policy. auto: use it where this worker supports it (CUDA with Triton), otherwise "
-    "fall back to the eager KV cache and record why (CPU and MPS stay eager). on: required; startup "
-    "fails naming the reason if it cannot be realized (CPU/MPS use the torch paged backend). "
-    "off: never use it. Default: auto."
-)
 
 
 def add_paged_attn_arg(
@@ -54,3 +47,15 @@ def seconds(value: str) -> float:
     if not (math.isfinite(parsed) and parsed > 0):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
     return parsed
+
+
+def port_or_zero(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535] (0 = a free one), got {text!r}")
+    return int(text)
+
+
+def tcp_port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {text!r}")
+    return int(text)

@@ -41,8 +41,6 @@ def describe_intent(intent: CacheIntent) -> str:
             parts.append(f"--pa-memory-fraction {config.memory_fraction:g}")
         if config.cache_dtype.value != "auto":
             parts.append(f"--pa-cache-dtype {config.cache_dtype.value}")
-    if intent.no_kv_cache:
-        parts.append("--no-kv-cache")
     return " ".join(parts)
 
 

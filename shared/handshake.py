@@ -1,7 +1,7 @@
 """What a worker tells the router besides its spec and realized cache: its pre-load plan, a startup
 failure, and its load.
 
-Converted to and from protobuf in shared/wire.py (`plan_*_pb`, `failure_*_pb`, `load_*_pb`).
+Converted to and from protobuf in shared/handshake_pb.py (`plan_*_pb`, `failure_*_pb`, `load_*_pb`).
 """
 
 from __future__ import annotations

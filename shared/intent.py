@@ -19,8 +19,17 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
+from kvpact.shared.options import UINT64_MAX, check_options, option
 
 DEFAULT_BLOCK_SIZE = 16
+CACHE = "KV cache and PagedAttention"  # the --help group of `worker` these options are shown in
+PAGED_ATTN_HELP = (
+    "PagedAttention policy. auto: use it where this worker supports it (CUDA with Triton), otherwise "
+    "fall back to the eager KV cache and record why (CPU and MPS stay eager). on: required; startup "
+    "fails naming the reason if it cannot be realized (CPU/MPS use the torch paged backend). "
+    "off: never use it. Default: auto."
+)
+GPU_DEFAULT_MEMORY_FRACTION = 0.9  # the paged budget's share of free GPU memory when no --pa-* budget is set
 
 
 class PagedAttentionMode(enum.Enum):
@@ -46,14 +55,66 @@ class CacheDtype(enum.Enum):
 class PagedAttentionConfig:
     """How to build the paged cache. At most one of the three budgets is set (none = device default)."""
 
-    required: bool = False
-    block_size: int = DEFAULT_BLOCK_SIZE
-    memory_fraction: float | None = None
-    memory_bytes: int | None = None
-    context_tokens: int | None = None
-    cache_dtype: CacheDtype = CacheDtype.AUTO
-    backend: PagedBackend = PagedBackend.AUTO
-    prefix_caching: bool = True
+    required: bool = False  # follows --paged-attn (on), never a flag of its own
+    block_size: int = option(
+        DEFAULT_BLOCK_SIZE,
+        "--pa-block-size",
+        f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})",
+        minimum=1,
+        group=CACHE,
+    )
+    memory_fraction: float | None = option(
+        None,
+        "--pa-memory-fraction",
+        "KV cache budget: F x the memory free at startup (GPU memory, or available RAM on CPU), less "
+        "the weights and activation headroom; F in (0, 1] is the share of free memory this worker may use "
+        f"in all (the CUDA default is {GPU_DEFAULT_MEMORY_FRACTION:g})",
+        type=float,
+        metavar="F",
+        group=CACHE,
+        exclusive="budget",
+    )
+    memory_bytes: int | None = option(
+        None,
+        "--pa-memory-bytes",
+        "KV cache budget in bytes",
+        minimum=1,
+        maximum=UINT64_MAX,
+        group=CACHE,
+        exclusive="budget",
+    )
+    context_tokens: int | None = option(
+        None,
+        "--pa-context-tokens",
+        "KV cache budget in tokens",
+        minimum=1,
+        maximum=UINT64_MAX,
+        group=CACHE,
+        exclusive="budget",
+    )
+    cache_dtype: CacheDtype = option(
+        CacheDtype.AUTO,
+        "--pa-cache-dtype",
+        "KV element type (default: the model's)",
+        choices=tuple(d.value for d in CacheDtype),
+        convert=CacheDtype,
+        group=CACHE,
+    )
+    backend: PagedBackend = option(
+        PagedBackend.AUTO,
+        "--pa-backend",
+        "paged attention kernels: triton (CUDA) or torch (any device); auto picks (default auto)",
+        choices=tuple(b.value for b in PagedBackend),
+        convert=PagedBackend,
+        group=CACHE,
+    )
+    prefix_caching: bool = option(
+        True,
+        "--no-prefix-caching",
+        "do not reuse cached blocks of repeated prompt prefixes",
+        action="store_false",
+        group=CACHE,
+    )
 
     def __post_init__(self) -> None:
         budgets = [b for b in (self.memory_fraction, self.memory_bytes, self.context_tokens) if b is not None]
@@ -62,23 +123,24 @@ class PagedAttentionConfig:
                 "--pa-memory-fraction, --pa-memory-bytes and --pa-context-tokens are mutually exclusive; "
                 "give one"
             )
-        if self.block_size <= 0:
-            raise ConfigError(f"--pa-block-size must be positive, got {self.block_size}")
+        check_options(self)
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"--pa-memory-fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.memory_bytes is not None and self.memory_bytes <= 0:
-            raise ConfigError(f"--pa-memory-bytes must be positive, got {self.memory_bytes}")
-        if self.context_tokens is not None and self.context_tokens <= 0:
-            raise ConfigError(f"--pa-context-tokens must be positive, got {self.context_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
 class CacheIntent:
     """What the operator asked for. `paged` is None exactly when mode is OFF."""
 
-    mode: PagedAttentionMode = PagedAttentionMode.AUTO
+    mode: PagedAttentionMode = option(
+        PagedAttentionMode.AUTO,
+        "--paged-attn",
+        PAGED_ATTN_HELP,
+        choices=tuple(m.value for m in PagedAttentionMode),
+        convert=PagedAttentionMode,
+        group=CACHE,
+    )
     paged: PagedAttentionConfig | None = field(default_factory=PagedAttentionConfig)
-    no_kv_cache: bool = False
 
     def __post_init__(self) -> None:
         if (self.paged is None) != (self.mode is PagedAttentionMode.OFF):
@@ -104,10 +166,8 @@ def paged_config_for_mode(
     return replace(settings or PagedAttentionConfig(), required=mode is PagedAttentionMode.ON)
 
 
-def cache_intent(
-    mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None, *, no_kv_cache: bool = False
-) -> CacheIntent:
-    return CacheIntent(mode=mode, paged=paged_config_for_mode(mode, settings), no_kv_cache=no_kv_cache)
+def cache_intent(mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None) -> CacheIntent:
+    return CacheIntent(mode=mode, paged=paged_config_for_mode(mode, settings))
 
 
 @dataclass(frozen=True, slots=True)

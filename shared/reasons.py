@@ -30,13 +30,6 @@ class Reason:
         return self.template.format(**fields)
 
 
-NO_KV_CACHE = Reason(
-    "--no-kv-cache",
-    "device",
-    "there is no KV cache to page",
-    "--no-kv-cache disables the KV cache, so there is no cache to page",
-    "drop --no-kv-cache",
-)
 MIXED_DEVICE_MAP = Reason(
     "mixed device map",
     "device",
@@ -166,7 +159,6 @@ REASONS = (
     SHARED_MEMORY,
     MIXED_DEVICE_MAP,
     SLIDING_WINDOW,
-    NO_KV_CACHE,
     KV_BUDGET,
     KERNEL_SELF_TEST,
     KERNEL_ACCURACY,

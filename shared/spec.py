@@ -1,10 +1,13 @@
-"""What a worker is asked to run (CLI -> WorkerSpec -> protobuf, converted in shared/wire.py)."""
+"""What a worker is asked to run (CLI -> WorkerSpec -> protobuf, converted in shared/handshake_pb.py).
+Its fields declare the `worker` options that say it (shared/options.py)."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from kvpact.shared.intent import CacheIntent
+from kvpact.shared.options import check_options, option, whole_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,19 +16,90 @@ class LayerPlacement:
     num_layers: int
 
 
+MODEL = "model"  # the --help group of `worker` these options are shown in
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def parse_device(value: str) -> str:
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda", "mps") or (kind == "cuda" and index.isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda, cuda:N or mps, got {value!r}")
+
+
+def _device_map(value: str) -> tuple[LayerPlacement, ...]:
+    try:
+        return parse_device_map(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _max_model_len(value: str) -> tuple[int, bool]:
+    """A whole number, or "auto" (fit it to the realized KV cache): (max_model_len, max_model_len_auto)."""
+    return (0, True) if value == "auto" else (whole_number(value, 0), False)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    model: str = ""  # HF directory or .gguf file; "" = the bundled default model
-    device: str = "auto"  # auto, cpu, cuda, cuda:N, mps
-    device_map: tuple[LayerPlacement, ...] = ()  # empty = every layer on `device`
-    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16
-    max_model_len: int = 0  # 0 = min(model's max positions, the device default)
-    max_num_seqs: int = 0  # 0 = default
-    max_num_batched_tokens: int = 0  # 0 = default
+    """What the worker is asked to run: one field per `worker` option (shared/options.py); the cache
+    intent's own options are CacheIntent's and PagedAttentionConfig's (shared/intent.py)."""
+
+    model: str = option(
+        "",
+        "--model",
+        "Hugging Face model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+        group=MODEL,
+    )
+    device: str = option(
+        "auto", "--device", "auto, cpu, cuda, cuda:N or mps (default auto)", type=parse_device, group=MODEL
+    )
+    device_map: tuple[LayerPlacement, ...] = option(  # empty = every layer on `device`
+        (),
+        "--device-map",
+        "place runs of decoder layers on devices in order, e.g. cuda:0=20,cpu=10",
+        type=_device_map,
+        metavar="DEVICE=NUM_LAYERS[,...]",
+        group=MODEL,
+    )
+    dtype: str = option(
+        "auto", "--dtype", "weight dtype (default auto: the device's default)", choices=DTYPES, group=MODEL
+    )
+    max_model_len: int = option(  # 0 = the device default (see max_model_len_auto)
+        0,
+        "--max-model-len",
+        "longest sequence in tokens; auto: the longest one sequence can have in the realized KV cache, "
+        "up to the model's positions (logged with how it was chosen). A value that cannot fit: under "
+        "--paged-attn on startup fails, under auto it falls back to the eager cache; either way the message "
+        "names the largest value that fits (0 = default: auto on CUDA, min(model, 2048) on CPU/MPS)",
+        type=_max_model_len,
+        metavar="N|auto",
+        group=MODEL,
+        into=("max_model_len", "max_model_len_auto"),
+        cli_default=(0, False),
+        minimum=0,
+    )
+    max_num_seqs: int = option(
+        0, "--max-num-seqs", "most sequences run at once (0 = default)", minimum=0, group=MODEL
+    )
+    max_num_batched_tokens: int = option(
+        0, "--max-num-batched-tokens", "most tokens in one engine step (0 = default)", minimum=0, group=MODEL
+    )
+    threads: int | None = option(
+        None,
+        "--threads",
+        "CPU threads for this worker's torch ops (default: its share of the machine: the Ray bundle's "
+        "num_cpus, else what the OS allows this process)",
+        metavar="N",
+        minimum=1,
+        group=MODEL,
+    )
     cache: CacheIntent = field(default_factory=CacheIntent)
     # --max-model-len auto (and the CUDA default): the longest sequence the realized cache can hold, up to
     # the model's positions; max_model_len is then 0
     max_model_len_auto: bool = False
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def parse_device_map(text: str) -> tuple[LayerPlacement, ...]:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "kernels", "shared", "deploy")
 DOOR = ROOT / "shared" / "intent.py"
 # Building an intent from the wire for mode OFF legitimately has no paged config.
-MAY_BUILD_OFF_INTENT = {ROOT / "shared" / "wire.py"}
+MAY_BUILD_OFF_INTENT = {ROOT / "shared" / "handshake_pb.py"}
 # Constructors whose paged config can also be given positionally: its index.
 PAGED_POSITION = {"PagedAttentionState": 1, "CacheIntent": 1}
 

@@ -14,8 +14,8 @@ from kvpact.client import (
     completion_from_pb,
     render_cluster_status,
 )
+from kvpact.router.cluster_state import ClusterState
 from kvpact.router.registry import WorkerEntry, WorkerState
-from kvpact.router.startup import ClusterState
 from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared.handshake import StartupFailure, StartupFailureCode
 from kvpact.shared.intent import Fallback, PagedAttentionMode

@@ -182,12 +182,6 @@ def test_triton_backend_without_cuda_is_unsupported():
         decide_paged_attention(CPU, state("on", backend=PagedBackend.TRITON))
 
 
-def test_no_kv_cache_is_unsupported():
-    s = PagedAttentionState.from_intent(cache_intent(PagedAttentionMode.ON, no_kv_cache=True))
-    with pytest.raises(PagedAttentionRequiredError, match="--no-kv-cache"):
-        decide_paged_attention(CUDA, s, SMOL)
-
-
 def test_scheduler_rejects_required_request_without_realized_cache():
     on = cache_intent(PagedAttentionMode.ON)
     with pytest.raises(

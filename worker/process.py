@@ -2,7 +2,7 @@
 
     bind the gRPC server (Worker + health NOT_SERVING + reflection), print "worker ID listening on ADDR"
     -> probe the device (its Capabilities go into every Handshake from here on, a failed one too)
-    -> capability check and pre-load verdict (worker.startup; fast, before any weight is read)
+    -> capability check and pre-load verdict (worker.engine_setup; fast, before any weight is read)
     -> with --router: Handshake{loading=plan}, waiting up to --router-timeout for the router's answer:
        refused -> exit 78 before a weight is read; no answer -> exit 1 before a weight is read; pending
        -> go on (a Shutdown while loading stops it with 0)
@@ -40,7 +40,6 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
@@ -56,55 +55,29 @@ from kvpact.shared.errors import (
     PagedAttentionRequiredError,
 )
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
+from kvpact.shared.handshake_pb import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
 from kvpact.shared.log import configure_logging
-from kvpact.shared.spec import WorkerSpec
-from kvpact.shared.tls import TlsConfig, describe_tls, plaintext_warning
-from kvpact.shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
+from kvpact.shared.tls import describe_tls, plaintext_warning
 from kvpact.v1 import worker_pb2
 from kvpact.worker.cpu_share import CpuShare
 from kvpact.worker.device import probe_device
-from kvpact.worker.engine import DEFAULT_MAX_WAITING, Engine
+from kvpact.worker.engine import Engine
+from kvpact.worker.engine_setup import WorkerPlan, build_engine, plan_startup
+from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.loader import model_name, resolve_model_path
 from kvpact.worker.metrics import WorkerMetrics
+from kvpact.worker.options import WorkerOptions
 from kvpact.worker.registration import RegistrationError, RouterLink
 from kvpact.worker.service import WorkerServer, WorkerService
-from kvpact.worker.startup import WorkerPlan, build_engine, plan_startup
-from kvpact.worker.wire import capabilities_to_pb
 
 log = structlog.get_logger(__name__)
 
 EXIT_OK = 0
-DEFAULT_ROUTER_TIMEOUT_S = 60.0
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0  # in-flight streams get this long to finish when the worker stops
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # when the Admission does not say
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerOptions:
-    """Everything the CLI decided; read once at start."""
-
-    spec: WorkerSpec
-    worker_id: str
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 0
-    advertise_host: str | None = None  # None = the listen host (a wildcard: this machine's hostname)
-    labels: tuple[tuple[str, str], ...] = ()  # Handshake.labels (e.g. its Ray node and bundle)
-    router: str | None = None  # HOST:PORT; None = standalone
-    router_timeout_s: float = DEFAULT_ROUTER_TIMEOUT_S
-    model_name: str | None = None  # None = the engine's
-    auth_token_file: str | None = None
-    tls: TlsConfig | None = None  # None = plaintext (loopback)
-    max_waiting: int = DEFAULT_MAX_WAITING
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    log_format: str = "auto"
-    log_level: str = "INFO"
-    metrics_port: int | None = None  # serve /metrics on the --listen host; 0 = a free port; None = off
-    log_prompts: bool = False  # prompt text in the request log line (never otherwise)
-    threads: int | None = None  # torch CPU threads; None = this worker's share of the machine (cpu_share.py)
 
 
 class PlanRefused(Exception):
@@ -180,7 +153,7 @@ class WorkerProcess:
             worker_id=self.worker_id, spec=spec_to_pb(options.spec), labels=dict(options.labels)
         )
         self._drain_task: asyncio.Task[None] | None = None
-        self.cpu_share = CpuShare.acquire(options.threads)  # released in _close
+        self.cpu_share = CpuShare.acquire(options.spec.threads)  # released in _close
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -325,7 +298,7 @@ class WorkerProcess:
         return None
 
     async def _build_engine(self) -> Engine:
-        """The startup sequence proper, in worker/startup.py: the device probe (its capabilities go into
+        """The startup sequence proper, in worker/engine_setup.py: the device probe (its capabilities go into
         every handshake from then on, a failed one too), the pre-load verdict (it logs how long that
         took), then weights, cache and scheduler. All run in a thread, so health answers meanwhile."""
         started = time.monotonic()

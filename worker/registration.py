@@ -29,8 +29,8 @@ import structlog
 
 from kvpact.shared.errors import KvpactError
 from kvpact.shared.handshake import WorkerLoad
+from kvpact.shared.handshake_pb import load_to_pb
 from kvpact.shared.tls import TlsConfig, aio_channel, handshake_failure
-from kvpact.shared.wire import load_to_pb
 from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger(__name__)

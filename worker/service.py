@@ -1,6 +1,6 @@
 """The worker's gRPC face: the `kvpact.v1.Worker` servicer and the server that carries it.
 
-The servicer is thin: protobuf in and out through worker/wire.py, the work done by the engine, errors
+The servicer is thin: protobuf in and out through worker/generate_pb.py, the work done by the engine, errors
 mapped to status codes by shared/rpc_errors.py (this module's `STATUS_FOR_ERROR`). It is added to the server
 before the model is loaded and answers UNAVAILABLE until `attach(engine)`. Standard health is readiness:
 NOT_SERVING while loading, SERVING once admitted by the router (standalone: once loaded), NOT_SERVING
@@ -25,13 +25,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpact.shared.errors import BindError, KvpactError, RequestError
+from kvpact.shared.handshake_pb import load_to_pb
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS, check_request_limits, excerpt
 from kvpact.shared.rpc_errors import ErrorInterceptor, LogContextInterceptor
 from kvpact.shared.tls import TlsConfig, add_port
-from kvpact.shared.wire import load_to_pb
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvpact.worker.generate_pb import chunk_to_pb, request_from_pb
 from kvpact.worker.request import EngineClosedError, EngineOverloadedError, GenerationError
-from kvpact.worker.wire import chunk_to_pb, request_from_pb
 
 if TYPE_CHECKING:
     from kvpact.worker.engine import Engine

@@ -3,7 +3,7 @@ serves at once (paged vs eager), and what the prefix cache saves on a shared-pre
 
     python -m benchmarks.run --suites kv_memory [--quick]
 
-Every engine is built in-process through worker.startup (what `worker` runs), on ctx.device, with the
+Every engine is built in-process through worker.engine_setup (what `worker` runs), on ctx.device, with the
 backend `--paged-attn on` picks there (torch on CPU). benchmarks/kv_steps.py records the cache after
 every step.
 
@@ -53,8 +53,8 @@ from benchmarks.kv_steps import StepLog
 from benchmarks.kvpact_systems import greedy_request
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
+from kvpact.worker.engine_setup import build_engine, plan_startup
 from kvpact.worker.request import GenerationOutput, GenerationRequest, GenerationResult
-from kvpact.worker.startup import build_engine, plan_startup
 
 NAME = "kv_memory"
 EAGER_SLOTS = 2  # the budget is the memory of this many eager slots at max_model_len
@@ -189,7 +189,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         },
         figure=figure(windows, prefix_runs, max_model_len),
         notes=[
-            "Engines in-process (worker.startup.build_engine), greedy, ignore_eos; the module docstring of "
+            "Engines in-process (engine_setup.build_engine), greedy, ignore_eos; the module docstring of "
             "benchmarks/suites/kv_memory.py says what each figure counts."
         ],
     )

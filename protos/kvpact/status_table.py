@@ -3,14 +3,14 @@
 One row per worker (state, model, address, what it was asked, what it realized, capacity, load,
 heartbeat age, and its labels when any worker has some, e.g. its Ray node and bundle), then every
 fallback reason, failure and refusal. The cells are kvpact.shared.describe's (the renderer the router and
-worker use), over the messages as kvpact.shared.wire converts them.
+worker use), over the messages as kvpact.shared.handshake_pb converts them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvpact.shared import wire
+from kvpact.shared import handshake_pb
 from kvpact.shared.describe import describe_asked, describe_compact, describe_labels
 from kvpact.v1 import cache_pb2, router_pb2, worker_pb2
 
@@ -24,14 +24,14 @@ def _realized_cells(w: router_pb2.WorkerStatus) -> tuple[str, str]:
     if not w.HasField("realized") or w.realized.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
         return "-", "-"
     try:
-        return describe_compact(wire.realized_from_pb(w.realized))
+        return describe_compact(handshake_pb.realized_from_pb(w.realized))
     except (KeyError, ValueError):  # a field this client does not know: show the table anyway
         return "?", f"{w.realized.capacity_tokens} tok"
 
 
 def _asked_cell(w: router_pb2.WorkerStatus) -> str:
     try:
-        return describe_asked(wire.intent_from_pb(w.requested.cache))
+        return describe_asked(handshake_pb.intent_from_pb(w.requested.cache))
     except (KeyError, ValueError):
         return "?"
 

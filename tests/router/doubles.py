@@ -3,7 +3,7 @@
 `WorkerDouble` is a real Worker service on loopback (grpc.aio): its "model" emits token
 `(prompt length + i) % 1000` as text "t<id> ", one chunk per token, optionally slowly, and it records
 what it was asked (requests, cancellations, shutdowns) so tests can assert on the router's behaviour.
-Handshakes are built from the shared dataclasses through shared/wire.py, as a worker builds them.
+Handshakes are built from the shared dataclasses through shared/handshake_pb.py, as a worker builds them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import grpc
 from kvpact.client import AsyncClient
 from kvpact.router.config import RouterConfig
 from kvpact.router.server import RouterServer
-from kvpact.shared import wire
+from kvpact.shared import handshake_pb
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import (
     CacheDtype,
@@ -210,7 +210,7 @@ def handshake(
         worker_id=worker_id,
         address=address,
         model_name=model,
-        spec=wire.spec_to_pb(worker_spec),
+        spec=handshake_pb.spec_to_pb(worker_spec),
         capabilities=worker_pb2.Capabilities(device_kind="cpu", torch_version="2.13.0"),
         auth_token=token,
         **outcome,
@@ -228,7 +228,7 @@ def ready(
 ) -> worker_pb2.Handshake:
     return handshake(
         worker_id, address, spec(mode), model=model, token=token,
-        ready=wire.realized_to_pb(realized or paged_realized()),
+        ready=handshake_pb.realized_to_pb(realized or paged_realized()),
     )  # fmt: skip
 
 
@@ -242,7 +242,7 @@ def loading(
 ) -> worker_pb2.Handshake:
     """A worker announcing its pre-load plan (default: PAGED, torch backend) before it loads weights."""
     plan = plan or LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH, verdict_seconds=0.2)
-    return handshake(worker_id, address, spec(mode), model=model, loading=wire.plan_to_pb(plan))
+    return handshake(worker_id, address, spec(mode), model=model, loading=handshake_pb.plan_to_pb(plan))
 
 
 def failed(
@@ -255,7 +255,7 @@ def failed(
     component: str = "device",
     code: StartupFailureCode = StartupFailureCode.PAGED_ATTENTION_REQUIRED,
 ) -> worker_pb2.Handshake:
-    failure = wire.failure_to_pb(StartupFailure(code, reason, component))
+    failure = handshake_pb.failure_to_pb(StartupFailure(code, reason, component))
     return handshake(worker_id, address, spec(mode, backend=backend), failed=failure)
 
 

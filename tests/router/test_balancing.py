@@ -1,14 +1,14 @@
-"""The balancing policies behind one interface (router/balancing/): least-load and prefix-affinity."""
+"""The balances behind one interface (router/balancing/): least-load and prefix-affinity."""
 
 import pytest
 
 from kvpact.client import AsyncClient
-from kvpact.router.balancer import route
-from kvpact.router.balancing import POLICIES, LeastLoad, PrefixAffinity, make_policy, routing_key
+from kvpact.router.balancing import BALANCES, LeastLoad, PrefixAffinity, make_balance, routing_key
 from kvpact.router.balancing.prefix_affinity import PREFIX_KEY_CHARS, rank
+from kvpact.router.balancing.route import route
 from kvpact.v1 import generation_pb2
 from tests.router.doubles import WorkerDouble, ready, registry_stub, run_async, running_router, serving_double
-from tests.router.test_balancer import entry, registry
+from tests.router.test_route import entry, registry
 
 SYSTEM = "You are a meticulous assistant for a shipping company. " * 6  # > PREFIX_KEY_CHARS
 
@@ -18,30 +18,30 @@ def text(prompt: str) -> generation_pb2.GenerateRequest:
 
 
 def test_both_policies_are_registered_by_their_flag_names():
-    assert sorted(POLICIES) == ["least-load", "prefix-affinity"]
-    assert isinstance(make_policy("least-load"), LeastLoad)
-    assert isinstance(make_policy("prefix-affinity"), PrefixAffinity)
+    assert sorted(BALANCES) == ["least-load", "prefix-affinity"]
+    assert isinstance(make_balance("least-load"), LeastLoad)
+    assert isinstance(make_balance("prefix-affinity"), PrefixAffinity)
 
 
 def test_prompts_sharing_a_prefix_go_to_one_worker_and_different_prefixes_spread():
     workers = [entry("a"), entry("b"), entry("c")]
-    policy = PrefixAffinity()
+    balance = PrefixAffinity()
     for system in (SYSTEM, "Another long system prompt about astronomy and telescopes. " * 6):
-        chosen = {policy.choose(workers, text(f"{system}\nQuestion {i}?")).worker_id for i in range(10)}
+        chosen = {balance.choose(workers, text(f"{system}\nQuestion {i}?")).worker_id for i in range(10)}
         assert len(chosen) == 1
-    owners = {policy.choose(workers, text(f"prefix {i} " * 40)).worker_id for i in range(30)}
+    owners = {balance.choose(workers, text(f"prefix {i} " * 40)).worker_id for i in range(30)}
     assert owners == {"a", "b", "c"}
 
 
 def test_a_hot_prefix_spills_to_another_worker_once_its_owner_is_over_the_load_bound():
-    policy = PrefixAffinity()
+    balance = PrefixAffinity()
     request = text(SYSTEM + "Where is my parcel?")
-    owner = policy.choose([entry("a"), entry("b")], request).worker_id
+    owner = balance.choose([entry("a"), entry("b")], request).worker_id
     other = "b" if owner == "a" else "a"
     # owner with 1 in flight: bound = ceil(1.25 x (1 + 1) / 2) = 2, so it may take one more
-    assert policy.choose([entry(owner, outstanding=1), entry(other)], request).worker_id == owner
+    assert balance.choose([entry(owner, outstanding=1), entry(other)], request).worker_id == owner
     # with 2 in flight: bound = ceil(1.25 x (2 + 1) / 2) = 2, it is full: the next in rank order gets it
-    assert policy.choose([entry(owner, outstanding=2), entry(other)], request).worker_id == other
+    assert balance.choose([entry(owner, outstanding=2), entry(other)], request).worker_id == other
 
 
 def test_no_prompt_falls_back_to_least_load():
@@ -76,7 +76,7 @@ def test_the_key_is_the_leading_prompt_for_text_chat_and_token_ids():
     assert routing_key(generation_pb2.GenerateRequest()) == b""
 
 
-def test_route_uses_the_policy_it_is_given():
+def test_route_uses_the_balance_it_is_given():
     r = registry(entry("a", outstanding=0), entry("b", outstanding=0))
     request = text(SYSTEM)
     expected = PrefixAffinity().choose([entry("a"), entry("b")], request).worker_id
@@ -85,7 +85,7 @@ def test_route_uses_the_policy_it_is_given():
 
 
 @pytest.mark.parametrize("bad", ["random", ""])
-def test_an_unknown_policy_is_a_bad_flag(bad, capsys):
+def test_an_unknown_balance_is_a_bad_flag(bad, capsys):
     from kvpact.router.cli import build_parser
 
     with pytest.raises(SystemExit) as exc:

@@ -158,7 +158,7 @@ def test_event_loop_uvloop_where_it_is_missing_is_a_config_error(monkeypatch):
     [
         (["--event-loop", "tokio"], "argument --event-loop: invalid choice: 'tokio'"),
         (["--auth-token-file", "/nonexistent/token"], "--auth-token-file /nonexistent/token: cannot read it"),
-        (["--expect-workers", "0"], "must be positive"),
+        (["--expect-workers", "0"], "argument --expect-workers: expected a whole number > 0"),
         (["--listen", "nowhere"], "expected HOST:PORT"),
         (["--metrics-port", "70000"], "expected a port in [1, 65535], got '70000'"),
     ],

@@ -9,17 +9,17 @@ import grpc
 import pytest
 
 from kvpact.client import AsyncClient, KvpactRpcError
-from kvpact.router.balancer import route, with_room
+from kvpact.router.balancing.route import route, with_room
 from kvpact.router.errors import Overloaded
 from kvpact.router.registry import Registry, WorkerState
 from kvpact.v1 import router_pb2
 from tests.router.doubles import WorkerDouble, ready, registry_stub, run_async, running_router, serving_double
-from tests.router.test_balancer import entry
+from tests.router.test_route import entry
 
 FULL = (grpc.StatusCode.RESOURCE_EXHAUSTED, "5 requests are already waiting (--max-waiting 5); retry later")
 
 
-def test_route_only_offers_workers_with_room_to_the_policy():
+def test_route_only_offers_workers_with_room_to_the_balance():
     registry = Registry()
     for e in (entry("a", outstanding=2), entry("b", outstanding=4, free=99)):
         registry.add(e)

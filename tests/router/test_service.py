@@ -229,7 +229,7 @@ async def test_models_route_by_name():
 
 
 @run_async
-async def test_balancer_spreads_concurrent_streams():
+async def test_the_balance_spreads_concurrent_streams():
     async with (
         running_router(num_expected_workers=2) as router,
         serving_double(WorkerDouble("a", delay_s=0.02)) as a,
@@ -510,12 +510,15 @@ def bad_spec_handshake(*, mode: int = cache_pb2.PAGED_ATTENTION_MODE_ON, memory_
 
 @run_async
 async def test_bad_handshakes_are_invalid_argument():
+    zero_threads = bad_spec_handshake()
+    zero_threads.spec.threads = 0
     async with running_router() as router, registry_stub(router) as registry:
         for handshake, words in [
             (worker_pb2.Handshake(address="x:1"), "worker_id is empty"),
             (worker_pb2.Handshake(worker_id="w"), "neither `ready` nor `failed`"),
             (bad_spec_handshake(mode=42), "WorkerSpec is malformed"),
             (bad_spec_handshake(memory_fraction=7.0), "--pa-memory-fraction must be in (0, 1]"),
+            (zero_threads, "--threads: expected a whole number > 0"),  # the bounds the worker's parser checks
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await registry.Register(handshake)

@@ -1,5 +1,5 @@
 """Fixtures for the engine tests: tiny models on disk (once per session) and engines built through the
-real startup path (`kvpact.worker.startup.build_engine`), closed at the end of each test."""
+real startup path (`kvpact.worker.engine_setup.build_engine`), closed at the end of each test."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine import Engine
+from kvpact.worker.engine_setup import build_engine
 from kvpact.worker.request import GenerationOutput, GenerationRequest, GenerationResult, SamplingParams
-from kvpact.worker.startup import build_engine
 from tests.factories.tiny_models import make_tiny_llama, make_tiny_qwen2
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -36,7 +36,6 @@ def worker_spec(
     max_model_len: int = 256,
     max_num_seqs: int = 0,
     max_num_batched_tokens: int = 0,
-    no_kv_cache: bool = False,
     **paged: object,
 ) -> WorkerSpec:
     """A CPU WorkerSpec; `paged` are PagedAttentionConfig fields (context_tokens=..., block_size=...)."""
@@ -47,7 +46,7 @@ def worker_spec(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        cache=cache_intent(PagedAttentionMode(mode), settings, no_kv_cache=no_kv_cache),
+        cache=cache_intent(PagedAttentionMode(mode), settings),
     )
 
 

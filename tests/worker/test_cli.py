@@ -31,7 +31,6 @@ def test_help_shows_the_policy_flag_and_every_reason():
         "KV dtypes bfloat16, float16, float32",
         "mixed device map",
         "sliding window",
-        "--no-kv-cache",
         "KV budget",
     ):
         assert reason in text, reason
@@ -73,6 +72,7 @@ def test_defaults():
     assert options.router_timeout_s == 60.0
     assert options.worker_id  # hostname-pid
     assert options.advertise_host is None and options.labels == ()
+    assert options.spec.threads is None  # unset: the worker's share of the machine
 
 
 def test_advertise_host_and_labels():
@@ -89,13 +89,14 @@ def test_every_flag_reaches_the_spec():
             "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
             "--paged-attn", "on", "--pa-memory-bytes", "1000000", "--pa-cache-dtype", "float16",
             "--pa-backend", "torch", "--no-prefix-caching", "--listen", "0.0.0.0:7000",
-            "--router", "10.0.0.1:50051", "--router-timeout", "5", "--worker-id", "w1",
+            "--router", "10.0.0.1:50051", "--router-timeout", "5", "--worker-id", "w1", "--threads", "3",
         ]
     )  # fmt: skip
     spec = options.spec
     assert (spec.model, spec.device, spec.dtype) == ("/models/x", "cuda:1", "bfloat16")
     assert spec.device_map == (LayerPlacement("cuda:0", 20), LayerPlacement("cpu", 10))
     assert (spec.max_model_len, spec.max_num_seqs, spec.max_num_batched_tokens) == (512, 4, 256)
+    assert spec.threads == 3
     paged = spec.cache.paged
     assert paged is not None and paged.required
     assert paged.memory_bytes == 1_000_000
@@ -128,6 +129,8 @@ def test_every_flag_reaches_the_spec():
         (["--router-timeout", "inf"], "expected a number of seconds > 0"),
         (["--router-timeout", "nan"], "expected a number of seconds > 0"),
         (["--label", "ray.node"], "expected KEY=VALUE, got 'ray.node'"),
+        (["--no-kv-cache"], "unrecognized arguments: --no-kv-cache"),  # removed: it was always refused
+        (["--threads", "0"], "argument --threads: expected a whole number > 0 and <= 4294967295, got '0'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):

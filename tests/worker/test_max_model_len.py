@@ -9,11 +9,11 @@ import pytest
 
 from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
 from kvpact.shared.scheduler_choice import CacheKind
-from kvpact.worker import startup
+from kvpact.worker import engine_setup
 from kvpact.worker.cli import parse_args
 from kvpact.worker.kv import sizing
 from tests.worker.conftest import worker_spec
-from tests.worker.test_startup import h200_probe, head64_llama, no_loading  # noqa: F401 - fixtures
+from tests.worker.test_engine_setup import h200_probe, head64_llama, no_loading  # noqa: F401 - fixtures
 
 MODEL_POSITIONS = 512  # the tiny models' max_position_embeddings
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny llama: K+V x 2 layers x 2 kv heads x head_dim 16 x fp32
@@ -24,13 +24,13 @@ def auto(spec):  # type: ignore[no-untyped-def]
 
 
 def test_auto_with_room_for_the_whole_model_is_the_models_positions(tiny_llama, no_loading):  # noqa: F811
-    plan = startup.plan_startup(auto(worker_spec(tiny_llama, "on", context_tokens=4096)))
+    plan = engine_setup.plan_startup(auto(worker_spec(tiny_llama, "on", context_tokens=4096)))
     assert plan.max_model_len == MODEL_POSITIONS
     assert plan.max_model_len_source == "auto: the model's 512 positions (the pool holds 4096 tokens)"
 
 
 def test_auto_shrinks_to_what_one_pool_holds_and_says_how(tiny_llama, no_loading):  # noqa: F811
-    plan = startup.plan_startup(auto(worker_spec(tiny_llama, "on", context_tokens=200)))
+    plan = engine_setup.plan_startup(auto(worker_spec(tiny_llama, "on", context_tokens=200)))
     assert plan.cache_kind is CacheKind.PAGED
     assert plan.max_model_len == 208  # 13 blocks of 16
     assert plan.max_model_len_source == (
@@ -46,14 +46,14 @@ def test_an_explicit_length_that_cannot_fit_fails_under_on_naming_the_largest_th
     monkeypatch,
 ):
     with pytest.raises(PagedAttentionRequiredError) as info:
-        startup.plan_startup(worker_spec(tiny_llama, "on", max_model_len=512, context_tokens=200))
+        engine_setup.plan_startup(worker_spec(tiny_llama, "on", max_model_len=512, context_tokens=200))
     assert info.value.component == "cache-budget"
     assert "or lower --max-model-len (the largest that fits is 208)" in str(info.value)
     # under auto (on a GPU, where auto would use PagedAttention): it falls back to the eager cache and
     # says why, with the same kind of figure
-    monkeypatch.setattr(startup, "triton_self_test", lambda *a, **k: "")
+    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: "")
     spec = worker_spec(head64_llama, "auto", max_model_len=512, context_tokens=100)
-    plan = startup.plan_startup(replace(spec, device="cuda"), probe=h200_probe(2**30))
+    plan = engine_setup.plan_startup(replace(spec, device="cuda"), probe=h200_probe(2**30))
     assert plan.cache_kind is CacheKind.EAGER
     [fallback] = plan.state.fallbacks
     assert fallback.component == "cache-budget"
@@ -65,7 +65,7 @@ def test_eager_auto_fits_the_slots_into_free_memory(head64_llama, no_loading):  
     free = 64 * 2**20
     spec = auto(worker_spec(head64_llama, "off", max_num_seqs=4))
     spec = replace(spec, device="cuda")
-    plan = startup.plan_startup(spec, probe=h200_probe(free))
+    plan = engine_setup.plan_startup(spec, probe=h200_probe(free))
     largest = sizing.largest_eager_len(
         num_slots=4,
         bytes_per_token=plan.bytes_per_token,
@@ -84,29 +84,29 @@ def test_eager_auto_fits_the_slots_into_free_memory(head64_llama, no_loading):  
     )
     assert 0 < largest < 512
     with pytest.raises(ConfigError, match=rf"the largest that fits with --max-num-seqs 4 is {largest}\)"):
-        startup.plan_startup(
+        engine_setup.plan_startup(
             replace(spec, max_model_len=512, max_model_len_auto=False), probe=h200_probe(tight)
         )
-    plan = startup.plan_startup(spec, probe=h200_probe(tight))
+    plan = engine_setup.plan_startup(spec, probe=h200_probe(tight))
     assert plan.max_model_len == largest
     assert plan.max_model_len_source.startswith(f"auto: 4 eager slots of {largest} tokens fit in 0.9 x")
 
 
 def test_on_cuda_the_default_is_auto(head64_llama, no_loading, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(startup, "triton_self_test", lambda *a, **k: "")
+    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: "")
     spec = replace(worker_spec(head64_llama, "on", context_tokens=100), max_model_len=0)
-    plan = startup.plan_startup(spec, probe=h200_probe(2**30))
+    plan = engine_setup.plan_startup(spec, probe=h200_probe(2**30))
     assert plan.max_model_len == 112  # 7 blocks of 16: what one pool holds, not the model's 512
     assert plan.max_model_len_source.startswith("auto: the pool holds 112 tokens")
     # on CPU the default stays min(the model's positions, 2048)
-    plan = startup.plan_startup(
+    plan = engine_setup.plan_startup(
         replace(worker_spec(head64_llama, "on", context_tokens=4096), max_model_len=0)
     )
     assert plan.max_model_len_source == "the default: min(the model's 512 positions, 2048)"
 
 
 def test_the_engine_realizes_the_fitted_length(tiny_llama, make_engine):
-    engine = startup.build_engine(auto(worker_spec(tiny_llama, "on", context_tokens=200)))
+    engine = engine_setup.build_engine(auto(worker_spec(tiny_llama, "on", context_tokens=200)))
     try:
         assert engine.realized.max_model_len == engine.max_model_len == 208
     finally:

@@ -12,7 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpact.v1 import generation_pb2, worker_pb2_grpc
-from kvpact.worker.process import WorkerOptions, WorkerProcess
+from kvpact.worker.options import WorkerOptions
+from kvpact.worker.process import WorkerProcess
 from tests.factories.eventually import eventually, eventually_async
 from tests.factories.processes import (
     health_status,

@@ -9,7 +9,7 @@ import torch
 
 from kvpact.worker.block_manager import BlockManager
 from kvpact.worker.request import SamplingParams
-from kvpact.worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
+from kvpact.worker.scheduler import EagerScheduler, PagedScheduler, Scheduler
 from kvpact.worker.sequence import Sequence, SequenceStatus
 
 
@@ -35,8 +35,8 @@ def step(scheduler: Scheduler) -> list[tuple[str, int, int]]:
 # ---- default (slot) scheduler ----
 
 
-def test_default_scheduler_admits_into_free_slots_fifo_and_batches_decodes():
-    s = DefaultScheduler(num_slots=2, max_num_batched_tokens=100)
+def test_eager_scheduler_admits_into_free_slots_fifo_and_batches_decodes():
+    s = EagerScheduler(num_slots=2, max_num_batched_tokens=100)
     a, b, c = seq("a", 5, max_tokens=2), seq("b", 3, max_tokens=3), seq("c", 4)
     for x in (a, b, c):
         s.add(x)
@@ -48,8 +48,8 @@ def test_default_scheduler_admits_into_free_slots_fifo_and_batches_decodes():
     assert c.slot == 0 and b.is_finished
 
 
-def test_default_scheduler_chunks_prompts_to_the_token_budget():
-    s = DefaultScheduler(num_slots=4, max_num_batched_tokens=8)
+def test_eager_scheduler_chunks_prompts_to_the_token_budget():
+    s = EagerScheduler(num_slots=4, max_num_batched_tokens=8)
     a, b = seq("a", 20), seq("b", 3)
     s.add(a)
     s.add(b)
@@ -59,8 +59,8 @@ def test_default_scheduler_chunks_prompts_to_the_token_budget():
     assert step(s) == [("a", 20, 1), ("b", 3, 1)]
 
 
-def test_default_scheduler_abort_frees_the_slot_and_waiting_aborts_leave_the_queue():
-    s = DefaultScheduler(num_slots=1, max_num_batched_tokens=100)
+def test_eager_scheduler_abort_frees_the_slot_and_waiting_aborts_leave_the_queue():
+    s = EagerScheduler(num_slots=1, max_num_batched_tokens=100)
     a, b = seq("a", 4), seq("b", 4)
     s.add(a)
     s.add(b)

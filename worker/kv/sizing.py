@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpact.shared.errors import ConfigError
-from kvpact.shared.intent import PagedAttentionConfig
+from kvpact.shared.intent import GPU_DEFAULT_MEMORY_FRACTION, PagedAttentionConfig
 from kvpact.shared.reasons import KV_BUDGET
 
 GiB = 2**30
@@ -31,7 +31,6 @@ MiB = 2**20
 CPU_MAX_MODEL_LEN = 2048
 CPU_PAGED_BUDGET_BYTES = 1 * GiB
 CPU_PAGED_BUDGET_RAM_FRACTION = 0.10
-GPU_DEFAULT_MEMORY_FRACTION = 0.9
 FIT_FRACTION = 0.9  # of free memory, for weights + eager cache
 GPU_FIXED_HEADROOM_BYTES = 256 * MiB  # CUDA context, allocator slack
 

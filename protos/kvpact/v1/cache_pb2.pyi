@@ -175,9 +175,7 @@ class CacheIntent(_message.Message):
 
     MODE_FIELD_NUMBER: _builtins.int
     PAGED_FIELD_NUMBER: _builtins.int
-    NO_KV_CACHE_FIELD_NUMBER: _builtins.int
     mode: Global___PagedAttentionMode.ValueType
-    no_kv_cache: _builtins.bool
     @_builtins.property
     def paged(self) -> Global___PagedAttentionConfig: ...
     def __init__(
@@ -185,11 +183,10 @@ class CacheIntent(_message.Message):
         *,
         mode: Global___PagedAttentionMode.ValueType = ...,
         paged: Global___PagedAttentionConfig | None = ...,
-        no_kv_cache: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["paged", b"paged"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "no_kv_cache", b"no_kv_cache", "paged", b"paged"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "paged", b"paged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

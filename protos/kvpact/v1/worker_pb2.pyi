@@ -89,6 +89,7 @@ class WorkerSpec(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     CACHE_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_AUTO_FIELD_NUMBER: _builtins.int
+    THREADS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """path to an HF directory or .gguf file"""
     device: _builtins.str
@@ -103,6 +104,8 @@ class WorkerSpec(_message.Message):
     """0 = default"""
     max_model_len_auto: _builtins.bool
     """--max-model-len auto: the longest one sequence the cache holds"""
+    threads: _builtins.int
+    """--threads; unset = the worker's share of the machine"""
     @_builtins.property
     def device_map(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerPlacement]:
         """empty = every layer on `device`"""
@@ -121,12 +124,15 @@ class WorkerSpec(_message.Message):
         max_num_batched_tokens: _builtins.int = ...,
         cache: _cache_pb2.CacheIntent | None = ...,
         max_model_len_auto: _builtins.bool = ...,
+        threads: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_threads", b"_threads", "cache", b"cache", "threads", b"threads"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "device", b"device", "device_map", b"device_map", "dtype", b"dtype", "max_model_len", b"max_model_len", "max_model_len_auto", b"max_model_len_auto", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_threads", b"_threads", "cache", b"cache", "device", b"device", "device_map", b"device_map", "dtype", b"dtype", "max_model_len", b"max_model_len", "max_model_len_auto", b"max_model_len_auto", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model", b"model", "threads", b"threads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__threads: _TypeAlias = _typing.Literal["threads"]  # noqa: Y015
+    _WhichOneofArgType__threads: _TypeAlias = _typing.Literal["_threads", b"_threads"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__threads) -> _WhichOneofReturnType__threads | None: ...
 
 Global___WorkerSpec: _TypeAlias = WorkerSpec  # noqa: Y015
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvpact.router.balancer import resolve_model, route
 from kvpact.router.balancing.least_load import least_loaded as choose
+from kvpact.router.balancing.route import resolve_model, route
 from kvpact.router.errors import InvalidRequest, NoLiveWorker, UnknownModel
 from kvpact.router.registry import Registry, WorkerEntry, WorkerState
 from kvpact.shared.handshake import WorkerLoad

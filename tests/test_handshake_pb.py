@@ -1,10 +1,23 @@
 """Protobuf at the edge: every intent, budget and realized cache survives the round trip."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpact.shared.handshake import LoadingPlan
+from kvpact.shared.handshake_pb import (
+    intent_from_pb,
+    intent_to_pb,
+    mode_from_pb,
+    plan_from_pb,
+    plan_to_pb,
+    realized_from_pb,
+    realized_to_pb,
+    spec_from_pb,
+    spec_to_pb,
+)
 from kvpact.shared.intent import (
     CacheDtype,
     CacheIntent,
@@ -17,18 +30,7 @@ from kvpact.shared.intent import (
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
-from kvpact.shared.wire import (
-    intent_from_pb,
-    intent_to_pb,
-    mode_from_pb,
-    plan_from_pb,
-    plan_to_pb,
-    realized_from_pb,
-    realized_to_pb,
-    spec_from_pb,
-    spec_to_pb,
-)
-from kvpact.v1 import cache_pb2
+from kvpact.v1 import cache_pb2, worker_pb2
 
 budgets = st.one_of(
     st.just({}),
@@ -47,10 +49,9 @@ settings = st.builds(
     st.booleans(),
 )
 intents = st.builds(
-    lambda mode, s, no_kv: cache_intent(mode, s, no_kv_cache=no_kv),
+    cache_intent,
     st.sampled_from(list(PagedAttentionMode)),
     settings,
-    st.booleans(),
 )
 
 
@@ -72,6 +73,29 @@ def test_worker_spec_round_trip(intent, model, device):
         cache=intent,
     )
     assert spec_from_pb(spec_to_pb(spec)) == spec
+
+
+def test_every_worker_spec_field_travels():
+    """A field added to WorkerSpec but not to worker.proto's WorkerSpec would be dropped on the wire."""
+    off_default = {
+        "model": "/models/x",
+        "device": "cuda:1",
+        "device_map": (LayerPlacement("cuda:0", 2),),
+        "dtype": "float16",
+        "max_model_len": 100,
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": 64,
+        "threads": 1,
+        "cache": cache_intent(PagedAttentionMode.ON),
+        "max_model_len_auto": True,
+    }
+    names = {f.name for f in dataclasses.fields(WorkerSpec)}
+    assert names == set(off_default), "give the new field a value off its default here"
+    assert names <= set(worker_pb2.WorkerSpec.DESCRIPTOR.fields_by_name)
+    spec = WorkerSpec(**off_default)
+    assert all(getattr(spec, n) != getattr(WorkerSpec(), n) for n in names)
+    assert spec_from_pb(spec_to_pb(spec)) == spec
+    assert spec_from_pb(worker_pb2.WorkerSpec()) == WorkerSpec()  # zero values read as the defaults
 
 
 def test_unspecified_mode_is_read_as_auto_and_written_back_as_auto():

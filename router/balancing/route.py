@@ -1,17 +1,18 @@
 """Which worker serves a request. Pure.
 
 A request names its model (or, when one model is served, gets it). Among that model's serving workers
-the router's balancing policy picks one (router/balancing/, `router --balance`; least-load by default).
-`route` offers the policy only that model's serving workers that have room (fewer than
+the router's balance picks one (router/balancing/, `router --balance`; least-load by default).
+`route` offers the balance only that model's serving workers that have room (fewer than
 --max-in-flight-per-worker requests forwarded by this router right now, and not already tried for this
-request), refusing with RESOURCE_EXHAUSTED naming the bound when none has: every policy benefits.
+request), refusing with RESOURCE_EXHAUSTED naming the bound when none has: every balance benefits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from kvpact.router.balancing import BalancePolicy, LeastLoad
+from kvpact.router.balancing.balance import Balance
+from kvpact.router.balancing.least_load import LeastLoad
 from kvpact.router.errors import InvalidRequest, NoLiveWorker, Overloaded, UnknownModel
 from kvpact.router.registry import Registry, WorkerEntry
 from kvpact.shared.limits import excerpt
@@ -47,13 +48,13 @@ def with_room(workers: list[WorkerEntry], max_in_flight: int) -> list[WorkerEntr
 def route(
     registry: Registry,
     requested_model: str,
-    policy: BalancePolicy | None = None,
+    balance: Balance | None = None,
     request: generation_pb2.GenerateRequest | None = None,
     *,
     max_in_flight: int | None = None,
     exclude: Collection[str] = (),
 ) -> WorkerEntry:
-    """The worker `policy` (least-load when None) picks for `request` among the model's serving workers
+    """The worker `balance` (least-load when None) picks for `request` among the model's serving workers
     that have room (see the module doc); `exclude`: ids already tried for this request. NoLiveWorker when
     every serving worker was tried; Overloaded when none of the rest has room."""
     model, workers = resolve_model(registry, requested_model)
@@ -68,4 +69,4 @@ def route(
                 f"flight from this router (--max-in-flight-per-worker {max_in_flight}); retry later, or "
                 "add workers"
             )
-    return (policy or LeastLoad()).choose(workers, request or generation_pb2.GenerateRequest())
+    return (balance or LeastLoad()).choose(workers, request or generation_pb2.GenerateRequest())

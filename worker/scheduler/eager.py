@@ -1,4 +1,4 @@
-"""Slot-based continuous batching over the eager cache (the DefaultScheduler).
+"""Slot-based continuous batching over the eager cache (the EagerScheduler).
 
 Each running sequence owns one slot: a contiguous K/V region reserved at max_model_len, so a running
 sequence never runs out of cache and nothing is ever preempted. A request waits for a free slot and
@@ -13,7 +13,7 @@ from kvpact.worker.scheduler.base import Scheduler, SchedulerOutput
 from kvpact.worker.sequence import ScheduledChunk, Sequence
 
 
-class DefaultScheduler(Scheduler):
+class EagerScheduler(Scheduler):
     def __init__(self, num_slots: int, max_num_batched_tokens: int) -> None:
         super().__init__(max_num_seqs=num_slots, max_num_batched_tokens=max_num_batched_tokens)
         self.num_slots = num_slots

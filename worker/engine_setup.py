@@ -7,7 +7,6 @@ report a failure before it spends minutes loading weights:
         -> read_model_config (config only)
         -> decide_paged_attention(device, state, ModelTraits)          [door, component "device"]
         -> loader compatibility findings, e.g. sliding window          [door, component "loader"]
-        -> --no-kv-cache without `on` is refused (no recompute mode)
         -> size the cache from the budget (weights estimated from file sizes, subtracted from the memory
            free before loading, so once):
            a pool that cannot hold one max_model_len sequence          [door, component "cache-budget"]
@@ -24,7 +23,7 @@ report a failure before it spends minutes loading weights:
 
 `build_engine(spec)` runs both. Every "cannot" goes through `disable_paged_attention`, so under `auto`
 it is recorded (and shown in the realized table) and under `on` it raises PagedAttentionRequiredError.
-Under `on` no path ends with an eager cache or the default scheduler: the only way to reach the
+Under `on` no path ends with an eager cache or the eager scheduler: the only way to reach the
 eager branch is a cleared paged config, which the door never clears when required, and
 `select_scheduler` refuses it again after the cache is built. Raises PagedAttentionRequiredError,
 ConfigError or ModelLoadError.
@@ -65,7 +64,7 @@ from kvpact.worker.loader import (
 )
 from kvpact.worker.model import ModelConfig
 from kvpact.worker.model_runner import ModelRunner
-from kvpact.worker.scheduler import DefaultScheduler, PagedScheduler, Scheduler
+from kvpact.worker.scheduler import EagerScheduler, PagedScheduler, Scheduler
 
 _CACHE_DTYPES = {
     CacheDtype.FLOAT32: torch.float32,
@@ -121,7 +120,7 @@ class WorkerPlan:
 def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any = None) -> WorkerPlan:
     """`probe`: the device as already probed (the worker process probes first, so a failed plan can still
     report the device's capabilities); None probes `spec.device` here."""
-    log = log or structlog.get_logger("worker.startup")
+    log = log or structlog.get_logger("worker.engine_setup")
     started = time.monotonic()
     if probe is None:
         probe = probe_device(spec.device, spec.device_map)
@@ -137,11 +136,6 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     max_model_len, fit_to_cache, max_model_len_source = _max_model_len(spec, config, defaults)
     for reason in loader_findings(config, max_model_len):
         disable_paged_attention(state, reason, component=reasons.SLIDING_WINDOW.component)
-    if spec.cache.no_kv_cache:  # `on` already failed in the decision above
-        raise ConfigError(
-            "--no-kv-cache asks for recompute-every-token generation, which this worker does not implement; "
-            "drop --no-kv-cache"
-        )
     _check_device_map(spec, config)
 
     max_num_batched_tokens = spec.max_num_batched_tokens or defaults.max_num_batched_tokens
@@ -238,7 +232,7 @@ def build_engine(
 ) -> Engine:
     """`cpu_share` sizes torch's CPU threads, for loading here and then in the step thread; None leaves
     torch's default (tests, benchmarks in-process)."""
-    log = log or structlog.get_logger("worker.startup")
+    log = log or structlog.get_logger("worker.engine_setup")
     if isinstance(plan, WorkerSpec):
         plan = plan_startup(plan, log=log)
     if cpu_share is not None:
@@ -288,7 +282,7 @@ def build_engine(
         manager = BlockManager(cache.num_blocks, cache.block_size, plan.state.paged_config.prefix_caching)
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
-        scheduler = DefaultScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
+        scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
     realized = realized_cache(plan, cache, scheduler_kind)
     log.info(
         "realized KV cache\n" + realized.table(),

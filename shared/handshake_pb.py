@@ -1,11 +1,12 @@
-"""Protobuf at the edge: the one place each internal type is converted to and from its message.
+"""Protobuf at the edge for what the handshake, heartbeats and ClusterStatus carry (spec, intent, realized
+cache, plan, failure, load): the one place each of these types is converted to and from its message.
 
 UNSPECIFIED enum values are read as AUTO, explicitly, and written back as AUTO.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode, WorkerLoad
 from kvpact.shared.intent import (
@@ -96,7 +97,7 @@ def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionC
 
 
 def intent_to_pb(intent: CacheIntent) -> cache_pb2.CacheIntent:
-    msg = cache_pb2.CacheIntent(mode=_MODE_TO_PB[intent.mode], no_kv_cache=intent.no_kv_cache)
+    msg = cache_pb2.CacheIntent(mode=_MODE_TO_PB[intent.mode])
     if intent.paged is not None:
         msg.paged.CopyFrom(paged_config_to_pb(intent.paged))
     return msg
@@ -107,11 +108,9 @@ def intent_from_pb(msg: cache_pb2.CacheIntent) -> CacheIntent:
     `required` always follows the mode (the mode is what the operator said)."""
     mode = mode_from_pb(msg.mode)
     if mode is PagedAttentionMode.OFF:
-        return CacheIntent(mode=mode, paged=None, no_kv_cache=msg.no_kv_cache)
+        return CacheIntent(mode=mode, paged=None)
     config = paged_config_from_pb(msg.paged) if msg.HasField("paged") else PagedAttentionConfig()
-    return CacheIntent(
-        mode=mode, paged=replace(config, required=mode is PagedAttentionMode.ON), no_kv_cache=msg.no_kv_cache
-    )
+    return CacheIntent(mode=mode, paged=replace(config, required=mode is PagedAttentionMode.ON))
 
 
 def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
@@ -169,33 +168,30 @@ def plan_from_pb(msg: worker_pb2.LoadingPlan) -> LoadingPlan:
     )
 
 
+# WorkerSpec's plain fields travel under their own names; a zero value read back means the field's
+# default (an older sender's "unset"); an `optional` proto field unset reads as None.
+_SPEC_SCALARS = tuple(f.name for f in fields(WorkerSpec) if f.name not in ("device_map", "cache"))
+
+
 def spec_to_pb(spec: WorkerSpec) -> worker_pb2.WorkerSpec:
-    return worker_pb2.WorkerSpec(
-        model=spec.model,
-        device=spec.device,
+    msg = worker_pb2.WorkerSpec(
         device_map=[
             worker_pb2.LayerPlacement(device=p.device, num_layers=p.num_layers) for p in spec.device_map
         ],
-        dtype=spec.dtype,
-        max_model_len=spec.max_model_len,
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
         cache=intent_to_pb(spec.cache),
-        max_model_len_auto=spec.max_model_len_auto,
     )
+    for name in _SPEC_SCALARS:
+        if (value := getattr(spec, name)) is not None:
+            setattr(msg, name, value)
+    return msg
 
 
 def spec_from_pb(msg: worker_pb2.WorkerSpec) -> WorkerSpec:
+    scalars = {f.name: value for f, value in msg.ListFields() if f.name in _SPEC_SCALARS}  # the set ones
     return WorkerSpec(
-        model=msg.model,
-        device=msg.device or "auto",
         device_map=tuple(LayerPlacement(device=p.device, num_layers=p.num_layers) for p in msg.device_map),
-        dtype=msg.dtype or "auto",
-        max_model_len=msg.max_model_len,
-        max_num_seqs=msg.max_num_seqs,
-        max_num_batched_tokens=msg.max_num_batched_tokens,
         cache=intent_from_pb(msg.cache),
-        max_model_len_auto=msg.max_model_len_auto,
+        **scalars,
     )
 
 

@@ -1,7 +1,7 @@
 """The startup state machine, without sockets."""
 
 from kvpact.router.admission import Decision
-from kvpact.router.startup import ClusterState, Startup
+from kvpact.router.cluster_state import ClusterState, Startup
 
 ADMIT = Decision(admitted=True, reason="ok")
 REFUSE_POLICY = Decision(admitted=False, reason="realized EAGER", policy_failure=True)

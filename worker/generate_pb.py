@@ -1,6 +1,7 @@
-"""Protobuf at the worker's edge: GenerateRequest -> GenerationRequest, GenerationOutput -> GenerateChunk,
+"""Protobuf at the worker's edge (the Generate call, and the device's Capabilities for the handshake):
+GenerateRequest -> GenerationRequest, GenerationOutput -> GenerateChunk,
 DeviceProbe -> Capabilities. One place per type; the engine never sees a protobuf message. The
-engine's load is already the shared WorkerLoad, sent by shared.wire.load_to_pb.
+engine's load is already the shared WorkerLoad, sent by shared.handshake_pb.load_to_pb.
 
 Unset optional sampling fields take the defaults the proto documents (temperature 1, top_p 1,
 repetition_penalty 1, no seed); an unset max_tokens stays None (the engine picks).

@@ -1,4 +1,4 @@
-"""worker.startup: the contract inside the worker. Every "cannot" goes through the fallback door
+"""worker.engine_setup: the contract inside the worker. Every "cannot" goes through the fallback door
 (auto: recorded, on: PagedAttentionRequiredError), before any weight is loaded; the realized cache
 and scheduler follow what was built."""
 
@@ -17,11 +17,11 @@ from kvpact.shared.intent import PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from kvpact.shared.spec import LayerPlacement
 from kvpact.v1 import cache_pb2
-from kvpact.worker import startup
+from kvpact.worker import engine_setup
 from kvpact.worker.device import KERNEL_SUPPORT, DeviceProbe
+from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.kv import sizing
-from kvpact.worker.scheduler import DefaultScheduler, PagedScheduler
-from kvpact.worker.wire import capabilities_to_pb
+from kvpact.worker.scheduler import EagerScheduler, PagedScheduler
 from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import greedy, worker_spec
 
@@ -43,7 +43,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("weights were loaded before the verdict")
 
-    monkeypatch.setattr(startup, "load_model", refuse)
+    monkeypatch.setattr(engine_setup, "load_model", refuse)
 
 
 # ---- CPU: the three modes ----
@@ -57,7 +57,7 @@ def test_cpu_auto_realizes_eager_and_says_why(make_engine, tiny_llama):
         ("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")
     ]
     assert "fallback (device)  eager is the CPU default" in r.table()
-    assert isinstance(engine.scheduler, DefaultScheduler)
+    assert isinstance(engine.scheduler, EagerScheduler)
     # the CPU defaults: 8 slots reserved at max_model_len
     assert (r.num_blocks, r.max_concurrency, r.capacity_tokens) == (8, 8, 8 * 256)
     assert r.memory_bytes == 8 * 256 * BYTES_PER_TOKEN
@@ -83,7 +83,7 @@ def test_cpu_off_realizes_eager_with_no_fallback(make_engine, tiny_llama):
 
 
 def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_llama, no_loading):
-    plan = startup.plan_startup(worker_spec(tiny_llama, "on"))  # no --pa-* budget: min(1 GiB, 10% RAM)
+    plan = engine_setup.plan_startup(worker_spec(tiny_llama, "on"))  # no --pa-* budget: min(1 GiB, 10% RAM)
     assert plan.paged_size is not None
     assert plan.paged_size.num_blocks == 32 * 256 // 16  # 32 sequences x max_model_len 256
     assert plan.max_num_seqs == sizing.CPU_DEFAULTS.paged_max_num_seqs
@@ -94,7 +94,7 @@ def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_ll
 
 def test_on_with_a_budget_too_small_fails_before_loading_naming_tokens_and_flag(tiny_llama, no_loading):
     with pytest.raises(PagedAttentionRequiredError) as info:
-        startup.plan_startup(worker_spec(tiny_llama, "on", context_tokens=100))
+        engine_setup.plan_startup(worker_spec(tiny_llama, "on", context_tokens=100))
     error = info.value
     assert error.component == "cache-budget"
     assert "holds only 112 tokens (7 blocks of 16)" in str(error)
@@ -104,7 +104,7 @@ def test_on_with_a_budget_too_small_fails_before_loading_naming_tokens_and_flag(
 
 def test_on_with_a_byte_budget_too_small_names_that_flag(tiny_llama, no_loading):
     with pytest.raises(PagedAttentionRequiredError, match="raise --pa-memory-bytes"):
-        startup.plan_startup(worker_spec(tiny_llama, "on", memory_bytes=64 * BYTES_PER_TOKEN))
+        engine_setup.plan_startup(worker_spec(tiny_llama, "on", memory_bytes=64 * BYTES_PER_TOKEN))
 
 
 def test_auto_with_a_budget_too_small_falls_back_to_eager_and_records_why(make_engine, tiny_llama):
@@ -119,14 +119,14 @@ def test_auto_with_a_budget_too_small_falls_back_to_eager_and_records_why(make_e
 
 def test_an_eager_cache_that_cannot_fit_names_the_flags(tiny_llama, no_loading):
     with pytest.raises(ConfigError) as info:
-        startup.plan_startup(worker_spec(tiny_llama, "off", max_num_seqs=1_000_000))
+        engine_setup.plan_startup(worker_spec(tiny_llama, "off", max_num_seqs=1_000_000))
     assert "--max-num-seqs 1000000 x --max-model-len 256" in str(info.value)
     assert "lower --max-num-seqs or --max-model-len" in str(info.value)
 
 
 def test_max_model_len_beyond_the_model_is_refused(tiny_llama, no_loading):
     with pytest.raises(ConfigError, match="--max-model-len 4096 is longer than the model's 512 positions"):
-        startup.plan_startup(worker_spec(tiny_llama, "auto", max_model_len=4096))
+        engine_setup.plan_startup(worker_spec(tiny_llama, "auto", max_model_len=4096))
 
 
 def test_a_device_map_that_does_not_cover_the_model_says_what_the_counts_must_add_up_to(
@@ -134,22 +134,7 @@ def test_a_device_map_that_does_not_cover_the_model_says_what_the_counts_must_ad
 ):
     spec = replace(worker_spec(tiny_llama), device_map=(LayerPlacement("cpu", 1),))
     with pytest.raises(ConfigError, match="places 1 layers but the model has 2; make the counts add up to 2"):
-        startup.plan_startup(spec)
-
-
-# ---- --no-kv-cache ----
-
-
-def test_no_kv_cache_with_on_fails_through_the_door(tiny_llama, no_loading):
-    with pytest.raises(PagedAttentionRequiredError, match="--no-kv-cache disables the KV cache") as info:
-        startup.plan_startup(worker_spec(tiny_llama, "on", no_kv_cache=True))
-    assert info.value.component == "device"
-
-
-@pytest.mark.parametrize("mode", ["auto", "off"])
-def test_no_kv_cache_without_on_is_refused_as_not_implemented(tiny_llama, no_loading, mode):
-    with pytest.raises(ConfigError, match="--no-kv-cache .* not implement.*drop --no-kv-cache"):
-        startup.plan_startup(worker_spec(tiny_llama, mode, no_kv_cache=True))
+        engine_setup.plan_startup(spec)
 
 
 # ---- loader findings: sliding window ----
@@ -168,7 +153,7 @@ def test_sliding_window_under_on_fails_naming_the_window(windowed_llama, no_load
     with pytest.raises(
         PagedAttentionRequiredError, match=r"sliding-window attention \(window 32 tokens\)"
     ) as info:
-        startup.plan_startup(worker_spec(windowed_llama, "on", context_tokens=1024))
+        engine_setup.plan_startup(worker_spec(windowed_llama, "on", context_tokens=1024))
     assert info.value.component == "loader" and "lower it to 32" in str(info.value)
 
 
@@ -180,7 +165,7 @@ def test_sliding_window_under_auto_falls_back_to_the_windowed_eager_cache(make_e
 
 
 def test_sliding_window_longer_than_max_model_len_is_no_obstacle(windowed_llama, no_loading):
-    plan = startup.plan_startup(worker_spec(windowed_llama, "on", max_model_len=32, context_tokens=1024))
+    plan = engine_setup.plan_startup(worker_spec(windowed_llama, "on", max_model_len=32, context_tokens=1024))
     assert plan.cache_kind is CacheKind.PAGED and fallbacks(plan) == []
 
 
@@ -191,7 +176,7 @@ def test_sliding_window_longer_than_max_model_len_is_no_obstacle(windowed_llama,
 def described_gpus_pass_the_kernel_self_test(monkeypatch):
     """A described CUDA device has no GPU to run the Triton self-test on: it passes unless a test
     says otherwise (tests/worker/test_kernel_check.py tests the self-test itself)."""
-    monkeypatch.setattr(startup, "triton_self_test", lambda *args, **kwargs: "")
+    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *args, **kwargs: "")
 
 
 def cuda_probe(cc=(9, 0), triton="3.9.0", free=70 * GiB) -> DeviceProbe:  # type: ignore[no-untyped-def]
@@ -213,7 +198,9 @@ def head64_llama(tmp_path_factory):
 
 
 def plan_on(model, probe, mode="auto", **kwargs):  # type: ignore[no-untyped-def]
-    return startup.plan_startup(replace(worker_spec(model, mode, **kwargs), dtype="float16"), probe=probe)
+    return engine_setup.plan_startup(
+        replace(worker_spec(model, mode, **kwargs), dtype="float16"), probe=probe
+    )
 
 
 def test_a_described_cuda_device_with_triton_selects_the_triton_backend(head64_llama, no_loading):
@@ -267,13 +254,15 @@ def test_a_described_h200_plans_bf16_triton_and_the_cuda_default_budget(
     head64_llama, no_loading, monkeypatch
 ):
     tested = []
-    monkeypatch.setattr(startup, "triton_self_test", lambda *a, **k: tested.append((a, k)) or "")
+    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: tested.append((a, k)) or "")
     free = 320 * 2**20  # small enough that the budget, not max_num_seqs x max_model_len, sets the size
-    plan = startup.plan_startup(worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(free))
+    plan = engine_setup.plan_startup(
+        worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(free)
+    )
     assert (plan.dtype, plan.cache_dtype) == (torch.bfloat16, torch.bfloat16)  # auto on sm_90
     assert (plan.cache_kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
     # weights estimated in bf16 (2 bytes a parameter; the checkpoint on disk is fp32)
-    assert plan.weight_bytes == startup.estimate_weight_bytes(head64_llama, dtype=torch.float32) // 2
+    assert plan.weight_bytes == engine_setup.estimate_weight_bytes(head64_llama, dtype=torch.float32) // 2
     assert plan.bytes_per_token == 2 * 2 * 1 * 64 * 2  # K+V x 2 layers x 1 kv head x head_dim 64 x bf16
     activations = sizing.activation_headroom_bytes(
         device_kind="cuda",
@@ -302,7 +291,7 @@ def test_pa_memory_fraction_is_that_fraction_of_free_memory_less_weights_and_act
     head64_llama, no_loading
 ):
     free = 2 * GiB
-    plan = startup.plan_startup(
+    plan = engine_setup.plan_startup(
         worker_spec(head64_llama, "on", max_model_len=512, memory_fraction=0.25), probe=h200_probe(free)
     )
     activations = sizing.activation_headroom_bytes(
@@ -324,20 +313,22 @@ def test_a_failing_kernel_self_test_falls_back_under_auto_and_fails_under_on(
     head64_llama, no_loading, monkeypatch
 ):
     reason = "the Triton paged kernels failed a startup self-test on Described H200 (cuda:0): RuntimeError: x"
-    monkeypatch.setattr(startup, "triton_self_test", lambda *a, **k: reason)
-    plan = startup.plan_startup(worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(GiB))
+    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: reason)
+    plan = engine_setup.plan_startup(
+        worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(GiB)
+    )
     assert (plan.cache_kind, plan.backend, plan.paged_size) == (CacheKind.EAGER, None, None)
     assert fallbacks(plan) == [("kernels", reason)]
     assert plan.max_num_seqs == sizing.GPU_DEFAULTS.eager_max_num_seqs
     with pytest.raises(PagedAttentionRequiredError, match="failed a startup self-test") as info:
-        startup.plan_startup(worker_spec(head64_llama, "on", max_model_len=512), probe=h200_probe(GiB))
+        engine_setup.plan_startup(worker_spec(head64_llama, "on", max_model_len=512), probe=h200_probe(GiB))
     assert info.value.component == "kernels"
 
 
 def test_the_torch_backend_on_a_gpu_runs_no_triton_self_test(head64_llama, no_loading, monkeypatch):
-    monkeypatch.setattr(startup, "triton_self_test", lambda *a, **k: pytest.fail("self-test ran"))
+    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: pytest.fail("self-test ran"))
     spec = worker_spec(head64_llama, "on", max_model_len=512, backend=PagedBackend.TORCH)
-    plan = startup.plan_startup(spec, probe=h200_probe(GiB))
+    plan = engine_setup.plan_startup(spec, probe=h200_probe(GiB))
     assert (plan.cache_kind, plan.backend) == (CacheKind.PAGED, PagedBackend.TORCH)
 
 
@@ -345,11 +336,11 @@ def test_the_torch_backend_on_a_gpu_runs_no_triton_self_test(head64_llama, no_lo
 
 
 def test_build_engine_loads_weights_only_after_a_passing_verdict(tiny_llama, monkeypatch):
-    plan = startup.plan_startup(worker_spec(tiny_llama, "on", context_tokens=1024))
+    plan = engine_setup.plan_startup(worker_spec(tiny_llama, "on", context_tokens=1024))
     loaded = []
-    real = startup.load_model
-    monkeypatch.setattr(startup, "load_model", lambda *a, **k: loaded.append(a) or real(*a, **k))
-    engine = startup.build_engine(plan)
+    real = engine_setup.load_model
+    monkeypatch.setattr(engine_setup, "load_model", lambda *a, **k: loaded.append(a) or real(*a, **k))
+    engine = engine_setup.build_engine(plan)
     try:
         assert len(loaded) == 1 and engine.realized.kind is CacheKind.PAGED
     finally:

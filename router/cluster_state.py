@@ -9,7 +9,7 @@
 
 All-or-nothing while starting: one worker that cannot meet the policy fails the whole cluster at once,
 without waiting out the timeout. A worker counts once admitted, even if it later misses heartbeats
-before the N-th arrives (the balancer skips it while it is DEAD).
+before the N-th arrives (routing skips it while it is DEAD).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The one interface every balancing policy implements, and how a router picks one (--balance).
+"""The one interface every balance implements, and how a router picks one (--balance).
 
-A policy sees the request's model's serving workers (never empty) and the request, and returns one of
-them (a policy that needs no more than the load does not look at the request). Policies are pure: no
+A balance sees the request's model's serving workers (never empty) and the request, and returns one of
+them (a balance that needs no more than the load does not look at the request). Balances are pure: no
 I/O, no clock; what they read (outstanding requests, free blocks from heartbeats) is in the registry
-entries. A new policy is a new file here plus a line in
-POLICIES (router/balancing/__init__.py), not an `if` in the router.
+entries. A new balance is a new file here plus a line in
+BALANCES (router/balancing/__init__.py), not an `if` in the router.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvpact.router.registry import WorkerEntry
 from kvpact.v1 import generation_pb2
 
 
-class BalancePolicy(Protocol):
+class Balance(Protocol):
     name: str
 
     def choose(self, candidates: list[WorkerEntry], request: generation_pb2.GenerateRequest) -> WorkerEntry:
