@@ -77,6 +77,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 response.text += chunk.text
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
+                response.top_logprobs.extend(chunk.top_logprobs)
                 response.worker_id = chunk.worker_id
                 if chunk.finish_reason:
                     response.finish_reason = chunk.finish_reason

@@ -171,6 +171,7 @@ class Engine:
             max_tokens=max_tokens,
             stop_token_ids=frozenset(request.stop_token_ids) | eos,
             device=self.runner.device,
+            min_tokens=request.min_tokens,
         )
         stream = OutputStream(seq, self.tokenizer, request.stop, sink)
         with self._lock:  # with close() under the same lock, a queued add is always drained
@@ -312,6 +313,12 @@ class Engine:
         max_tokens = (
             request.max_tokens if request.max_tokens is not None else min(DEFAULT_MAX_TOKENS, limit - n)
         )
+        if request.min_tokens > max_tokens:
+            raise RequestError(
+                f"min_tokens ({request.min_tokens}) must be <= max_tokens ({max_tokens}, "
+                + ("as sent" if request.max_tokens is not None else "the default for this prompt")
+                + "); lower min_tokens or raise max_tokens"
+            )
         if n + max_tokens > limit:
             raise RequestError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} tokens, "
@@ -397,10 +404,11 @@ class Engine:
         with self._lock:  # before any piece goes out: whoever saw a piece sees at least this step's counts
             self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))
         now = time.monotonic()
-        for seq, token_id, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
+        sampled = zip(result.seqs, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
+        for seq, token_id, logprob, top in sampled:
             stream = self._streams[seq.request_id]
             try:
-                piece = stream.on_token(token_id, logprob)
+                piece = stream.on_token(token_id, logprob, top)
             except Exception as e:  # e.g. the detokenizer: only this request is affected
                 self.log.exception("output processing failed", request_id=seq.request_id)
                 self._fail([stream], e)

@@ -20,17 +20,20 @@ from kvpact.worker.device import to_device
 from kvpact.worker.kv import KVCache
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.model import LlamaForCausalLM
+from kvpact.worker.request import TopLogprobs
 from kvpact.worker.sampling import sample
 from kvpact.worker.sequence import ScheduledChunk, Sequence
 
 
 @dataclass(slots=True)
 class StepResult:
-    """The sequences that sampled this step, with their token and logprob (None unless asked for)."""
+    """The sequences that sampled this step, with their token, logprob and alternatives (None unless
+    asked for)."""
 
     seqs: list[Sequence]
     token_ids: list[int]
     logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None]
     logits: torch.Tensor | None = None  # [len(seqs), vocab] fp32, kept only when `keep_logits`
 
 
@@ -64,7 +67,8 @@ class ModelRunner:
         hidden = self.model(ids, pos, attn)
         seqs = [c.seq for c in ordered if c.samples]
         if not seqs:
-            return StepResult([], [], [])
+            return StepResult([], [], [], [])
         logits = self.model.compute_logits(hidden[rows])
-        token_ids, logprobs = sample(logits, [s.sample_row() for s in seqs])
-        return StepResult(seqs, token_ids, logprobs, logits if self.keep_logits else None)
+        sampled = sample(logits, [s.sample_row() for s in seqs])
+        kept = logits if self.keep_logits else None
+        return StepResult(seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, kept)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvpact.worker.request import FinishReason, GenerationOutput, Usage
+from kvpact.worker.request import FinishReason, GenerationOutput, TopLogprobs, Usage
 from kvpact.worker.sequence import Sequence
 from kvpact.worker.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
@@ -30,7 +30,9 @@ class OutputStream:
         self.scheduled_s: float | None = None
         self.last_token_s: float | None = None
 
-    def on_token(self, token_id: int, logprob: float | None) -> GenerationOutput:
+    def on_token(
+        self, token_id: int, logprob: float | None, top_logprobs: TopLogprobs | None = None
+    ) -> GenerationOutput:
         """Append a sampled token and return its piece (not yet emitted). A piece with a finish_reason
         ended the sequence: the caller frees its cache first, then emits it, so a caller that sees the
         last piece also sees the cache freed."""
@@ -38,7 +40,7 @@ class OutputStream:
         seq.append_token(token_id, logprob)
         reason = seq.check_stop_token()
         text = ""
-        if token_id not in seq.stop_token_ids:
+        if not seq.ended_on_stop_token:
             text, matched = self._stop.feed(self._detokenizer.add(token_id))
             if matched is not None:
                 reason = FinishReason.STOP
@@ -52,6 +54,7 @@ class OutputStream:
             logprobs=[logprob] if logprob is not None else [],
             finish_reason=reason,
             usage=self.usage() if reason is not None else None,
+            top_logprobs=[top_logprobs] if top_logprobs is not None else [],
         )
 
     def finish_early(self, reason: FinishReason) -> None:

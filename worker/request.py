@@ -15,12 +15,16 @@ from kvpact.shared.errors import KvpactError, RequestError
 from kvpact.shared.limits import excerpt
 
 MAX_SEED = 2**64 - 1
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap)
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """temperature 0 = greedy. top_k 0, top_p 1, min_p 0 and repetition_penalty 1 disable those filters.
-    A seed makes the sampled tokens a function of (seed, prompt) alone, whatever else is in the batch."""
+    """temperature 0 = greedy. top_k 0, top_p 1, min_p 0, repetition_penalty 1 and presence/frequency
+    penalty 0 disable those. A seed makes the sampled tokens a function of (seed, prompt) alone, whatever
+    else is in the batch. `top_logprobs` > 0 (needs `logprobs`) also returns that many most likely
+    alternatives per sampled token."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,6 +33,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: bool = False
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the generated tokens
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +56,16 @@ class SamplingParams:
             )
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise RequestError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise RequestError(f"{name} must be in [-2, 2] (0 = disabled), got {value}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError(
+                f"top_logprobs ({self.top_logprobs}) needs logprobs: set logprobs too, or top_logprobs to 0"
+            )
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -66,7 +83,9 @@ Prompt = str | tuple[ChatMessage, ...] | tuple[int, ...]
 @dataclass(slots=True)
 class GenerationRequest:
     """`prompt`: plain text, chat messages (rendered with the model's chat template) or token ids.
-    `max_tokens` None = min(256, what fits in max_model_len after the prompt)."""
+    `max_tokens` None = min(256, what fits in max_model_len after the prompt). `min_tokens`: EOS and
+    the stop token ids cannot be sampled before that many tokens were generated (stop strings still
+    apply)."""
 
     request_id: str
     prompt: Prompt
@@ -75,6 +94,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
 
     def validate(self) -> None:
         """Checks that need no tokenizer (the engine checks lengths and token ids after tokenizing)."""
@@ -93,6 +113,13 @@ class GenerationRequest:
                 )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}); "
+                "lower min_tokens or raise max_tokens"
+            )
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")
         self.sampling.validate()
@@ -112,9 +139,18 @@ class Usage:
 
 
 @dataclass(slots=True)
+class TopLogprobs:
+    """The most likely tokens at one position, most likely first, with their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(slots=True)
 class GenerationOutput:
     """One streamed piece: the text delta and the tokens sampled since the last piece (one logprob per
-    token when requested). The last piece of a request has `finish_reason` and `usage` set."""
+    token when requested, one TopLogprobs per token when top_logprobs > 0). The last piece of a request
+    has `finish_reason` and `usage` set."""
 
     request_id: str
     text: str
@@ -122,6 +158,7 @@ class GenerationOutput:
     logprobs: list[float]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 class GenerationError(KvpactError):
@@ -146,6 +183,7 @@ class GenerationResult:
     logprobs: list[float]
     finish_reason: FinishReason
     usage: Usage
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @classmethod
     def join(cls, outputs: list[GenerationOutput]) -> GenerationResult:
@@ -158,4 +196,5 @@ class GenerationResult:
             logprobs=[lp for o in outputs for lp in o.logprobs],
             finish_reason=last.finish_reason,
             usage=last.usage,
+            top_logprobs=[t for o in outputs for t in o.top_logprobs],
         )

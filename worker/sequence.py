@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpact.worker.block_manager import BlockTable
 from kvpact.worker.request import FinishReason, SamplingParams
 from kvpact.worker.sampling import SampleRow, make_generator
+
+if TYPE_CHECKING:
+    from kvpact.worker.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +44,8 @@ class Sequence:
     max_tokens: int  # generated tokens allowed (prompt + max_tokens <= max_model_len)
     stop_token_ids: frozenset[int]  # includes EOS unless ignore_eos
     generator: torch.Generator | None = None
+    min_tokens: int = 0  # the stop tokens are masked until this many tokens were generated
+    grammar: GrammarState | None = None  # response_format: advanced on every appended token
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
@@ -59,6 +65,8 @@ class Sequence:
         max_tokens: int,
         stop_token_ids: frozenset[int],
         device: torch.device,
+        min_tokens: int = 0,
+        grammar: GrammarState | None = None,
     ) -> Sequence:
         return cls(
             seq_id=seq_id,
@@ -69,6 +77,8 @@ class Sequence:
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
             generator=make_generator(sampling.seed, device),
+            min_tokens=min_tokens,
+            grammar=grammar,
         )
 
     @property
@@ -92,16 +102,33 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def sample_row(self) -> SampleRow:
-        return SampleRow(params=self.sampling, generator=self.generator, token_ids=self.token_ids)
+        early = len(self.token_ids) - self.num_prompt_tokens < self.min_tokens
+        return SampleRow(
+            params=self.sampling,
+            generator=self.generator,
+            token_ids=self.token_ids,
+            num_prompt_tokens=self.num_prompt_tokens,
+            masked_token_ids=self.stop_token_ids if early else (),
+            grammar=self.grammar,
+        )
 
     def append_token(self, token_id: int, logprob: float | None) -> None:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+
+    @property
+    def ended_on_stop_token(self) -> bool:
+        """The last token ended the output as a stop token (a stop id, or the end its grammar allowed):
+        it is not part of the text."""
+        grammar_done = self.grammar is not None and self.grammar.is_terminated()
+        return self.token_ids[-1] in self.stop_token_ids or grammar_done
 
     def check_stop_token(self) -> FinishReason | None:
         """Finish reason after the last appended token (stop strings are checked on text, elsewhere)."""
-        if self.token_ids[-1] in self.stop_token_ids:
+        if self.ended_on_stop_token:
             return FinishReason.STOP
         if self.num_output_tokens >= self.max_tokens:
             return FinishReason.LENGTH

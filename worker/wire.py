@@ -36,6 +36,9 @@ def sampling_from_pb(msg: generation_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        top_logprobs=msg.top_logprobs,
     )
 
 
@@ -53,10 +56,6 @@ def prompt_from_pb(msg: generation_pb2.GenerateRequest) -> Prompt:
 def _refuse_unimplemented(msg: generation_pb2.GenerateRequest) -> None:
     """Fields of the contract this worker does not honor yet: refused by name, never ignored."""
     unimplemented = {
-        "sampling.presence_penalty": msg.sampling.presence_penalty != 0,
-        "sampling.frequency_penalty": msg.sampling.frequency_penalty != 0,
-        "sampling.top_logprobs": msg.sampling.top_logprobs != 0,
-        "min_tokens": msg.min_tokens != 0,
         "n": msg.n > 1,
         "response_format": msg.HasField("response_format"),
     }
@@ -76,6 +75,7 @@ def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> Gen
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
     )
 
 
@@ -86,6 +86,10 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
         token_ids=output.token_ids,
         logprobs=output.logprobs,
         worker_id=worker_id,
+        top_logprobs=[
+            generation_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+            for t in output.top_logprobs
+        ],
     )
     if output.finish_reason is not None:
         chunk.finish_reason = _FINISH_TO_PB[output.finish_reason]
