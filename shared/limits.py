@@ -13,6 +13,7 @@ by the engine; token ids against the vocabulary after the caps.
     token_ids.ids               MAX_PROMPT_TOKEN_IDS ids
     stop                        MAX_STOP_STRINGS strings of at most MAX_STOP_CHARS characters each
     stop_token_ids              MAX_STOP_TOKEN_IDS ids
+    response_format.json_schema MAX_JSON_SCHEMA_CHARS characters
 
 Above all of them, a whole message larger than MAX_MESSAGE_BYTES is refused by gRPC itself with
 RESOURCE_EXHAUSTED ("Received message larger than max"), on the router and on the worker alike.
@@ -34,6 +35,7 @@ MAX_PROMPT_TOKEN_IDS = 1 << 18
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_JSON_SCHEMA_CHARS = 64 * 1024  # a schema compiles into a grammar: its cost grows with its size
 # gRPC's receive (and send) limit on both servers and on the router->worker channel: room for the
 # largest request the caps allow (1 MiB of text, or 256 Ki token ids at up to 5 bytes each) and its
 # framing, far below what would let one message cost much memory.
@@ -94,6 +96,9 @@ def check_request_limits(msg: generation_pb2.GenerateRequest) -> None:
         raise RequestError(
             f"stop_token_ids has {len(msg.stop_token_ids)} ids, more than the cap of {MAX_STOP_TOKEN_IDS}"
         )
+    schema = msg.response_format.json_schema
+    if len(schema) > MAX_JSON_SCHEMA_CHARS:
+        raise _too_long("response_format.json_schema", schema, MAX_JSON_SCHEMA_CHARS)
 
 
 def _check_prompt_bytes(size: int) -> None:

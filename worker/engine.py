@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 import torch
@@ -51,11 +51,31 @@ from kvpact.worker.scheduler import Scheduler
 from kvpact.worker.sequence import Sequence
 from kvpact.worker.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from kvpact.worker.grammar import GrammarCompiler, GrammarState
+
 DEFAULT_MAX_TOKENS = 256
 CLOSE_TIMEOUT_S = 30.0
 TPS_WINDOW_S = 5.0
 DEFAULT_MAX_WAITING = 256  # requests accepted but not yet running, beyond which new ones are refused
 PREPARE_THREADS = 2  # prompts rendered and tokenized at once (the tokenizer is native code)
+
+
+class Prepared(NamedTuple):
+    """A request made ready off the step thread: its prompt's token ids, its max_tokens and its compiled
+    grammar (an xgrammar CompiledGrammar; None without response_format)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    grammar: Any
+
+
+def _grammar_state(compiled: Any) -> GrammarState | None:
+    if compiled is None:
+        return None
+    from kvpact.worker.grammar import GrammarState
+
+    return GrammarState(compiled)
 
 
 class Engine:
@@ -96,6 +116,8 @@ class Engine:
         # Called from the step thread, once, if the engine stops on an internal error (the worker exits).
         self.on_fatal: Callable[[str], object] | None = None
         # Renders and tokenizes prompts for generate(), off the caller's event loop.
+        self._grammars: GrammarCompiler | None = None  # built on first use; see _grammar_compiler
+        self._grammar_lock = threading.Lock()
         self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="kvpact-prepare")
         self._thread = threading.Thread(target=self._loop, name="kvpact-engine", daemon=True)
         self._thread.start()
@@ -160,8 +182,8 @@ class Engine:
         if self.observer is not None:
             self.observer.request_rejected()
 
-    def _enqueue(self, request: GenerationRequest, prepared: tuple[list[int], int], sink: Sink) -> None:
-        prompt_ids, max_tokens = prepared
+    def _enqueue(self, request: GenerationRequest, prepared: Prepared, sink: Sink) -> None:
+        prompt_ids, max_tokens, compiled = prepared
         eos = frozenset() if request.ignore_eos else self.tokenizer.eos_token_ids
         seq = Sequence.create(
             seq_id=next(self._seq_ids),
@@ -172,6 +194,7 @@ class Engine:
             stop_token_ids=frozenset(request.stop_token_ids) | eos,
             device=self.runner.device,
             min_tokens=request.min_tokens,
+            grammar=_grammar_state(compiled),
         )
         stream = OutputStream(seq, self.tokenizer, request.stop, sink)
         with self._lock:  # with close() under the same lock, a queued add is always drained
@@ -281,7 +304,18 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prepare(self, request: GenerationRequest) -> tuple[list[int], int]:
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first response_format request (it reads the whole vocabulary, about a second)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from kvpact.worker.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            return self._grammars
+
+    def _prepare(self, request: GenerationRequest) -> Prepared:
+        """Validate, tokenize and compile the request's grammar (in a prepare thread or the caller's,
+        never the step thread)."""
         request.validate()
         prompt = request.prompt
         messages = [m for m in prompt if isinstance(m, ChatMessage)] if isinstance(prompt, tuple) else []
@@ -325,7 +359,10 @@ class Engine:
                 "more than "
                 f"max_model_len {limit}; lower max_tokens to at most {limit - n}"
             )
-        return ids, max_tokens
+        compiled = None
+        if request.response_format is not None:
+            compiled = self._grammar_compiler().compile(request.response_format)
+        return Prepared(ids, max_tokens, compiled)
 
     # ---- step thread ----
 

@@ -81,6 +81,14 @@ Prompt = str | tuple[ChatMessage, ...] | tuple[int, ...]
 
 
 @dataclass(slots=True)
+class ResponseFormat:
+    """Grammar-constrained output (worker/grammar.py): `json_schema` None = any JSON object, else the
+    output is JSON matching that JSON Schema (given as JSON text)."""
+
+    json_schema: str | None = None
+
+
+@dataclass(slots=True)
 class GenerationRequest:
     """`prompt`: plain text, chat messages (rendered with the model's chat template) or token ids.
     `max_tokens` None = min(256, what fits in max_model_len after the prompt). `min_tokens`: EOS and
@@ -95,6 +103,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    response_format: ResponseFormat | None = None
 
     def validate(self) -> None:
         """Checks that need no tokenizer (the engine checks lengths and token ids after tokenizing)."""
@@ -119,6 +128,11 @@ class GenerationRequest:
             raise RequestError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}); "
                 "lower min_tokens or raise max_tokens"
+            )
+        if self.min_tokens and self.response_format is not None:
+            raise RequestError(
+                "min_tokens cannot be combined with response_format (the grammar decides where the output "
+                "ends); leave min_tokens at 0"
             )
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")

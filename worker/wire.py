@@ -17,6 +17,7 @@ from kvpact.worker.request import (
     GenerationOutput,
     GenerationRequest,
     Prompt,
+    ResponseFormat,
     SamplingParams,
 )
 
@@ -53,11 +54,24 @@ def prompt_from_pb(msg: generation_pb2.GenerateRequest) -> Prompt:
     raise RequestError("the request has no prompt: set one of text, chat or token_ids")
 
 
+def response_format_from_pb(msg: generation_pb2.GenerateRequest) -> ResponseFormat | None:
+    if not msg.HasField("response_format"):
+        return None
+    kind = msg.response_format.WhichOneof("kind")
+    if kind == "json_schema":
+        return ResponseFormat(json_schema=msg.response_format.json_schema)
+    if kind == "json_object" and msg.response_format.json_object:
+        return ResponseFormat()
+    raise RequestError(
+        "response_format is set but asks for nothing: set json_object to true or json_schema to a JSON "
+        "Schema (or leave response_format unset for free text)"
+    )
+
+
 def _refuse_unimplemented(msg: generation_pb2.GenerateRequest) -> None:
     """Fields of the contract this worker does not honor yet: refused by name, never ignored."""
     unimplemented = {
         "n": msg.n > 1,
-        "response_format": msg.HasField("response_format"),
     }
     for name, is_set in unimplemented.items():
         if is_set:
@@ -76,6 +90,7 @@ def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> Gen
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
+        response_format=response_format_from_pb(msg),
     )
 
 
