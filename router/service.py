@@ -32,6 +32,7 @@ from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
 from kvpact.router.startup import ClusterState
 from kvpact.router.status import cluster_status_to_pb
+from kvpact.shared.errors import RequestError
 from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
@@ -71,6 +72,11 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
+        if request.n > 1:  # CompleteResponse holds one completion
+            raise RequestError(
+                f"Complete returns one completion but n is {request.n}; call Generate for n > 1 (each chunk "
+                "carries its completion's index)"
+            )
         response = generation_pb2.CompleteResponse()
         async with aclosing(self._relay(request, context)) as chunks:
             async for chunk in chunks:

@@ -55,17 +55,23 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        block_copies: list[tuple[int, int]] = []
         for c in ordered:
+            if c.block_copies:
+                block_copies += c.block_copies
             input_ids += c.seq.token_ids[c.start : c.end]
             positions += range(c.start, c.end)
             if c.samples:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows += [len(input_ids) - 1] * (1 + len(c.forks))  # forks: the same logits
         ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
         pos = to_device(torch.tensor(positions, dtype=torch.long), self.device)
         rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
+        if block_copies:  # copy on write (paged, n > 1): before this step writes into the copies
+            assert isinstance(self.cache, PagedCache), "block copies on a cache without blocks"
+            self.cache.copy_blocks(block_copies)
         attn = self.cache.attention_step(ordered, len(decodes))
         hidden = self.model(ids, pos, attn)
-        seqs = [c.seq for c in ordered if c.samples]
+        seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]
         if not seqs:
             return StepResult([], [], [], [])
         logits = self.model.compute_logits(hidden[rows])

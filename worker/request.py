@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvpact.shared.errors import KvpactError, RequestError
-from kvpact.shared.limits import excerpt
+from kvpact.shared.limits import MAX_COMPLETIONS, check_completion_budget, excerpt
 
 MAX_SEED = 2**64 - 1
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
@@ -93,7 +93,8 @@ class GenerationRequest:
     """`prompt`: plain text, chat messages (rendered with the model's chat template) or token ids.
     `max_tokens` None = min(256, what fits in max_model_len after the prompt). `min_tokens`: EOS and
     the stop token ids cannot be sampled before that many tokens were generated (stop strings still
-    apply)."""
+    apply). `n` completions of the prompt (1..MAX_COMPLETIONS), each with its own `index`; a seeded
+    request's completion i draws from seed + i."""
 
     request_id: str
     prompt: Prompt
@@ -104,6 +105,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     response_format: ResponseFormat | None = None
+    n: int = 1
 
     def validate(self) -> None:
         """Checks that need no tokenizer (the engine checks lengths and token ids after tokenizing)."""
@@ -122,6 +124,10 @@ class GenerationRequest:
                 )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.n <= MAX_COMPLETIONS:
+            raise RequestError(f"n must be in [1, {MAX_COMPLETIONS}], got {self.n}")
+        if self.max_tokens is not None:
+            check_completion_budget(self.n, self.max_tokens)
         if self.min_tokens < 0:
             raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -163,8 +169,9 @@ class TopLogprobs:
 @dataclass(slots=True)
 class GenerationOutput:
     """One streamed piece: the text delta and the tokens sampled since the last piece (one logprob per
-    token when requested, one TopLogprobs per token when top_logprobs > 0). The last piece of a request
-    has `finish_reason` and `usage` set."""
+    token when requested, one TopLogprobs per token when top_logprobs > 0), of completion `index`
+    (0..n-1). The last piece of a completion has `finish_reason`; the last piece of the request (all n
+    finished) also has `usage`: the prompt counted once, the completion tokens summed."""
 
     request_id: str
     text: str
@@ -173,6 +180,7 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    index: int = 0
 
 
 class GenerationError(KvpactError):
@@ -212,3 +220,24 @@ class GenerationResult:
             usage=last.usage,
             top_logprobs=[t for o in outputs for t in o.top_logprobs],
         )
+
+    @classmethod
+    def join_choices(cls, outputs: list[GenerationOutput]) -> list[GenerationResult]:
+        """A request's n completions (index order), each joined from its own pieces; each carries the
+        request's usage (the prompt once, the completion tokens of all n)."""
+        last = outputs[-1]
+        assert last.usage is not None, "the stream has not finished"
+        by_index: dict[int, list[GenerationOutput]] = {}
+        for o in outputs:
+            by_index.setdefault(o.index, []).append(o)
+        results = []
+        for index in sorted(by_index):
+            pieces = by_index[index]
+            if pieces[-1].usage is None:
+                pieces = [*pieces[:-1], GenerationOutput(**{**_fields(pieces[-1]), "usage": last.usage})]
+            results.append(cls.join(pieces))
+        return results
+
+
+def _fields(output: GenerationOutput) -> dict[str, object]:
+    return {name: getattr(output, name) for name in GenerationOutput.__slots__}

@@ -10,6 +10,10 @@ Invariants of a `Sequence`:
     sequence goes back to WAITING with its generated tokens kept; they are recomputed as part of
     its prompt when it is admitted again.
   - FINISHED is final; the scheduler has released its cache.
+  - n > 1 completions of one request are n sequences with `index` 0..n-1. On a paged worker the others
+    wait in `pending_forks` of index 0 (in no queue, holding nothing) until its prompt is computed;
+    then they fork its blocks and sample their first token from the same logits (`ScheduledChunk.forks`),
+    and from there on are ordinary sequences.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class Sequence:
     generator: torch.Generator | None = None
     min_tokens: int = 0  # the stop tokens are masked until this many tokens were generated
     grammar: GrammarState | None = None  # response_format: advanced on every appended token
+    index: int = 0  # which of the request's n completions
+    pending_forks: list[Sequence] = field(default_factory=list)  # PAGED, index 0 before its first token
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
@@ -67,7 +73,11 @@ class Sequence:
         device: torch.device,
         min_tokens: int = 0,
         grammar: GrammarState | None = None,
+        index: int = 0,
     ) -> Sequence:
+        """Completion `index` of a seeded request draws from seed + index (mod 2**64): each of the n
+        completions differs, and each is reproducible."""
+        seed = None if sampling.seed is None else (sampling.seed + index) % 2**64
         return cls(
             seq_id=seq_id,
             request_id=request_id,
@@ -76,9 +86,10 @@ class Sequence:
             sampling=sampling,
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
-            generator=make_generator(sampling.seed, device),
+            generator=make_generator(seed, device),
             min_tokens=min_tokens,
             grammar=grammar,
+            index=index,
         )
 
     @property
@@ -139,11 +150,15 @@ class Sequence:
 class ScheduledChunk:
     """One sequence's share of a step: compute `token_ids[start : start + num_tokens]`, where
     start = `seq.num_computed_tokens` when scheduled. A chunk that reaches the sequence's last token
-    also samples its next token."""
+    also samples its next token, and so does each of `forks` (sequences that share its blocks from this
+    step on, n > 1) from the same logits. `block_copies`: (src, dst) KV blocks the cache copies before
+    the step writes (copy on write of a block shared with a fork)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    forks: tuple[Sequence, ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:

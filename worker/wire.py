@@ -68,19 +68,8 @@ def response_format_from_pb(msg: generation_pb2.GenerateRequest) -> ResponseForm
     )
 
 
-def _refuse_unimplemented(msg: generation_pb2.GenerateRequest) -> None:
-    """Fields of the contract this worker does not honor yet: refused by name, never ignored."""
-    unimplemented = {
-        "n": msg.n > 1,
-    }
-    for name, is_set in unimplemented.items():
-        if is_set:
-            raise RequestError(f"{name} is not supported by this worker yet: leave it unset")
-
-
 def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> GenerationRequest:
     """`request_id` is the message's, or one the server assigned when the message had none."""
-    _refuse_unimplemented(msg)
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt_from_pb(msg),
@@ -91,6 +80,7 @@ def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> Gen
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         response_format=response_format_from_pb(msg),
+        n=max(msg.n, 1),  # 0 (unset) = 1
     )
 
 
@@ -101,6 +91,7 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
         token_ids=output.token_ids,
         logprobs=output.logprobs,
         worker_id=worker_id,
+        index=output.index,
         top_logprobs=[
             generation_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
             for t in output.top_logprobs
