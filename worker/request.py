@@ -7,6 +7,7 @@ RequestError (INVALID_ARGUMENT) naming the field, the value and the allowed rang
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -234,10 +235,6 @@ class GenerationResult:
         for index in sorted(by_index):
             pieces = by_index[index]
             if pieces[-1].usage is None:
-                pieces = [*pieces[:-1], GenerationOutput(**{**_fields(pieces[-1]), "usage": last.usage})]
+                pieces = [*pieces[:-1], dataclasses.replace(pieces[-1], usage=last.usage)]
             results.append(cls.join(pieces))
         return results
-
-
-def _fields(output: GenerationOutput) -> dict[str, object]:
-    return {name: getattr(output, name) for name in GenerationOutput.__slots__}

@@ -131,7 +131,7 @@ def _apply_masks(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
 
         idx = _indices(constrained, device)
         sub = logits[idx]
-        apply_grammars(sub, [rows[i].grammar for i in constrained])
+        apply_grammars(sub, [g for i in constrained if (g := rows[i].grammar) is not None])
         logits[idx] = sub
     return logits
 
