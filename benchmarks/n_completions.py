@@ -2,6 +2,7 @@
 in use at peak, wall time, and prompt tokens actually computed (prefill).
 
     python -m benchmarks.n_completions [--quick] [--model PATH] [--out FILE.json]
+                                       [--prompt-tokens N] [--max-tokens N]
 
 One engine per configuration, built through worker.startup as `worker --paged-attn on` builds it (CPU,
 default KV budget, block size 16). Each trial sends a fresh prompt (so no run finds the previous one in
@@ -127,8 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short prompt and output, one trial")
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
     parser.add_argument("--out", default="", help="also write the rows as JSON to this file")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0, help=f"prompt length (default {FULL.prompt_tokens})"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=0, help=f"tokens per completion (default {FULL.max_tokens})"
+    )
     args = parser.parse_args(argv)
     scale = QUICK if args.quick else FULL
+    if args.prompt_tokens:
+        scale = replace(scale, prompt_tokens=args.prompt_tokens)
+    if args.max_tokens:
+        scale = replace(scale, max_tokens=args.max_tokens)
     model = Path(args.model) if args.model else default_model_path()
     rows = measure(model, scale)
     print(table(rows, scale))

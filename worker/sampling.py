@@ -4,7 +4,7 @@ Order, per row (the same as Hugging Face's logits processors): repetition penalt
 frequency penalties (OpenAI's, over the generated tokens) -> masks (the stop tokens before min_tokens,
 a grammar's allowed tokens) -> greedy argmax (temperature 0) or temperature -> top-k -> top-p -> min-p
 -> one draw. Each stage runs only on the rows that use it, as one batched op: a batch that uses none
-costs one pass over the rows' params and nothing else. The filters run vectorized over
+pays one pass over the rows' `processed` flags (what the repetition penalty's own check cost before). The filters run vectorized over
 the batch; only the draw is per row, because a seeded request draws from its own torch.Generator so
 that its tokens depend on (seed, prompt) alone, never on what else is in the batch. Unseeded rows
 share one batched draw from the global generator.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -42,6 +42,17 @@ class SampleRow:
     num_prompt_tokens: int = 0
     masked_token_ids: Collection[int] = ()
     grammar: GrammarState | None = None
+    processed: bool = field(init=False)  # a penalty, a mask or a grammar applies: the processors look
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.processed = bool(
+            p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or self.masked_token_ids
+            or self.grammar is not None
+        )
 
 
 class Sampled(NamedTuple):
@@ -69,9 +80,11 @@ def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> Sampled:
     want_logprobs = [r.params.logprobs for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-    logits = _apply_repetition_penalty(logits, rows)
-    logits = _apply_output_penalties(logits, rows)
-    logits = _apply_masks(logits, rows)
+    processed = [i for i, r in enumerate(rows) if r.processed]  # the one pass a plain batch pays
+    if processed:
+        logits = _apply_repetition_penalty(logits, rows, processed)
+        logits = _apply_output_penalties(logits, rows, processed)
+        logits = _apply_masks(logits, rows, processed)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     token_ids = logits.argmax(dim=-1)  # every row greedy is the common case; sampled rows are overwritten
     if sampled:
@@ -88,10 +101,10 @@ def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> Sampled:
     return Sampled(ids, logprobs, top)
 
 
-def _apply_output_penalties(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+def _apply_output_penalties(logits: torch.Tensor, rows: Seq[SampleRow], among: list[int]) -> torch.Tensor:
     """OpenAI's presence and frequency penalties: logit -= frequency * count + presence * (count > 0),
     where count is how often the token occurs in the generated tokens (not the prompt)."""
-    penalized = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
+    penalized = [i for i in among if rows[i].params.presence_penalty or rows[i].params.frequency_penalty]
     if not penalized:
         return logits
     device = logits.device
@@ -110,11 +123,11 @@ def _apply_output_penalties(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch
     return logits
 
 
-def _apply_masks(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+def _apply_masks(logits: torch.Tensor, rows: Seq[SampleRow], among: list[int]) -> torch.Tensor:
     """-inf for the tokens a row may not sample: its stop tokens before min_tokens, and whatever its
     grammar does not allow next (one bitmask for the batch's grammar rows)."""
-    masked = [i for i, r in enumerate(rows) if r.masked_token_ids]
-    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    masked = [i for i in among if rows[i].masked_token_ids]
+    constrained = [i for i in among if rows[i].grammar is not None]
     if not masked and not constrained:
         return logits
     logits = logits.clone()
@@ -150,10 +163,10 @@ def _top_logprobs(raw_logprobs: torch.Tensor, rows: Seq[SampleRow]) -> list[TopL
     return top
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+def _apply_repetition_penalty(logits: torch.Tensor, rows: Seq[SampleRow], among: list[int]) -> torch.Tensor:
     """Every token already in the sequence: a positive logit is divided by the penalty, a negative one
     multiplied (so penalty > 1 always makes it less likely)."""
-    penalized = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    penalized = [i for i in among if rows[i].params.repetition_penalty != 1.0]
     if not penalized:
         return logits
     logits = logits.clone()

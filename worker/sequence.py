@@ -60,6 +60,8 @@ class Sequence:
     block_table: BlockTable = field(default_factory=lambda: BlockTable(block_ids=[]))  # PAGED
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    _row: SampleRow | None = field(default=None, repr=False)  # sample_row's, built while _row_early
+    _row_early: bool = field(default=False, repr=False)
 
     @classmethod
     def create(
@@ -113,15 +115,21 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def sample_row(self) -> SampleRow:
+        """Built once and kept (it holds `token_ids` itself, which grows in place); rebuilt only when
+        min_tokens is reached and the stop tokens stop being masked."""
         early = len(self.token_ids) - self.num_prompt_tokens < self.min_tokens
-        return SampleRow(
-            params=self.sampling,
-            generator=self.generator,
-            token_ids=self.token_ids,
-            num_prompt_tokens=self.num_prompt_tokens,
-            masked_token_ids=self.stop_token_ids if early else (),
-            grammar=self.grammar,
-        )
+        row = self._row
+        if row is None or self._row_early != early:
+            self._row_early = early
+            row = self._row = SampleRow(
+                params=self.sampling,
+                generator=self.generator,
+                token_ids=self.token_ids,
+                num_prompt_tokens=self.num_prompt_tokens,
+                masked_token_ids=self.stop_token_ids if early else (),
+                grammar=self.grammar,
+            )
+        return row
 
     def append_token(self, token_id: int, logprob: float | None) -> None:
         self.token_ids.append(token_id)
