@@ -4,8 +4,8 @@ Order, per row (the same as Hugging Face's logits processors): repetition penalt
 frequency penalties (OpenAI's, over the generated tokens) -> masks (the stop tokens before min_tokens,
 a grammar's allowed tokens) -> greedy argmax (temperature 0) or temperature -> top-k -> top-p -> min-p
 -> one draw. Each stage runs only on the rows that use it, as one batched op: a batch that uses none
-pays one pass over the rows' `processed` flags (what the repetition penalty's own check cost before). The filters run vectorized over
-the batch; only the draw is per row, because a seeded request draws from its own torch.Generator so
+pays one pass over the rows' `processed` flags (what the repetition penalty's own check cost before).
+The filters run vectorized over the batch; only the draw is per row, because a seeded request draws from its own torch.Generator so
 that its tokens depend on (seed, prompt) alone, never on what else is in the batch. Unseeded rows
 share one batched draw from the global generator.
 
