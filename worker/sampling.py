@@ -5,9 +5,9 @@ frequency penalties (OpenAI's, over the generated tokens) -> masks (the stop tok
 a grammar's allowed tokens) -> greedy argmax (temperature 0) or temperature -> top-k -> top-p -> min-p
 -> one draw. Each stage runs only on the rows that use it, as one batched op: a batch that uses none
 pays one pass over the rows' `processed` flags (what the repetition penalty's own check cost before).
-The filters run vectorized over the batch; only the draw is per row, because a seeded request draws from its own torch.Generator so
-that its tokens depend on (seed, prompt) alone, never on what else is in the batch. Unseeded rows
-share one batched draw from the global generator.
+The filters run vectorized over the batch; only the draw is per row, because a seeded request draws
+from its own torch.Generator so that its tokens depend on (seed, prompt) alone, never on what else is
+in the batch. Unseeded rows share one batched draw from the global generator.
 
 The logprob reported for a sampled token, and the top_logprobs alternatives, are log_softmax of the
 model's raw logits (before penalties, masks, temperature and filters): the model's own belief.
