@@ -288,14 +288,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         if self.computed[i] == len(self.tokens[i]):
             self.tokens[i].append(sampled)  # decode: the sampled token's KV comes next step
-        end = min(len(self.tokens[i]), self.computed[i] + chunk)
+        start = self.computed[i]
+        end = min(len(self.tokens[i]), start + chunk)
         table = self.tables[i]
-        if not self.bm.can_grow(table, end):
+        if not self.bm.can_grow(table, end, write_from=start):
             with pytest.raises(OutOfBlocksError):
-                self.bm.grow(table, end)
+                self.bm.grow(table, end, write_from=start)
             return
-        self.bm.grow(table, end)
+        for src, dst in self.bm.grow(table, end, write_from=start):  # copy on write, as the cache does
+            for k in range(BS):
+                if src * BS + k in self.kv:
+                    self.kv[dst * BS + k] = self.kv[src * BS + k]
         self._compute(i, end)
+
+    @rule(i=st.integers(0, NUM_TABLES - 1), j=st.integers(0, NUM_TABLES - 1))
+    def fork(self, i, j):
+        """j (not live) shares i's blocks (n > 1): then both write on, each copying a shared block first."""
+        if self.tokens[i] is None or self.tokens[j] is not None:
+            return
+        self.bm.fork(self.tables[i], self.tables[j])
+        self.tokens[j], self.computed[j] = list(self.tokens[i]), self.computed[i]
 
     @rule(i=st.integers(0, NUM_TABLES - 1))
     def free(self, i):
