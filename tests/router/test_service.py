@@ -546,7 +546,7 @@ async def _status(router):
 
 
 @run_async
-async def test_complete_refuses_n_above_one_naming_generate():
+async def test_complete_refuses_n_above_one_naming_generate_and_carries_top_logprobs():
     double = WorkerDouble("a")
     async with one_worker_router(double) as (router, _):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
@@ -555,7 +555,10 @@ async def test_complete_refuses_n_above_one_naming_generate():
                 await stub.Complete(generation_pb2.GenerateRequest(text="hi", max_tokens=4, n=2), timeout=10)
             assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert "call Generate for n > 1" in (info.value.details() or "")
+            sampling = generation_pb2.SamplingParams(logprobs=True, top_logprobs=2)
             one = await stub.Complete(
-                generation_pb2.GenerateRequest(text="hi", max_tokens=4, n=1), timeout=10
+                generation_pb2.GenerateRequest(text="hi", max_tokens=4, n=1, sampling=sampling), timeout=10
             )
             assert len(one.token_ids) == 4
+            # top_logprobs come along, one per token, in order
+            assert [list(t.token_ids) for t in one.top_logprobs] == [[t, t + 1] for t in one.token_ids]
