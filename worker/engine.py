@@ -115,9 +115,9 @@ class Engine:
         self._num_preparing = 0  # guarded by _lock
         # Called from the step thread, once, if the engine stops on an internal error (the worker exits).
         self.on_fatal: Callable[[str], object] | None = None
-        # Renders and tokenizes prompts for generate(), off the caller's event loop.
         self._grammars: GrammarCompiler | None = None  # built on first use; see _grammar_compiler
         self._grammar_lock = threading.Lock()
+        # Renders and tokenizes prompts for generate(), off the caller's event loop.
         self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="kvpact-prepare")
         self._thread = threading.Thread(target=self._loop, name="kvpact-engine", daemon=True)
         self._thread.start()
