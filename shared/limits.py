@@ -14,7 +14,7 @@ by the engine; token ids against the vocabulary after the caps.
     stop                        MAX_STOP_STRINGS strings of at most MAX_STOP_CHARS characters each
     stop_token_ids              MAX_STOP_TOKEN_IDS ids
     response_format.json_schema MAX_JSON_SCHEMA_CHARS characters
-    n                           MAX_COMPLETIONS completions, n x max_tokens <= MAX_REQUEST_COMPLETION_TOKENS
+    n                           MAX_COMPLETIONS completions; n > 1: n x max_tokens <= MAX_REQUEST_COMPLETION_TOKENS
 
 Above all of them, a whole message larger than MAX_MESSAGE_BYTES is refused by gRPC itself with
 RESOURCE_EXHAUSTED ("Received message larger than max"), on the router and on the worker alike.
@@ -117,8 +117,9 @@ def _check_prompt_bytes(size: int) -> None:
 
 
 def check_completion_budget(n: int, max_tokens: int) -> None:
-    """RequestError unless n x max_tokens <= MAX_REQUEST_COMPLETION_TOKENS."""
-    if n * max_tokens > MAX_REQUEST_COMPLETION_TOKENS:
+    """RequestError unless n x max_tokens <= MAX_REQUEST_COMPLETION_TOKENS, for n > 1 (one completion
+    is bounded by max_model_len alone, which may be longer)."""
+    if n > 1 and n * max_tokens > MAX_REQUEST_COMPLETION_TOKENS:
         raise RequestError(
             f"n ({n}) x max_tokens ({max_tokens}) is {n * max_tokens} tokens, more than the cap of "
             f"{MAX_REQUEST_COMPLETION_TOKENS} per request; lower n or max_tokens"
