@@ -14,7 +14,8 @@ by the engine; token ids against the vocabulary after the caps.
     stop                        MAX_STOP_STRINGS strings of at most MAX_STOP_CHARS characters each
     stop_token_ids              MAX_STOP_TOKEN_IDS ids
     response_format.json_schema MAX_JSON_SCHEMA_CHARS characters
-    n                           MAX_COMPLETIONS completions; n > 1: n x max_tokens <= MAX_REQUEST_COMPLETION_TOKENS
+    n                           MAX_COMPLETIONS completions (n > 1: n x max_tokens at most
+                                MAX_REQUEST_COMPLETION_TOKENS)
 
 Above all of them, a whole message larger than MAX_MESSAGE_BYTES is refused by gRPC itself with
 RESOURCE_EXHAUSTED ("Received message larger than max"), on the router and on the worker alike.
