@@ -327,7 +327,14 @@ class Engine:
             if self._grammars is None:
                 from kvpact.worker.grammar import GrammarCompiler
 
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+                try:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+                except Exception as e:  # xgrammar could not read this model's vocabulary
+                    self.log.exception("grammar compiler could not be built")
+                    raise RequestError(
+                        "response_format cannot be enforced with this model's tokenizer "
+                        f"({type(e).__name__}: {e}); send the request without response_format"
+                    ) from e
             return self._grammars
 
     def _prepare(self, request: GenerationRequest) -> Prepared:
