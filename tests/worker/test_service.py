@@ -114,6 +114,22 @@ def test_stream_matches_the_engine_run_in_process(stub, model_dir):
             f"more than max_model_len {MAX_MODEL_LEN}",
         ),
         (greedy("hi", 4, model="other"), grpc.StatusCode.NOT_FOUND, "model 'other' is not served here"),
+        (
+            greedy("hi", 4, response_format=generation_pb2.ResponseFormat(json_schema='{"type": 5}')),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "response_format.json_schema is not a JSON Schema this worker can enforce",
+        ),
+        (
+            greedy("hi", 4, sampling=generation_pb2.SamplingParams(top_logprobs=3)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_logprobs (3) needs logprobs",
+        ),
+        (greedy("hi", 4, n=17), grpc.StatusCode.INVALID_ARGUMENT, "n is 17, more than the cap of 16"),
+        (
+            greedy("hi", 4, min_tokens=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "min_tokens (5) must be <= max_tokens (4)",
+        ),
     ],
 )
 def test_bad_requests_get_a_specific_status_and_message(stub, request_, code, message):
