@@ -9,9 +9,10 @@ worker's chunks in a task of their own, and the writer takes whatever has arrive
 
 - the first token, and every token of a stream that keeps up, goes out as it came (a writer that is
   waiting gets a chunk at once, never held back to wait for a second);
-- a writer that was busy finds several chunks ready and sends them as one message: token ids and
-  logprobs concatenated, the text deltas joined, finish_reason and usage from the last one (only the
-  last chunk of a stream has them);
+- a writer that was busy finds several chunks ready and sends them as one message: token ids,
+  logprobs and top_logprobs concatenated, the text deltas joined, finish_reason and usage from the
+  last one (only the last chunk of a stream has them); chunks of different completions (`index`,
+  n > 1) are never merged;
 - nothing is reordered, dropped or sent twice; a merged message never spans more than
   MAX_TOKENS_PER_MESSAGE tokens or MAX_TEXT_PER_MESSAGE characters of text (a long backlog goes out
   as several messages, still in order);
@@ -54,13 +55,15 @@ def merge_chunks(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.G
 
 
 def take_batch(ready: list[generation_pb2.GenerateChunk]) -> list[generation_pb2.GenerateChunk]:
-    """Remove and return the longest prefix of `ready` that fits one message (at least one chunk)."""
+    """Remove and return the longest prefix of `ready` that fits one message and continues one
+    completion (at least one chunk)."""
     num_tokens = num_chars = 0
     end = 0
     for chunk in ready:
         num_tokens += len(chunk.token_ids)
         num_chars += len(chunk.text)
-        if end and (num_tokens > MAX_TOKENS_PER_MESSAGE or num_chars > MAX_TEXT_PER_MESSAGE):
+        too_big = num_tokens > MAX_TOKENS_PER_MESSAGE or num_chars > MAX_TEXT_PER_MESSAGE
+        if end and (too_big or chunk.index != ready[0].index):
             break
         end += 1
     batch = ready[:end]

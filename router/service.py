@@ -31,6 +31,7 @@ from kvpact.router.errors import NoLiveWorker, NotServing, Overloaded, WorkerCal
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
 from kvpact.router.status import cluster_status_to_pb
+from kvpact.shared.errors import RequestError
 from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
@@ -70,12 +71,18 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CompleteResponse:
+        if request.n > 1:  # CompleteResponse holds one completion
+            raise RequestError(
+                f"Complete returns one completion but n is {request.n}; call Generate for n > 1 (each chunk "
+                "carries its completion's index)"
+            )
         response = generation_pb2.CompleteResponse()
         async with aclosing(self._relay(request, context)) as chunks:
             async for chunk in chunks:
                 response.text += chunk.text
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
+                response.top_logprobs.extend(chunk.top_logprobs)
                 response.worker_id = chunk.worker_id
                 if chunk.finish_reason:
                     response.finish_reason = chunk.finish_reason

@@ -13,6 +13,9 @@ by the engine; token ids against the vocabulary after the caps.
     token_ids.ids               MAX_PROMPT_TOKEN_IDS ids
     stop                        MAX_STOP_STRINGS strings of at most MAX_STOP_CHARS characters each
     stop_token_ids              MAX_STOP_TOKEN_IDS ids
+    response_format.json_schema MAX_JSON_SCHEMA_CHARS characters
+    n                           MAX_COMPLETIONS completions (n > 1: n x max_tokens at most
+                                MAX_REQUEST_COMPLETION_TOKENS)
 
 Above all of them, a whole message larger than MAX_MESSAGE_BYTES is refused by gRPC itself with
 RESOURCE_EXHAUSTED ("Received message larger than max"), on the router and on the worker alike.
@@ -34,6 +37,9 @@ MAX_PROMPT_TOKEN_IDS = 1 << 18
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_JSON_SCHEMA_CHARS = 64 * 1024  # a schema compiles into a grammar: its cost grows with its size
+MAX_COMPLETIONS = 16  # n: completions of one prompt (OpenAI's `n`)
+MAX_REQUEST_COMPLETION_TOKENS = 1 << 16  # n x max_tokens: what one request may ask the worker to generate
 # gRPC's receive (and send) limit on both servers and on the router->worker channel: room for the
 # largest request the caps allow (1 MiB of text, or 256 Ki token ids at up to 5 bytes each) and its
 # framing, far below what would let one message cost much memory.
@@ -94,6 +100,13 @@ def check_request_limits(msg: generation_pb2.GenerateRequest) -> None:
         raise RequestError(
             f"stop_token_ids has {len(msg.stop_token_ids)} ids, more than the cap of {MAX_STOP_TOKEN_IDS}"
         )
+    if msg.n > MAX_COMPLETIONS:
+        raise RequestError(f"n is {msg.n}, more than the cap of {MAX_COMPLETIONS} completions per request")
+    if msg.HasField("max_tokens"):
+        check_completion_budget(max(msg.n, 1), msg.max_tokens)
+    schema = msg.response_format.json_schema
+    if len(schema) > MAX_JSON_SCHEMA_CHARS:
+        raise _too_long("response_format.json_schema", schema, MAX_JSON_SCHEMA_CHARS)
 
 
 def _check_prompt_bytes(size: int) -> None:
@@ -101,4 +114,14 @@ def _check_prompt_bytes(size: int) -> None:
         raise RequestError(
             f"the prompt is {size} bytes of text, more than the cap of {MAX_PROMPT_BYTES} bytes; "
             "shorten it (the model could not take that many tokens anyway)"
+        )
+
+
+def check_completion_budget(n: int, max_tokens: int) -> None:
+    """RequestError unless n x max_tokens <= MAX_REQUEST_COMPLETION_TOKENS, for n > 1 (one completion
+    is bounded by max_model_len alone, which may be longer)."""
+    if n > 1 and n * max_tokens > MAX_REQUEST_COMPLETION_TOKENS:
+        raise RequestError(
+            f"n ({n}) x max_tokens ({max_tokens}) is {n * max_tokens} tokens, more than the cap of "
+            f"{MAX_REQUEST_COMPLETION_TOKENS} per request; lower n or max_tokens"
         )

@@ -27,6 +27,11 @@ AT_CAPS = generation_pb2.GenerateRequest(
     text="é" * (limits.MAX_PROMPT_BYTES // 2),
     stop=["s" * limits.MAX_STOP_CHARS] * limits.MAX_STOP_STRINGS,
     stop_token_ids=[1] * limits.MAX_STOP_TOKEN_IDS,
+    n=limits.MAX_COMPLETIONS,
+    max_tokens=limits.MAX_REQUEST_COMPLETION_TOKENS // limits.MAX_COMPLETIONS,
+    response_format=generation_pb2.ResponseFormat(
+        json_schema="{" + " " * (limits.MAX_JSON_SCHEMA_CHARS - 2) + "}"
+    ),
 )
 
 OVER = [
@@ -46,7 +51,17 @@ OVER = [
      "stop string 1 has 257 characters, more than the cap of 256"),
     ("stop token ids", generation_pb2.GenerateRequest(text="hi", stop_token_ids=[1] * 257),
      "stop_token_ids has 257 ids, more than the cap of 256"),
+    ("n", generation_pb2.GenerateRequest(text="hi", n=17), "n is 17, more than the cap of 16 completions"),
+    ("n x max_tokens", generation_pb2.GenerateRequest(text="hi", n=2, max_tokens=40000),
+     "n (2) x max_tokens (40000) is 80000 tokens, more than the cap of 65536 per request"),
+    ("json_schema", generation_pb2.GenerateRequest(
+        text="hi", response_format=generation_pb2.ResponseFormat(json_schema="x" * 65537)),
+     "response_format.json_schema has 65537 characters, more than the cap of 65536"),
 ]  # fmt: skip
+
+
+def test_one_completion_is_bounded_by_max_model_len_alone():
+    check_request_limits(generation_pb2.GenerateRequest(text="hi", max_tokens=10**6))
 
 
 def test_a_request_at_every_cap_passes():

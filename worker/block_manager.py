@@ -19,14 +19,22 @@ doubly linked list in CPython's OrderedDict gives O(1) pop-front, append and del
 without hand-written node bookkeeping (vLLM writes an intrusive list to avoid per-block Python
 objects; here a block is an int, so the dict is both simpler and as fast).
 
+Forking (n > 1 completions of one prompt): `fork` gives a fresh table the same blocks as a live one
+(ref count + 1 each, the partial last block included), so the prompt's K/V are computed and stored
+once. A table that is about to write into a block it shares copies it first (copy on write): `grow`
+with `write_from` swaps the shared block holding that position for a fresh one and returns the
+(src, dst) pair, which the cache copies before the step writes. Only a partial last block is ever
+written, so only it is ever copied; the other holders keep the original.
+
 Invariants (checked by `_check()` after every mutating call when `debug=True`):
   1. ref count 0  <=>  the block is in the free queue; ref counts are never negative.
   2. every block is free-queued or referenced, and its ref count equals the number of live
      tables holding it; no table holds a block twice.
   3. a hash maps to exactly one block, and that block's stored hash is that hash; a block
      with a stored hash is in the map (no stale hashes); prefix caching off -> no hashes.
-  4. block tables are append-only: each live table's `block_ids` equals the manager's own
-     copy, extended only by `allocate`/`grow`; `num_committed_blocks <= len(block_ids)`.
+  4. block tables only grow: each live table's `block_ids` equals the manager's own copy, set by
+     `allocate`/`fork` and extended by `grow`, whose copy on write may swap an uncommitted shared
+     block for a private one; `num_committed_blocks <= len(block_ids)`.
   5. `num_free_blocks == len(free queue)`.
 """
 
@@ -99,8 +107,9 @@ class BlockManager:
         num_fresh = max(0, self._num_blocks_for(num_tokens) - len(block_ids))
         return num_reused_free + num_fresh <= self.num_free_blocks
 
-    def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
-        return self._num_blocks_for(num_tokens) - len(table.block_ids) <= self.num_free_blocks
+    def can_grow(self, table: BlockTable, num_tokens: int, write_from: int | None = None) -> bool:
+        num_new = self._num_blocks_for(num_tokens) - len(table.block_ids)
+        return max(0, num_new) + self._must_copy(table, write_from) <= self.num_free_blocks
 
     def slot_mapping(self, table: BlockTable, start: int, end: int) -> list[int]:
         if not 0 <= start <= end <= len(table.block_ids) * self.block_size:
@@ -144,15 +153,47 @@ class BlockManager:
         self._check()
         return num_cached
 
-    def grow(self, table: BlockTable, num_tokens: int) -> None:
+    def grow(
+        self, table: BlockTable, num_tokens: int, write_from: int | None = None
+    ) -> list[tuple[int, int]]:
+        """Blocks for `num_tokens` tokens. `write_from`: the first position the coming step writes; if
+        the block holding it is shared (a fork), it is swapped for a fresh copy first. Returns the block
+        copies (src, dst) the cache must make before that step writes (empty unless one was shared)."""
         own = self._own_copy(table, "grow")
-        num_new = self._num_blocks_for(num_tokens) - len(table.block_ids)
-        if num_new > self.num_free_blocks:
+        must_copy = self._must_copy(table, write_from)
+        num_new = max(0, self._num_blocks_for(num_tokens) - len(table.block_ids))
+        if num_new + must_copy > self.num_free_blocks:
             raise OutOfBlocksError(
-                f"growing to {num_tokens} tokens needs {num_new} new blocks but "
+                f"growing to {num_tokens} tokens needs {num_new + must_copy} new blocks but "
                 f"{self.num_free_blocks} are free; check can_grow() first"
             )
+        copies = []
+        if must_copy:
+            assert write_from is not None
+            i = write_from // self.block_size
+            assert i >= table.num_committed_blocks, "a committed block is never written"
+            src = table.block_ids[i]
+            dst, _ = self._free_queue.popitem(last=False)
+            self._evict_hash(dst)
+            self._ref_counts[dst] = 1
+            self._ref_counts[src] -= 1  # still held by the tables it is shared with
+            table.block_ids[i] = own[i] = dst
+            copies.append((src, dst))
         self._append_fresh(table, own, num_new)
+        self._check()
+        return copies
+
+    def fork(self, parent: BlockTable, child: BlockTable) -> None:
+        """`child` (fresh, empty) shares every block of live `parent`; their next writes copy on write."""
+        parent_own = self._own_copy(parent, "fork")
+        if child.block_ids or id(child) in self._tables:
+            raise ValueError("fork() needs a fresh, empty BlockTable for the child")
+        for b in parent_own:
+            self._ref_counts[b] += 1
+        child.block_ids.extend(parent_own)
+        child.num_committed_blocks = parent.num_committed_blocks
+        child.last_hash = parent.last_hash
+        self._tables[id(child)] = (child, list(parent_own))
         self._check()
 
     def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -210,13 +251,23 @@ class BlockManager:
             parent = h
         return block_ids, parent
 
+    def _must_copy(self, table: BlockTable, write_from: int | None) -> int:
+        """1 if the block holding position `write_from` is shared with another table, else 0."""
+        if write_from is None:
+            return 0
+        i = write_from // self.block_size
+        return int(i < len(table.block_ids) and self._ref_counts[table.block_ids[i]] > 1)
+
+    def _evict_hash(self, block_id: int) -> None:
+        evicted = self._block_hashes[block_id]
+        if evicted is not None:
+            del self._hash_to_block[evicted]
+            self._block_hashes[block_id] = None
+
     def _append_fresh(self, table: BlockTable, own: list[int], num_new: int) -> None:
         for _ in range(max(0, num_new)):
             block_id, _ = self._free_queue.popitem(last=False)
-            evicted = self._block_hashes[block_id]
-            if evicted is not None:
-                del self._hash_to_block[evicted]
-                self._block_hashes[block_id] = None
+            self._evict_hash(block_id)
             self._ref_counts[block_id] = 1
             table.block_ids.append(block_id)
             own.append(block_id)

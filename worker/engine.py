@@ -24,20 +24,20 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 import torch
 
 from kvpact.shared.errors import RequestError
 from kvpact.shared.handshake import WorkerLoad
-from kvpact.shared.limits import excerpt
+from kvpact.shared.limits import check_completion_budget, excerpt
 from kvpact.shared.realized import RealizedCache
 from kvpact.worker.cpu_share import CpuShare
 from kvpact.worker.device import bind_thread
 from kvpact.worker.engine_observer import EngineObserver, FinishedRequest
 from kvpact.worker.model_runner import ModelRunner
-from kvpact.worker.output_stream import OutputStream, Sink
+from kvpact.worker.output_stream import OutputStream, RequestStreams, Sink
 from kvpact.worker.request import (
     ChatMessage,
     EngineClosedError,
@@ -52,11 +52,31 @@ from kvpact.worker.scheduler import Scheduler
 from kvpact.worker.sequence import Sequence
 from kvpact.worker.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from kvpact.worker.grammar import GrammarCompiler, GrammarState
+
 DEFAULT_MAX_TOKENS = 256
 CLOSE_TIMEOUT_S = 30.0
 TPS_WINDOW_S = 5.0
 DEFAULT_MAX_WAITING = 256  # requests accepted but not yet running, beyond which new ones are refused
 PREPARE_THREADS = 2  # prompts rendered and tokenized at once (the tokenizer is native code)
+
+
+class Prepared(NamedTuple):
+    """A request made ready off the step thread: its prompt's token ids, its max_tokens and its compiled
+    grammar (an xgrammar CompiledGrammar; None without response_format)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    grammar: Any
+
+
+def _grammar_state(compiled: Any) -> GrammarState | None:
+    if compiled is None:
+        return None
+    from kvpact.worker.grammar import GrammarState
+
+    return GrammarState(compiled)
 
 
 class Engine:
@@ -85,7 +105,7 @@ class Engine:
         self.observer = observer  # per-request events (worker/metrics.py); set before the first request
         self.cpu_share = cpu_share  # the step thread applies its thread count (None: torch's default)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, OutputStream] = {}  # step thread only
+        self._requests: dict[str, RequestStreams] = {}  # step thread only
         self._live: set[str] = set()  # request ids queued or running; guarded by _lock
         self._lock = threading.Lock()
         self._seq_ids = itertools.count()
@@ -98,6 +118,8 @@ class Engine:
         self._num_preparing = 0  # guarded by _lock
         # Called from the step thread, once, if the engine stops on an internal error (the worker exits).
         self.on_fatal: Callable[[str], object] | None = None
+        self._grammars: GrammarCompiler | None = None  # built on first use; see _grammar_compiler
+        self._grammar_lock = threading.Lock()
         # Renders and tokenizes prompts for generate(), off the caller's event loop.
         self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="kvpact-prepare")
         self._thread = threading.Thread(target=self._loop, name="kvpact-engine", daemon=True)
@@ -144,7 +166,7 @@ class Engine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finish_reason is not None
+                finished = item.usage is not None  # the request's last piece (all n completions ended)
                 yield item
         finally:
             if not finished:
@@ -163,19 +185,24 @@ class Engine:
         if self.observer is not None:
             self.observer.request_rejected()
 
-    def _enqueue(self, request: GenerationRequest, prepared: tuple[list[int], int], sink: Sink) -> None:
-        prompt_ids, max_tokens = prepared
+    def _enqueue(self, request: GenerationRequest, prepared: Prepared, sink: Sink) -> None:
+        prompt_ids, max_tokens, compiled = prepared
         eos = frozenset() if request.ignore_eos else self.tokenizer.eos_token_ids
-        seq = Sequence.create(
-            seq_id=next(self._seq_ids),
-            request_id=request.request_id,
-            prompt_token_ids=prompt_ids,
-            sampling=request.sampling,
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset(request.stop_token_ids) | eos,
-            device=self.runner.device,
-        )
-        stream = OutputStream(seq, self.tokenizer, request.stop, sink)
+        streams = RequestStreams(sink)
+        for index in range(request.n):
+            seq = Sequence.create(
+                seq_id=next(self._seq_ids),
+                request_id=request.request_id,
+                prompt_token_ids=prompt_ids,
+                sampling=request.sampling,
+                max_tokens=max_tokens,
+                stop_token_ids=frozenset(request.stop_token_ids) | eos,
+                device=self.runner.device,
+                min_tokens=request.min_tokens,
+                grammar=_grammar_state(compiled),
+                index=index,
+            )
+            OutputStream(seq, self.tokenizer, request.stop, streams)
         with self._lock:  # with close() under the same lock, a queued add is always drained
             if self._closed.is_set():
                 raise EngineClosedError("the engine is closed")
@@ -186,7 +213,7 @@ class Engine:
                     "(or none: the server assigns one)"
                 )
             self._live.add(request.request_id)
-            self._commands.put(("add", stream))
+            self._commands.put(("add", streams))
 
     def _check_room(self) -> None:
         """Under _lock: refuse a new request when max_waiting requests are already accepted and not
@@ -249,6 +276,17 @@ class Engine:
         self, requests: Iterable[GenerationRequest], timeout: float | None = None
     ) -> list[GenerationResult]:
         """Synchronous helper for tests and benchmarks: submit all, wait for all, in request order."""
+        return [GenerationResult.join(outputs) for outputs in self._run(requests, timeout)]
+
+    def run_choices(
+        self, requests: Iterable[GenerationRequest], timeout: float | None = None
+    ) -> list[list[GenerationResult]]:
+        """As run(), for requests with n >= 1 completions: each request's results in index order."""
+        return [GenerationResult.join_choices(outputs) for outputs in self._run(requests, timeout)]
+
+    def _run(
+        self, requests: Iterable[GenerationRequest], timeout: float | None
+    ) -> list[list[GenerationOutput]]:
         requests = list(requests)
         outputs: dict[str, list[GenerationOutput]] = {r.request_id: [] for r in requests}
         errors: list[BaseException] = []
@@ -261,7 +299,7 @@ class Engine:
                     remaining.release()
                     return
                 outputs[rid].append(item)
-                if item.finish_reason is not None:
+                if item.usage is not None:
                     remaining.release()
 
             return sink
@@ -275,7 +313,7 @@ class Engine:
                 raise TimeoutError(f"requests did not finish within {timeout} s")
         if errors:
             raise errors[0]
-        return [GenerationResult.join(outputs[r.request_id]) for r in requests]
+        return [outputs[r.request_id] for r in requests]
 
     def __enter__(self) -> Engine:
         return self
@@ -283,7 +321,25 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prepare(self, request: GenerationRequest) -> tuple[list[int], int]:
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first response_format request (it reads the whole vocabulary, about a second)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from kvpact.worker.grammar import GrammarCompiler
+
+                try:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+                except Exception as e:  # xgrammar could not read this model's vocabulary
+                    self.log.exception("grammar compiler could not be built")
+                    raise RequestError(
+                        "response_format cannot be enforced with this model's tokenizer "
+                        f"({type(e).__name__}: {e}); send the request without response_format"
+                    ) from e
+            return self._grammars
+
+    def _prepare(self, request: GenerationRequest) -> Prepared:
+        """Validate, tokenize and compile the request's grammar (in a prepare thread or the caller's,
+        never the step thread)."""
         request.validate()
         prompt = request.prompt
         messages = [m for m in prompt if isinstance(m, ChatMessage)] if isinstance(prompt, tuple) else []
@@ -315,13 +371,28 @@ class Engine:
         max_tokens = (
             request.max_tokens if request.max_tokens is not None else min(DEFAULT_MAX_TOKENS, limit - n)
         )
+        if request.n > self.scheduler.max_num_seqs:
+            raise RequestError(
+                f"n ({request.n}) is more than the {self.scheduler.max_num_seqs} sequences this worker runs "
+                "at once (--max-num-seqs); lower n"
+            )
+        check_completion_budget(request.n, max_tokens)
+        if request.min_tokens > max_tokens:
+            raise RequestError(
+                f"min_tokens ({request.min_tokens}) must be <= max_tokens ({max_tokens}, "
+                + ("as sent" if request.max_tokens is not None else "the default for this prompt")
+                + "); lower min_tokens or raise max_tokens"
+            )
         if n + max_tokens > limit:
             raise RequestError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} tokens, "
                 "more than "
                 f"max_model_len {limit}; lower max_tokens to at most {limit - n}"
             )
-        return ids, max_tokens
+        compiled = None
+        if request.response_format is not None:
+            compiled = self._grammar_compiler().compile(request.response_format)
+        return Prepared(ids, max_tokens, compiled)
 
     # ---- step thread ----
 
@@ -340,14 +411,14 @@ class Engine:
                         self._step()
                 except Exception as e:  # a bug outside the model call: nothing's state can be trusted
                     self._stop_on_error(e)
-        self._fail(list(self._streams.values()), EngineClosedError("the engine was closed"))
+        self._fail(list(self._requests.values()), EngineClosedError("the engine was closed"))
         self._drain(block=False)
 
     def _stop_on_error(self, e: Exception) -> None:
         self.log.exception("engine step failed; the engine stops and fails every request")
         with self._lock:
             self._closed.set()  # new requests get EngineClosedError (UNAVAILABLE)
-        self._fail(list(self._streams.values()), e)
+        self._fail(list(self._requests.values()), e)
         if self.on_fatal is not None:
             self.on_fatal(f"the engine failed: {type(e).__name__}: {e}")
 
@@ -363,21 +434,28 @@ class Engine:
         except queue.Empty:
             pass
 
-    def _add(self, stream: OutputStream) -> None:
+    def _add(self, request: RequestStreams) -> None:
         if self._closed.is_set():
-            self._release_id(stream.seq.request_id)
-            stream.fail(EngineClosedError("the engine was closed"))
+            self._release_id(request.request_id)
+            request.fail(EngineClosedError("the engine was closed"))
             return
-        self._streams[stream.seq.request_id] = stream
-        self.scheduler.add(stream.seq)
+        self._requests[request.request_id] = request
+        self.scheduler.add_group([s.seq for s in request.streams])
 
     def _abort(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
+        request = self._requests.get(request_id)
+        if request is None:
             return  # it finished meanwhile
-        self._end(stream)
-        self._observe_finish(stream, FinishReason.ABORT.value, time.monotonic())
-        stream.finish_early(FinishReason.ABORT)
+        live = [s for s in request.streams if not s.seq.is_finished]
+        for stream in live:  # index order: index 0 (which may hold pending forks) first
+            self.scheduler.finish(stream.seq)
+        self._forget(request)
+        self._observe_finish(request, FinishReason.ABORT.value, time.monotonic())
+        for stream in live:
+            stream.finish_early(FinishReason.ABORT)
+
+    def _stream(self, seq: Sequence) -> OutputStream:
+        return self._requests[seq.request_id].streams[seq.index]
 
     def _step(self) -> None:
         out = self.scheduler.schedule()
@@ -389,32 +467,39 @@ class Engine:
         if self.observer is not None:
             scheduled_at = time.monotonic()
             for chunk in out.chunks:
-                stream = self._streams[chunk.seq.request_id]
+                stream = self._stream(chunk.seq)
                 if stream.scheduled_s is None:
                     stream.scheduled_s = scheduled_at
         try:
             result = self.runner.run(out.chunks)
         except Exception as e:
             self.log.exception("model step failed", request_ids=[c.seq.request_id for c in out.chunks])
-            self._fail([self._streams[c.seq.request_id] for c in out.chunks], e)
+            failed = dict.fromkeys(c.seq.request_id for c in out.chunks)
+            self._fail([self._requests[rid] for rid in failed], e)
             return
         self.scheduler.on_step_done(out)
         with self._lock:  # before any piece goes out: whoever saw a piece sees at least this step's counts
             self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))
         now = time.monotonic()
-        for seq, token_id, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
-            stream = self._streams[seq.request_id]
+        sampled = zip(result.seqs, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
+        for seq, token_id, logprob, top in sampled:
+            request = self._requests.get(seq.request_id)
+            if request is None:
+                continue  # another of its completions failed it in this loop
+            stream = request.streams[seq.index]
             try:
-                piece = stream.on_token(token_id, logprob)
+                piece = stream.on_token(token_id, logprob, top)
             except Exception as e:  # e.g. the detokenizer: only this request is affected
                 self.log.exception("output processing failed", request_id=seq.request_id)
-                self._fail([stream], e)
+                self._fail([request], e)
                 continue
-            if self.observer is not None:
+            if self.observer is not None and seq.index == 0:
                 self._observe_token(stream, now)
-            if piece.finish_reason is not None:
-                self._end(stream)
-                self._observe_finish(stream, piece.finish_reason.value, now)
+            if piece.finish_reason is not None:  # free its cache before anyone sees the piece
+                self.scheduler.finish(seq)
+            if piece.usage is not None:  # the request's last piece
+                self._forget(request)
+                self._observe_finish(request, piece.finish_reason.value if piece.finish_reason else "", now)
             stream.sink(piece)
         with self._lock:
             self._generated.append((now, len(result.seqs)))
@@ -422,23 +507,25 @@ class Engine:
                 self._generated.popleft()
             self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))
 
-    def _end(self, stream: OutputStream) -> None:
-        """Free the sequence's cache and forget it (its last piece is emitted by the caller)."""
-        self.scheduler.finish(stream.seq)
-        del self._streams[stream.seq.request_id]
-        self._release_id(stream.seq.request_id)
+    def _forget(self, request: RequestStreams) -> None:
+        """Every sequence of the request is finished (cache freed): forget it (the caller emits its last
+        piece)."""
+        del self._requests[request.request_id]
+        self._release_id(request.request_id)
 
-    def _fail(self, streams: list[OutputStream], error: BaseException) -> None:
-        for stream in streams:
+    def _fail(self, requests: list[RequestStreams], error: BaseException) -> None:
+        for request in requests:
             try:
-                self._end(stream)
+                for stream in request.streams:  # index order, as in _abort
+                    self.scheduler.finish(stream.seq)
             except Exception:  # noqa: BLE001 - the scheduler may be the broken part; still fail the stream
-                self._streams.pop(stream.seq.request_id, None)
-                self._release_id(stream.seq.request_id)
-            self._observe_finish(stream, "error", time.monotonic())
+                pass
+            self._requests.pop(request.request_id, None)
+            self._release_id(request.request_id)
+            self._observe_finish(request, "error", time.monotonic())
             if not isinstance(error, GenerationError):
                 error = GenerationError(f"generation failed: {type(error).__name__}: {error}")
-            stream.fail(error)
+            request.fail(error)
 
     def _observe_token(self, stream: OutputStream, now: float) -> None:
         assert self.observer is not None
@@ -448,17 +535,18 @@ class Engine:
             self.observer.next_token(now - stream.last_token_s)
         stream.last_token_s = now
 
-    def _observe_finish(self, stream: OutputStream, outcome: str, now: float) -> None:
+    def _observe_finish(self, request: RequestStreams, outcome: str, now: float) -> None:
         if self.observer is None:
             return
-        seq = stream.seq
+        stream = request.streams[0]
+        usage = request.usage()
         queued = None if stream.scheduled_s is None else stream.scheduled_s - stream.arrival_s
         self.observer.request_finished(
             FinishedRequest(
                 outcome=outcome,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_generated_tokens=seq.num_output_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
+                num_prompt_tokens=usage.prompt_tokens,
+                num_generated_tokens=usage.completion_tokens,
+                num_cached_tokens=usage.cached_prompt_tokens,
                 queued_s=queued,
                 duration_s=now - stream.arrival_s,
             )

@@ -18,6 +18,7 @@ from kvpact.worker.request import (
     GenerationOutput,
     GenerationRequest,
     Prompt,
+    ResponseFormat,
     SamplingParams,
 )
 
@@ -37,6 +38,9 @@ def sampling_from_pb(msg: generation_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        top_logprobs=msg.top_logprobs,
     )
 
 
@@ -51,24 +55,22 @@ def prompt_from_pb(msg: generation_pb2.GenerateRequest) -> Prompt:
     raise RequestError("the request has no prompt: set one of text, chat or token_ids")
 
 
-def _refuse_unimplemented(msg: generation_pb2.GenerateRequest) -> None:
-    """Fields of the contract this worker does not honor yet: refused by name, never ignored."""
-    unimplemented = {
-        "sampling.presence_penalty": msg.sampling.presence_penalty != 0,
-        "sampling.frequency_penalty": msg.sampling.frequency_penalty != 0,
-        "sampling.top_logprobs": msg.sampling.top_logprobs != 0,
-        "min_tokens": msg.min_tokens != 0,
-        "n": msg.n > 1,
-        "response_format": msg.HasField("response_format"),
-    }
-    for name, is_set in unimplemented.items():
-        if is_set:
-            raise RequestError(f"{name} is not supported by this worker yet: leave it unset")
+def response_format_from_pb(msg: generation_pb2.GenerateRequest) -> ResponseFormat | None:
+    if not msg.HasField("response_format"):
+        return None
+    kind = msg.response_format.WhichOneof("kind")
+    if kind == "json_schema":
+        return ResponseFormat(json_schema=msg.response_format.json_schema)
+    if kind == "json_object" and msg.response_format.json_object:
+        return ResponseFormat()
+    raise RequestError(
+        "response_format is set but asks for nothing: set json_object to true or json_schema to a JSON "
+        "Schema (or leave response_format unset for free text)"
+    )
 
 
 def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> GenerationRequest:
     """`request_id` is the message's, or one the server assigned when the message had none."""
-    _refuse_unimplemented(msg)
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt_from_pb(msg),
@@ -77,6 +79,9 @@ def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> Gen
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        response_format=response_format_from_pb(msg),
+        n=max(msg.n, 1),  # 0 (unset) = 1
     )
 
 
@@ -87,6 +92,11 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
         token_ids=output.token_ids,
         logprobs=output.logprobs,
         worker_id=worker_id,
+        index=output.index,
+        top_logprobs=[
+            generation_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+            for t in output.top_logprobs
+        ],
     )
     if output.finish_reason is not None:
         chunk.finish_reason = _FINISH_TO_PB[output.finish_reason]

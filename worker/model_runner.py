@@ -20,17 +20,20 @@ from kvpact.worker.device import to_device
 from kvpact.worker.kv import KVCache
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.model import LlamaForCausalLM
+from kvpact.worker.request import TopLogprobs
 from kvpact.worker.sampling import sample
 from kvpact.worker.sequence import ScheduledChunk, Sequence
 
 
 @dataclass(slots=True)
 class StepResult:
-    """The sequences that sampled this step, with their token and logprob (None unless asked for)."""
+    """The sequences that sampled this step, with their token, logprob and alternatives (None unless
+    asked for)."""
 
     seqs: list[Sequence]
     token_ids: list[int]
     logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None]
     logits: torch.Tensor | None = None  # [len(seqs), vocab] fp32, kept only when `keep_logits`
 
 
@@ -52,19 +55,26 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        block_copies: list[tuple[int, int]] = []
         for c in ordered:
+            if c.block_copies:
+                block_copies += c.block_copies
             input_ids += c.seq.token_ids[c.start : c.end]
             positions += range(c.start, c.end)
             if c.samples:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows += [len(input_ids) - 1] * (1 + len(c.forks))  # forks: the same logits
         ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
         pos = to_device(torch.tensor(positions, dtype=torch.long), self.device)
         rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
+        if block_copies:  # copy on write (paged, n > 1): before this step writes into the copies
+            assert isinstance(self.cache, PagedCache), "block copies on a cache without blocks"
+            self.cache.copy_blocks(block_copies)
         attn = self.cache.attention_step(ordered, len(decodes))
         hidden = self.model(ids, pos, attn)
-        seqs = [c.seq for c in ordered if c.samples]
+        seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]
         if not seqs:
-            return StepResult([], [], [])
+            return StepResult([], [], [], [])
         logits = self.model.compute_logits(hidden[rows])
-        token_ids, logprobs = sample(logits, [s.sample_row() for s in seqs])
-        return StepResult(seqs, token_ids, logprobs, logits if self.keep_logits else None)
+        sampled = sample(logits, [s.sample_row() for s in seqs])
+        kept = logits if self.keep_logits else None
+        return StepResult(seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, kept)

@@ -7,20 +7,25 @@ RequestError (INVALID_ARGUMENT) naming the field, the value and the allowed rang
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
 
 from kvpact.shared.errors import KvpactError, RequestError
-from kvpact.shared.limits import excerpt
+from kvpact.shared.limits import MAX_COMPLETIONS, check_completion_budget, excerpt
 
 MAX_SEED = 2**64 - 1
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap)
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """temperature 0 = greedy. top_k 0, top_p 1, min_p 0 and repetition_penalty 1 disable those filters.
-    A seed makes the sampled tokens a function of (seed, prompt) alone, whatever else is in the batch."""
+    """temperature 0 = greedy. top_k 0, top_p 1, min_p 0, repetition_penalty 1 and presence/frequency
+    penalty 0 disable those. A seed makes the sampled tokens a function of (seed, prompt) alone, whatever
+    else is in the batch. `top_logprobs` > 0 (needs `logprobs`) also returns that many most likely
+    alternatives per sampled token."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,6 +34,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: bool = False
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the generated tokens
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +57,16 @@ class SamplingParams:
             )
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise RequestError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise RequestError(f"{name} must be in [-2, 2] (0 = disabled), got {value}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError(
+                f"top_logprobs ({self.top_logprobs}) needs logprobs: set logprobs too, or top_logprobs to 0"
+            )
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -64,9 +82,20 @@ Prompt = str | tuple[ChatMessage, ...] | tuple[int, ...]
 
 
 @dataclass(slots=True)
+class ResponseFormat:
+    """Grammar-constrained output (worker/grammar.py): `json_schema` None = any JSON object, else the
+    output is JSON matching that JSON Schema (given as JSON text)."""
+
+    json_schema: str | None = None
+
+
+@dataclass(slots=True)
 class GenerationRequest:
     """`prompt`: plain text, chat messages (rendered with the model's chat template) or token ids.
-    `max_tokens` None = min(256, what fits in max_model_len after the prompt)."""
+    `max_tokens` None = min(256, what fits in max_model_len after the prompt). `min_tokens`: EOS and
+    the stop token ids cannot be sampled before that many tokens were generated (stop strings still
+    apply). `n` completions of the prompt (1..MAX_COMPLETIONS), each with its own `index`; a seeded
+    request's completion i draws from seed + i."""
 
     request_id: str
     prompt: Prompt
@@ -75,6 +104,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    response_format: ResponseFormat | None = None
+    n: int = 1
 
     def validate(self) -> None:
         """Checks that need no tokenizer (the engine checks lengths and token ids after tokenizing)."""
@@ -93,6 +125,22 @@ class GenerationRequest:
                 )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.n <= MAX_COMPLETIONS:
+            raise RequestError(f"n must be in [1, {MAX_COMPLETIONS}], got {self.n}")
+        if self.max_tokens is not None:
+            check_completion_budget(self.n, self.max_tokens)
+        if self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}); "
+                "lower min_tokens or raise max_tokens"
+            )
+        if self.min_tokens and self.response_format is not None:
+            raise RequestError(
+                "min_tokens cannot be combined with response_format (the grammar decides where the output "
+                "ends); leave min_tokens at 0"
+            )
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")
         self.sampling.validate()
@@ -112,9 +160,19 @@ class Usage:
 
 
 @dataclass(slots=True)
+class TopLogprobs:
+    """The most likely tokens at one position, most likely first, with their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(slots=True)
 class GenerationOutput:
     """One streamed piece: the text delta and the tokens sampled since the last piece (one logprob per
-    token when requested). The last piece of a request has `finish_reason` and `usage` set."""
+    token when requested, one TopLogprobs per token when top_logprobs > 0), of completion `index`
+    (0..n-1). The last piece of a completion has `finish_reason`; the last piece of the request (all n
+    finished) also has `usage`: the prompt counted once, the completion tokens summed."""
 
     request_id: str
     text: str
@@ -122,6 +180,8 @@ class GenerationOutput:
     logprobs: list[float]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    index: int = 0
 
 
 class GenerationError(KvpactError):
@@ -146,6 +206,7 @@ class GenerationResult:
     logprobs: list[float]
     finish_reason: FinishReason
     usage: Usage
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @classmethod
     def join(cls, outputs: list[GenerationOutput]) -> GenerationResult:
@@ -158,4 +219,22 @@ class GenerationResult:
             logprobs=[lp for o in outputs for lp in o.logprobs],
             finish_reason=last.finish_reason,
             usage=last.usage,
+            top_logprobs=[t for o in outputs for t in o.top_logprobs],
         )
+
+    @classmethod
+    def join_choices(cls, outputs: list[GenerationOutput]) -> list[GenerationResult]:
+        """A request's n completions (index order), each joined from its own pieces; each carries the
+        request's usage (the prompt once, the completion tokens of all n)."""
+        last = outputs[-1]
+        assert last.usage is not None, "the stream has not finished"
+        by_index: dict[int, list[GenerationOutput]] = {}
+        for o in outputs:
+            by_index.setdefault(o.index, []).append(o)
+        results = []
+        for index in sorted(by_index):
+            pieces = by_index[index]
+            if pieces[-1].usage is None:
+                pieces = [*pieces[:-1], dataclasses.replace(pieces[-1], usage=last.usage)]
+            results.append(cls.join(pieces))
+        return results

@@ -1,34 +1,67 @@
 """Pick the next token of every sequence in a step from its logits row.
 
-Order, per row (the same as Hugging Face's logits processors): repetition penalty -> greedy argmax
-(temperature 0) or temperature -> top-k -> top-p -> min-p -> one draw. The filters run vectorized over
-the batch; only the draw is per row, because a seeded request draws from its own torch.Generator so
-that its tokens depend on (seed, prompt) alone, never on what else is in the batch. Unseeded rows
-share one batched draw from the global generator.
+Order, per row (the same as Hugging Face's logits processors): repetition penalty -> presence and
+frequency penalties (OpenAI's, over the generated tokens) -> masks (the stop tokens before min_tokens,
+a grammar's allowed tokens) -> greedy argmax (temperature 0) or temperature -> top-k -> top-p -> min-p
+-> one draw. Each stage runs only on the rows that use it, as one batched op: a batch that uses none
+pays one pass over the rows' `processed` flags (what the repetition penalty's own check cost before).
+The filters run vectorized over the batch; only the draw is per row, because a seeded request draws
+from its own torch.Generator so that its tokens depend on (seed, prompt) alone, never on what else is
+in the batch. Unseeded rows share one batched draw from the global generator.
 
-The logprob reported for a sampled token is log_softmax of the model's raw logits (before penalty,
-temperature and filters): the model's own belief in the token.
+The logprob reported for a sampled token, and the top_logprobs alternatives, are log_softmax of the
+model's raw logits (before penalties, masks, temperature and filters): the model's own belief.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvpact.worker.device import to_device
-from kvpact.worker.request import SamplingParams
+from kvpact.worker.request import SamplingParams, TopLogprobs
+
+if TYPE_CHECKING:
+    from kvpact.worker.grammar import GrammarState
 
 
 @dataclass(slots=True)
 class SampleRow:
-    """What the sampler needs of one sequence: its params, its generator (seeded requests only) and
-    the token ids the repetition penalty looks at (prompt + generated)."""
+    """What the sampler needs of one sequence: its params, its generator (seeded requests only), the
+    token ids the repetition penalty looks at (prompt + generated; the presence and frequency penalties
+    look at `token_ids[num_prompt_tokens:]`), the token ids it may not sample now (its stop tokens
+    while min_tokens is not reached) and its grammar (response_format), if any."""
 
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: Seq[int]
+    num_prompt_tokens: int = 0
+    masked_token_ids: Collection[int] = ()
+    grammar: GrammarState | None = None
+    processed: bool = field(init=False)  # a penalty, a mask or a grammar applies: the processors look
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.processed = bool(
+            p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or self.masked_token_ids
+            or self.grammar is not None
+        )
+
+
+class Sampled(NamedTuple):
+    """Per row: the sampled token, its logprob (None unless asked) and its alternatives (None unless
+    top_logprobs > 0)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None]
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -39,15 +72,19 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return gen
 
 
-def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> tuple[list[int], list[float | None]]:
+def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> Sampled:
     """logits: [num_rows, vocab] fp32, one row per entry of `rows`. Returns the sampled token ids and,
-    per row, the sampled token's logprob (None where the row did not ask for logprobs)."""
+    per row, the sampled token's logprob and alternatives (None where the row did not ask)."""
     num_rows = logits.shape[0]
     assert num_rows == len(rows), f"{num_rows} logits rows for {len(rows)} sequences"
     want_logprobs = [r.params.logprobs for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-    logits = _apply_repetition_penalty(logits, rows)
+    processed = [i for i, r in enumerate(rows) if r.processed]  # the one pass a plain batch pays
+    if processed:
+        logits = _apply_repetition_penalty(logits, rows, processed)
+        logits = _apply_output_penalties(logits, rows, processed)
+        logits = _apply_masks(logits, rows, processed)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     token_ids = logits.argmax(dim=-1)  # every row greedy is the common case; sampled rows are overwritten
     if sampled:
@@ -56,16 +93,80 @@ def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> tuple[list[int], list[
 
     ids = token_ids.tolist()  # the step's one device sync
     logprobs: list[float | None] = [None] * num_rows
+    top: list[TopLogprobs | None] = [None] * num_rows
     if raw_logprobs is not None:
         picked = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
         logprobs = [lp if want else None for lp, want in zip(picked, want_logprobs, strict=True)]
-    return ids, logprobs
+        top = _top_logprobs(raw_logprobs, rows)
+    return Sampled(ids, logprobs, top)
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+def _apply_output_penalties(logits: torch.Tensor, rows: Seq[SampleRow], among: list[int]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: logit -= frequency * count + presence * (count > 0),
+    where count is how often the token occurs in the generated tokens (not the prompt)."""
+    penalized = [i for i in among if rows[i].params.presence_penalty or rows[i].params.frequency_penalty]
+    if not penalized:
+        return logits
+    device = logits.device
+    outputs = [rows[i].token_ids[rows[i].num_prompt_tokens :] for i in penalized]
+    counts = torch.zeros(len(penalized), logits.shape[1], dtype=logits.dtype, device=device)
+    out_rows = torch.cat([torch.full((len(o),), j, dtype=torch.long) for j, o in enumerate(outputs)])
+    out_ids = torch.cat([torch.as_tensor(list(o), dtype=torch.long) for o in outputs])
+    if len(out_ids):
+        ones = torch.ones(len(out_ids), dtype=logits.dtype, device=device)
+        counts.index_put_((to_device(out_rows, device), to_device(out_ids, device)), ones, accumulate=True)
+    frequency = _values([rows[i].params.frequency_penalty for i in penalized], device)[:, None]
+    presence = _values([rows[i].params.presence_penalty for i in penalized], device)[:, None]
+    idx = _indices(penalized, device)
+    logits = logits.clone()
+    logits[idx] = logits[idx] - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _apply_masks(logits: torch.Tensor, rows: Seq[SampleRow], among: list[int]) -> torch.Tensor:
+    """-inf for the tokens a row may not sample: its stop tokens before min_tokens, and whatever its
+    grammar does not allow next (one bitmask for the batch's grammar rows)."""
+    masked = [i for i in among if rows[i].masked_token_ids]
+    constrained = [i for i in among if rows[i].grammar is not None]
+    if not masked and not constrained:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if masked:
+        ids = [list(rows[i].masked_token_ids) for i in masked]
+        row_ids = torch.cat(
+            [torch.full((len(t),), i, dtype=torch.long) for i, t in zip(masked, ids, strict=True)]
+        )
+        token_ids = torch.tensor([t for row in ids for t in row], dtype=torch.long)
+        logits[to_device(row_ids, device), to_device(token_ids, device)] = float("-inf")
+    if constrained:
+        from kvpact.worker.grammar import apply_grammars  # xgrammar loads only once a grammar is used
+
+        idx = _indices(constrained, device)
+        sub = logits[idx]
+        apply_grammars(sub, [g for i in constrained if (g := rows[i].grammar) is not None])
+        logits[idx] = sub
+    return logits
+
+
+def _top_logprobs(raw_logprobs: torch.Tensor, rows: Seq[SampleRow]) -> list[TopLogprobs | None]:
+    """The rows' top_logprobs most likely tokens (one batched topk at the largest k asked)."""
+    top: list[TopLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.params.top_logprobs]
+    if not wanted:
+        return top
+    k = min(max(rows[i].params.top_logprobs for i in wanted), raw_logprobs.shape[1])
+    values, ids = raw_logprobs[_indices(wanted, raw_logprobs.device)].topk(k, dim=-1)
+    for i, row_values, row_ids in zip(wanted, values.tolist(), ids.tolist(), strict=True):
+        n = rows[i].params.top_logprobs
+        top[i] = TopLogprobs(token_ids=row_ids[:n], logprobs=row_values[:n])
+    return top
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: Seq[SampleRow], among: list[int]) -> torch.Tensor:
     """Every token already in the sequence: a positive logit is divided by the penalty, a negative one
     multiplied (so penalty > 1 always makes it less likely)."""
-    penalized = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    penalized = [i for i in among if rows[i].params.repetition_penalty != 1.0]
     if not penalized:
         return logits
     logits = logits.clone()

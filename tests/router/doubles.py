@@ -84,6 +84,9 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 chunk = generation_pb2.GenerateChunk(request_id=rid, text=f"t{token} ", token_ids=[token])
+                if request.sampling.top_logprobs:  # the token, then its successors, at -0.5, -1.5, ...
+                    ids = [token + k for k in range(request.sampling.top_logprobs)]
+                    chunk.top_logprobs.add(token_ids=ids, logprobs=[-0.5 - k for k in range(len(ids))])
                 if i == len(tokens) - 1:
                     chunk.finish_reason = generation_pb2.FINISH_REASON_LENGTH
                     chunk.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=3, completion_tokens=len(tokens)))

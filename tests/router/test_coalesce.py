@@ -180,6 +180,22 @@ def test_merge_keeps_one_chunk_as_it_is_and_joins_several():
     assert merged.finish_reason == LENGTH and merged.usage.completion_tokens == 3
 
 
+def test_merge_carries_top_logprobs_in_order_and_never_joins_two_completions():
+    def with_top(i: int, index: int = 0) -> generation_pb2.GenerateChunk:
+        c = chunk(i)
+        c.index = index
+        c.top_logprobs.add(token_ids=[i, i + 100], logprobs=[-0.1, -2.0])
+        return c
+
+    merged = merge_chunks([with_top(0), with_top(1), with_top(2)])
+    assert [list(t.token_ids) for t in merged.top_logprobs] == [[0, 100], [1, 101], [2, 102]]
+    assert list(merged.logprobs) == pytest.approx([0, -0.1, -0.2])
+    ready = [with_top(0), with_top(1), with_top(2, index=1), with_top(3, index=1), with_top(4)]
+    batches = [coalesce.take_batch(ready) for _ in range(3)]
+    assert [[c.token_ids[0] for c in b] for b in batches] == [[0, 1], [2, 3], [4]]
+    assert [merge_chunks(b).index for b in batches] == [0, 1, 0] and not ready
+
+
 def test_the_message_caps_leave_room_under_the_grpc_limit():
     from kvpact.shared.limits import MAX_MESSAGE_BYTES
 

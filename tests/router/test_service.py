@@ -16,7 +16,7 @@ from kvpact.shared.handshake import LoadingPlan
 from kvpact.shared.intent import Fallback
 from kvpact.shared.rpc_errors import ErrorInterceptor
 from kvpact.shared.scheduler_choice import CacheKind
-from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, worker_pb2
+from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from tests.factories.eventually import eventually_async
 from tests.router.doubles import (
     EAGER_CPU_REASON,
@@ -546,3 +546,22 @@ def _mode(value):
 async def _status(router):
     async with AsyncClient(target(router)) as client:
         return await client.cluster_status()
+
+
+@run_async
+async def test_complete_refuses_n_above_one_naming_generate_and_carries_top_logprobs():
+    double = WorkerDouble("a")
+    async with one_worker_router(double) as (router, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+            stub = router_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Complete(generation_pb2.GenerateRequest(text="hi", max_tokens=4, n=2), timeout=10)
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "call Generate for n > 1" in (info.value.details() or "")
+            sampling = generation_pb2.SamplingParams(logprobs=True, top_logprobs=2)
+            one = await stub.Complete(
+                generation_pb2.GenerateRequest(text="hi", max_tokens=4, n=1, sampling=sampling), timeout=10
+            )
+            assert len(one.token_ids) == 4
+            # top_logprobs come along, one per token, in order
+            assert [list(t.token_ids) for t in one.top_logprobs] == [[t, t + 1] for t in one.token_ids]

@@ -288,14 +288,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         if self.computed[i] == len(self.tokens[i]):
             self.tokens[i].append(sampled)  # decode: the sampled token's KV comes next step
-        end = min(len(self.tokens[i]), self.computed[i] + chunk)
+        start = self.computed[i]
+        end = min(len(self.tokens[i]), start + chunk)
         table = self.tables[i]
-        if not self.bm.can_grow(table, end):
+        if not self.bm.can_grow(table, end, write_from=start):
             with pytest.raises(OutOfBlocksError):
-                self.bm.grow(table, end)
+                self.bm.grow(table, end, write_from=start)
             return
-        self.bm.grow(table, end)
+        for src, dst in self.bm.grow(table, end, write_from=start):  # copy on write, as the cache does
+            for k in range(BS):
+                if src * BS + k in self.kv:
+                    self.kv[dst * BS + k] = self.kv[src * BS + k]
         self._compute(i, end)
+
+    @rule(i=st.integers(0, NUM_TABLES - 1), j=st.integers(0, NUM_TABLES - 1))
+    def fork(self, i, j):
+        """j (not live) shares i's blocks (n > 1): then both write on, each copying a shared block first."""
+        if self.tokens[i] is None or self.tokens[j] is not None:
+            return
+        self.bm.fork(self.tables[i], self.tables[j])
+        self.tokens[j], self.computed[j] = list(self.tokens[i]), self.computed[i]
 
     @rule(i=st.integers(0, NUM_TABLES - 1))
     def free(self, i):
@@ -333,3 +345,42 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBlockManagerNoCacheMachine = BlockManagerNoCacheMachine.TestCase
 TestBlockManagerNoCacheMachine.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
+
+
+def test_fork_shares_every_block_and_the_first_write_into_the_shared_partial_one_copies_it():
+    bm = BlockManager(num_blocks=8, block_size=4, debug=True)
+    parent, child, other = BlockTable([]), BlockTable([]), BlockTable([])
+    tokens = list(range(100, 106))  # 6 tokens: one full block and a partial one
+    bm.allocate(parent, tokens, 6)
+    bm.commit(parent, tokens, 6)
+    bm.fork(parent, child)
+    bm.fork(parent, other)
+    assert child.block_ids == other.block_ids == parent.block_ids == [0, 1]
+    assert (bm.ref_count(0), bm.ref_count(1), bm.num_free_blocks) == (3, 3, 6)
+    assert child.num_committed_blocks == 1  # the full block keeps its hash
+    # position 6 lies in shared block 1: the child copies it first (src 1 -> fresh dst 2)
+    assert bm.can_grow(child, 7, write_from=6)
+    assert bm.grow(child, 7, write_from=6) == [(1, 2)]
+    assert child.block_ids == [0, 2] and bm.ref_count(1) == 2
+    assert bm.grow(other, 7, write_from=6) == [(1, 3)]
+    # the last holder writes in place; a write into a fresh block copies nothing
+    assert bm.grow(parent, 7, write_from=6) == [] and parent.block_ids == [0, 1]
+    assert bm.grow(parent, 9, write_from=8) == [] and parent.block_ids == [0, 1, 4]
+    assert bm.num_free_blocks == 3
+    for table in (child, other, parent):
+        bm.free(table)
+    assert bm.num_free_blocks == 8 and bm.ref_count(0) == 0
+
+
+def test_copy_on_write_needs_a_free_block_and_says_so():
+    bm = BlockManager(num_blocks=2, block_size=4, debug=True)
+    parent, child = BlockTable([]), BlockTable([])
+    bm.allocate(parent, [1, 2, 3, 4, 5], 5)
+    bm.fork(parent, child)
+    assert bm.num_free_blocks == 0
+    assert not bm.can_grow(child, 6, write_from=5)
+    assert bm.can_grow(child, 6)  # without a write position: no copy counted
+    with pytest.raises(OutOfBlocksError):
+        bm.grow(child, 6, write_from=5)
+    with pytest.raises(ValueError, match="fresh, empty BlockTable"):
+        bm.fork(parent, parent)

@@ -164,3 +164,73 @@ def test_paged_prefix_cache_hit_skips_the_cached_blocks():
     s.add(second)
     assert step(s) == [("second", 12, 2)]
     assert second.num_cached_tokens == 12
+
+
+# ---- n > 1: forks ----
+
+
+def group(name: str, num_prompt: int, n: int, max_tokens: int = 100) -> list[Sequence]:
+    prompt = list(range(10, 10 + num_prompt))
+    return [
+        Sequence.create(
+            i,
+            name,
+            prompt,
+            SamplingParams(temperature=0),
+            max_tokens,
+            frozenset(),
+            torch.device("cpu"),
+            index=i,
+        )
+        for i in range(n)
+    ]
+
+
+def test_paged_n_prefills_once_forks_at_the_prompt_end_and_copies_the_partial_block_on_write():
+    bm = BlockManager(num_blocks=16, block_size=4, debug=True)
+    s = PagedScheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    seqs = group("r", 6, n=4)
+    s.add_group(seqs)
+    assert list(s.waiting) == [seqs[0]] and seqs[0].pending_forks == seqs[1:]
+    out = s.schedule()
+    (chunk,) = out.chunks
+    assert (chunk.start, chunk.num_tokens, chunk.forks) == (0, 6, tuple(seqs[1:]))  # one prefill, 4 samplers
+    assert [x.block_table.block_ids for x in seqs] == [[0, 1]] * 4 and bm.num_free_blocks == 14
+    s.on_step_done(out)
+    for x in seqs:
+        x.append_token(20 + x.index, None)
+    out = s.schedule()
+    # every one decodes position 6, in shared block 1: the first three copy it, the last writes in place
+    assert [(c.seq.index, c.start, c.num_tokens) for c in out.chunks] == [
+        (0, 6, 1),
+        (1, 6, 1),
+        (2, 6, 1),
+        (3, 6, 1),
+    ]
+    assert [c.block_copies for c in out.chunks] == [((1, 2),), ((1, 3),), ((1, 4),), ()]
+    assert [x.block_table.block_ids for x in seqs] == [[0, 2], [0, 3], [0, 4], [0, 1]]
+    assert bm.num_free_blocks == 11  # 4 sequences of 7 tokens: 5 blocks, not 8
+    for x in seqs:
+        s.finish(x)
+    assert bm.num_free_blocks == 16
+
+
+def test_paged_n_waits_for_seats_for_all_its_completions_and_an_abort_before_the_fork_frees_all():
+    bm = BlockManager(num_blocks=16, block_size=4, debug=True)
+    s = PagedScheduler(bm, max_num_seqs=4, max_num_batched_tokens=4)
+    other = seq("other", 3)
+    s.add(other)
+    seqs = group("r", 10, n=4)
+    s.add_group(seqs)
+    out = s.schedule()
+    assert [c.seq.request_id for c in out.chunks] == ["other"]  # 1 + 4 seats > 4: r waits
+    s.finish(other)
+    out = s.schedule()
+    assert [(c.seq.index, c.start, c.num_tokens, c.forks) for c in out.chunks] == [(0, 0, 4, ())]  # a chunk
+    for x in seqs:  # aborted mid-prefill, index order
+        s.finish(x)
+    assert bm.num_free_blocks == 16 and not s.running and not s.waiting
+    assert all(x.is_finished for x in seqs)
+    again = group("again", 3, n=4)  # its seats were given back: a new n=4 fits at once
+    s.add_group(again)
+    assert [len(c.forks) for c in s.schedule().chunks] == [3]

@@ -45,9 +45,8 @@ def stub(worker):
 
 
 def greedy(text: str, max_tokens: int, **fields) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
-        text=text, max_tokens=max_tokens, sampling=generation_pb2.SamplingParams(temperature=0.0), **fields
-    )
+    fields.setdefault("sampling", generation_pb2.SamplingParams(temperature=0.0))
+    return generation_pb2.GenerateRequest(text=text, max_tokens=max_tokens, **fields)
 
 
 def all_blocks_free(stub) -> worker_pb2.WorkerLoad | None:
@@ -115,6 +114,22 @@ def test_stream_matches_the_engine_run_in_process(stub, model_dir):
             f"more than max_model_len {MAX_MODEL_LEN}",
         ),
         (greedy("hi", 4, model="other"), grpc.StatusCode.NOT_FOUND, "model 'other' is not served here"),
+        (
+            greedy("hi", 4, response_format=generation_pb2.ResponseFormat(json_schema='{"type": 5}')),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "response_format.json_schema is not a JSON Schema this worker can enforce",
+        ),
+        (
+            greedy("hi", 4, sampling=generation_pb2.SamplingParams(top_logprobs=3)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_logprobs (3) needs logprobs",
+        ),
+        (greedy("hi", 4, n=17), grpc.StatusCode.INVALID_ARGUMENT, "n is 17, more than the cap of 16"),
+        (
+            greedy("hi", 4, min_tokens=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "min_tokens (5) must be <= max_tokens (4)",
+        ),
     ],
 )
 def test_bad_requests_get_a_specific_status_and_message(stub, request_, code, message):
@@ -135,6 +150,25 @@ def test_cancel_mid_stream_frees_the_blocks(stub):
     assert busy.num_running == 1 and busy.num_free_blocks < total
     call.cancel()
     load = eventually(lambda: all_blocks_free(stub), 10, "the cancelled sequence's blocks to be freed")
+    assert load.num_free_blocks == total
+
+
+def test_n_completions_stream_with_their_index_and_a_cancel_frees_all_their_blocks(stub):
+    sampling = generation_pb2.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)
+    chunks = list(stub.Generate(greedy("Hello", 5, ignore_eos=True, n=3, sampling=sampling), timeout=60))
+    assert sorted({c.index for c in chunks}) == [0, 1, 2]
+    per_index = [[t for c in chunks if c.index == i for t in c.token_ids] for i in range(3)]
+    assert per_index[0] == per_index[1] == per_index[2] and len(per_index[0]) == 5  # greedy: alike
+    assert all(len(c.top_logprobs) == len(c.token_ids) for c in chunks)
+    assert [c.HasField("usage") for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].usage.completion_tokens == 15
+    total = stub.Stats(worker_pb2.StatsRequest(), timeout=5).num_total_blocks
+    call = stub.Generate(greedy("Once upon a time", LONG, ignore_eos=True, n=4), timeout=60)
+    seen = {next(call).index for _ in range(8)}
+    assert seen == {0, 1, 2, 3}
+    assert stub.Stats(worker_pb2.StatsRequest(), timeout=5).num_running == 4
+    call.cancel()
+    load = eventually(lambda: all_blocks_free(stub), 10, "the blocks of all 4 sequences to be freed")
     assert load.num_free_blocks == total
 
 

@@ -160,6 +160,13 @@ class PagedCache:
             num_decodes,
         )
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy on write (n > 1 forks): block dst of every layer's pools becomes a copy of block src."""
+        src = to_device(torch.tensor([s for s, _ in copies], dtype=torch.long), self.device)
+        dst = to_device(torch.tensor([d for _, d in copies], dtype=torch.long), self.device)
+        for pool in (*self.key, *self.value):
+            pool[dst] = pool[src]
+
     def decode_splits(self, num_decodes: int, table_width: int) -> int:
         """The split count for a step's decodes (the heuristic on the block table's width, no sync)."""
         if num_decodes == 0:

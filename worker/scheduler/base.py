@@ -2,8 +2,9 @@
 
 The engine drives a scheduler like this, one step at a time, from its single thread:
 
+    scheduler.add_group(seqs)           # a request's n sequences (n = 1 mostly)
     out = scheduler.schedule()          # reserves cache for every chunk in `out`
-    ... run the model on out.chunks, sample ...
+    ... run the model on out.chunks (first copying their block_copies), sample ...
     scheduler.on_step_done(out)         # the chunks' K/V are now computed
     scheduler.finish(seq)               # for each finished or aborted sequence: frees its cache
 
@@ -51,6 +52,12 @@ class Scheduler(ABC):
         assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
         self.waiting.append(seq)
 
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """The n sequences of one request (index order). Here: n independent sequences, each prefilling
+        its own copy of the prompt (the eager cache cannot share); the paged scheduler forks instead."""
+        for seq in seqs:
+            self.add(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -65,8 +72,9 @@ class Scheduler(ABC):
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         for chunk in out.chunks:
-            chunk.seq.num_computed_tokens = chunk.end
-            self._computed(chunk.seq)
+            for seq in (chunk.seq, *chunk.forks):
+                seq.num_computed_tokens = chunk.end
+                self._computed(seq)
 
     # ---- what a cache kind adds ----
 

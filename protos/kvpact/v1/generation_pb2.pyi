@@ -260,7 +260,7 @@ class GenerateRequest(_message.Message):
     min_tokens: _builtins.int
     """EOS and stop tokens cannot end the output before this many tokens"""
     n: _builtins.int
-    """0 or 1 = one completion; n > 1: n completions of one prompt"""
+    """0 or 1 = one completion; n > 1 (at most 16): n completions of one prompt (Generate only)"""
     @_builtins.property
     def chat(self) -> Global___ChatPrompt:
         """rendered with the model's chat template"""
@@ -336,7 +336,9 @@ Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
 class GenerateChunk(_message.Message):
-    """One streamed piece of a generation. The last chunk has finish_reason and usage set."""
+    """One streamed piece of a generation. A completion's last chunk has finish_reason set; the request's
+    last chunk (all n completions finished) also has usage: the prompt once, the completion tokens summed.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
