@@ -32,8 +32,8 @@ from benchmarks.kvpact_systems import greedy_request
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine import Engine
+from kvpact.worker.engine_setup import build_engine
 from kvpact.worker.loader import default_model_path
-from kvpact.worker.startup import build_engine
 
 N = 4
 

@@ -8,8 +8,8 @@ import pytest
 from kvpact.shared.errors import RequestError
 from kvpact.v1 import generation_pb2
 from kvpact.worker.engine import Engine
+from kvpact.worker.generate_pb import chunk_to_pb, request_from_pb
 from kvpact.worker.request import FinishReason, GenerationOutput, SamplingParams, TopLogprobs
-from kvpact.worker.wire import chunk_to_pb, request_from_pb
 from tests.worker.conftest import greedy
 
 MODES = {"eager": dict(mode="off"), "paged": dict(mode="on", context_tokens=2048)}

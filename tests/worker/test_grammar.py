@@ -10,8 +10,8 @@ import pytest
 from kvpact.shared.errors import RequestError
 from kvpact.v1 import generation_pb2
 from kvpact.worker.engine import Engine
+from kvpact.worker.generate_pb import request_from_pb
 from kvpact.worker.request import FinishReason, GenerationRequest, ResponseFormat, SamplingParams
-from kvpact.worker.wire import request_from_pb
 
 MODES = {"eager": dict(mode="off"), "paged": dict(mode="on", context_tokens=2048)}
 SCHEMA = {
