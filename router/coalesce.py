@@ -12,6 +12,8 @@ worker's chunks in a task of their own, and the writer takes whatever has arrive
 - a writer that was busy finds several chunks ready and sends them as one message: token ids and
   logprobs concatenated, the text deltas joined, finish_reason and usage from the last one (only the
   last chunk of a stream has them);
+- chunks of different completions (GenerateChunk.index, a request with n > 1) are never merged: a
+  merged message carries consecutive chunks of one index only;
 - nothing is reordered, dropped or sent twice; a merged message never spans more than
   MAX_TOKENS_PER_MESSAGE tokens or MAX_TEXT_PER_MESSAGE characters of text (a long backlog goes out
   as several messages, still in order);
@@ -43,7 +45,7 @@ BEHIND_AFTER_S = 0.05  # a write that took longer: the client's side is behind; 
 
 
 def merge_chunks(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.GenerateChunk:
-    """One chunk carrying `chunks` (consecutive, of one stream) in order."""
+    """One chunk carrying `chunks` (consecutive, of one stream and one index) in order."""
     if len(chunks) == 1:
         return chunks[0]
     merged = generation_pb2.GenerateChunk()
@@ -54,13 +56,18 @@ def merge_chunks(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.G
 
 
 def take_batch(ready: list[generation_pb2.GenerateChunk]) -> list[generation_pb2.GenerateChunk]:
-    """Remove and return the longest prefix of `ready` that fits one message (at least one chunk)."""
+    """Remove and return the longest prefix of `ready` that fits one message and continues one completion
+    (one GenerateChunk.index); at least one chunk."""
     num_tokens = num_chars = 0
     end = 0
     for chunk in ready:
         num_tokens += len(chunk.token_ids)
         num_chars += len(chunk.text)
-        if end and (num_tokens > MAX_TOKENS_PER_MESSAGE or num_chars > MAX_TEXT_PER_MESSAGE):
+        if end and (
+            num_tokens > MAX_TOKENS_PER_MESSAGE
+            or num_chars > MAX_TEXT_PER_MESSAGE
+            or chunk.index != ready[0].index
+        ):
             break
         end += 1
     batch = ready[:end]
