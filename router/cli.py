@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="where clients and workers reach the router (default 127.0.0.1:50051; port 0 = free)",
     )
+    parser.add_argument(
+        "--http-listen",
+        type=host_port,
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API here (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health; docs/openai.md), with the same keys, TLS and limits (default: off; port 0 = "
+        "free)",
+    )
     add_paged_attn_arg(parser, POLICY_HELP)
     parser.add_argument(
         "--expect-workers",
@@ -171,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_in_flight_per_worker=args.max_in_flight_per_worker,
         drain_timeout_s=args.drain_timeout,
         failed_linger_s=args.failed_linger,
+        http_listen=args.http_listen,
     )
 
 

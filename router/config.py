@@ -31,3 +31,4 @@ class RouterConfig:
     failed_linger_s: float = 15.0
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight calls get this long to finish
     max_in_flight_per_worker: int = 512  # requests forwarded to one worker at once, then RESOURCE_EXHAUSTED
+    http_listen: tuple[str, int] | None = None  # the OpenAI-compatible HTTP front (router/http/); None = off

@@ -48,7 +48,10 @@ class RouterMetrics:
             registry=self.prometheus,
         )
         self.tokens = Counter(
-            "kvpact_router_tokens", "Generated tokens relayed to clients", ["model", "api"], registry=self.prometheus
+            "kvpact_router_tokens",
+            "Generated tokens relayed to clients",
+            ["model", "api"],
+            registry=self.prometheus,
         )
 
         self.ttft = Histogram(

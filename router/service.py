@@ -140,7 +140,9 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     ) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
         """The request's chunks, from the worker that serves it; `timeout`: what is left of the client's
         deadline (None: none); `api`: the front it came in on ("grpc", "http"), a metrics label and a log
-        field. Both fronts call this (the HTTP front in router/http/). Forward to a worker with room and relay its chunks. A worker that fails the call before it
+        field. Both fronts call this (the HTTP front in router/http/).
+
+        Forward to a worker with room and relay its chunks. A worker that fails the call before it
         produced anything is not the client's problem: when it is gone (UNAVAILABLE: killed, unreachable,
         stopping) the request is retried once on another worker (and the gone one marked DEAD); when it
         is full (RESOURCE_EXHAUSTED) the next worker with room is tried. Once a chunk went out, a failure
