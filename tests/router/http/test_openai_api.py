@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import openai
 import pytest
 
 from kvpact.client import Client
+from tests.factories.certs import CertificateAuthority
 from tests.factories.eventually import eventually
 from tests.factories.processes import (
     ProcessHandle,
@@ -391,6 +393,26 @@ def test_a_json_schema_response_parses(cluster: Cluster):
         response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
     )
     assert isinstance(json.loads(reply.choices[0].message.content)["a"], int)
+
+
+def test_with_tls_the_http_api_is_https_and_health_says_why_it_is_not_serving(tmp_path: Path):
+    tls = CertificateAuthority.create("test CA").issue("router", tmp_path / "pki")
+    argv = module_argv(
+        "kvpact.router", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", *tls.flags(),
+        "--startup-timeout", "60",
+    )  # fmt: skip
+    with running(argv, name="router", log_dir=tmp_path) as router:
+        address = wait_for_line(router, r"^router http listening on (\S+)$", 15).group(1)
+        trust = ssl.create_default_context(cafile=str(tls.ca))
+        health = httpx.get(f"https://{address}/health", verify=trust, timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "NOT_SERVING", "state": "starting"}
+        with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError)):  # no plaintext beside TLS
+            httpx.get(f"http://{address}/health", timeout=5)
+        sdk = openai.OpenAI(base_url=f"https://{address}/v1", api_key="x", max_retries=0,
+                            http_client=httpx.Client(verify=trust))  # fmt: skip
+        with pytest.raises(openai.InternalServerError) as err:  # 503: not serving yet
+            sdk.models.list()
+        assert err.value.status_code == 503 and "0 of 1 workers admitted" in err.value.message
 
 
 def test_the_http_flag_is_off_by_default_and_a_bad_port_is_named(tmp_path: Path):
