@@ -300,6 +300,9 @@ def test_bad_json_and_bad_values_are_400_never_500(cluster: Cluster):
         r = httpx.post(url, json=body, headers=headers)
         assert r.status_code == 400, (body, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    huge = {"messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    r = httpx.post(url, json=huge, headers=headers, timeout=30)
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
 
 
 # -- a client that goes away ---------------------------------------------------------------------------
