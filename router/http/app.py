@@ -132,6 +132,11 @@ def build_app(service: GenerationService, api_keys: SecretFile) -> FastAPI:
             chunks = choice_chunks(service, requests, n)
             try:
                 first = await anext(chunks)
+            except StopAsyncIteration:  # a worker's stream always ends with a chunk: never expected
+                await chunks.aclose()
+                error = HttpError(502, f"request {request_id}: the worker's stream ended without a chunk")
+                _log_done(None, error)
+                raise error from None
             except BaseException as exc:
                 await chunks.aclose()
                 _log_done(None, exc)
