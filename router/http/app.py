@@ -153,15 +153,29 @@ def build_app(service: GenerationService, api_keys: SecretFile) -> FastAPI:
                         raise
                 _log_done(first[1].worker_id, None)
                 return JSONResponse(rendering.whole())
-        return StreamingResponse(
-            _events(chunks, first, rendering, fields), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        return _Stream(_events(chunks, first, rendering, fields), chunks)
 
     app.add_middleware(BodyLimit)
     return app
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _Stream(StreamingResponse):
+    """The SSE response; however it ends (done, the client gone before the first event was written),
+    the relay is closed when it does, so no worker call outlives its client."""
+
+    def __init__(self, events: AsyncGenerator[str, None], chunks: AsyncGenerator[Item, None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._events, self._chunks = events, chunks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            await self._chunks.aclose()
 
 
 async def _events(
