@@ -109,8 +109,9 @@ def from_exception(exc: BaseException) -> HttpError:
     if isinstance(exc, StatusError):
         status = HTTP_STATUS.get(exc.code, UPSTREAM)
         param = None
-        if status == 400:
-            found = _FIELD.search(exc.details)
+        if status == 400:  # the field a worker named, after its `worker "<id>": ` prefix
+            reason = exc.details.partition('": ')[2] if exc.details.startswith('worker "') else exc.details
+            found = _FIELD.search(reason.split(" (request id ")[0])
             param = PARAM_OF_FIELD[found.group(1)] if found else None
         code = "model_not_found" if exc.code is grpc.StatusCode.NOT_FOUND else exc.code.name.lower()
         return HttpError(status, exc.details, param, code)
