@@ -70,6 +70,10 @@ class Rendering:
         self.include_usage = include_usage
         self.choices: dict[int, _Choice] = {}
         self.usage: dict[str, _Usage] = {}
+        fixed = {"id": self.id, "object": self.object, "created": self.created, "model": model}
+        self._prefix = "data: " + json.dumps(fixed, separators=(",", ":"), ensure_ascii=False)[:-1]
+        self._prefix += ',"choices":['
+        self._suffix = '],"usage":null}\n\n' if include_usage else "]}\n\n"
 
     # -- both forms
 
@@ -112,16 +116,8 @@ class Rendering:
     # -- streamed
 
     def event(self, choice: dict[str, Any]) -> str:
-        obj: dict[str, Any] = {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-        if self.include_usage:
-            obj["usage"] = None
-        return sse(obj)
+        """One SSE event: the stream's fixed fields, rendered once (`_prefix`), then this choice."""
+        return f"{self._prefix}{json.dumps(choice, separators=(',', ':'), ensure_ascii=False)}{self._suffix}"
 
     def closing_events(self) -> str:
         """The usage chunk (when asked for) and [DONE]."""
