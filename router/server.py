@@ -94,6 +94,8 @@ class RouterServer:
                 self.metrics.serve(self.config.metrics_port, self.config.host)
             except OSError as exc:
                 raise BindError("--metrics-port", f"{host}:{self.config.metrics_port}") from exc
+        if self.http is not None:
+            self.http.bind()  # BindError naming --http-listen, before anything starts
         await self.cluster.start()
         await self._server.start()
         print(f"router listening on {host}:{self.port}", flush=True)  # tests and deploy read it

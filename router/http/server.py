@@ -54,14 +54,15 @@ class HttpFront:
         )
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
 
     @property
     def address(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
-    async def start(self) -> int:
-        """Bind and start serving; returns the bound port."""
+    def bind(self) -> int:
+        """Bind the port (BindError naming --http-listen); returns the bound port. Before anything starts."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -73,7 +74,15 @@ class HttpFront:
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        self._socket = sock
+        return self.port
+
+    async def start(self) -> int:
+        """Serve on the bound port (bind() first); returns it once uvicorn has started."""
+        if self._socket is None:
+            self.bind()
+        assert self._socket is not None
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + START_TIMEOUT_S
         while not self._server.started:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import ssl
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -416,6 +418,17 @@ def test_with_tls_the_http_api_is_https_and_health_says_why_it_is_not_serving(tm
         with pytest.raises(openai.InternalServerError) as err:  # 503: not serving yet
             sdk.models.list()
         assert err.value.status_code == 503 and "0 of 1 workers admitted" in err.value.message
+
+
+def test_an_http_port_in_use_is_exit_1_naming_the_flag(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = module_argv("kvpact.router", "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{port}")
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"--http-listen 127.0.0.1:{port}: cannot bind" in done.stderr
+    assert "router listening" not in done.stdout  # nothing started
 
 
 def test_the_http_flag_is_off_by_default_and_a_bad_port_is_named(tmp_path: Path):
