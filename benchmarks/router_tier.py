@@ -41,14 +41,16 @@ class Tier:
     router_addresses: list[str]
     worker_addresses: list[str]
     pids: dict[str, int] = field(default_factory=dict)  # process name -> pid
+    http_addresses: list[str] = field(default_factory=list)  # their OpenAI fronts (http=True)
 
     @property
     def router_target(self) -> str:
         return ",".join(self.router_addresses)
 
 
-def router_argv(*, num_workers: int, event_loop: str = "") -> list[str]:
+def router_argv(*, num_workers: int, event_loop: str = "", http: bool = False) -> list[str]:
     argv = [sys.executable, "-m", "kvpact.router", "--listen", "127.0.0.1:0"]
+    argv += ["--http-listen", "127.0.0.1:0"] if http else []
     argv += ["--expect-workers", str(num_workers), "--log-format", "json", "--log-level", "WARNING"]
     if event_loop:
         argv += ["--event-loop", event_loop]
@@ -56,12 +58,22 @@ def router_argv(*, num_workers: int, event_loop: str = "") -> list[str]:
 
 
 def _start_router(
-    stack: ExitStack, tier: Tier, name: str, log_dir: Path, *, num_workers: int, event_loop: str
+    stack: ExitStack,
+    tier: Tier,
+    name: str,
+    log_dir: Path,
+    *,
+    num_workers: int,
+    event_loop: str,
+    http: bool = False,
 ) -> str:
-    handle = stack.enter_context(
-        running(router_argv(num_workers=num_workers, event_loop=event_loop), name=name, log_dir=log_dir)
-    )
+    argv = router_argv(num_workers=num_workers, event_loop=event_loop, http=http)
+    handle = stack.enter_context(running(argv, name=name, log_dir=log_dir))
     address = wait_for_line(handle, r"^router " + _ADDRESS, START_TIMEOUT_S).group(1)
+    if http:
+        tier.http_addresses.append(
+            wait_for_line(handle, r"^router http " + _ADDRESS, START_TIMEOUT_S).group(1)
+        )
     tier.pids[name] = handle.pid
     tier.router_addresses.append(address)
     return address
@@ -69,14 +81,22 @@ def _start_router(
 
 @contextmanager
 def synthetic_tier(
-    log_dir: Path, *, num_routers: int = 1, tokens_per_s: float = 0.0, event_loop: str = ""
+    log_dir: Path,
+    *,
+    num_routers: int = 1,
+    tokens_per_s: float = 0.0,
+    event_loop: str = "",
+    http: bool = False,
 ) -> Iterator[Tier]:
-    """`num_routers` router processes, each with one synthetic worker registered (router-i, worker-i)."""
+    """`num_routers` router processes, each with one synthetic worker registered (router-i, worker-i);
+    with `http`, each router also serves its OpenAI-compatible front (Tier.http_addresses)."""
     tier = Tier([], [])
     with ExitStack() as stack:
         handles: list[ProcessHandle] = []
         for i in range(num_routers):
-            address = _start_router(stack, tier, f"router-{i}", log_dir, num_workers=1, event_loop=event_loop)
+            address = _start_router(
+                stack, tier, f"router-{i}", log_dir, num_workers=1, event_loop=event_loop, http=http
+            )
             argv = [sys.executable, "-m", "benchmarks.synthetic_worker", "--router", address]
             argv += ["--worker-id", f"synthetic-{i}", "--tokens-per-s", f"{tokens_per_s:g}"]
             worker = stack.enter_context(running(argv, name=f"worker-{i}", log_dir=log_dir))

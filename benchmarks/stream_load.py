@@ -6,12 +6,15 @@ limits the figures: it keeps `--streams` Generate streams open against one targe
         --tokens-per-s 50 --max-tokens 100 --seconds 5 [--warmup 1] [--latency] [--uvloop]
 
 `--service worker` calls kvpact.v1.Worker/Generate on a (synthetic) worker directly, `router` calls
-kvpact.v1.Generation/Generate on a router; both take the same GenerateRequest. The prompt text
-`tokens_per_s=R` sets a synthetic worker's rate for the stream (benchmarks/synthetic_worker.py);
-`--prompt-text` sends a real prompt instead (a real worker; greedy). With `--latency`, each token's delivery
-latency is the receive time minus the send time the synthetic worker wrote in its text (one
-monotonic clock on one host). Only what arrives after `--warmup` seconds counts; with `--requests N`, N
-requests are sent in all (`--streams` at a time) and everything counts, until the last one ends.
+kvpact.v1.Generation/Generate on a router; both take the same GenerateRequest. `http` streams POST
+/v1/completions (SSE) from a router's OpenAI-compatible front (`router --http-listen`) with the same
+prompt; there a message is one SSE event and its tokens are the synthetic worker's stamps in its text.
+The prompt text `tokens_per_s=R` sets a synthetic worker's rate for the stream
+(benchmarks/synthetic_worker.py); `--prompt-text` sends a real prompt instead (a real worker; greedy).
+With `--latency`, each token's delivery latency is the receive time minus the send time the synthetic
+worker wrote in its text (one monotonic clock on one host). Only what arrives after `--warmup` seconds
+counts; with `--requests N`, N requests are sent in all (`--streams` at a time) and everything counts,
+until the last one ends.
 """
 
 from __future__ import annotations
@@ -118,12 +121,76 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+async def run_http(args: argparse.Namespace) -> dict[str, object]:
+    """The same load as `run`, as SSE streams of POST /v1/completions (synthetic worker only)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
+    url = f"http://{args.target}/v1/completions"
+    async with httpx.AsyncClient(limits=limits, timeout=CALL_TIMEOUT_S) as client:
+        start = time.monotonic()
+        counted_from = start + args.warmup
+        end = counted_from + args.seconds
+        num_tokens = num_messages = num_streams = 0
+        latencies_ms: list[float] = []
+        first_token_ms: list[float] = []
+
+        async def slot(index: int) -> None:
+            nonlocal num_tokens, num_messages, num_streams
+            await asyncio.sleep(index * args.stagger / max(args.streams, 1))
+            body = {"prompt": f"tokens_per_s={args.tokens_per_s:g}", "max_tokens": args.max_tokens,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            while time.monotonic() < end:
+                sent = time.monotonic()
+                first = True
+                async with client.stream("POST", url, json=body) as response:
+                    if response.status_code != 200:
+                        raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:400]!r}")
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        now_s = time.monotonic()
+                        if now_s < counted_from:
+                            first = False
+                            continue
+                        if now_s > end:
+                            break
+                        text = json.loads(line[6:])["choices"][0]["text"]
+                        stamps = text.split(";")[:-1]
+                        num_messages += 1
+                        num_tokens += len(stamps)
+                        if first:
+                            first_token_ms.append((now_s - sent) * 1e3)
+                            first = False
+                        if args.latency:
+                            now_ns = time.monotonic_ns()
+                            latencies_ms.extend((now_ns - int(stamp)) / 1e6 for stamp in stamps)
+                if time.monotonic() >= counted_from:
+                    num_streams += 1
+
+        await asyncio.gather(*(slot(i) for i in range(args.streams)))
+        seconds = min(time.monotonic(), end) - counted_from
+    return {
+        "num_tokens": num_tokens,
+        "num_messages": num_messages,
+        "num_streams": num_streams,
+        "tokens_by_worker": {},
+        "seconds": seconds,
+        "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
+        "latency_ms": latencies_ms if args.keep_latencies else [],
+        "latency_p50_ms": percentile(latencies_ms, 50),
+        "latency_p99_ms": percentile(latencies_ms, 99),
+        "first_token_p50_ms": percentile(first_token_ms, 50),
+        "first_token_p99_ms": percentile(first_token_ms, 99),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--target", required=True, help="HOST:PORT, or several comma-separated")
-    parser.add_argument("--service", choices=("router", "worker"), default="router")
+    parser.add_argument("--service", choices=("router", "worker", "http"), default="router")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens-per-s", type=float, default=0.0, help="per stream; 0 = full speed")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -138,12 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-latencies", action="store_true", help="print every latency, not only p50/p99")
     parser.add_argument("--uvloop", action="store_true")
     args = parser.parse_args(argv)
+    main_coro = run_http(args) if args.service == "http" else run(args)
     if args.uvloop:
         import uvloop
 
-        result = uvloop.run(run(args))
+        result = uvloop.run(main_coro)
     else:
-        result = asyncio.run(run(args))
+        result = asyncio.run(main_coro)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -41,6 +41,7 @@ from kvpact.transport import TransportParams, channel_credentials
 EXIT_OK, EXIT_USAGE = 0, 2
 PROG = "kvpact-launch"
 ROUTER_LISTENING = r"^router listening on (\S+)$"
+ROUTER_HTTP_LISTENING = r"^router http listening on (\S+)$"  # with router flags {http-listen: HOST:PORT}
 ROUTER_BIND_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.5
 ROUTER_OWN_EXIT_S = 10.0  # after a worker exits while starting, how long the router has to decide
@@ -114,6 +115,7 @@ class Launch:
         self.group: object | None = None
         self.router: ProcessHandle | None = None
         self.router_address = ""
+        self.http_address = ""  # the OpenAI-compatible API, when the router's flags turn it on
         self.report = ""  # the router's failure report, printed after teardown
         self.placed: list[PlacedWorker] = []
         self.retired: list[PlacedWorker] = []  # dead after serving, not restarted (released at teardown)
@@ -156,7 +158,8 @@ class Launch:
         if code is not None:
             return code, self._failure_verdict(code)
         table = self._cluster_table()  # fetched first: whoever reads "SERVING" finds the table with it
-        say(f"the cluster is SERVING on {self.router_address}\n{table}")
+        http = f"\nOpenAI API: http://{self.http_address}/v1" if self.http_address else ""
+        say(f"the cluster is SERVING on {self.router_address}{http}\n{table}")
         return self._serve()
 
     # -- the router ------------------------------------------------------------------------------------
@@ -168,14 +171,20 @@ class Launch:
             bound = wait_for_line(self.router, ROUTER_LISTENING, ROUTER_BIND_TIMEOUT_S).group(1)
         except Exception as exc:  # ProcessDied (a port in use, ...) or TimeoutError, with its output
             raise LaunchFailure(f"the router did not start: {' '.join(str(exc).split())[:400]}") from None
-        host, _, port = bound.rpartition(":")
-        host = host.strip("[]")
-        if host in _WILDCARD_HOSTS:
-            host = placement.node_ip()  # what other nodes can reach, never a hostname
-        self.router_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.router_address = _reachable(bound)
+        http = ""
+        if "--http-listen" in self.cluster.router.flags:
+            try:
+                found = wait_for_line(self.router, ROUTER_HTTP_LISTENING, ROUTER_BIND_TIMEOUT_S)
+            except Exception as exc:  # its --http-listen port is in use, ...
+                raise LaunchFailure(
+                    f"the router's HTTP API did not start: {' '.join(str(exc).split())[:400]}"
+                ) from None
+            self.http_address = _reachable(found.group(1))
+            http = f", OpenAI API on http://{self.http_address}/v1"
         say(
             f"router started on {self.router_address} (pid {self.router.pid}, --paged-attn "
-            f"{self.cluster.router.paged_attn.value}, --expect-workers {self.cluster.num_workers})"
+            f"{self.cluster.router.paged_attn.value}, --expect-workers {self.cluster.num_workers}{http})"
         )
 
     def _router_code(self) -> int | None:
@@ -335,6 +344,15 @@ def _failure_report(router_stderr: str) -> str:
 def _report_cause(report: str) -> str:
     match = re.search(r"^cause: (.*)$", report, re.MULTILINE)
     return match.group(1) if match else ""
+
+
+def _reachable(bound: str) -> str:
+    """HOST:PORT a router printed, with a wildcard host replaced by what other nodes can reach."""
+    host, _, port = bound.rpartition(":")
+    host = host.strip("[]")
+    if host in _WILDCARD_HOSTS:
+        host = placement.node_ip()  # what other nodes can reach, never a hostname
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 if __name__ == "__main__":

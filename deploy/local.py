@@ -1,15 +1,16 @@
 """`make serve`: a router and one worker on this machine, as two processes.
 
-    python -m kvpact.deploy.local [--port 50051] [--paged-attn auto|on|off] [--model PATH]
-                                  [--startup-timeout S]
+    python -m kvpact.deploy.local [--port 50051] [--http-port 8000] [--paged-attn auto|on|off]
+                                  [--model PATH] [--startup-timeout S]
 
-Starts `router --listen 127.0.0.1:PORT --expect-workers 1` and a worker registering with it (the
-default model unless --model), waits (bounded) until the router's health says SERVING, then prints
-where to send requests, the cluster status with each worker's realized KV cache, and copy-paste
-client commands. Ctrl-C (or SIGTERM) stops the worker, then the router, each by pid with a bounded
-wait. If either process exits on its own, the other is stopped and this exits non-zero with the
-dead one's output. The port can also come from $KVPACT_ROUTER_PORT. Logs are written to files in a
-temporary directory named at start.
+Starts `router --listen 127.0.0.1:PORT --http-listen 127.0.0.1:HTTP_PORT --expect-workers 1` (gRPC and
+the OpenAI-compatible HTTP API, docs/openai.md) and a worker registering with it (the default model
+unless --model), waits (bounded) until the router's health says SERVING, then prints where to send
+requests, the cluster status with each worker's realized KV cache, and copy-paste client commands
+(gRPC, curl and the openai SDK). Ctrl-C (or SIGTERM) stops the worker, then the router, each by pid
+with a bounded wait. If either process exits on its own, the other is stopped and this exits non-zero
+with the dead one's output. The ports can also come from $KVPACT_ROUTER_PORT and $KVPACT_HTTP_PORT.
+Logs are written to files in a temporary directory named at start.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from kvpact.shared.handshake_pb import realized_from_pb
 
 DEFAULT_PORT = 50051
 PORT_ENV = "KVPACT_ROUTER_PORT"
+DEFAULT_HTTP_PORT = 8000
+HTTP_PORT_ENV = "KVPACT_HTTP_PORT"
 STOP_GRACE_S = 15.0
 # Once one process died, how long the other may take to exit by itself (a router exits within 2 s of
 # a startup-failure report, with its own exit code).
@@ -44,6 +47,7 @@ OWN_EXIT_S = 3.0
 # The "Try it" request: a chat turn (an instruct model often ends a plain-text prompt at once, empty).
 TRY_MESSAGES = "[{'role': 'user', 'content': 'Tell me a joke.'}]"
 TRY_JSON = '{"chat": {"messages": [{"role": "user", "content": "Tell me a joke."}]}, "maxTokens": 64}'
+TRY_HTTP_JSON = '{"messages": [{"role": "user", "content": "Tell me a joke."}], "max_tokens": 64}'
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(os.environ.get(PORT_ENV, DEFAULT_PORT)),
         help=f"the router's port on 127.0.0.1 (default ${PORT_ENV}, else {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=int(os.environ.get(HTTP_PORT_ENV, DEFAULT_HTTP_PORT)),
+        help=f"the OpenAI-compatible HTTP API's port on 127.0.0.1 (default ${HTTP_PORT_ENV}, else "
+        f"{DEFAULT_HTTP_PORT})",
     )
     add_paged_attn_arg(parser)
     parser.add_argument(
@@ -74,6 +85,7 @@ def commands(router: str, argv: argparse.Namespace) -> tuple[list[str], list[str
     router_argv = [
         sys.executable, "-m", "kvpact.router.cli", "--listen", router, "--expect-workers", "1",
         "--paged-attn", argv.paged_attn, "--startup-timeout", f"{argv.startup_timeout:g}",
+        "--http-listen", f"127.0.0.1:{argv.http_port}",
     ]  # fmt: skip
     worker_argv = [
         sys.executable, "-m", "kvpact.worker", "--router", router, "--paged-attn", argv.paged_attn,
@@ -84,7 +96,7 @@ def commands(router: str, argv: argparse.Namespace) -> tuple[list[str], list[str
     return router_argv, worker_argv
 
 
-def describe(router: str, processes: Sequence[ProcessHandle], log_dir: str) -> str:
+def describe(router: str, http: str, processes: Sequence[ProcessHandle], log_dir: str) -> str:
     with Client(router, timeout=10) as client:
         status = client.cluster_status()
     tables = [
@@ -93,16 +105,24 @@ def describe(router: str, processes: Sequence[ProcessHandle], log_dir: str) -> s
         if w.HasField("realized")
     ]
     pids = ", ".join(f"{p.name} pid {p.pid}" for p in processes)
+    model = next((w.model_name for w in status.workers), "")
     return "\n\n".join(
         [
-            f"kvpact is serving on {router} ({pids}; logs in {log_dir})",
+            f"kvpact is serving on {router} (gRPC) and http://{http}/v1 (OpenAI API) ({pids}; logs in "
+            f"{log_dir})",
             render_cluster_status(status),
             *tables,
             "Try it:\n"
             f'  {_python()} -c "from kvpact.client import Client; '
             f"print(Client('{router}').chat({TRY_MESSAGES}, max_tokens=64).text)\"\n"
             f"  grpcurl -plaintext -d '{TRY_JSON}' "
-            f"{router} kvpact.v1.Generation/Generate",
+            f"{router} kvpact.v1.Generation/Generate\n"
+            f"  curl -s http://{http}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{model}", {TRY_HTTP_JSON[1:]}\'\n'
+            f'  {_python()} -c "from openai import OpenAI; '
+            f"c = OpenAI(base_url='http://{http}/v1', api_key='none'); "
+            f"print(c.chat.completions.create(model='{model}', messages={TRY_MESSAGES}, max_tokens=64)"
+            '.choices[0].message.content)"',
             "Ctrl-C stops both.",
         ]
     )
@@ -137,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failure = ""
     try:
         wait_for_health(router, args.startup_timeout, watch=processes, cancel=done)
-        print(describe(router, processes, log_dir), flush=True)
+        print(describe(router, f"127.0.0.1:{args.http_port}", processes, log_dir), flush=True)
         done.wait()
     except (ProcessDied, WaitCancelled):
         pass  # a process died (reported below, with its output) or a signal arrived

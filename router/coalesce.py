@@ -44,7 +44,7 @@ BEHIND_AFTER_S = 0.05  # a write that took longer: the client's side is behind; 
 
 
 def merge_chunks(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.GenerateChunk:
-    """One chunk carrying `chunks` (consecutive, of one stream) in order."""
+    """One chunk carrying `chunks` (consecutive, of one stream and one index) in order."""
     if len(chunks) == 1:
         return chunks[0]
     merged = generation_pb2.GenerateChunk()

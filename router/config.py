@@ -97,6 +97,15 @@ class RouterConfig:
             minimum=1,
         )
     )
+    http_listen: tuple[str, int] | None = option(  # the OpenAI-compatible front (router/http/); None = off
+        None,
+        "--http-listen",
+        "also serve the OpenAI-compatible HTTP API here (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health; docs/openai.md), with the same keys, TLS and limits (default: off; port 0 = "
+        "free)",
+        type=host_port,
+        metavar="HOST:PORT",
+    )
     auth_token_file: str | None = option(
         None,
         "--auth-token-file",

@@ -7,11 +7,14 @@ Worker gauges are computed from the registry at scrape time, so they never drift
     kvpact_router_worker_realized{worker_id,model,realized_kind,backend}   1 per registered worker
     kvpact_router_worker_outstanding{worker_id}        requests being forwarded to it
     kvpact_router_worker_free_blocks{worker_id}        from its last heartbeat
-    kvpact_router_requests_total{model,code}           finished client requests by gRPC status
-    kvpact_router_tokens_total{model}                  generated tokens relayed
-    kvpact_router_time_to_first_token_seconds{model}   received -> first token relayed (as clients see it)
-    kvpact_router_inter_token_latency_seconds{model}   between two relayed chunks with tokens, per token
-    kvpact_router_request_duration_seconds{model}      request received -> its stream ended
+    kvpact_router_requests_total{model,code,api}           finished client requests by gRPC status
+    kvpact_router_tokens_total{model,api}                  generated tokens relayed
+    kvpact_router_time_to_first_token_seconds{model,api}   received -> first token relayed (as clients see it)
+    kvpact_router_inter_token_latency_seconds{model,api}   between two relayed chunks with tokens, per token
+    kvpact_router_request_duration_seconds{model,api}      request received -> its stream ended
+
+`api` is the front the request came in on: "grpc" (the Generation service) or "http" (the OpenAI-compatible
+HTTP front, router/http/). An HTTP request's code is the gRPC status it maps from (docs/openai.md).
 
 Each router owns its own CollectorRegistry (no module-level state).
 """
@@ -41,52 +44,57 @@ class RouterMetrics:
         self.requests = Counter(
             "kvpact_router_requests",
             "Finished client requests by gRPC status code",
-            ["model", "code"],
+            ["model", "code", "api"],
             registry=self.prometheus,
         )
         self.tokens = Counter(
-            "kvpact_router_tokens", "Generated tokens relayed to clients", ["model"], registry=self.prometheus
+            "kvpact_router_tokens",
+            "Generated tokens relayed to clients",
+            ["model", "api"],
+            registry=self.prometheus,
         )
 
         self.ttft = Histogram(
             "kvpact_router_time_to_first_token_seconds",
             "Request received to its first token relayed, as clients see it",
-            ["model"],
+            ["model", "api"],
             buckets=TTFT_BUCKETS,
             registry=self.prometheus,
         )
         self.itl = Histogram(
             "kvpact_router_inter_token_latency_seconds",
             "Time between relayed tokens of one request (a chunk's gap over its tokens)",
-            ["model"],
+            ["model", "api"],
             buckets=ITL_BUCKETS,
             registry=self.prometheus,
         )
         self.duration = Histogram(
             "kvpact_router_request_duration_seconds",
             "Request received to its stream ended",
-            ["model"],
+            ["model", "api"],
             buckets=E2E_BUCKETS,
             registry=self.prometheus,
         )
 
-    def observe_chunk(self, model: str, seconds_since_previous: float, num_tokens: int, first: bool) -> None:
+    def observe_chunk(
+        self, model: str, seconds_since_previous: float, num_tokens: int, first: bool, api: str = "grpc"
+    ) -> None:
         """A relayed chunk with tokens: its gap from the request's start (first) or from the previous one."""
         if first:
-            self.ttft.labels(model=model).observe(seconds_since_previous)
+            self.ttft.labels(model=model, api=api).observe(seconds_since_previous)
         elif num_tokens:
             per_token = seconds_since_previous / num_tokens
-            itl = self.itl.labels(model=model)
+            itl = self.itl.labels(model=model, api=api)
             for _ in range(num_tokens):
                 itl.observe(per_token)
 
-    def observe_duration(self, model: str, seconds: float) -> None:
-        self.duration.labels(model=model).observe(seconds)
+    def observe_duration(self, model: str, seconds: float, api: str = "grpc") -> None:
+        self.duration.labels(model=model, api=api).observe(seconds)
 
-    def observe_request(self, model: str, code: str, num_tokens: int) -> None:
-        self.requests.labels(model=model, code=code).inc()
+    def observe_request(self, model: str, code: str, num_tokens: int, api: str = "grpc") -> None:
+        self.requests.labels(model=model, code=code, api=api).inc()
         if num_tokens:
-            self.tokens.labels(model=model).inc(num_tokens)
+            self.tokens.labels(model=model, api=api).inc(num_tokens)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.prometheus)

@@ -11,7 +11,7 @@ import gc
 import signal
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import grpc
 import structlog
@@ -30,6 +30,9 @@ from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.shared.rpc_errors import ErrorInterceptor
 from kvpact.shared.tls import add_port, describe_tls, plaintext_warning
 from kvpact.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvpact.router.http.server import HttpFront
 
 log = structlog.get_logger("router")
 
@@ -63,15 +66,20 @@ class RouterServer:
             interceptors=[ApiKeyInterceptor(self.api_keys), ErrorInterceptor(STATUS_FOR_ERROR, "router")],
             options=[("grpc.so_reuseport", 0), *GRPC_MESSAGE_OPTIONS],
         )
-        router_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(self.cluster, self.metrics), self._server
-        )
+        self.generation = GenerationService(self.cluster, self.metrics)
+        router_pb2_grpc.add_GenerationServicer_to_server(self.generation, self._server)
         worker_pb2_grpc.add_RegistryServicer_to_server(
             RegistryService(self.cluster, self.tokens), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.cluster.health, self._server)
         reflection.enable_server_reflection(SERVICE_NAMES, self._server)
         self.port = 0
+        self.http: HttpFront | None = None
+        if config.http_listen is not None:  # fastapi/uvicorn imported only when the front is on
+            from kvpact.router.http.server import HttpFront
+
+            http_host, http_port = config.http_listen
+            self.http = HttpFront(self.generation, self.api_keys, http_host, http_port, config.tls)
 
     async def start(self) -> int:
         """Bind (both ports, before anything starts: BindError) and start serving; returns the bound port."""
@@ -87,9 +95,13 @@ class RouterServer:
                 self.metrics.serve(self.config.metrics_port, self.config.host)
             except OSError as exc:
                 raise BindError("--metrics-port", f"{host}:{self.config.metrics_port}") from exc
+        if self.http is not None:
+            self.http.bind()  # BindError naming --http-listen, before anything starts
         await self.cluster.start()
         await self._server.start()
         print(f"router listening on {host}:{self.port}", flush=True)  # tests and deploy read it
+        if self.http is not None:
+            await self.http.start()  # prints "router http listening on HOST:PORT"
         log.info(
             "router_listening",
             address=f"{host}:{self.port}",
@@ -119,6 +131,8 @@ class RouterServer:
         return self.cluster.exit_code or 0
 
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self._server.stop(STOP_GRACE_S)
         await self.cluster.close()
 

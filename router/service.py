@@ -64,7 +64,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
-        async with aclosing(coalesced(self._relay(request, context))) as chunks:
+        async with aclosing(coalesced(self.relay(request, context.time_remaining()))) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -77,7 +77,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 "carries its completion's index)"
             )
         response = generation_pb2.CompleteResponse()
-        async with aclosing(self._relay(request, context)) as chunks:
+        async with aclosing(self.relay(request, context.time_remaining())) as chunks:
             async for chunk in chunks:
                 response.text += chunk.text
                 response.token_ids.extend(chunk.token_ids)
@@ -123,6 +123,10 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         if self.cluster.stopping:
             raise NotServing("the router is stopping; send new requests to another router")
 
+    def check_serving(self) -> None:
+        """NotServing (UNAVAILABLE) unless the cluster is SERVING and the router is not stopping."""
+        self._check_serving()
+
     def _prepare(self, request: generation_pb2.GenerateRequest) -> None:
         self._check_serving()
         check_request_limits(request)  # before the request is routed, logged or echoed
@@ -137,10 +141,14 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             self.cluster.registry, request.model, self.balance, request, max_in_flight=limit, exclude=tried
         )
 
-    async def _relay(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    async def relay(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None, api: str = "grpc"
     ) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
-        """Forward to a worker with room and relay its chunks. A worker that fails the call before it
+        """The request's chunks, from the worker that serves it; `timeout`: what is left of the client's
+        deadline (None: none); `api`: the front it came in on ("grpc", "http"), a metrics label and a log
+        field. Both fronts call this (the HTTP front in router/http/).
+
+        Forward to a worker with room and relay its chunks. A worker that fails the call before it
         produced anything is not the client's problem: when it is gone (UNAVAILABLE: killed, unreachable,
         stopping) the request is retried once on another worker (and the gone one marked DEAD); when it
         is full (RESOURCE_EXHAUSTED) the next worker with room is tried. Once a chunk went out, a failure
@@ -153,11 +161,11 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             tried.add(entry.worker_id)
             produced = False
             bound = structlog.contextvars.bound_contextvars(
-                request_id=request.request_id, worker_id=entry.worker_id
+                request_id=request.request_id, worker_id=entry.worker_id, api=api
             )
             try:
                 with bound:
-                    async with aclosing(self._forward(entry, request, context)) as chunks:
+                    async with aclosing(self._forward(entry, request, timeout, api)) as chunks:
                         async for chunk in chunks:
                             produced = True
                             yield chunk
@@ -185,14 +193,14 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 )
 
     async def _forward(
-        self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, timeout: float | None, api: str
     ) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
         stub = self.cluster.channels.stub(entry)
         code = grpc.StatusCode.OK
         num_tokens = 0
         entry.num_outstanding += 1
         started = last = time.monotonic()
-        call = stub.Generate(request, timeout=context.time_remaining())
+        call = stub.Generate(request, timeout=timeout)
         try:
             async for chunk in call:
                 if not chunk.worker_id:
@@ -200,7 +208,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 if chunk.token_ids and self.metrics is not None:
                     now = time.monotonic()
                     self.metrics.observe_chunk(
-                        request.model, now - last, len(chunk.token_ids), num_tokens == 0
+                        request.model, now - last, len(chunk.token_ids), num_tokens == 0, api
                     )
                     last = now
                 num_tokens += len(chunk.token_ids)
@@ -230,12 +238,13 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 "request_done",
                 request_id=request.request_id,
                 worker_id=entry.worker_id,
+                api=api,
                 code=code.name,
                 num_tokens=num_tokens,
             )
             if self.metrics is not None:
-                self.metrics.observe_request(request.model, code.name, num_tokens)
-                self.metrics.observe_duration(request.model, time.monotonic() - started)
+                self.metrics.observe_request(request.model, code.name, num_tokens, api)
+                self.metrics.observe_duration(request.model, time.monotonic() - started, api)
 
 
 def _worker_error(entry: WorkerEntry, request_id: str, exc: grpc.aio.AioRpcError) -> WorkerCallFailed:

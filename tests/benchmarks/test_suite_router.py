@@ -20,6 +20,8 @@ TARGETS = {
     "added p99 latency, 64 x 50 tokens/s",
     "real model: router vs direct",
     "router tier on several cores",
+    "HTTP vs gRPC, tokens per router CPU-s",
+    "HTTP added p99 latency, 64 x 50 tokens/s",
 }
 
 
@@ -38,12 +40,17 @@ def test_quick_router_suite_writes_its_tables_targets_and_plot(tmp_path):
         assert target["met"] in (True, False) or "not judged" in target["note"], target
     tables = {t["title"].split(":", 1)[1].split(",")[0].strip(): t for t in result["tables"]}
     latency = tables["added latency per token"]
-    assert [r[0] for r in latency["rows"]] == ["direct to the worker", "through the router"]
+    assert [r[0] for r in latency["rows"]] == [
+        "direct to the worker",
+        "through the router",
+        "through the router, HTTP/SSE",
+    ]
     assert all(r[1] > 0 and r[2] > 0 for r in latency["rows"])  # tokens, p50 latency
     capacity = tables["capacity"]
     uvloop = {(256, "router, uvloop")} if importlib.util.find_spec("uvloop") else set()
     assert {(r[0], r[1]) for r in capacity["rows"]} == {
-        (64, "direct"), (64, "router"), (256, "direct"), (256, "router"), *uvloop
+        (64, "direct"), (64, "router"), (64, "router, HTTP"), (256, "direct"), (256, "router"),
+        (256, "router, HTTP"), *uvloop
     }  # fmt: skip
     assert all(r[2] > 0 for r in capacity["rows"])  # tokens/s on every path
     assert [r[0] for r in tables["scale-out (256 full-speed streams)"]["rows"]] == [

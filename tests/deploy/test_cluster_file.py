@@ -222,3 +222,11 @@ def test_worker_slot_ids_follow_the_groups():
     )
     assert [(s.worker_id, s.bundle_index) for s in cluster.slots()] == [("a-0", 0), ("a-1", 1), ("b-0", 2)]
     assert isinstance(cluster.slots()[0], WorkerSlot)
+
+
+def test_the_routers_http_listen_is_a_router_flag_like_any_other():
+    router = {"listen": "0.0.0.0:50051", "flags": {"http-listen": "0.0.0.0:8000"}}
+    cluster = parse_cluster_file({**MINIMAL, "router": router}, "c.yaml")
+    assert cluster.router_argv()[-2:] == ["--http-listen", "0.0.0.0:8000"]
+    bad = error_of({**MINIMAL, "router": {"flags": {"http-listen": "nowhere"}}})
+    assert "router" in bad and "--http-listen" in bad and "HOST:PORT" in bad

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from kvpact.client import Client, KvpactRpcError
@@ -96,10 +97,19 @@ def test_two_cpu_workers_serve_through_ray_then_sigterm_releases_everything(
 ):
     token = tmp_path / "token"  # the router requires it: each worker must have been handed it to register
     token.write_text("s3cret\n")
-    config = cluster_file(tmp_path, workers=[worker_group(model, "cpu", 2)], auth_token_file=token)
+    config = cluster_file(
+        tmp_path,
+        workers=[worker_group(model, "cpu", 2)],
+        auth_token_file=token,
+        router_flags={"http-listen": "127.0.0.1:0"},
+    )
     with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
         group_name = placement_group_name(launch)
         address = wait_serving(launch)
+        # the router's OpenAI API, reported by the launcher next to the gRPC address
+        http = re.search(r"^OpenAI API: (http://\S+)/v1$", launch.stdout(), re.MULTILINE)
+        assert http is not None, launch.stdout()[-2000:]
+        assert httpx.get(f"{http.group(1)}/health", timeout=10).json()["status"] == "SERVING"
         with Client(address, timeout=30) as client:
             text = "".join(chunk.text for chunk in client.generate("hello", max_tokens=8, temperature=0))
             status = client.cluster_status()

@@ -112,12 +112,12 @@ def test_metrics_show_each_workers_realized_kind(tmp_path):
     )
     assert 'kvpact_router_workers{realized_kind="paged",state="admitted"} 1.0' in text
     assert 'kvpact_router_cluster_state{state="serving"} 1.0' in text
-    assert 'kvpact_router_requests_total{code="OK",model="tiny"} 1.0' in text
-    assert 'kvpact_router_tokens_total{model="tiny"} 4.0' in text
+    assert 'kvpact_router_requests_total{api="grpc",code="OK",model="tiny"} 1.0' in text
+    assert 'kvpact_router_tokens_total{api="grpc",model="tiny"} 4.0' in text
     # client-side latency: one first token, three gaps between the four one-token chunks, one request
-    assert 'kvpact_router_time_to_first_token_seconds_count{model="tiny"} 1.0' in text
-    assert 'kvpact_router_inter_token_latency_seconds_count{model="tiny"} 3.0' in text
-    assert 'kvpact_router_request_duration_seconds_count{model="tiny"} 1.0' in text
+    assert 'kvpact_router_time_to_first_token_seconds_count{api="grpc",model="tiny"} 1.0' in text
+    assert 'kvpact_router_inter_token_latency_seconds_count{api="grpc",model="tiny"} 3.0' in text
+    assert 'kvpact_router_request_duration_seconds_count{api="grpc",model="tiny"} 1.0' in text
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])

@@ -196,6 +196,28 @@ def test_merge_carries_top_logprobs_in_order_and_never_joins_two_completions():
     assert [merge_chunks(b).index for b in batches] == [0, 1, 0] and not ready
 
 
+@run_async
+async def test_a_slow_consumer_of_n_completions_never_gets_two_indexes_in_one_message():
+    async def interleaved(n: int):  # two completions (n=2) whose chunks arrive in runs of 3
+        for i in range(n):
+            c = chunk(i, last=i >= n - 2)
+            c.index = (i // 3) % 2
+            yield c
+            await asyncio.sleep(0)
+
+    messages = []
+    async for message in coalesced(interleaved(120)):
+        messages.append(message)
+        await asyncio.sleep(STALL_S if len(messages) == 1 else 0.002)
+    assert len(messages) < 120  # it did merge
+    for message in messages:  # never across completions: every token of a message has its index
+        assert {(t // 3) % 2 for t in message.token_ids} == {message.index}
+    assert sorted(t for m in messages for t in m.token_ids) == list(range(120))
+    for index in (0, 1):
+        tokens = [t for m in messages if m.index == index for t in m.token_ids]
+        assert tokens == sorted(tokens)  # each completion in order
+
+
 def test_the_message_caps_leave_room_under_the_grpc_limit():
     from kvpact.shared.limits import MAX_MESSAGE_BYTES
 

@@ -7,7 +7,7 @@ import sys
 FORBIDDEN = ("torch", "triton", "kvpact.worker", "kvpact.kernels")
 CHECK = (
     "import json, sys\n"
-    "import kvpact.router.cli, kvpact.router.server, kvpact.client\n"
+    "import kvpact.router.cli, kvpact.router.server, kvpact.router.http.server, kvpact.client\n"
     f"found = [m for m in sys.modules for f in {FORBIDDEN!r} if m == f or m.startswith(f + '.')]\n"
     "print(json.dumps(sorted(found)))"
 )

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 
+import openai
 import pytest
 
 from kvpact.client import Client
@@ -30,10 +31,11 @@ def alive(pid: int) -> bool:
 
 
 def test_serve_starts_both_prints_how_to_use_them_and_ctrl_c_stops_both(model_dir, tmp_path):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     argv = module_argv(
-        "kvpact.deploy.local", "--port", str(port), "--model", str(model_dir), "--paged-attn", "on"
-    )
+        "kvpact.deploy.local", "--port", str(port), "--model", str(model_dir), "--paged-attn", "on",
+        "--http-port", str(http_port),
+    )  # fmt: skip
     with running(argv, name="serve", log_dir=tmp_path) as serve:
         wait_for_line(serve, r"^Ctrl-C stops both\.$", START_TIMEOUT_S)
         out = serve.stdout()
@@ -42,12 +44,19 @@ def test_serve_starts_both_prints_how_to_use_them_and_ctrl_c_stops_both(model_di
         assert re.search(r"^kind\s+PAGED$", out, re.MULTILINE)
         assert f"Client('127.0.0.1:{port}')" in out
         assert f"127.0.0.1:{port} kvpact.v1.Generation/Generate" in out
+        assert f"curl -s http://127.0.0.1:{http_port}/v1/chat/completions" in out
+        assert f"OpenAI(base_url='http://127.0.0.1:{http_port}/v1'" in out
         pids = [int(p) for p in re.findall(r"(?:router|worker) pid (\d+)", out)]
         assert len(pids) == 2
 
         with Client(f"127.0.0.1:{port}", timeout=30) as client:
             completion = client.complete("Hello", max_tokens=4, temperature=0, ignore_eos=True)
         assert completion.usage.completion_tokens == 4
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
+        reply = sdk.completions.create(
+            model="", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert reply.usage.completion_tokens == 4
 
         assert stop(serve, sig=signal.SIGINT, grace_s=40) == 0, serve.output()
     assert serve.stdout().rstrip().endswith("stopped")

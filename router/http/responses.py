@@ -1,0 +1,217 @@
+"""GenerateChunks -> OpenAI's response objects, streamed (SSE events) or whole.
+
+Shapes (what the openai SDK's types read):
+- chat: `chat.completion` / `chat.completion.chunk`, id `chatcmpl-<request id>`; the first delta of each
+  choice carries `role: "assistant"`, the chunk that ends a choice carries its `finish_reason`.
+- completions: `text_completion` for both, id `cmpl-<request id>`.
+- with `stream_options.include_usage`, every chunk has `usage: null` and one last chunk has empty
+  `choices` and the usage; usage.prompt_tokens_details.cached_tokens is the prefix cache's hit
+  (Usage.cached_prompt_tokens).
+- logprobs: the router holds no tokenizer, so a token is named by its text where a chunk carries exactly
+  one token (the worker sends one per step) and as `token_id:<id>` otherwise, alternatives
+  (top_logprobs) always as `token_id:<id>` (vLLM's `return_tokens_as_token_ids` form).
+
+A worker's usage counts its own request: prompt and cached tokens once per prompt (the largest any of
+its chunks reported), completion tokens summed over its completions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpact.v1 import generation_pb2
+
+FINISH_REASON = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_ABORT: "abort",
+}
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def token_name(chunk: generation_pb2.GenerateChunk, token_id: int) -> str:
+    return chunk.text if len(chunk.token_ids) == 1 else f"token_id:{token_id}"
+
+
+@dataclass(slots=True)
+class _Usage:
+    prompt: int = 0
+    cached: int = 0
+    completion: int = 0
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False  # its first delta went out (chat: with the role)
+    num_chars: int = 0  # text so far (completions' text_offset)
+    logprobs: list[Any] = field(default_factory=list)  # chat: content entries; completions: per token
+
+
+class Rendering:
+    """One response in the making: feed it (choice index, chunk) pairs; it gives SSE events or, at the
+    end, the whole object."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, logprobs: bool, include_usage: bool) -> None:
+        self.chat = chat
+        self.id = f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}"
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.choices: dict[int, _Choice] = {}
+        self.usage: dict[str, _Usage] = {}
+        fixed = {"id": self.id, "object": self.object, "created": self.created, "model": model}
+        self._prefix = "data: " + json.dumps(fixed, separators=(",", ":"), ensure_ascii=False)[:-1]
+        self._prefix += ',"choices":['
+        self._suffix = '],"usage":null}\n\n' if include_usage else "]}\n\n"
+
+    # -- both forms
+
+    def add(self, index: int, chunk: generation_pb2.GenerateChunk) -> dict[str, Any] | None:
+        """Take a chunk; the streamed choice it makes (None when it carries nothing to send)."""
+        choice = self.choices.setdefault(index, _Choice())
+        if chunk.HasField("usage"):
+            usage = self.usage.setdefault(chunk.request_id, _Usage())
+            usage.prompt = max(usage.prompt, chunk.usage.prompt_tokens)
+            usage.cached = max(usage.cached, chunk.usage.cached_prompt_tokens)
+            usage.completion += chunk.usage.completion_tokens
+        finish = FINISH_REASON.get(chunk.finish_reason)
+        if finish is not None:
+            choice.finish_reason = finish
+        logprobs = self._logprobs(choice, chunk) if self.logprobs and chunk.token_ids else None
+        choice.text.append(chunk.text)
+        choice.num_chars += len(chunk.text)
+        if not chunk.text and finish is None and logprobs is None and choice.started:
+            return None
+        if self.chat:
+            delta: dict[str, Any] = {"content": chunk.text} if chunk.text or not choice.started else {}
+            if not choice.started:
+                delta["role"] = "assistant"
+            out = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            out = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+        choice.started = True
+        return out
+
+    def usage_object(self) -> dict[str, Any]:
+        prompt = sum(u.prompt for u in self.usage.values())
+        completion = sum(u.completion for u in self.usage.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached for u in self.usage.values())},
+        }
+
+    # -- streamed
+
+    def event(self, choice: dict[str, Any]) -> str:
+        """One SSE event: the stream's fixed fields, rendered once (`_prefix`), then this choice."""
+        return f"{self._prefix}{json.dumps(choice, separators=(',', ':'), ensure_ascii=False)}{self._suffix}"
+
+    def closing_events(self) -> str:
+        """The usage chunk (when asked for) and [DONE]."""
+        if not self.include_usage:
+            return DONE
+        obj = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage_object(),
+        }
+        return sse(obj) + DONE
+
+    # -- whole
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for index in sorted(self.choices):
+            choice = self.choices[index]
+            text = "".join(choice.text)
+            logprobs = self._whole_logprobs(choice) if self.logprobs else None
+            entry: dict[str, Any] = {
+                "index": index,
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+            }
+            if self.chat:
+                entry["message"] = {"role": "assistant", "content": text}
+            else:
+                entry["text"] = text
+            choices.append(entry)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage_object(),
+        }
+
+    # -- logprobs
+
+    def _logprobs(self, choice: _Choice, chunk: generation_pb2.GenerateChunk) -> dict[str, Any]:
+        entries = []
+        for k, token_id in enumerate(chunk.token_ids):
+            name = token_name(chunk, token_id)
+            logprob = chunk.logprobs[k] if k < len(chunk.logprobs) else None
+            alternatives = chunk.top_logprobs[k] if k < len(chunk.top_logprobs) else None
+            top = (
+                [
+                    (f"token_id:{t}", lp)
+                    for t, lp in zip(alternatives.token_ids, alternatives.logprobs, strict=False)
+                ]
+                if alternatives is not None
+                else []
+            )
+            entries.append((name, logprob, top))
+        if self.chat:
+            content = [
+                {
+                    "token": name,
+                    "logprob": logprob,
+                    "bytes": list(name.encode("utf-8")),
+                    "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+                }
+                for name, logprob, top in entries
+            ]
+            choice.logprobs.extend(content)
+            return {"content": content}
+        offsets, offset = [], choice.num_chars
+        for name, _, _ in entries:
+            offsets.append(offset)
+            offset += len(name) if len(chunk.token_ids) == 1 else 0
+        part = {
+            "tokens": [name for name, _, _ in entries],
+            "token_logprobs": [logprob for _, logprob, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries]
+            if any(top for _, _, top in entries)
+            else None,
+            "text_offset": offsets,
+        }
+        choice.logprobs.append(part)
+        return part
+
+    def _whole_logprobs(self, choice: _Choice) -> dict[str, Any]:
+        if self.chat:
+            return {"content": list(choice.logprobs)}
+        merged: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": None, "text_offset": []}
+        for part in choice.logprobs:
+            merged["tokens"] += part["tokens"]
+            merged["token_logprobs"] += part["token_logprobs"]
+            merged["text_offset"] += part["text_offset"]
+            if part["top_logprobs"] is not None:
+                merged["top_logprobs"] = (merged["top_logprobs"] or []) + part["top_logprobs"]
+        return merged

@@ -1,0 +1,157 @@
+"""The HTTP front's pure parts (no server): each accepted OpenAI parameter lands on the GenerateRequest
+field it maps to, neutral values of refused parameters pass while any other value is refused by name,
+and chunks render into OpenAI's shapes (router/http/requests.py, schema.py, responses.py, errors.py)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from kvpact.router.errors import WorkerCallFailed
+from kvpact.router.http import errors
+from kvpact.router.http.errors import HttpError
+from kvpact.router.http.requests import chat_request, completion_requests
+from kvpact.router.http.responses import Rendering
+from kvpact.router.http.schema import ChatCompletionRequest, CompletionRequest
+from kvpact.v1 import generation_pb2
+
+CHAT = [
+    {"role": "developer", "content": "be brief"},
+    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+]
+
+
+SCHEMA = {"name": "t", "schema": {"type": "object"}}
+
+
+def chat(**params) -> generation_pb2.GenerateRequest:
+    return chat_request(ChatCompletionRequest(messages=CHAT, **params))
+
+
+def test_every_chat_parameter_reaches_its_field():
+    r = chat(model="m", max_completion_tokens=7, temperature=0.5, top_p=0.9, stop="x", seed=3,
+             presence_penalty=0.1, frequency_penalty=-0.2, n=2, top_k=5, min_p=0.1, repetition_penalty=1.1,
+             ignore_eos=True, min_tokens=2, stop_token_ids=[9], logprobs=True, top_logprobs=4,
+             response_format={"type": "json_schema", "json_schema": SCHEMA})  # fmt: skip
+    assert [(m.role, m.content) for m in r.chat.messages] == [("system", "be brief"), ("user", "hi")]
+    assert (r.model, r.max_tokens, list(r.stop), list(r.stop_token_ids)) == ("m", 7, ["x"], [9])
+    s = r.sampling
+    assert s.temperature == pytest.approx(0.5) and s.top_p == pytest.approx(0.9) and s.seed == 3
+    assert s.presence_penalty == pytest.approx(0.1) and s.frequency_penalty == pytest.approx(-0.2)
+    assert (s.top_k, s.logprobs, s.top_logprobs, r.n, r.min_tokens, r.ignore_eos) == (5, True, 4, 2, 2, True)
+    assert s.min_p == pytest.approx(0.1) and s.repetition_penalty == pytest.approx(1.1)
+    assert json.loads(r.response_format.json_schema) == {"type": "object"}
+    unset = chat()
+    assert not unset.sampling.HasField("temperature") and not unset.HasField("max_tokens")
+    assert not unset.HasField("response_format") and unset.n == 0
+    assert chat(response_format={"type": "json_object"}).response_format.json_object
+
+
+def test_completions_prompts_and_integer_logprobs():
+    [text] = completion_requests(CompletionRequest(prompt="abc", logprobs=2))
+    assert text.text == "abc" and text.sampling.logprobs and text.sampling.top_logprobs == 2
+    [ids] = completion_requests(CompletionRequest(prompt=[1, 2, 3]))
+    assert list(ids.token_ids.ids) == [1, 2, 3] and not ids.sampling.logprobs
+    several = completion_requests(CompletionRequest(prompt=[[1, 2], [3]]))
+    assert [list(r.token_ids.ids) for r in several] == [[1, 2], [3]]
+    assert len({r.request_id for r in several}) == 2
+
+
+@pytest.mark.parametrize(
+    "neutral",
+    [{"tools": []}, {"tool_choice": None}, {"logit_bias": {}}, {"store": False}, {"modalities": ["text"]}],
+)
+def test_a_neutral_value_of_a_refused_parameter_passes(neutral):
+    chat(**neutral)
+
+
+@pytest.mark.parametrize(
+    ("params", "name"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+    ],
+)
+def test_a_refused_value_is_a_400_naming_it(params, name):
+    with pytest.raises(HttpError) as err:
+        chat(**params)
+    assert err.value.status == 400 and err.value.param == name and name in err.value.message
+
+
+def test_completions_refuse_echo_and_best_of_but_take_their_neutral_values():
+    completion_requests(CompletionRequest(prompt="a", echo=False, best_of=1))
+    for params, name in (({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "z"}, "suffix")):
+        with pytest.raises(HttpError) as err:
+            completion_requests(CompletionRequest(prompt="a", **params))
+        assert err.value.param == name
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.UNAUTHENTICATED, 401),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 502),
+    ],
+)
+def test_grpc_codes_map_to_openai_statuses(code, status):
+    error = errors.from_exception(
+        WorkerCallFailed(code, 'worker "n": min_tokens is not supported (request id 1)')
+    )
+    assert error.status == status
+    assert error.param == ("min_tokens" if status == 400 else None)  # never the worker id "n"
+    response = errors.response(error)
+    assert response.status_code == status and (response.headers.get("retry-after") == "1") == (status == 429)
+    body = json.loads(response.body)
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def chunk(
+    text: str, token: int, *, index: int = 0, finish: int = 0, usage: tuple[int, int, int] | None = None
+):
+    c = generation_pb2.GenerateChunk(
+        request_id="r", text=text, token_ids=[token], logprobs=[-0.5], index=index
+    )
+    c.finish_reason = finish
+    if usage is not None:
+        c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_prompt_tokens = usage
+    return c
+
+
+def test_chat_stream_rendering_role_first_finish_last_usage_apart():
+    r = Rendering(True, "abc", "m", logprobs=True, include_usage=True)
+    first = r.add(0, chunk("He", 5))
+    assert first["delta"] == {"content": "He", "role": "assistant"} and first["finish_reason"] is None
+    assert first["logprobs"]["content"][0]["token"] == "He"
+    assert r.add(0, chunk("", 6)) is not None  # logprobs asked for: every token is reported
+    last = r.add(0, chunk("", 7, finish=generation_pb2.FINISH_REASON_LENGTH, usage=(4, 3, 2)))
+    assert last["delta"] == {} and last["finish_reason"] == "length"
+    event = json.loads(r.event(last)[6:])
+    assert (
+        event["object"] == "chat.completion.chunk"
+        and event["id"] == "chatcmpl-abc"
+        and event["usage"] is None
+    )
+    closing = r.closing_events().split("\n\n")
+    usage = json.loads(closing[0][6:])
+    assert usage["choices"] == [] and closing[1] == "data: [DONE]"
+    assert usage["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
+
+
+def test_whole_completions_with_two_choices():
+    r = Rendering(False, "x", "m", logprobs=False, include_usage=False)
+    r.add(1, chunk("b", 2, index=1, finish=generation_pb2.FINISH_REASON_STOP, usage=(3, 1, 0)))
+    r.add(0, chunk("a", 1, finish=generation_pb2.FINISH_REASON_STOP, usage=(3, 1, 0)))
+    whole = r.whole()
+    assert whole["object"] == "text_completion" and [c["text"] for c in whole["choices"]] == ["a", "b"]
+    assert whole["usage"]["prompt_tokens"] == 3 and whole["usage"]["completion_tokens"] == 2
