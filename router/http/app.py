@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpact.router.api_keys import AUTHORIZATION, bearer
 from kvpact.router.cluster import Cluster
+from kvpact.router.cluster_state import ClusterState
 from kvpact.router.http import errors
 from kvpact.router.http.errors import HttpError
 from kvpact.router.http.relay import Item, choice_chunks
@@ -32,7 +33,6 @@ from kvpact.router.http.responses import DONE, Rendering, sse
 from kvpact.router.http.schema import ChatCompletionRequest, CompletionRequest
 from kvpact.router.registry import WorkerEntry, WorkerState
 from kvpact.router.service import GenerationService
-from kvpact.router.cluster_state import ClusterState
 from kvpact.shared.auth import SecretFile
 from kvpact.shared.errors import RequestError
 from kvpact.shared.limits import MAX_MESSAGE_BYTES
