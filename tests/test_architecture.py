@@ -1,4 +1,5 @@
-"""Guards on the shape of the code: the single fallback door and the one-way dependencies (DESIGN §1-2).
+"""Guards on the shape of the code: the single fallback door and the one-way dependencies (docs/design.md,
+"The contract" and "Layers").
 
 Both read the source with `ast`, so they hold for code paths no test executes.
 """
@@ -84,14 +85,21 @@ FORBIDDEN_IMPORTS = {
 }
 
 
-def imported_roots(tree: ast.AST) -> set[str]:
-    """What a module imports, by root: `torch` for `torch.nn`, `kvpact.worker` for `kvpact.worker.x`."""
+def _imported_names(tree: ast.AST) -> set[str]:
+    """Every dotted name a module imports: `kvpact.shared.wire` and `kvpact.shared.wire.x` for
+    `from kvpact.shared.wire import x`."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def imported_roots(tree: ast.AST) -> set[str]:
+    """What a module imports, by root: `torch` for `torch.nn`, `kvpact.worker` for `kvpact.worker.x`."""
+    names = _imported_names(tree)
     return {".".join(n.split(".")[:2]) if n.startswith("kvpact.") else n.split(".")[0] for n in names}
 
 
@@ -105,9 +113,28 @@ def test_dependencies_run_one_way(package):
 
 
 def test_client_library_does_not_import_torch_or_the_worker():
-    client = ROOT / "protos" / "kvpact" / "client.py"
-    forbidden = {"torch", "kvpact.worker", "kvpact.kernels", "kvpact.router"}
-    assert not imported_roots(ast.parse(client.read_text())) & forbidden
+    forbidden = {"torch", "kvpact.worker", "kvpact.kernels", "kvpact.router", "kvpact.deploy"}
+    bad = [
+        f"{path.relative_to(ROOT)} imports {', '.join(sorted(hits))}"
+        for path in sources("shared/client")
+        if (hits := imported_roots(ast.parse(path.read_text(), str(path))) & forbidden)
+    ]
+    assert sources("shared/client") and not bad, bad
+
+
+def test_the_client_is_imported_as_kvpact_client_only():
+    """shared/client is mapped to `kvpact.client` (pyproject's package-dir); reaching the same files as
+    `kvpact.shared.client` would load them twice, as two different modules."""
+    paths = sources(*PACKAGES, "tests", "benchmarks", "tools") + sorted((ROOT / "protos").rglob("*.py"))
+    bad = [
+        str(path.relative_to(ROOT))
+        for path in paths
+        if any(
+            n == "kvpact.shared.client" or n.startswith("kvpact.shared.client.")
+            for n in _imported_names(ast.parse(path.read_text(), str(path)))
+        )
+    ]
+    assert not bad, bad
 
 
 TOP_LEVEL_PARTS = {"router", "worker", "shared", "kernels", "deploy"}

@@ -39,8 +39,8 @@ from typing import Any, TypedDict, Unpack
 
 import grpc
 
-from kvpact.status_table import render_cluster_status
-from kvpact.transport import TransportParams, open_channel, with_api_key
+from kvpact.client.status_table import render_cluster_status
+from kvpact.client.transport import TransportParams, open_channel, with_api_key
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
 __all__ = [
