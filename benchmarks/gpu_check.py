@@ -243,6 +243,7 @@ def record_logits(engine) -> dict[str, list[Any]]:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    from kvpact.shared.describe import realized_table
     from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
     from kvpact.shared.scheduler_choice import CacheKind
     from kvpact.shared.spec import WorkerSpec
@@ -279,7 +280,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
             started = time.monotonic()
             with build_engine(spec) as engine:
                 realized = engine.realized
-                assert realized.kind is CacheKind.PAGED and realized.backend is backend, realized.table()
+                assert realized.kind is CacheKind.PAGED and realized.backend is backend, realized_table(realized)
                 ready = time.monotonic() - started
                 logits = record_logits(engine)
                 batch, again = (

@@ -5,6 +5,7 @@ Both read the source with `ast`, so they hold for code paths no test executes.
 """
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,76 @@ def test_benchmarks_do_not_import_from_tests():
         if "tests" in imported_roots(ast.parse(path.read_text(), str(path)))
     ]
     assert not bad, bad
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the `kvpact` namespace, by its import name (pyproject's package-dir mapping; a
+    folder belongs to the deepest mapping that holds it)."""
+    dirs = {
+        name: ROOT / folder
+        for name, folder in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "package-dir"
+        ].items()
+    }
+    found = {}
+    for name, folder in dirs.items():
+        for path in folder.rglob("*.py"):
+            if max((f for f in dirs.values() if path.is_relative_to(f)), key=lambda f: len(f.parts)) != folder:
+                continue
+            parts = path.relative_to(folder).with_suffix("").parts
+            found[".".join((name, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_back():
+    """No import loop, counting the imports inside functions and under TYPE_CHECKING too (each is a
+    dependency the reader must hold in mind): data modules are imported by their renderers, never the
+    reverse (shared/realized.py holds data; shared/describe.py shows it)."""
+    files = module_files()
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from package import submodule` depends on the submodule, not on the package's __init__.
+                subs = {f"{node.module}.{alias.name}" for alias in node.names} & files.keys()
+                deps |= subs or {node.module}
+        graph[module] = (deps & files.keys()) - {module}
+    assert "kvpact.shared.realized" in graph and "kvpact.client" in graph
+    assert not import_cycles(graph)
+
+
+def test_the_cycle_finder_finds_a_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]

@@ -46,6 +46,7 @@ from typing import TypeVar
 import structlog
 
 from kvpact.shared.auth import read_token
+from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import (
     EXIT_FATAL,
     EXIT_POLICY,
@@ -273,7 +274,7 @@ class WorkerProcess:
         self.server.attach(engine, served_name)
         log.info("serving", address=self.handshake.address, model_name=served_name)
         _say(f"worker {self.worker_id} serving {served_name} on {self.handshake.address}")
-        _say(engine.realized.table())
+        _say(realized_table(engine.realized))
         if self.link is None:
             await self._ready()
             return None

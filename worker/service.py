@@ -174,10 +174,6 @@ class WorkerServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
 
-    async def set_serving(self, engine: Engine, model_name: str) -> None:
-        self.attach(engine, model_name)
-        await self.set_ready(True)
-
     def attach(self, engine: Engine, model_name: str) -> None:
         """Answer Worker calls from now on; health stays as it is (a worker with a router turns SERVING
         only once admitted)."""

@@ -42,6 +42,7 @@ import torch
 
 from kvpact.shared import reasons
 from kvpact.shared.capability import ModelTraits, PagedDecision, decide_paged_attention
+from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend, disable_paged_attention
 from kvpact.shared.realized import RealizedCache
@@ -283,7 +284,7 @@ def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
         scheduler = DefaultScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
     realized = realized_cache(plan, cache, scheduler_kind)
     log.info(
-        "realized KV cache\n" + realized.table(),
+        "realized KV cache\n" + realized_table(realized),
         model=loaded.name,
         load_seconds=round(loaded.load_seconds, 2),
     )
