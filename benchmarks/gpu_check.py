@@ -280,7 +280,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
             started = time.monotonic()
             with build_engine(spec) as engine:
                 realized = engine.realized
-                assert realized.kind is CacheKind.PAGED and realized.backend is backend, realized_table(realized)
+                paged_as_asked = realized.kind is CacheKind.PAGED and realized.backend is backend
+                assert paged_as_asked, realized_table(realized)
                 ready = time.monotonic() - started
                 logits = record_logits(engine)
                 batch, again = (

@@ -173,8 +173,9 @@ def module_files() -> dict[str, Path]:
     found = {}
     for name, folder in dirs.items():
         for path in folder.rglob("*.py"):
-            if max((f for f in dirs.values() if path.is_relative_to(f)), key=lambda f: len(f.parts)) != folder:
-                continue
+            holders = [f for f in dirs.values() if path.is_relative_to(f)]
+            if max(holders, key=lambda f: len(f.parts)) != folder:
+                continue  # a nested mapping's file (shared/client/x.py is kvpact.client.x)
             parts = path.relative_to(folder).with_suffix("").parts
             found[".".join((name, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
     return found

@@ -45,6 +45,7 @@ from typing import TypeVar
 
 import structlog
 
+from kvpact.shared.address import join_host_port
 from kvpact.shared.auth import read_token
 from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import (
@@ -237,7 +238,7 @@ class WorkerProcess:
             try:
                 port = self.metrics.serve(options.listen_host, options.metrics_port)
             except OSError:
-                error = BindError("--metrics-port", f"{options.listen_host}:{options.metrics_port}")
+                error = BindError("--metrics-port", join_host_port(options.listen_host, options.metrics_port))
                 _say(f"worker {self.worker_id}: {error}", error=True)
                 return EXIT_FATAL
             self.handshake.metrics_address = self._advertised_address(port)
@@ -455,7 +456,7 @@ class WorkerProcess:
         host = self.options.advertise_host or self.options.listen_host
         if host in _WILDCARD_HOSTS:
             host = socket.gethostname()  # a wildcard bind is reached through the host's name
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return join_host_port(host, port)
 
 
 async def _in_daemon_thread(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
