@@ -42,6 +42,16 @@ def test_docs_cite_nothing_outside_the_repository(doc):
     assert not bad, f"{doc.name} cites {bad}: say it here instead"
 
 
+def test_the_code_cites_nothing_outside_the_repository():
+    """Docstrings, comments and config cite docs/design.md, never a design card or write-up kept elsewhere."""
+    cited = re.compile(r"DESIGN(?:\.md|\s*§)|seed[ ]write-up|\.\./shared/")
+    paths = [ROOT / "pyproject.toml", ROOT / "Makefile"]
+    for part in ("shared", "router", "worker", "kernels", "deploy", "protos", "tests", "benchmarks", "tools"):
+        paths += (ROOT / part).rglob("*.py")
+    bad = [f"{p.relative_to(ROOT)}: {m}" for p in paths for m in cited.findall(p.read_text())]
+    assert not bad, "cite docs/design.md instead:\n" + "\n".join(bad)
+
+
 def test_every_reason_is_raised_somewhere():
     """A reason in the table that no check uses would be documented but never given."""
     code = "\n".join(p.read_text() for d in ("shared", "worker") for p in (ROOT / d).rglob("*.py"))
