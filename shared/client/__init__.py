@@ -8,7 +8,7 @@
             print(chunk.text, end="", flush=True)
         print(render_cluster_status(client.cluster_status()))
 
-Over TLS, with an API key (README "Securing a cluster"):
+Over TLS, with an API key (docs/security.md):
 
     Client("router.example:50051", ca_file="ca.crt", api_key="...")   # TLS verified against ca.crt
     Client("router.example:50051", tls=True, api_key="...")           # TLS verified against system roots
