@@ -357,6 +357,7 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
 def cmd_e2e(args: argparse.Namespace) -> int:
     from kvpact.client import Client
     from kvpact.deploy.processes import ProcessDied, free_port, start_process, stop, wait_for_health
+    from kvpact.shared.describe import realized_table
     from kvpact.shared.wire import realized_from_pb
 
     model = args.model
@@ -398,7 +399,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
                 [worker] = status.workers
                 realized = realized_from_pb(worker.realized)
                 print(f"--- {name}: SERVING after {serving_s:.1f}s")
-                print(realized.table(title=f"worker {worker.worker_id}: realized KV cache"))
+                print(realized_table(realized, title=f"worker {worker.worker_id}: realized KV cache"))
                 got_kind = realized.kind.value
                 got_backend = realized.backend.value if realized.backend else None
                 reply = client.complete(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
