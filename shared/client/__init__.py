@@ -217,28 +217,25 @@ def usage_from_pb(msg: generation_pb2.Usage) -> Usage:
     return Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_prompt_tokens)
 
 
+def _result_fields(msg: generation_pb2.GenerateChunk | generation_pb2.CompleteResponse) -> dict[str, Any]:
+    """What a streamed chunk and a whole completion carry alike (their messages share these fields)."""
+    return {
+        "text": msg.text,
+        "token_ids": tuple(msg.token_ids),
+        "finish_reason": _FINISH.get(msg.finish_reason),
+        "usage": usage_from_pb(msg.usage) if msg.HasField("usage") else None,
+        "logprobs": tuple(msg.logprobs),
+        "request_id": msg.request_id,
+        "worker_id": msg.worker_id,
+    }
+
+
 def chunk_from_pb(msg: generation_pb2.GenerateChunk) -> Chunk:
-    return Chunk(
-        text=msg.text,
-        token_ids=tuple(msg.token_ids),
-        finish_reason=_FINISH.get(msg.finish_reason),
-        usage=usage_from_pb(msg.usage) if msg.HasField("usage") else None,
-        logprobs=tuple(msg.logprobs),
-        request_id=msg.request_id,
-        worker_id=msg.worker_id,
-    )
+    return Chunk(**_result_fields(msg))
 
 
 def completion_from_pb(msg: generation_pb2.CompleteResponse) -> Completion:
-    return Completion(
-        text=msg.text,
-        token_ids=tuple(msg.token_ids),
-        finish_reason=_FINISH.get(msg.finish_reason),
-        usage=usage_from_pb(msg.usage) if msg.HasField("usage") else None,
-        logprobs=tuple(msg.logprobs),
-        request_id=msg.request_id,
-        worker_id=msg.worker_id,
-    )
+    return Completion(**_result_fields(msg))
 
 
 def models_from_pb(msg: router_pb2.ListModelsResponse) -> list[Model]:
