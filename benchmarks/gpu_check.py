@@ -243,6 +243,7 @@ def record_logits(engine) -> dict[str, list[Any]]:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    from kvpact.shared.describe import realized_table
     from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
     from kvpact.shared.scheduler_choice import CacheKind
     from kvpact.shared.spec import WorkerSpec
@@ -279,7 +280,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
             started = time.monotonic()
             with build_engine(spec) as engine:
                 realized = engine.realized
-                assert realized.kind is CacheKind.PAGED and realized.backend is backend, realized.table()
+                paged_as_asked = realized.kind is CacheKind.PAGED and realized.backend is backend
+                assert paged_as_asked, realized_table(realized)
                 ready = time.monotonic() - started
                 logits = record_logits(engine)
                 batch, again = (
@@ -355,6 +357,7 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
 def cmd_e2e(args: argparse.Namespace) -> int:
     from kvpact.client import Client
     from kvpact.deploy.processes import ProcessDied, free_port, start_process, stop, wait_for_health
+    from kvpact.shared.describe import realized_table
     from kvpact.shared.handshake_pb import realized_from_pb
 
     model = args.model
@@ -396,7 +399,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
                 [worker] = status.workers
                 realized = realized_from_pb(worker.realized)
                 print(f"--- {name}: SERVING after {serving_s:.1f}s")
-                print(realized.table(title=f"worker {worker.worker_id}: realized KV cache"))
+                print(realized_table(realized, title=f"worker {worker.worker_id}: realized KV cache"))
                 got_kind = realized.kind.value
                 got_backend = realized.backend.value if realized.backend else None
                 reply = client.complete(prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

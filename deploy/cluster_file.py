@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvpact.shared.address import join_host_port
 from kvpact.shared.errors import ConfigError, KvpactError
 from kvpact.shared.intent import PagedAttentionMode
 
@@ -154,7 +155,7 @@ def worker_argv(
     worker reports the address it bound, so ClusterStatus tells a scraper where each worker's
     /metrics is), and its labels."""
     argv = list(slot.group.flags)
-    argv += ["--worker-id", slot.worker_id, "--router", router, "--listen", f"{_bracket(host)}:0"]
+    argv += ["--worker-id", slot.worker_id, "--router", router, "--listen", join_host_port(host, 0)]
     if "--advertise-host" not in argv:
         argv += ["--advertise-host", host]
     if "--metrics-port" not in argv:
@@ -164,10 +165,6 @@ def worker_argv(
     if auth_token_file:
         argv += ["--auth-token-file", auth_token_file]
     return argv
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def _number(value: float) -> str:

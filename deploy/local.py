@@ -34,6 +34,7 @@ from kvpact.deploy.processes import (
     wait_for_health,
 )
 from kvpact.shared.cli import add_paged_attn_arg
+from kvpact.shared.describe import realized_table
 from kvpact.shared.handshake_pb import realized_from_pb
 
 DEFAULT_PORT = 50051
@@ -100,7 +101,7 @@ def describe(router: str, http: str, processes: Sequence[ProcessHandle], log_dir
     with Client(router, timeout=10) as client:
         status = client.cluster_status()
     tables = [
-        realized_from_pb(w.realized).table(title=f"worker {w.worker_id}: realized KV cache")
+        realized_table(realized_from_pb(w.realized), title=f"worker {w.worker_id}: realized KV cache")
         for w in status.workers
         if w.HasField("realized")
     ]

@@ -125,10 +125,6 @@ class Registry:
                 dead.append(entry)
         return dead
 
-    def num_alive(self) -> int:
-        """Workers that could take a request now (ADMITTED)."""
-        return sum(1 for e in self._entries.values() if e.serving)
-
     def serving(self, model: str) -> list[WorkerEntry]:
         return [e for e in self._entries.values() if e.serving and e.model_name == model]
 

@@ -24,6 +24,7 @@ from kvpact.router.config import RouterConfig
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry_service import RegistryService
 from kvpact.router.service import GenerationService
+from kvpact.shared.address import join_host_port
 from kvpact.shared.auth import SecretFile
 from kvpact.shared.errors import BindError, ConfigError, RequestError
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
@@ -83,35 +84,36 @@ class RouterServer:
 
     async def start(self) -> int:
         """Bind (both ports, before anything starts: BindError) and start serving; returns the bound port."""
-        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        host = self.config.host
         # Clients hold no certificate (they bring API keys): workers are checked by dialing them back.
         self.port = add_port(
-            self._server, f"{host}:{self.config.port}", self.config.tls, require_client_cert=False
+            self._server, join_host_port(host, self.config.port), self.config.tls, require_client_cert=False
         )
         if not self.port:
-            raise BindError("--listen", f"{host}:{self.config.port}")
+            raise BindError("--listen", join_host_port(host, self.config.port))
         if self.config.metrics_port is not None:
             try:
                 self.metrics.serve(self.config.metrics_port, self.config.host)
             except OSError as exc:
-                raise BindError("--metrics-port", f"{host}:{self.config.metrics_port}") from exc
+                raise BindError("--metrics-port", join_host_port(host, self.config.metrics_port)) from exc
         if self.http is not None:
             self.http.bind()  # BindError naming --http-listen, before anything starts
         await self.cluster.start()
         await self._server.start()
-        print(f"router listening on {host}:{self.port}", flush=True)  # tests and deploy read it
+        address = join_host_port(host, self.port)
+        print(f"router listening on {address}", flush=True)  # tests and deploy read it
         if self.http is not None:
             await self.http.start()  # prints "router http listening on HOST:PORT"
         log.info(
             "router_listening",
-            address=f"{host}:{self.port}",
+            address=address,
             metrics_port=self.config.metrics_port,
             tls=describe_tls(self.config.tls),
             api_keys=self.api_keys.required,
         )
         warning = plaintext_warning(self.config.host, self.config.tls)
         if warning:
-            log.warning("plaintext_listener", address=f"{host}:{self.port}", hint=warning)
+            log.warning("plaintext_listener", address=address, hint=warning)
         return self.port
 
     def reload_secrets(self) -> None:

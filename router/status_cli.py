@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.json_format import MessageToJson
 
 from kvpact.client import Client, KvpactRpcError, render_cluster_status
+from kvpact.shared.address import join_host_port
 from kvpact.shared.cli import host_port, seconds
 from kvpact.v1 import router_pb2
 
@@ -118,7 +119,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextI
     parser = build_parser()
     args = parser.parse_args(argv)
     host, port = args.address
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = join_host_port(host, port)
     api_key = None
     if args.api_key_file:
         try:

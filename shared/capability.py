@@ -1,7 +1,7 @@
 """The device/build check: may this worker realize PagedAttention, and with which backend?
 
 A pure function over a description of the device, the build and the model, so every case is testable
-on a CPU. Defaults mirror the seed write-up:
+on a CPU. The defaults (docs/design.md, "The contract"):
 
     CUDA + Triton (supported capability, head size, dtype, block size) -> auto enables Triton
     ... whose opt-in shared memory per block cannot hold the kernels'  -> unsupported (component

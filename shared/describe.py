@@ -8,7 +8,7 @@ ClusterStatus, the client's status table).
     describe_realized(realized)  one line: kind, blocks/slots, capacity, max model len, fallbacks
     describe_compact(realized)   table cells: (`PAGED torch 1456x16`, `23296 tok`)
     describe_plan(plan)          `PAGED (torch backend)` / `EAGER; fell back because ...`
-    realized_table(realized)     the multi-line table (RealizedCache.table)
+    realized_table(realized)     the multi-line table (the worker's startup log, `make serve`)
     fallback_reasons(x)          `[component] reason; ...`
 """
 

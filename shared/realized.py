@@ -1,4 +1,5 @@
-"""What a worker actually built: its KV cache, scheduler and every fallback, and how to show it."""
+"""What a worker actually built: its KV cache, scheduler and every fallback. Data only: how it is shown is
+kvpact.shared.describe's (`describe_realized`, `realized_table`), which imports this, never the reverse."""
 
 from __future__ import annotations
 
@@ -22,9 +23,3 @@ class RealizedCache:
     block_size: int = 0  # PAGED only
     prefix_caching: bool = False
     fallbacks: tuple[Fallback, ...] = field(default_factory=tuple)
-
-    def table(self, title: str = "realized KV cache") -> str:
-        """A small readable table, logged once at startup and printed by `make serve` (shared/describe.py)."""
-        from kvpact.shared.describe import realized_table
-
-        return realized_table(self, title)

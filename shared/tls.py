@@ -57,7 +57,7 @@ class TlsConfig:
 
 def add_tls_args(parser: argparse.ArgumentParser, role: str) -> None:
     """--tls-cert, --tls-key, --tls-ca and --tls-server-name, the same on the router and the worker."""
-    group = parser.add_argument_group("TLS (docs: README 'Securing a cluster')")
+    group = parser.add_argument_group("TLS (docs/security.md)")
     group.add_argument(
         "--tls-cert",
         metavar="PATH",

@@ -1,9 +1,11 @@
-"""Guards on the shape of the code: the single fallback door and the one-way dependencies (DESIGN §1-2).
+"""Guards on the shape of the code: the single fallback door and the one-way dependencies (docs/design.md,
+"The contract" and "Layers").
 
 Both read the source with `ast`, so they hold for code paths no test executes.
 """
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -84,14 +86,21 @@ FORBIDDEN_IMPORTS = {
 }
 
 
-def imported_roots(tree: ast.AST) -> set[str]:
-    """What a module imports, by root: `torch` for `torch.nn`, `kvpact.worker` for `kvpact.worker.x`."""
+def _imported_names(tree: ast.AST) -> set[str]:
+    """Every dotted name a module imports: `kvpact.shared.wire` and `kvpact.shared.wire.x` for
+    `from kvpact.shared.wire import x`."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def imported_roots(tree: ast.AST) -> set[str]:
+    """What a module imports, by root: `torch` for `torch.nn`, `kvpact.worker` for `kvpact.worker.x`."""
+    names = _imported_names(tree)
     return {".".join(n.split(".")[:2]) if n.startswith("kvpact.") else n.split(".")[0] for n in names}
 
 
@@ -105,9 +114,28 @@ def test_dependencies_run_one_way(package):
 
 
 def test_client_library_does_not_import_torch_or_the_worker():
-    client = ROOT / "protos" / "kvpact" / "client.py"
-    forbidden = {"torch", "kvpact.worker", "kvpact.kernels", "kvpact.router"}
-    assert not imported_roots(ast.parse(client.read_text())) & forbidden
+    forbidden = {"torch", "kvpact.worker", "kvpact.kernels", "kvpact.router", "kvpact.deploy"}
+    bad = [
+        f"{path.relative_to(ROOT)} imports {', '.join(sorted(hits))}"
+        for path in sources("shared/client")
+        if (hits := imported_roots(ast.parse(path.read_text(), str(path))) & forbidden)
+    ]
+    assert sources("shared/client") and not bad, bad
+
+
+def test_the_client_is_imported_as_kvpact_client_only():
+    """shared/client is mapped to `kvpact.client` (pyproject's package-dir); reaching the same files as
+    `kvpact.shared.client` would load them twice, as two different modules."""
+    paths = sources(*PACKAGES, "tests", "benchmarks", "tools") + sorted((ROOT / "protos").rglob("*.py"))
+    bad = [
+        str(path.relative_to(ROOT))
+        for path in paths
+        if any(
+            n == "kvpact.shared.client" or n.startswith("kvpact.shared.client.")
+            for n in _imported_names(ast.parse(path.read_text(), str(path)))
+        )
+    ]
+    assert not bad, bad
 
 
 TOP_LEVEL_PARTS = {"router", "worker", "shared", "kernels", "deploy"}
@@ -131,3 +159,77 @@ def test_benchmarks_do_not_import_from_tests():
         if "tests" in imported_roots(ast.parse(path.read_text(), str(path)))
     ]
     assert not bad, bad
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the `kvpact` namespace, by its import name (pyproject's package-dir mapping; a
+    folder belongs to the deepest mapping that holds it)."""
+    dirs = {
+        name: ROOT / folder
+        for name, folder in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "package-dir"
+        ].items()
+    }
+    found = {}
+    for name, folder in dirs.items():
+        for path in folder.rglob("*.py"):
+            holders = [f for f in dirs.values() if path.is_relative_to(f)]
+            if max(holders, key=lambda f: len(f.parts)) != folder:
+                continue  # a nested mapping's file (shared/client/x.py is kvpact.client.x)
+            parts = path.relative_to(folder).with_suffix("").parts
+            found[".".join((name, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_back():
+    """No import loop, counting the imports inside functions and under TYPE_CHECKING too (each is a
+    dependency the reader must hold in mind): data modules are imported by their renderers, never the
+    reverse (shared/realized.py holds data; shared/describe.py shows it)."""
+    files = module_files()
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from package import submodule` depends on the submodule, not on the package's __init__.
+                subs = {f"{node.module}.{alias.name}" for alias in node.names} & files.keys()
+                deps |= subs or {node.module}
+        graph[module] = (deps & files.keys()) - {module}
+    assert "kvpact.shared.realized" in graph and "kvpact.client" in graph
+    assert not import_cycles(graph)
+
+
+def test_the_cycle_finder_finds_a_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]

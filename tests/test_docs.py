@@ -42,6 +42,49 @@ def test_docs_cite_nothing_outside_the_repository(doc):
     assert not bad, f"{doc.name} cites {bad}: say it here instead"
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, each space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return {slug(m) for m in re.findall(r"^#+ (.*)$", text, flags=re.MULTILINE)}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_link_between_the_docs_lands(doc):
+    """A relative link names a file that exists and, with #anchor, a heading in it (pages moved between
+    README.md and docs/ keep their links)."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.MULTILINE | re.DOTALL)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # http:, https:, mailto:
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in anchors(dest)):
+            broken.append(target)
+    assert not broken, f"{doc.name}: {broken}"
+
+
+def test_slug_matches_github():
+    assert slug("Is it up? `router status` and health") == "is-it-up-router-status-and-health"
+    assert slug("Fitting the model to memory: `--max-model-len auto`") == (
+        "fitting-the-model-to-memory---max-model-len-auto"
+    )
+
+
+def test_the_code_cites_nothing_outside_the_repository():
+    """Docstrings, comments and config cite docs/design.md, never a design card or write-up kept elsewhere."""
+    cited = re.compile(r"DESIGN(?:\.md|\s*§)|seed[ ]write-up|\.\./shared/")
+    paths = [ROOT / "pyproject.toml", ROOT / "Makefile"]
+    for part in ("shared", "router", "worker", "kernels", "deploy", "protos", "tests", "benchmarks", "tools"):
+        paths += (ROOT / part).rglob("*.py")
+    bad = [f"{p.relative_to(ROOT)}: {m}" for p in paths for m in cited.findall(p.read_text())]
+    assert not bad, "cite docs/design.md instead:\n" + "\n".join(bad)
+
+
 def test_every_reason_is_raised_somewhere():
     """A reason in the table that no check uses would be documented but never given."""
     code = "\n".join(p.read_text() for d in ("shared", "worker") for p in (ROOT / d).rglob("*.py"))

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpact.shared.describe import realized_table
 from kvpact.shared.handshake import LoadingPlan
 from kvpact.shared.handshake_pb import (
     intent_from_pb,
@@ -143,17 +144,19 @@ def test_realized_cache_round_trip(kind, scheduler, fallbacks):
 
 
 def test_realized_table_names_kind_and_fallback():
-    table = RealizedCache(
-        kind=CacheKind.EAGER,
-        scheduler=SchedulerKind.DEFAULT,
-        max_model_len=2048,
-        capacity_tokens=16384,
-        max_concurrency=8,
-        num_blocks=8,
-        memory_bytes=1 << 30,
-        cache_dtype=CacheDtype.FLOAT32,
-        fallbacks=(Fallback("device", "eager is the CPU default"),),
-    ).table()
+    table = realized_table(
+        RealizedCache(
+            kind=CacheKind.EAGER,
+            scheduler=SchedulerKind.DEFAULT,
+            max_model_len=2048,
+            capacity_tokens=16384,
+            max_concurrency=8,
+            num_blocks=8,
+            memory_bytes=1 << 30,
+            cache_dtype=CacheDtype.FLOAT32,
+            fallbacks=(Fallback("device", "eager is the CPU default"),),
+        )
+    )
     assert "EAGER" in table and "fallback (device)  eager is the CPU default" in table
 
 

@@ -1,4 +1,5 @@
-"""The seed write-up's regression list, one named test each, plus the decisions around it."""
+"""The contract's regression cases (docs/design.md, "The contract"), one named test each, plus the decisions
+around them."""
 
 import pytest
 

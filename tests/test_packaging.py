@@ -54,19 +54,27 @@ def test_the_wheel_holds_one_top_level_name_and_the_protos(wheel: Path):
     protos = sorted(p.name for p in (ROOT / "protos" / "kvpact" / "v1").glob("*.proto"))
     assert protos and sorted(n.rsplit("/", 1)[1] for n in names if n.endswith(".proto")) == protos
     assert "kvpact/v1/py.typed" in names
-    for part in ("router", "worker", "shared", "kernels", "deploy"):
+    for part in ("router", "worker", "shared", "kernels", "deploy", "client"):
         assert f"kvpact/{part}/__init__.py" in names
+    assert "kvpact/client/transport.py" in names
+    assert not [n for n in names if n.startswith("kvpact/shared/client")]
+
+
+def package_name(folder: Path) -> str:
+    """The import name setuptools gives a folder: the deepest package-dir entry that holds it, plus the
+    rest of the path (shared/client is `kvpact.client`, not `kvpact.shared.client`)."""
+    holders = [(n, ROOT / f) for n, f in SETUPTOOLS["package-dir"].items() if folder.is_relative_to(ROOT / f)]
+    name, base = max(holders, key=lambda item: len(item[1].parts))
+    return ".".join((name, *folder.relative_to(base).parts))
 
 
 def test_pyproject_lists_every_subpackage():
     """setuptools installs only the listed packages: a new folder with an __init__.py must be added."""
     on_disk = set()
-    for name, folder in SETUPTOOLS["package-dir"].items():
-        base = ROOT / folder
-        for init in base.rglob("__init__.py"):
-            rel = init.parent.relative_to(base)
-            on_disk.add(".".join((name, *rel.parts)))
-    assert {"kvpact.v1", "kvpact.worker.kv"} <= on_disk
+    for folder in SETUPTOOLS["package-dir"].values():
+        on_disk |= {package_name(init.parent) for init in (ROOT / folder).rglob("__init__.py")}
+    assert {"kvpact.v1", "kvpact.worker.kv", "kvpact.client"} <= on_disk
+    assert "kvpact.shared.client" not in on_disk
     missing = sorted(on_disk - set(SETUPTOOLS["packages"]))
     assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {missing}"
 

@@ -1,11 +1,15 @@
 """Spell out pyproject's package-dir mapping as a folder of links, for tools that cannot run setuptools'
 editable import hook:
 
-    DEST/kvpact/{__init__.py, client.py, status_table.py, v1}  -> protos/kvpact/...
-    DEST/kvpact/{router, worker, shared, kernels, deploy}     -> the top-level folders
+    DEST/kvpact/{__init__.py, v1}                    -> protos/kvpact/...
+    DEST/kvpact/{router, worker, kernels, deploy}    -> the top-level folders
+    DEST/kvpact/shared/{*.py}, DEST/kvpact/client    -> shared/*.py, shared/client
 
-Directory links, so a new module is seen without rebuilding (a new part or a new file directly in
-protos/kvpact needs a rebuild; every caller rebuilds on each run). With DEST on sys.path (mypy_path,
+Directory links, so a new module is seen without rebuilding. A folder that holds another mapped folder
+(protos/kvpact holds the parts; shared/ holds shared/client, which is `kvpact.client`, not
+`kvpact.shared.client`) becomes a real folder of per-entry links that leaves the nested one out, so each
+file has one module name; a new file directly in such a folder needs a rebuild (every caller rebuilds
+on each run). With DEST on sys.path (mypy_path,
 PYTHONPATH), `import kvpact.router` reads router/ of this checkout.
 
     python tools/link_tree.py DEST      # benchmarks/gpu_check.sh (a bare GPU image: no install)
@@ -15,6 +19,7 @@ PYTHONPATH), `import kvpact.router` reads router/ of this checkout.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -35,17 +40,20 @@ def _link(target: Path, link_path: Path) -> None:
 def build_tree(dest: Path) -> Path:
     """(Re)build DEST/kvpact; returns DEST (the folder to put on the path)."""
     dirs = package_dirs()
-    root_pkg = dest / "kvpact"
-    if root_pkg.exists():
-        for entry in root_pkg.iterdir():
-            entry.unlink()
-    root_pkg.mkdir(parents=True, exist_ok=True)
-    parts = {name.split(".", 1)[1]: folder for name, folder in dirs.items() if name != "kvpact"}
-    for entry in sorted(dirs["kvpact"].iterdir()):
-        if entry.name not in parts and (entry.suffix == ".py" or (entry / "__init__.py").exists()):
-            _link(entry, root_pkg / entry.name)
-    for part, folder in parts.items():
-        _link(folder, root_pkg / part)
+    if (dest / "kvpact").exists():
+        shutil.rmtree(dest / "kvpact")  # links and folders of links only: never follows a link
+    for name in sorted(dirs, key=lambda n: n.count(".")):  # parents first
+        folder, link_path = dirs[name], dest.joinpath(*name.split("."))
+        nested = {other for other in dirs.values() if other != folder and other.is_relative_to(folder)}
+        children = {other.rsplit(".", 1)[1] for other in dirs if other.rpartition(".")[0] == name}
+        if not nested and not children:
+            _link(folder, link_path)
+            continue
+        link_path.mkdir(parents=True)
+        for entry in sorted(folder.iterdir()):
+            mapped_elsewhere = entry in nested or entry.name in children
+            if not mapped_elsewhere and (entry.suffix == ".py" or (entry / "__init__.py").exists()):
+                _link(entry, link_path / entry.name)
     return dest
 
 

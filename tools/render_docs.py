@@ -21,7 +21,7 @@ from kvpact.shared.reasons import reasons_markdown
 from kvpact.worker.cli import kernel_limits
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "README.md", ROOT / "docs" / "contract.md")
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))  # a block may move to any page
 SECTIONS: dict[str, Callable[[], str]] = {
     "exit-codes": exit_codes_markdown,
     "paged-attention-reasons": lambda: reasons_markdown(kernel_limits()),

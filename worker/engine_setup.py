@@ -1,32 +1,9 @@
-"""Start a worker's engine, honoring --paged-attn as a policy. Two halves, so the worker process can
-report a failure before it spends minutes loading weights:
+"""Start a worker's engine, honoring --paged-attn as a policy, in two halves: `plan_startup` finds every
+reason knowable before loading (fast, no weights read), `build_engine` loads and builds what was planned.
 
-    plan = plan_startup(spec, probe=probe)   every reason knowable before loading (fast; no weights read):
-        probe device (worker/device.py), unless the caller already did
-        -> PagedAttentionState.from_intent(spec.cache)
-        -> read_model_config (config only)
-        -> decide_paged_attention(device, state, ModelTraits)          [door, component "device"]
-        -> loader compatibility findings, e.g. sliding window          [door, component "loader"]
-        -> size the cache from the budget (weights estimated from file sizes, subtracted from the memory
-           free before loading, so once):
-           a pool that cannot hold one max_model_len sequence          [door, component "cache-budget"]
-        -> Triton backend: run the kernels once on the device with the model's shapes and compare
-           with the torch references (worker/kernel_check.py; seconds) [door, component "kernels"]
-        -> eager (what is left): a cache that does not fit is a ConfigError naming --max-model-len /
-           --max-num-seqs (and the largest --max-model-len that would fit)
-        --max-model-len auto (the CUDA default): max_model_len is the longest sequence the pool (or one
-        eager slot) holds, up to the model's positions; logged with how it was chosen
-    engine = build_engine(plan)  load weights -> build the realized cache -> Triton backend: compile every
-                                 kernel variant this max_model_len can reach (worker/kernel_warmup.py,
-                                 logged "paged kernels warmed up") -> select_scheduler(requested,
-                                 realized kind) -> Engine; logs the realized table once.
-
-`build_engine(spec)` runs both. Every "cannot" goes through `disable_paged_attention`, so under `auto`
-it is recorded (and shown in the realized table) and under `on` it raises PagedAttentionRequiredError.
-Under `on` no path ends with an eager cache or the eager scheduler: the only way to reach the
-eager branch is a cleared paged config, which the door never clears when required, and
-`select_scheduler` refuses it again after the cache is built. Raises PagedAttentionRequiredError,
-ConfigError or ModelLoadError.
+NOTE: every "cannot" goes through `disable_paged_attention` (recorded under `auto`, raised under `on`),
+and `select_scheduler` checks the built cache once more, so `on` never ends with an eager cache. The
+checks in order, and which component each names: docs/worker-startup.md.
 """
 
 from __future__ import annotations
@@ -41,6 +18,7 @@ import torch
 
 from kvpact.shared import reasons
 from kvpact.shared.capability import ModelTraits, PagedDecision, decide_paged_attention
+from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend, disable_paged_attention
 from kvpact.shared.realized import RealizedCache
@@ -285,7 +263,7 @@ def build_engine(
         scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
     realized = realized_cache(plan, cache, scheduler_kind)
     log.info(
-        "realized KV cache\n" + realized.table(),
+        "realized KV cache\n" + realized_table(realized),
         model=loaded.name,
         load_seconds=round(loaded.load_seconds, 2),
     )

@@ -1,34 +1,9 @@
-"""A worker process from start to exit.
+"""A worker process from start to exit: bind, probe, plan, ask the router, load, serve, drain, stop.
 
-    bind the gRPC server (Worker + health NOT_SERVING + reflection), print "worker ID listening on ADDR"
-    -> probe the device (its Capabilities go into every Handshake from here on, a failed one too)
-    -> capability check and pre-load verdict (worker.engine_setup; fast, before any weight is read)
-    -> with --router: Handshake{loading=plan}, waiting up to --router-timeout for the router's answer:
-       refused -> exit 78 before a weight is read; no answer -> exit 1 before a weight is read; pending
-       -> go on (a Shutdown while loading stops it with 0)
-    -> load the model, build the KV cache, choose the scheduler (in a thread; health answers meanwhile)
-    -> print the realized cache table; Worker calls are answered from here on
-    -> with --router: Handshake{ready} -> Admission, then heartbeats until asked to stop
-    -> health SERVING once admitted (standalone: once loaded); NOT_SERVING as soon as the engine loop stops
-    -> stop: health NOT_SERVING, in-flight calls get STOP_GRACE_S, the engine is closed
-With --metrics-port, /metrics is served from the start (worker/metrics.py) and its address goes into
-every Handshake.
-
-Drain: the first SIGTERM/SIGINT once serving drains the worker: health NOT_SERVING, new requests refused
-with UNAVAILABLE (the router sends them elsewhere), a heartbeat with `draining` at once (the router shows
-DRAINING and routes nothing new here), in-flight requests finish for up to --drain-timeout, then it
-deregisters and exits 0. A second signal (or one before it serves) stops it at once.
-
-A startup that fails prints one line on stderr (no stack trace), reports Handshake{failed} to the
-router when there is one (retrying for up to --router-timeout if the router is not up yet), and
-exits 78 when the configuration cannot be honored (--paged-attn on not realizable, ConfigError),
-1 for other failures (model load, out of memory, internal). The router refusing admission (of the
-plan, before loading, or of the ready worker) exits 78;
-an unreachable router (after --router-timeout) or a rejected auth token exits 1. SIGINT/SIGTERM and
-the router's Shutdown RPC or heartbeat reply stop it with 0: a worker told to stop did nothing
-wrong, and the router's own exit code carries a cluster failure. A router that stops answering
-heartbeats is logged once it has been silent for --router-timeout; the worker keeps serving.
-SIGHUP re-reads --auth-token-file (the next heartbeat carries the new token); --tls-* are read once.
+NOTE: the router hears every verdict before a weight is read. The pre-load plan (and any failure) goes
+to the router first, and the worker loads no weight before the router acknowledged the plan; a failure is one
+line on stderr and an exit code (78: the configuration cannot be honored; 1: anything else; 0: told to
+stop), never a stack trace. The steps, drain and exit codes: docs/worker-startup.md.
 """
 
 from __future__ import annotations
@@ -44,7 +19,9 @@ from typing import TypeVar
 
 import structlog
 
+from kvpact.shared.address import join_host_port
 from kvpact.shared.auth import read_token
+from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import (
     EXIT_FATAL,
     EXIT_POLICY,
@@ -212,7 +189,7 @@ class WorkerProcess:
             try:
                 port = self.metrics.serve(options.listen_host, options.metrics_port)
             except OSError:
-                error = BindError("--metrics-port", f"{options.listen_host}:{options.metrics_port}")
+                error = BindError("--metrics-port", join_host_port(options.listen_host, options.metrics_port))
                 _say(f"worker {self.worker_id}: {error}", error=True)
                 return EXIT_FATAL
             self.handshake.metrics_address = self._advertised_address(port)
@@ -249,7 +226,7 @@ class WorkerProcess:
         self.server.attach(engine, served_name)
         log.info("serving", address=self.handshake.address, model_name=served_name)
         _say(f"worker {self.worker_id} serving {served_name} on {self.handshake.address}")
-        _say(engine.realized.table())
+        _say(realized_table(engine.realized))
         if self.link is None:
             await self._ready()
             return None
@@ -431,7 +408,7 @@ class WorkerProcess:
         host = self.options.advertise_host or self.options.listen_host
         if host in _WILDCARD_HOSTS:
             host = socket.gethostname()  # a wildcard bind is reached through the host's name
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return join_host_port(host, port)
 
 
 async def _in_daemon_thread(fn: Callable[..., T], *args: object, **kwargs: object) -> T:

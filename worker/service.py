@@ -24,6 +24,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvpact.shared.address import join_host_port
 from kvpact.shared.errors import BindError, KvpactError, RequestError
 from kvpact.shared.handshake_pb import load_to_pb
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS, check_request_limits, excerpt
@@ -160,7 +161,7 @@ class WorkerServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self._server)
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        address = join_host_port(host, port)
         self.port = add_port(self._server, address, tls, require_client_cert=True)
         if self.port == 0:
             raise BindError("--listen", address)
@@ -168,15 +169,11 @@ class WorkerServer:
     @property
     def address(self) -> str:
         """HOST:PORT as bound (the port is the real one when --listen asked for 0)."""
-        return f"{self._host}:{self.port}"
+        return join_host_port(self._host, self.port)
 
     async def start(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
-
-    async def set_serving(self, engine: Engine, model_name: str) -> None:
-        self.attach(engine, model_name)
-        await self.set_ready(True)
 
     def attach(self, engine: Engine, model_name: str) -> None:
         """Answer Worker calls from now on; health stays as it is (a worker with a router turns SERVING

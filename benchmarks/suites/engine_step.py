@@ -125,7 +125,11 @@ class _TimedRunner:
         return result
 
 
-def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int, tag: str) -> None:
+def _generate(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, tag: str, wait_s: float = WAIT_S
+) -> None:
+    """Submit every prompt at once and wait for all; a failed request or one past `wait_s` ends the run
+    naming it (never a hang)."""
     done = threading.Semaphore(0)
     failures: list[str] = []
 
@@ -138,10 +142,10 @@ def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int, tag: st
 
     for i, prompt in enumerate(prompts):
         engine.submit(greedy_request(f"{tag}-{i}", prompt, max_tokens), sink)
-    deadline = time.monotonic() + WAIT_S
+    deadline = time.monotonic() + wait_s
     for _ in prompts:
         if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"{tag}: {len(prompts)} requests did not finish within {WAIT_S:g} s")
+            raise TimeoutError(f"{tag}: {len(prompts)} requests did not finish within {wait_s:g} s")
     if failures:
         raise RuntimeError(f"{tag}: a request failed: {failures[0]}")
 

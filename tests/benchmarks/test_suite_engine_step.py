@@ -1,13 +1,17 @@
 """`python -m benchmarks.run --quick --suites engine_step` on a tiny model: it runs, writes its report,
-and reports every target of the engine-step part of the performance issue with a measured figure."""
+and reports every target of the engine-step part of the performance issue with a measured figure; a
+failed or silent request ends the measurement naming it instead of hanging it."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+from benchmarks.suites import engine_step
+from kvpact.worker.request import GenerationError
 from tests.factories.tiny_models import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,3 +49,47 @@ def test_quick_engine_step_suite_writes_its_tables_targets_and_plot(tmp_path):
     assert {"matmul (linear)", "attention kernel", "host (Python, dispatch)"} <= groups
     assert "--suites engine_step --quick" in steps["command"]
     assert "engine_step.png" in (out / "engine_step.md").read_text()
+
+
+class FailingEngine:
+    """Fails every request from another thread, as the engine's step thread does."""
+
+    def submit(self, request, sink) -> None:  # type: ignore[no-untyped-def]
+        threading.Thread(target=sink, args=(GenerationError("simulated device fault"),)).start()
+
+
+class SilentEngine:
+    """Accepts requests and never answers."""
+
+    def submit(self, request, sink) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def generated(engine, wait_s: float = 10.0) -> BaseException | None:  # type: ignore[no-untyped-def]
+    """Run the suite's `_generate` in a thread bounded by a join timeout; what it raised (None if none)."""
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            engine_step._generate(engine, [[1, 2], [3, 4]], 4, "t", wait_s=wait_s)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert outcome, "_generate() is still waiting"
+    return outcome[0]
+
+
+def test_a_failed_request_ends_the_measurement_naming_it():
+    error = generated(FailingEngine())
+    assert isinstance(error, RuntimeError)
+    assert str(error) == "t: a request failed: simulated device fault"
+
+
+def test_requests_that_never_finish_time_out():
+    error = generated(SilentEngine(), wait_s=0.2)
+    assert isinstance(error, TimeoutError)
+    assert str(error) == "t: 2 requests did not finish within 0.2 s"

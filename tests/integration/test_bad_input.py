@@ -1,6 +1,6 @@
 """Bad input through a real router to a real worker (tiny Llama, `--paged-attn on`, 2 sequences at
 once), with the real client: each gets a specific status and a message naming what was wrong, never
-INTERNAL or a stack trace, and every KV block is free afterwards. DESIGN.md §5."""
+INTERNAL or a stack trace, and every KV block is free afterwards (docs/design.md, "What bad input gets")."""
 
 from __future__ import annotations
 

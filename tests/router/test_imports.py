@@ -1,4 +1,5 @@
-"""The router never imports worker/, kernels/ or torch (DESIGN §2): it starts fast where no GPU is."""
+"""The router never imports worker/, kernels/ or torch (docs/design.md, "Layers"): it starts fast where no GPU
+is."""
 
 import json
 import subprocess

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvpact.shared.capability import DeviceInfo
+from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
@@ -56,7 +57,7 @@ def test_cpu_auto_realizes_eager_and_says_why(make_engine, tiny_llama):
     assert fallbacks(r) == [
         ("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")
     ]
-    assert "fallback (device)  eager is the CPU default" in r.table()
+    assert "fallback (device)  eager is the CPU default" in realized_table(r)
     assert isinstance(engine.scheduler, EagerScheduler)
     # the CPU defaults: 8 slots reserved at max_model_len
     assert (r.num_blocks, r.max_concurrency, r.capacity_tokens) == (8, 8, 8 * 256)

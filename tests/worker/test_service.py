@@ -231,7 +231,8 @@ def test_health_says_not_serving_until_the_engine_is_attached(model_dir):
 
             engine = build_engine(parse_args(["--model", str(model_dir), *FLAGS]).spec)
             try:
-                await server.set_serving(engine, "tiny")
+                server.attach(engine, "tiny")
+                await server.set_ready(True)
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
                 chunks = [c async for c in worker_stub.Generate(greedy("Hi", 3, model="tiny"), timeout=30)]
@@ -259,7 +260,8 @@ def test_unexpected_errors_are_internal_without_a_stack_trace_and_the_server_kee
     async def scenario() -> None:
         server = WorkerServer(WorkerService("w-broken", lambda reason: None), "127.0.0.1", 0)
         await server.start()
-        await server.set_serving(BrokenEngine(), "broken")  # type: ignore[arg-type]
+        server.attach(BrokenEngine(), "broken")  # type: ignore[arg-type]
+        await server.set_ready(True)
         try:
             async with grpc.aio.insecure_channel(server.address) as channel:
                 stub = worker_pb2_grpc.WorkerStub(channel)

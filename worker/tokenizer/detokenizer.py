@@ -51,10 +51,6 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         return self._emit(final=False)
 
-    def add_many(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(token_ids)
-        return self._emit(final=False)
-
     def flush(self) -> str:
         """Everything not yet emitted, even an incomplete character (as U+FFFD). Call once, at the end."""
         return self._emit(final=True)

@@ -8,7 +8,7 @@
             print(chunk.text, end="", flush=True)
         print(render_cluster_status(client.cluster_status()))
 
-Over TLS, with an API key (README "Securing a cluster"):
+Over TLS, with an API key (docs/security.md):
 
     Client("router.example:50051", ca_file="ca.crt", api_key="...")   # TLS verified against ca.crt
     Client("router.example:50051", tls=True, api_key="...")           # TLS verified against system roots
@@ -39,8 +39,8 @@ from typing import Any, TypedDict, Unpack
 
 import grpc
 
-from kvpact.status_table import render_cluster_status
-from kvpact.transport import TransportParams, open_channel, with_api_key
+from kvpact.client.status_table import render_cluster_status
+from kvpact.client.transport import TransportParams, open_channel, with_api_key
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
 __all__ = [
@@ -217,28 +217,25 @@ def usage_from_pb(msg: generation_pb2.Usage) -> Usage:
     return Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_prompt_tokens)
 
 
+def _result_fields(msg: generation_pb2.GenerateChunk | generation_pb2.CompleteResponse) -> dict[str, Any]:
+    """What a streamed chunk and a whole completion carry alike (their messages share these fields)."""
+    return {
+        "text": msg.text,
+        "token_ids": tuple(msg.token_ids),
+        "finish_reason": _FINISH.get(msg.finish_reason),
+        "usage": usage_from_pb(msg.usage) if msg.HasField("usage") else None,
+        "logprobs": tuple(msg.logprobs),
+        "request_id": msg.request_id,
+        "worker_id": msg.worker_id,
+    }
+
+
 def chunk_from_pb(msg: generation_pb2.GenerateChunk) -> Chunk:
-    return Chunk(
-        text=msg.text,
-        token_ids=tuple(msg.token_ids),
-        finish_reason=_FINISH.get(msg.finish_reason),
-        usage=usage_from_pb(msg.usage) if msg.HasField("usage") else None,
-        logprobs=tuple(msg.logprobs),
-        request_id=msg.request_id,
-        worker_id=msg.worker_id,
-    )
+    return Chunk(**_result_fields(msg))
 
 
 def completion_from_pb(msg: generation_pb2.CompleteResponse) -> Completion:
-    return Completion(
-        text=msg.text,
-        token_ids=tuple(msg.token_ids),
-        finish_reason=_FINISH.get(msg.finish_reason),
-        usage=usage_from_pb(msg.usage) if msg.HasField("usage") else None,
-        logprobs=tuple(msg.logprobs),
-        request_id=msg.request_id,
-        worker_id=msg.worker_id,
-    )
+    return Completion(**_result_fields(msg))
 
 
 def models_from_pb(msg: router_pb2.ListModelsResponse) -> list[Model]:
@@ -255,11 +252,11 @@ def _metadata(metadata: Metadata | None) -> tuple[tuple[str, str], ...] | None:
 # -- clients -----------------------------------------------------------------------------------------
 
 
-class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call; each call may
-    override it with its own `timeout=`. `metadata` is sent with every call, `api_key` as
-    `authorization: Bearer <key>`. TLS: `tls=True` (system roots), or `ca_file` (and `cert_file` +
-    `key_file` for a client certificate), `server_name`, or ready-made `credentials`."""
+class _Connection:
+    """What `Client` and `AsyncClient` share: the channel (grpc or grpc.aio, by `_AIO`), its stub, the
+    default deadline and the metadata sent with every call."""
+
+    _AIO: bool
 
     def __init__(
         self,
@@ -274,8 +271,20 @@ class Client:
         self.target = target
         self.timeout = timeout
         self.metadata = with_api_key(_metadata(metadata), api_key)
-        self._channel = open_channel(target, options, aio=False, **transport)
+        self._channel = open_channel(target, options, aio=self._AIO, **transport)
         self._stub = router_pb2_grpc.GenerationStub(self._channel)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+class Client(_Connection):
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; each call may
+    override it with its own `timeout=`. `metadata` is sent with every call, `api_key` as
+    `authorization: Bearer <key>`. TLS: `tls=True` (system roots), or `ca_file` (and `cert_file` +
+    `key_file` for a client certificate), `server_name`, or ready-made `credentials`."""
+
+    _AIO = False
 
     def complete(
         self, prompt: Prompt, *, timeout: float | None = None, **params: Unpack[GenerateParams]
@@ -323,9 +332,6 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
-
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
             return method(request, timeout=self._deadline(timeout), metadata=self.metadata)
@@ -346,24 +352,10 @@ class Client:
             call.cancel()  # no-op when finished; frees the worker's cache when the caller stops early
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """The grpc.aio twin of `Client`: same arguments, awaitable calls, async iterators for streams."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-        api_key: str | None = None,
-        **transport: Unpack[TransportParams],
-    ) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.metadata = with_api_key(_metadata(metadata), api_key)
-        self._channel = open_channel(target, options, aio=True, **transport)
-        self._stub = router_pb2_grpc.GenerationStub(self._channel)
+    _AIO = True
 
     async def complete(
         self, prompt: Prompt, *, timeout: float | None = None, **params: Unpack[GenerateParams]
@@ -412,9 +404,6 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
