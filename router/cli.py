@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="serve Prometheus metrics on this port (default: off)",
     )
+    parser.add_argument(
+        "--report-file",
+        metavar="PATH",
+        help="keep a JSON report of this router here (its address, state, exit code, failure report and "
+        "ClusterStatus), replaced whole on every change; for the program that started it, e.g. "
+        "kvpact-launch (default: none)",
+    )
     add_tls_args(parser, "router")
     parser.add_argument(
         "--balance",
@@ -171,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_in_flight_per_worker=args.max_in_flight_per_worker,
         drain_timeout_s=args.drain_timeout,
         failed_linger_s=args.failed_linger,
+        report_file=args.report_file,
     )
 
 

@@ -30,4 +30,5 @@ class RouterConfig:
     # it exits sooner once every expected worker has been told.
     failed_linger_s: float = 15.0
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight calls get this long to finish
+    report_file: str | None = None  # --report-file: router/report_file.py
     max_in_flight_per_worker: int = 512  # requests forwarded to one worker at once, then RESOURCE_EXHAUSTED

@@ -88,7 +88,9 @@ class RouterServer:
                 raise BindError("--metrics-port", f"{host}:{self.config.metrics_port}") from exc
         await self.cluster.start()
         await self._server.start()
-        print(f"router listening on {host}:{self.port}", flush=True)  # tests and deploy read it
+        self.cluster.address = f"{host}:{self.port}"
+        self.cluster.write_report()
+        print(f"router listening on {host}:{self.port}", flush=True)  # tests and make serve read it
         log.info(
             "router_listening",
             address=f"{host}:{self.port}",
@@ -126,8 +128,8 @@ async def serve(config: RouterConfig) -> int:
     server = RouterServer(config)
     await server.start()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # drain first (--drain-timeout); a second signal: now
-        loop.add_signal_handler(sig, server.cluster.on_stop_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # drain first (--drain-timeout); a second SIGINT: now
+        loop.add_signal_handler(sig, server.cluster.on_stop_signal, sig.name)
     loop.add_signal_handler(signal.SIGHUP, server.reload_secrets)
     try:
         code = await server.wait()
