@@ -307,10 +307,11 @@ def _port_range(raw: object, replicas: int, where: str, key: str) -> tuple[int, 
     """[LOW, HIGH], 1024 <= LOW <= HIGH <= 65535, with a port for every replica (all may share a node)."""
     if raw is None:
         return None
-    ok = isinstance(raw, list) and len(raw) == 2 and all(type(p) is int for p in raw)
-    if not ok or not 1024 <= raw[0] <= raw[1] <= 65535:  # type: ignore[index]
+    ports = raw if isinstance(raw, list) and len(raw) == 2 and all(type(p) is int for p in raw) else None
+    if ports is None or not 1024 <= ports[0] <= ports[1] <= 65535:
         _fail(where, key, "expected [LOW, HIGH], whole numbers with 1024 <= LOW <= HIGH <= 65535", raw)
-    low, high = raw  # type: ignore[misc]
+    low: int = ports[0]
+    high: int = ports[1]
     if high - low + 1 < replicas:
         _fail(
             where,

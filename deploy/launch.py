@@ -271,15 +271,14 @@ class Launch:
     # -- supervision -----------------------------------------------------------------------------------
 
     def _until_serving(self) -> int | None:
-        """None once the router's report says SERVING; else the exit code of a failed start."""
+        """None once the router's report says SERVING; else the exit code of a failed start (a router
+        that failed exits by itself once it has told its workers, router --failed-linger)."""
         deadline = time.monotonic() + self.cluster.router.startup_timeout_s + STARTUP_MARGIN_S
         exited_at: dict[str, float] = {}
         while True:
             report = read_report(self.report_path)
             if report.get("state") == "serving":
                 return None
-            if report.get("state") == "failed" and report.get("exit_code") is not None:
-                return EXIT_POLICY if report["exit_code"] == EXIT_POLICY else EXIT_FATAL
             code = self._router_code()
             if code is not None:
                 return code if code in (EXIT_POLICY, EXIT_FATAL) else EXIT_FATAL

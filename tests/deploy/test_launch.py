@@ -185,8 +185,15 @@ def test_on_with_a_worker_that_cannot_honor_it_fails_78_naming_it(
     assert TRITON_REASON in last
     # The router's report precedes the verdict: each worker, where Ray placed it, and the shutdown sent.
     assert 'worker "triton-0" at ' in err and "ray.bundle=1" in err
+    # Then the failed worker's own last lines, fetched through its actor (its node's files may be gone).
+    header = re.search(r"^worker triton-0 in bundle 1 on node \S+ \(\S+\): its last output lines$", err, re.M)
+    assert header is not None, err[-3000:]
+    assert TRITON_REASON in err[header.end() : err.rindex("kvpact-launch: FAILED")]
     out = launch.stdout()  # teardown's lines, printed (and flushed) before the verdict
     assert "teardown: placement group removed" in out
+    # Every worker's output reached the launcher's own (the job's logs), prefixed with its worker id.
+    everything = launch.output()
+    assert "(WorkerActor(torch-0) pid=" in everything and "(WorkerActor(triton-0) pid=" in everything
     # torch-0 did not keep loading: told to stop by the router (0), refused when it announced its plan to
     # the failed cluster (78), or stopped by the teardown (0).
     assert re.search(
