@@ -135,5 +135,8 @@ async def serve(config: RouterConfig) -> int:
         code = await server.wait()
     finally:
         await server.stop()
+        # Exiting now: a late SIGTERM (a supervisor's, after its own) must not turn exit 0 into -15.
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log.info("router_exit", exit_code=code)
     return code
