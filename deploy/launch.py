@@ -230,6 +230,11 @@ class Launch:
                 worker.actor.start.remote(worker.argv, self.auth_token),
                 timeout=placement.ACTOR_READY_TIMEOUT_S,
             )
+        except ray.exceptions.GetTimeoutError:  # slow, not known dead: still a bounded wait
+            raise LaunchFailure(
+                f"worker {worker.slot.worker_id}: its Ray actor in {worker.where()} did not answer `start` "
+                f"within {placement.ACTOR_READY_TIMEOUT_S:g} s (alive but stalled; see `ray status`)"
+            ) from None
         except ray.exceptions.RayError as exc:
             raise LaunchFailure(placement.lost(worker, "while starting", exc)) from None
         where = f"{worker.where()} (logs in {worker.log_dir})"
