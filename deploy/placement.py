@@ -7,6 +7,7 @@ Actors and the placement group are never detached: if the launcher dies, Ray rel
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,7 +60,9 @@ def connect(address: str) -> None:
 
     # log_to_driver: each WorkerActor copies its worker's output to its stdout/stderr, which Ray streams here
     # (and so into `ray job logs`) prefixed with the actor's repr, WorkerActor(<worker id>).
+    # RAY_COLOR_PREFIX=0: plain prefixes, no terminal colour codes in the job's log file (unless set).
     options: dict[str, Any] = {"log_to_driver": True, "logging_level": "WARNING"}
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         if address == "local":
             ray.init(include_dashboard=False, **options)
