@@ -44,6 +44,7 @@ from kvpact.deploy.placement import LaunchFailure, PlacedWorker
 from kvpact.deploy.ports import node_shares, port_candidates
 from kvpact.deploy.processes import ProcessHandle, start_process, stop
 from kvpact.deploy.restarts import RestartBudget
+from kvpact.deploy.stop import stop_wait_warning
 from kvpact.deploy.supervision import Health, Observation, observe
 from kvpact.shared.auth import read_token
 from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY, ConfigError
@@ -54,8 +55,6 @@ ROUTER_BIND_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.5
 ROUTER_OWN_EXIT_S = 10.0  # after a worker exits while starting, how long the router has to decide
 STARTUP_MARGIN_S = 30.0  # beyond router.startup_timeout_s, before the launcher gives up on the router
-OUTPUT_TAIL_CHARS = 3000  # of a failed worker's own output, in the failure report
-RAY_JOB_STOP_WAIT_DEFAULT_S = 3  # Ray's, when RAY_JOB_STOP_WAIT_TIME_S is not set
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -86,33 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"{args.config}: router.auth_token_file: {exc}", error=True)
         return EXIT_USAGE
     return Launch(cluster, auth_token).run()
-
-
-def stop_budget_s(cluster: ClusterFile) -> float:
-    """The longest an ordered stop takes: the longest worker drain (plus its margin) or the router's,
-    then the router's exit and the release."""
-    worker_drain = max(g.drain_timeout_s for g in cluster.workers) + placement.STOP_MARGIN_S
-    return max(worker_drain, cluster.router.drain_timeout_s) + 2 * placement.STOP_MARGIN_S
-
-
-def stop_wait_warning(cluster: ClusterFile, environ: dict[str, str]) -> str:
-    """As a Ray job: a warning when Ray would SIGKILL this launcher before its stop can finish (the job
-    supervisor waits RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM); "" otherwise."""
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in environ:  # set by Ray's job supervisor for its driver
-        return ""
-    raw = environ.get("RAY_JOB_STOP_WAIT_TIME_S", str(RAY_JOB_STOP_WAIT_DEFAULT_S))
-    need = stop_budget_s(cluster)
-    try:
-        wait = float(raw)
-    except ValueError:
-        wait = RAY_JOB_STOP_WAIT_DEFAULT_S
-    if wait >= need:
-        return ""
-    return (
-        f"RAY_JOB_STOP_WAIT_TIME_S is {raw} s: `ray job stop` would SIGKILL this launcher before its workers "
-        f"finish draining (the stop takes up to {need:g} s); set RAY_JOB_STOP_WAIT_TIME_S={need:g} or more "
-        "in the Ray head's environment (docs/ray.md)"
-    )
 
 
 def read_report(path: Path) -> dict[str, Any]:
@@ -397,28 +369,7 @@ class Launch:
         return f"FAILED (exit code {code}): {cause}"
 
     def _worker_tails(self, worker_ids: list[str]) -> str:
-        """The last lines each of these workers printed, fetched through its actor (its node may be
-        another machine, whose files go with it)."""
-        import ray
-
-        workers = [w for w in self.placed if w.slot.worker_id in worker_ids]
-        refs = {}
-        for worker in workers:
-            try:
-                refs[worker.slot.worker_id] = worker.actor.output.remote(OUTPUT_TAIL_CHARS)
-            except Exception:  # a dead actor: nothing to fetch
-                pass
-        blocks = []
-        for worker in workers:
-            ref = refs.get(worker.slot.worker_id)
-            try:
-                text = ray.get(ref, timeout=10) if ref is not None else "(its actor is gone)"
-            except Exception as exc:  # the report goes on without it
-                text = f"(its output could not be fetched: {type(exc).__name__})"
-            blocks.append(
-                f"worker {worker.slot.worker_id} in {worker.where()}: its last output lines\n{text.rstrip()}"
-            )
-        return "\n\n".join(blocks)
+        return placement.output_tails([w for w in self.placed if w.slot.worker_id in worker_ids])
 
     def _cluster_table(self) -> str:
         """The table of the router's ClusterStatus, from its report (no second connection to it)."""

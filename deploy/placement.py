@@ -20,6 +20,7 @@ from kvpact.deploy.worker_actor import WorkerActor
 ACTOR_READY_TIMEOUT_S = 120.0  # an actor process on a busy node: Python, kvpact's imports
 STOP_MARGIN_S = 10.0  # a worker's stop grace: its --drain-timeout plus this (never SIGKILLed mid-drain)
 PROGRESS_EVERY_S = 30.0
+OUTPUT_TAIL_CHARS = 3000  # of a failed worker's own output, in the failure report
 _RAY_LABEL_NODE, _RAY_LABEL_NODE_IP, _RAY_LABEL_BUNDLE = "ray.node", "ray.node_ip", "ray.bundle"
 
 
@@ -215,6 +216,30 @@ def stop_workers(placed: list[PlacedWorker]) -> list[str]:
         except Exception:  # teardown goes on whatever one step says
             codes.append(f"{worker_id} (actor gone)")
     return [f"workers stopped (exit codes): {', '.join(codes)}"] if codes else []
+
+
+def output_tails(workers: list[PlacedWorker]) -> str:
+    """The last lines each of these workers printed, fetched through its actor (its node may be
+    another machine, whose files go with it)."""
+    import ray
+
+    refs = {}
+    for worker in workers:
+        try:
+            refs[worker.slot.worker_id] = worker.actor.output.remote(OUTPUT_TAIL_CHARS)
+        except Exception:  # a dead actor: nothing to fetch
+            pass
+    blocks = []
+    for worker in workers:
+        ref = refs.get(worker.slot.worker_id)
+        try:
+            text = ray.get(ref, timeout=10) if ref is not None else "(its actor is gone)"
+        except Exception as exc:  # the report goes on without it
+            text = f"(its output could not be fetched: {type(exc).__name__})"
+        blocks.append(
+            f"worker {worker.slot.worker_id} in {worker.where()}: its last output lines\n{text.rstrip()}"
+        )
+    return "\n\n".join(blocks)
 
 
 def kill_actor(actor: Any) -> None:

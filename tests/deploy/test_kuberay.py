@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from kvpact.deploy.cluster_file import parse_cluster_file
-from kvpact.deploy.launch import build_parser, stop_budget_s
+from kvpact.deploy.launch import build_parser
+from kvpact.deploy.stop import stop_budget_s
 from kvpact.shared.intent import PagedAttentionMode
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import pytest
 
 from kvpact.deploy import placement
 from kvpact.deploy.cluster_file import ClusterFileError, WorkerSlot, parse_cluster_file
-from kvpact.deploy.launch import stop_budget_s, stop_wait_warning
 from kvpact.deploy.placement import PlacedWorker
+from kvpact.deploy.stop import stop_budget_s, stop_wait_warning
 
 JOB = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
 
