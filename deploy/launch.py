@@ -45,7 +45,7 @@ from kvpact.deploy.ports import node_shares, port_candidates
 from kvpact.deploy.processes import ProcessHandle, start_process, stop
 from kvpact.deploy.restarts import RestartBudget
 from kvpact.deploy.stop import stop_wait_warning
-from kvpact.deploy.supervision import Health, Observation, observe
+from kvpact.deploy.supervision import Health, Observation, Poller
 from kvpact.shared.auth import read_token
 from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY, ConfigError
 
@@ -112,6 +112,7 @@ class Launch:
         self.placed: list[PlacedWorker] = []
         self.retired: list[PlacedWorker] = []  # dead after serving, not restarted (released at teardown)
         self.restarting: dict[str, threading.Thread] = {}  # worker id -> its restart, beside supervision
+        self.poller = Poller()
         self.slow_since: dict[str, float] = {}
         self.exited: dict[str, int] = {}  # worker id -> exit code, for workers that exited while starting
         self.auth_token = auth_token
@@ -234,7 +235,7 @@ class Launch:
     def _observe(self) -> dict[str, Observation]:
         """How each worker not being restarted is (deploy/supervision.py); says when one is slow."""
         actors = {w.slot.worker_id: w.actor for w in self.placed if w.slot.worker_id not in self.restarting}
-        seen = observe(actors)
+        seen = self.poller.observe(actors)
         for worker_id, obs in seen.items():
             if obs.health is Health.SLOW:
                 if worker_id not in self.slow_since:

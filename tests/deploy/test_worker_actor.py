@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvpact.deploy.processes import free_port
-from kvpact.deploy.supervision import Health, observe
+from kvpact.deploy.supervision import Health, Poller, observe
 from kvpact.deploy.worker_actor import WorkerActor, visible_devices
 from tests.factories.ray_launch import ray_auth_env, short_temp_dir
 from tests.factories.tiny_models import make_tiny_llama
@@ -90,8 +90,16 @@ def test_a_slow_actor_is_not_taken_for_a_dead_one(local_ray: None):
     assert seen["slow"].health is Health.SLOW, seen
     assert seen["slow"].detail == "no answer within 1 s"
     assert seen["idle"].health is Health.RUNNING  # asked at the same time, answered at once
+    # Round after round, the unanswered call is waited on again, not sent again.
+    poller = Poller()
+    assert poller.observe({"slow": slow}, timeout_s=0.5)["slow"].health is Health.SLOW
+    [(_, first)] = poller.pending.values()
+    assert poller.observe({"slow": slow}, timeout_s=0.5)["slow"].health is Health.SLOW
+    assert poller.pending["slow"][1] == first
+    assert poller.observe({"slow": slow}, timeout_s=10)["slow"].health is Health.RUNNING  # it answered
+    assert poller.pending == {}
     ray.kill(slow, no_restart=True)
     deadline = time.monotonic() + 30
-    while (health := observe({"slow": slow}, timeout_s=5.0)["slow"].health) is not Health.DEAD:
+    while (health := poller.observe({"slow": slow}, timeout_s=5.0)["slow"].health) is not Health.DEAD:
         assert health is Health.SLOW and time.monotonic() < deadline, health
     ray.kill(running, no_restart=True)
