@@ -1,6 +1,9 @@
-"""deploy/restarts.py: the backoff schedule and the budget over a window, with time passed in."""
+"""deploy/restarts.py: the backoff schedule and the budget over a window, with time passed in; and
+deploy/supervision.py's verdict on Ray's errors (death vs slowness), without a cluster."""
 
 from __future__ import annotations
+
+import pytest
 
 from kvpact.deploy.restarts import RestartBudget
 
@@ -30,3 +33,14 @@ def test_the_budget_counts_only_the_restarts_within_the_window():
 
 def test_no_budget_means_no_restart():
     assert not RestartBudget(max_restarts=0).can_restart(0)
+
+
+def test_only_ray_saying_the_actor_is_gone_is_a_death():
+    exceptions = pytest.importorskip("ray.exceptions")
+    from kvpact.deploy.supervision import Health, judge_error
+
+    assert judge_error(exceptions.ActorDiedError()) is Health.DEAD
+    assert judge_error(exceptions.NodeDiedError("node lost")) is Health.DEAD
+    assert judge_error(exceptions.ActorUnavailableError("network", b"\0" * 16)) is Health.SLOW
+    assert judge_error(exceptions.GetTimeoutError("slow")) is Health.SLOW
+    assert judge_error(exceptions.RayTaskError("poll", "tb", ValueError("v"))) is Health.SLOW
