@@ -251,6 +251,7 @@ def test_ray_job_stop_with_streams_in_flight_finishes_every_stream_then_leaves_n
     assert all(s.ended_at > stopped_at for s in streams)  # each was in flight when the stop came
     assert wait_job(client, job_id, STOP_WAIT_S + 30) == JobStatus.STOPPED
     logs = client.get_job_logs(job_id)
+    print("\n".join(line for line in logs.splitlines() if line.startswith("kvpact-launch: "))[-3000:])
     assert "kvpact-launch: teardown: router told to stop" in logs, logs[-3000:]
     assert re.search(r"workers stopped \(exit codes\): cpu-0 0, cpu-1 0$", logs, re.M), logs[-3000:]
     assert "(WorkerActor(cpu-0) pid=" in logs  # the workers' own lines are in the job's logs
