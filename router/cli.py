@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--report-file",
         metavar="PATH",
         help="keep a JSON report of this router here (its address, state, exit code, failure report and "
-        "ClusterStatus), replaced whole on every change; for the program that started it, e.g. "
+        "ClusterStatus), replaced whole at each change of state; for the program that started it, e.g. "
         "kvpact-launch (default: none)",
     )
     add_tls_args(parser, "router")

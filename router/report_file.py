@@ -1,7 +1,8 @@
 """`router --report-file PATH`: what the router says about itself, for the program that started it.
 
-One JSON object, replaced whole (written beside PATH, then renamed over it) each time it changes, so a
-reader never sees half of one:
+One JSON object, replaced whole (written beside PATH, then renamed over it) at each change of state (bound,
+serving, failed, stopping), so a reader never sees half of one. `cluster_status` is the snapshot taken at
+that change; ask ClusterStatus for the live one.
 
     {"address": "HOST:PORT",            # where it listens (the bound port when --listen asked for 0)
      "state": "starting" | "serving" | "failed" | "stopping",
