@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Every shell script in the repository (shellcheck); pre-commit finds them by their shebang instead.
-SHELL_SCRIPTS := .ci/run $(wildcard benchmarks/*.sh)
+SHELL_SCRIPTS := .ci/run $(wildcard benchmarks/*.sh tools/*.sh)
 
 .PHONY: venv serve test test-all bench bench-quick protos lint print-shell-scripts clean
 

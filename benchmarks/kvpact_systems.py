@@ -2,8 +2,9 @@
 
     open_engine(model, cache, ...)      an Engine built through kvpact.worker.startup (what a worker runs)
     run_engine(engine, items)           every request submitted at once; wall time to the last token
-    Cluster(model, cache, ...)          a `router` and one `worker` process on 127.0.0.1 (free ports, logs in
-                                        a temporary folder, stopped by pid); `start()` then `wait_ready()`,
+    Cluster(model, cache, ...)          a `router` and `num_workers` (1) `worker` processes on 127.0.0.1 (free
+                                        ports, logs in a temporary folder, stopped by pid); `start()` then
+                                        `wait_ready()`,
                                         so several clusters can start at once
     stream(address, items)              an asyncio client (kvpact.client.AsyncClient, one channel) sending
                                         each request at its `arrival_s` (0: all at once) as token ids,
@@ -74,12 +75,14 @@ def run_engine(engine: Engine, items: Sequence[WorkItem], timeout_s: float = RUN
 
 @dataclass(slots=True)
 class Cluster:
-    """A router and one worker (`--paged-attn on|off`) as processes; `address` is the router's."""
+    """A router and its workers (`--paged-attn on|off`, no thread flags: each sizes its own CPU threads)
+    as processes; `address` is the router's."""
 
     model: Path
     cache: str
     max_model_len: int
     max_num_seqs: int
+    num_workers: int = 1
     address: str = ""
     handles: list[ProcessHandle] = field(default_factory=list)
 
@@ -90,12 +93,16 @@ class Cluster:
         python = sys.executable
         quiet = ["--log-format", "json", "--log-level", "WARNING"]
         router = [python, "-m", "kvpact.router", "--listen", self.address, *quiet]
+        router += ["--expect-workers", str(self.num_workers)]
         worker = [python, "-m", "kvpact.worker", "--router", self.address, "--model", str(self.model)]
-        worker += ["--paged-attn", MODES[self.cache].value, "--device", "cpu", "--worker-id", self.cache]
+        worker += ["--paged-attn", MODES[self.cache].value, "--device", "cpu"]
         worker += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
         # die_with_parent: a benchmark killed mid-run (Ctrl-C twice, a timeout) leaves no process behind
         self.handles.append(start_process(router, name="router", log_dir=logs, die_with_parent=True))
-        self.handles.append(start_process(worker + quiet, name="worker", log_dir=logs, die_with_parent=True))
+        for n in range(self.num_workers):
+            worker_id = self.cache if n == 0 else f"{self.cache}-{n + 1}"
+            argv = [*worker, "--worker-id", worker_id, *quiet]
+            self.handles.append(start_process(argv, name=worker_id, log_dir=logs, die_with_parent=True))
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:

@@ -33,6 +33,7 @@ from kvpact.shared.errors import RequestError
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.limits import excerpt
 from kvpact.shared.realized import RealizedCache
+from kvpact.worker.cpu_share import CpuShare
 from kvpact.worker.device import bind_thread
 from kvpact.worker.engine_observer import EngineObserver, FinishedRequest
 from kvpact.worker.model_runner import ModelRunner
@@ -71,6 +72,7 @@ class Engine:
         vocab_size: int,
         log: Any = None,
         observer: EngineObserver | None = None,
+        cpu_share: CpuShare | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -81,6 +83,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.log = log or structlog.get_logger("worker.engine")
         self.observer = observer  # per-request events (worker/metrics.py); set before the first request
+        self.cpu_share = cpu_share  # the step thread applies its thread count (None: torch's default)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # step thread only
         self._live: set[str] = set()  # request ids queued or running; guarded by _lock
@@ -330,6 +333,8 @@ class Engine:
                 self._stop_on_error(e)
             while not self._closed.is_set():
                 try:
+                    if self.cpu_share is not None:  # idle: its share goes to the other workers here
+                        self.cpu_share.apply(busy=self.scheduler.has_work())
                     self._drain(block=not self.scheduler.has_work())
                     if not self._closed.is_set() and self.scheduler.has_work():
                         self._step()

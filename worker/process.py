@@ -61,6 +61,7 @@ from kvpact.shared.spec import WorkerSpec
 from kvpact.shared.tls import TlsConfig, describe_tls, plaintext_warning
 from kvpact.shared.wire import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
 from kvpact.v1 import worker_pb2
+from kvpact.worker.cpu_share import CpuShare
 from kvpact.worker.device import probe_device
 from kvpact.worker.engine import DEFAULT_MAX_WAITING, Engine
 from kvpact.worker.loader import model_name, resolve_model_path
@@ -103,6 +104,7 @@ class WorkerOptions:
     log_level: str = "INFO"
     metrics_port: int | None = None  # serve /metrics on the --listen host; 0 = a free port; None = off
     log_prompts: bool = False  # prompt text in the request log line (never otherwise)
+    threads: int | None = None  # torch CPU threads; None = this worker's share of the machine (cpu_share.py)
 
 
 class PlanRefused(Exception):
@@ -178,6 +180,7 @@ class WorkerProcess:
             worker_id=self.worker_id, spec=spec_to_pb(options.spec), labels=dict(options.labels)
         )
         self._drain_task: asyncio.Task[None] | None = None
+        self.cpu_share = CpuShare.acquire(options.threads)  # released in _close
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -331,7 +334,7 @@ class WorkerProcess:
         self.handshake.capabilities.CopyFrom(capabilities_to_pb(probe))
         plan = await _in_daemon_thread(plan_startup, spec, probe=probe)
         await self._announce(plan)
-        engine = await _in_daemon_thread(build_engine, plan)
+        engine = await _in_daemon_thread(build_engine, plan, cpu_share=self.cpu_share)
         log.info("engine ready", seconds=round(time.monotonic() - started, 3))
         return engine
 
@@ -449,6 +452,7 @@ class WorkerProcess:
         if self.link is not None:
             await self.link.close()
         self.metrics.close()
+        self.cpu_share.release()
 
     def _advertised_address(self, port: int) -> str:
         host = self.options.advertise_host or self.options.listen_host

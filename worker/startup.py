@@ -48,6 +48,7 @@ from kvpact.shared.realized import RealizedCache
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.block_manager import BlockManager
+from kvpact.worker.cpu_share import CpuShare
 from kvpact.worker.device import DeviceProbe, probe_device
 from kvpact.worker.engine import Engine
 from kvpact.worker.kernel_check import triton_self_test
@@ -232,10 +233,17 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     return plan
 
 
-def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
+def build_engine(
+    plan: WorkerPlan | WorkerSpec, *, log: Any = None, cpu_share: CpuShare | None = None
+) -> Engine:
+    """`cpu_share` sizes torch's CPU threads, for loading here and then in the step thread; None leaves
+    torch's default (tests, benchmarks in-process)."""
     log = log or structlog.get_logger("worker.startup")
     if isinstance(plan, WorkerSpec):
         plan = plan_startup(plan, log=log)
+    if cpu_share is not None:
+        threads = cpu_share.apply()
+        log.info("cpu threads", threads=threads, requested=cpu_share.requested, cpus=len(cpu_share.cpus))
     loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype)
     config = loaded.config
     cache: PagedCache | EagerCache
@@ -297,6 +305,7 @@ def build_engine(plan: WorkerPlan | WorkerSpec, *, log: Any = None) -> Engine:
         max_model_len=plan.max_model_len,
         vocab_size=config.vocab_size,
         log=log,
+        cpu_share=cpu_share,
     )
 
 

@@ -281,7 +281,8 @@ def _ray_run(ctx: BenchContext, logs: Path) -> FailRun:
     previous = {key: os.environ.get(key) for key in auth}
     os.environ.update(auth)
     # Ray's unix sockets live under its temp dir: keep the path short (107-byte limit).
-    ray_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
+    base = tempfile.gettempdir()
+    ray_dir = tempfile.mkdtemp(prefix="kvr-", dir=base if len(base) <= 48 else "/tmp")
     context = ray.init(
         num_cpus=4,
         num_gpus=1,

@@ -46,6 +46,7 @@ MAX_NUM_SEQS = 32
 GOAL_VS_PADDED = 3.5
 GOAL_VS_CB = 2.5
 GOAL_BOUND = 0.60
+GOAL_SHARED = 0.9  # issue 25, target 0: two workers sharing the machine deliver what one alone does
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         for w in plans:  # paged and eager alternate, workload by workload
             runs[w.name, ROUTER_PAGED] = stream_run(clusters["paged"].address, w.items)
             runs[w.name, ROUTER_EAGER] = stream_run(clusters["eager"].address, w.items)
+    shared = shared_machine(ctx, plans[0].items, max_model_len)
     for cache, system in (("paged", INPROC_PAGED), ("eager", INPROC_EAGER)):
         with open_engine(ctx.model, cache, max_model_len, MAX_NUM_SEQS) as engine:
             for w in plans:
@@ -121,7 +123,24 @@ def run(ctx: BenchContext) -> SuiteResult:
             runs[w.name, HF_BATCH8] = peers.generate_padded(hf_model, w.items, 8)
         runs[w.name, HF_CB] = peers.generate_continuous(hf_model, w.items)
     bounds.append(compute_bound.measure(parameters, seconds=bound_seconds))
-    return report(ctx, plans, runs, bounds, max_model_len)
+    return report(ctx, plans, runs, bounds, max_model_len, shared)
+
+
+def shared_machine(ctx: BenchContext, items: Sequence[WorkItem], max_model_len: int) -> dict[int, Run]:
+    """The README's multi-worker case as an operator runs it: one router and N hand-started workers on this
+    machine, no thread flags, the same requests (6 x 48 tokens, ignore_eos; 4 x 16 in --quick) spread over
+    them. {num_workers: run}; N = 1 is the worker alone."""
+    n, tokens = (4, 16) if ctx.quick else (6, 48)
+    load = [WorkItem(item.prompt[:64], tokens) for item in items[:n]]
+    result = {}
+    for num_workers in (1, 2):
+        cluster = Cluster(ctx.model, "paged", max_model_len, MAX_NUM_SEQS, num_workers=num_workers)
+        try:
+            cluster.start().wait_ready()
+            result[num_workers] = stream_run(cluster.address, load)
+        finally:
+            cluster.stop()
+    return result
 
 
 def _command(ctx: BenchContext) -> str:
@@ -134,6 +153,7 @@ def report(
     runs: dict[tuple[str, str], Run],
     bounds: Sequence[compute_bound.ComputeBound],
     max_model_len: int,
+    shared: dict[int, Run],
 ) -> SuiteResult:
     bound = max(bounds, key=lambda b: b.flops_per_s)
     command = _command(ctx)
@@ -183,6 +203,22 @@ def report(
                 notes,
             )
         )
+    shared_tokens = {k: sum(len(o) for o in r.outputs) / r.wall_s for k, r in shared.items()}
+    tables.append(
+        Table(
+            "Workers sharing this machine (router + N hand-started paged workers, no thread flags)",
+            ["workers", "wall s", "output tok/s", "vs one worker alone"],
+            [
+                [k, shared[k].wall_s, shared_tokens[k], f"{shared_tokens[k] / shared_tokens[1]:.2f}x"]
+                for k in sorted(shared)
+            ],
+            command,
+            [
+                f"{len(shared[1].outputs)} requests of {len(shared[1].outputs[0])} tokens (ignore_eos), all"
+                " at once; each worker sizes its CPU threads to its share (worker/cpu_share.py)"
+            ],
+        )
+    )
     agreement_rows, agreement = _agreement(plans, runs)
     tables.append(
         Table(
@@ -210,7 +246,7 @@ def report(
     return SuiteResult(
         suite="offline",
         tables=tables,
-        targets=_targets(plans, runs, bound),
+        targets=[*_targets(plans, runs, bound), _shared_target(shared_tokens)],
         data={
             "runs": data_runs,
             "agreement": agreement,
@@ -220,6 +256,9 @@ def report(
             ],
             "max_model_len": max_model_len,
             "max_num_seqs": MAX_NUM_SEQS,
+            "shared_machine": {
+                str(k): {"wall_s": r.wall_s, "output_tok_s": shared_tokens[k]} for k, r in shared.items()
+            },
             "torch_threads": torch.get_num_threads(),
             "workloads": {w.name: workloads.summary(w.items) for w in plans},
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -302,6 +341,16 @@ def _targets(
             "in-process: " + ", ".join(f"{k} {v:.2f}x" for k, v in in_process.items()),
         ),
     ]
+
+
+def _shared_target(tokens_per_s: dict[int, float]) -> Target:
+    ratio = tokens_per_s[2] / tokens_per_s[1]
+    return Target(
+        "two hand-started workers on this machine vs one alone (output tok/s, no thread flags)",
+        f">= {GOAL_SHARED}x",
+        f"{ratio:.2f}x",
+        ratio >= GOAL_SHARED,
+    )
 
 
 def _figure(plans: Sequence[Workload], runs: dict[tuple[str, str], Run], bound: compute_bound.ComputeBound):

@@ -42,8 +42,14 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
         "offline mixed, router + worker, paged vs transformers continuous batching",
         "offline mixed, router + worker, paged: processed tokens / compute bound",
         "paged >= eager on every offline workload (router + worker)",
+        "two hand-started workers on this machine vs one alone (output tok/s, no thread flags)",
     ]
     assert all(t["met"] in (True, False) and t["measured"] for t in report["targets"])
+    shared = {t["title"]: t for t in report["tables"]}[
+        "Workers sharing this machine (router + N hand-started paged workers, no thread flags)"
+    ]
+    assert [row[0] for row in shared["rows"]] == [1, 2]
+    assert all(row[2] > 0 for row in shared["rows"])  # both runs delivered every token
 
     # The tiny model's logits are far from ties: every system generates transformers' tokens exactly.
     agreement = report["data"]["agreement"]

@@ -15,8 +15,8 @@ from kvpact.v1 import cache_pb2, router_pb2
 from tests.factories.ray_launch import (
     cluster_file,
     launched,
+    private_ray_temp_dir,
     ray_auth_env,
-    short_temp_dir,
     wait_serving,
     worker_group,
 )
@@ -32,10 +32,10 @@ def two_nodes() -> Iterator[tuple[str, set[str]]]:
     from ray.cluster_utils import Cluster
 
     node = {"num_cpus": 2, "num_gpus": 1, "object_store_memory": 80 * 1024 * 1024}
-    with ray_auth_env():
+    with ray_auth_env(), private_ray_temp_dir() as temp_dir:
         cluster = Cluster(
             initialize_head=True,
-            head_node_args={**node, "include_dashboard": False, "temp_dir": short_temp_dir()},
+            head_node_args={**node, "include_dashboard": False, "temp_dir": temp_dir},
         )
         try:
             cluster.add_node(**node)

@@ -12,9 +12,10 @@ through $RAY_ADDRESS, and is stopped by pid. Token authentication is set explici
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,10 @@ MAX_MODEL_LEN = 256
 
 
 @contextmanager
-def ray_auth_env() -> Iterator[None]:
-    """RAY_AUTH in this process's environment for the block (an in-process Ray), restored after."""
-    previous = {key: os.environ.get(key) for key in RAY_AUTH}
-    os.environ.update(RAY_AUTH)
+def scoped_env(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` in this process's environment for the block (an in-process Ray reads them), restored after."""
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -44,9 +45,31 @@ def ray_auth_env() -> Iterator[None]:
                 os.environ[key] = value
 
 
+def ray_auth_env() -> AbstractContextManager[None]:
+    return scoped_env(RAY_AUTH)
+
+
 def short_temp_dir(prefix: str = "kvr-") -> str:
-    """A directory for Ray's session files with a short path (unix socket paths are limited to 107 bytes)."""
-    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    """A new directory for Ray's session files, under TMPDIR while that path is short, else under /tmp.
+
+    Ray's unix socket paths (under the session dir) are limited to 107 bytes."""
+    base = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix=prefix, dir=base if len(base) <= 48 else "/tmp")
+
+
+@contextmanager
+def private_ray_temp_dir() -> Iterator[str]:
+    """A short temp dir that is also Ray's default temp root ($RAY_TMPDIR) for the block, yielded as the
+    session root to pass on (`temp_dir`/`_temp_dir`). `ray.cluster_utils.Cluster` writes its address file
+    to `$RAY_TMPDIR/ray/ray_current_cluster` without creating the folder: a machine where Ray never ran has
+    no /tmp/ray, and a shared one would hand this test's address to every other `ray.init()` there."""
+    root = short_temp_dir()
+    os.makedirs(os.path.join(root, "ray"))
+    try:
+        with scoped_env({"RAY_TMPDIR": root}):
+            yield os.path.join(root, "ray")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def worker_group(

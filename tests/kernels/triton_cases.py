@@ -13,6 +13,7 @@ TRITON_INTERPRET is set), `cpu` (interpreter only), unset: CUDA when available, 
 Groups (selected with -k): cache_write, decode, prefill, checks, cuda_compile.
 """
 
+import itertools
 import os
 
 import pytest
@@ -57,6 +58,30 @@ LOW_PRECISION = [torch.float16, torch.bfloat16]
 
 def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def pairwise(**axes: list) -> list:
+    """Every combination of `axes` as pytest params, in product order: a covering set (every pair of values
+    of two axes appears in at least one case) runs by default, the other cases are marked slow (make
+    test-all, and the `*_slow` tests of test_triton_kernels.py, run them). A bug that needs two parameters
+    to show still fails in the default run, at a fraction of the interpreter's time."""
+    names = list(axes)
+    combos = list(itertools.product(*axes.values()))
+
+    def pairs(combo: tuple) -> set:
+        return {(i, combo[i], j, combo[j]) for i, j in itertools.combinations(range(len(names)), 2)}
+
+    uncovered = set().union(*(pairs(c) for c in combos))
+    chosen = set()
+    while uncovered:  # greedy: the case that covers most of what is left (first in product order on ties)
+        best = max(combos, key=lambda c: len(pairs(c) & uncovered))
+        chosen.add(best)
+        uncovered -= pairs(best)
+
+    def case_id(combo: tuple) -> str:
+        return "-".join(dtype_id(v) if isinstance(v, torch.dtype) else str(v) for v in combo)
+
+    return [pytest.param(*c, id=case_id(c), marks=() if c in chosen else pytest.mark.slow) for c in combos]
 
 
 KV_HEADS = 2
@@ -148,10 +173,10 @@ def test_cache_write_accepts_strided_key_value():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    "head_dim, group, block_size, dtype",
+    pairwise(head_dim=[64, 128], group=[1, 4, 8], block_size=[16, 32], dtype=DTYPES),
+)
 def test_decode_matches_reference(head_dim, group, block_size, dtype):
     # 1 token, exactly a block, a block + 1, and 4 tiles: with 3 splits that is 2 + 2 + empty.
     lens = [1, block_size, block_size + 1, 101]
@@ -262,11 +287,12 @@ PREFILL_BATCHES = {
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", sorted(PREFILL_BATCHES))
+@pytest.mark.parametrize(
+    "name, head_dim, group, block_size, dtype",
+    pairwise(
+        name=sorted(PREFILL_BATCHES), head_dim=[64, 128], group=[1, 4, 8], block_size=[16, 32], dtype=DTYPES
+    ),
+)
 def test_prefill_matches_reference(name, head_dim, group, block_size, dtype):
     run_prefill(PREFILL_BATCHES[name], head_dim=head_dim, group=group, block_size=block_size, dtype=dtype)
 
@@ -513,7 +539,15 @@ cuda_compiler = pytest.mark.skipif(INTERPRETED, reason="the interpreter has no c
 
 @cuda_compiler
 @pytest.mark.parametrize(
-    ("arch", "dtype"), [(80, "*bf16"), (86, "*bf16"), (89, "*fp16"), (90, "*bf16"), (80, "*fp32")]
+    ("arch", "dtype"),
+    [
+        (90, "*bf16"),  # Hopper (the H200 gpu_check.sh runs on)
+        (80, "*fp32"),
+        *(
+            pytest.param(a, d, marks=pytest.mark.slow)
+            for a, d in [(80, "*bf16"), (86, "*bf16"), (89, "*fp16")]
+        ),
+    ],
 )
 def test_cuda_compile(arch, dtype):
     got = compile_all(128, dtype, group=4, arch=arch)
