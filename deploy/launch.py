@@ -2,13 +2,18 @@
 
     validate the cluster file (deploy/cluster_file.py; exit 2, one line, Ray never touched)
     -> connect to Ray -> one placement group, a bundle per worker (bounded by ray.placement_timeout_s)
-    -> the router as this process's child, on this (the driver's) node: its exit code is the verdict
-    -> one WorkerActor per bundle, each running the `worker` CLI with the GPUs Ray assigned, a port it
-       binds itself on its node's IP, and labels naming its Ray node and bundle (shown in ClusterStatus)
-    -> supervise until the router's health says SERVING: print the cluster table and the address, serve
-       until SIGINT/SIGTERM; a worker that dies later is restarted in its bundle up to
-       workers[].max_restarts times (it handshakes and is admitted again), else the router marks it DEAD
-    -> teardown (always): workers stopped, actors killed, placement group removed, router stopped
+    -> the router as this process's child, on this (the driver's) node: its exit code is the verdict; it
+       keeps a JSON report (router --report-file) that this launcher reads for its address and state
+    -> one WorkerActor per bundle, each running the `worker` CLI with exactly the GPUs Ray assigned (none:
+       CUDA_VISIBLE_DEVICES=""), on a port it binds on its node's IP (from workers[].port_range if set),
+       with labels naming its Ray node and bundle (shown in ClusterStatus)
+    -> supervise until the router's report says SERVING: print the cluster table and the address, serve
+       until SIGINT/SIGTERM. Every worker is asked at once each round; one whose process exits, or whose
+       actor Ray reports dead, is restarted beside supervision (deploy/restarts.py: backoff, at most
+       workers[].max_restarts per window), else the router marks it DEAD. A slow answer is never a death.
+    -> the stop, in order (always): the router refuses new work (SIGTERM); the workers drain their in-flight
+       streams (SIGTERM, each up to its --drain-timeout, SIGKILL only after that and a margin); the router
+       exits once its streams are done; then actors killed and the placement group removed
 
 Exit codes, printed LAST as a short verdict (a failed Ray job keeps only the tail of its output):
     0   stopped by SIGINT/SIGTERM (e.g. `ray job stop`)
@@ -21,7 +26,8 @@ Exit codes, printed LAST as a short verdict (a failed Ray job keeps only the tai
 from __future__ import annotations
 
 import argparse
-import re
+import json
+import os
 import signal
 import sys
 import tempfile
@@ -29,24 +35,27 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from kvpact.deploy import placement
 from kvpact.deploy.cluster_file import ClusterFile, ClusterFileError, load_cluster_file, worker_argv
 from kvpact.deploy.placement import LaunchFailure, PlacedWorker
-from kvpact.deploy.processes import ProcessHandle, health_status, start_process, stop, wait_for_line
-from kvpact.shared.auth import read_secrets, read_token
+from kvpact.deploy.ports import node_shares, port_candidates
+from kvpact.deploy.processes import ProcessHandle, start_process, stop
+from kvpact.deploy.restarts import RestartBudget
+from kvpact.deploy.stop import stop_wait_warning
+from kvpact.deploy.supervision import Health, Observation, Poller
+from kvpact.shared.address import join_host_port
+from kvpact.shared.auth import read_token
 from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY, ConfigError
-from kvpact.transport import TransportParams, channel_credentials
 
 EXIT_OK, EXIT_USAGE = 0, 2
 PROG = "kvpact-launch"
-ROUTER_LISTENING = r"^router listening on (\S+)$"
-ROUTER_HTTP_LISTENING = r"^router http listening on (\S+)$"  # with router flags {http-listen: HOST:PORT}
 ROUTER_BIND_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.5
 ROUTER_OWN_EXIT_S = 10.0  # after a worker exits while starting, how long the router has to decide
 STARTUP_MARGIN_S = 30.0  # beyond router.startup_timeout_s, before the launcher gives up on the router
-ROUTER_STOP_GRACE_S = 10.0
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -76,57 +85,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         say(f"{args.config}: router.auth_token_file: {exc}", error=True)
         return EXIT_USAGE
+    return Launch(cluster, auth_token).run()
+
+
+def _reachable(bound: str) -> str:
+    """HOST:PORT a router bound, with a wildcard host replaced by what other nodes can reach."""
+    host, _, port = bound.rpartition(":")
+    host = host.strip("[]")
+    if host in _WILDCARD_HOSTS:
+        host = placement.node_ip()  # what other nodes can reach, never a hostname
+    return join_host_port(host, int(port))
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """The router's --report-file (router/report_file.py), or {} before it first writes it."""
     try:
-        client_params = router_client_params(cluster)
-    except ConfigError as exc:
-        say(f"{args.config}: {exc}", error=True)
-        return EXIT_USAGE
-    return Launch(cluster, auth_token, client_params).run()
-
-
-def router_client_params(cluster: ClusterFile) -> tuple[TransportParams, str | None]:
-    """How the launcher itself reaches the router it starts, from the router's own flags: TLS when the
-    router serves it (verified against its --tls-ca, else the system's roots, for its --tls-server-name),
-    and the first key of its --api-key-file. Read once, at start."""
-    from kvpact.router.cli import build_parser
-
-    args = build_parser().parse_args(cluster.router_argv())
-    transport: TransportParams = {}
-    if args.tls_cert:
-        transport = {"ca_file": args.tls_ca} if args.tls_ca else {"tls": True}
-        transport["server_name"] = args.tls_server_name
-    api_key = read_secrets(args.api_key_file, "router.flags.api-key-file")[0] if args.api_key_file else None
-    return transport, api_key
+        document = json.loads(path.read_text())
+    except (OSError, ValueError):  # not written yet (it is replaced whole, never seen half-written)
+        return {}
+    return document if isinstance(document, dict) else {}
 
 
 class Launch:
     """One launch: what it started (to release it all), and the verdict."""
 
-    def __init__(
-        self,
-        cluster: ClusterFile,
-        auth_token: str | None = None,
-        client_params: tuple[TransportParams, str | None] = ({}, None),
-    ) -> None:
+    def __init__(self, cluster: ClusterFile, auth_token: str | None = None) -> None:
         self.cluster = cluster
         self.name = f"kvpact-{uuid.uuid4().hex[:8]}"
         self.log_dir = tempfile.mkdtemp(prefix=f"{self.name}-")
+        self.report_path = Path(self.log_dir) / "router-report.json"
         self.stopping = threading.Event()  # SIGINT/SIGTERM
         self.group: object | None = None
         self.router: ProcessHandle | None = None
         self.router_address = ""
         self.http_address = ""  # the OpenAI-compatible API, when the router's flags turn it on
-        self.report = ""  # the router's failure report, printed after teardown
+        self.report = ""  # printed after teardown, before the verdict: the router's, failed workers' lines
         self.placed: list[PlacedWorker] = []
         self.retired: list[PlacedWorker] = []  # dead after serving, not restarted (released at teardown)
+        self.restarting: dict[str, threading.Thread] = {}  # worker id -> its restart, beside supervision
+        self.poller = Poller()
+        self.slow_since: dict[str, float] = {}
+        self.exited: dict[str, int] = {}  # worker id -> exit code, for workers that exited while starting
         self.auth_token = auth_token
-        self.transport, self.api_key = client_params  # how the launcher itself reaches the router
 
     def run(self) -> int:
         try:
             code, verdict = self._run()
         except LaunchFailure as exc:
             code, verdict = EXIT_FATAL, f"FAILED (exit code 1): {exc}"
+            self.report = self._worker_tails(list(self.exited))
         finally:
             self._teardown()
         # Last: a failed Ray job keeps only the tail of the driver's output.
@@ -141,6 +148,9 @@ class Launch:
         # After ray.init, which installs its own SIGTERM handler (sys.exit) for drivers: ours tears down.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stopping.set())
+        warning = stop_wait_warning(cluster, dict(os.environ))
+        if warning:
+            say(f"warning: {warning}", error=True)
         say(
             f"placing {cluster.num_workers} workers: {placement.describe_bundles(cluster)}, strategy "
             f"{cluster.ray.placement_strategy} (placement group {self.name}; logs in {self.log_dir})"
@@ -150,14 +160,17 @@ class Launch:
             return EXIT_OK, "stopped while placing"
         self._start_router()
         for slot in cluster.slots():
-            self.placed.append(PlacedWorker(slot, placement.start_actor(slot, self.group)))
-        placement.locate(self.placed)
+            worker = PlacedWorker(slot, placement.start_actor(slot, self.group))
+            worker.budget = RestartBudget(slot.group.max_restarts)
+            self.placed.append(worker)
+        if not placement.locate(self.placed, cancelled=self.stopping.is_set, progress=say):
+            return EXIT_OK, "stopped while starting"
         for worker in self.placed:
             self._start_worker(worker)
         code = self._until_serving()
         if code is not None:
             return code, self._failure_verdict(code)
-        table = self._cluster_table()  # fetched first: whoever reads "SERVING" finds the table with it
+        table = self._cluster_table()  # first: whoever reads "SERVING" finds the table with it
         http = f"\nOpenAI API: http://{self.http_address}/v1" if self.http_address else ""
         say(f"the cluster is SERVING on {self.router_address}{http}\n{table}")
         return self._serve()
@@ -166,22 +179,19 @@ class Launch:
 
     def _start_router(self) -> None:
         argv = [sys.executable, "-m", "kvpact.router", *self.cluster.router_argv()]
+        argv += ["--report-file", str(self.report_path)]
         self.router = start_process(argv, name="router", log_dir=self.log_dir, die_with_parent=True)
-        try:
-            bound = wait_for_line(self.router, ROUTER_LISTENING, ROUTER_BIND_TIMEOUT_S).group(1)
-        except Exception as exc:  # ProcessDied (a port in use, ...) or TimeoutError, with its output
-            raise LaunchFailure(f"the router did not start: {' '.join(str(exc).split())[:400]}") from None
-        self.router_address = _reachable(bound)
-        http = ""
-        if "--http-listen" in self.cluster.router.flags:
-            try:
-                found = wait_for_line(self.router, ROUTER_HTTP_LISTENING, ROUTER_BIND_TIMEOUT_S)
-            except Exception as exc:  # its --http-listen port is in use, ...
-                raise LaunchFailure(
-                    f"the router's HTTP API did not start: {' '.join(str(exc).split())[:400]}"
-                ) from None
-            self.http_address = _reachable(found.group(1))
-            http = f", OpenAI API on http://{self.http_address}/v1"
+        deadline = time.monotonic() + ROUTER_BIND_TIMEOUT_S
+        while not (report := read_report(self.report_path)).get("address"):
+            if self.router.returncode is not None or time.monotonic() > deadline:
+                what = "exited" if self.router.returncode is not None else "did not bind in time"
+                output = " ".join(self.router.output(1000).split())[:400]
+                raise LaunchFailure(f"the router {what}: {output}")
+            time.sleep(0.05)
+        self.router_address = _reachable(report["address"])
+        # the report names both ports at once: the router writes it once gRPC and HTTP are bound
+        self.http_address = _reachable(report["http_address"]) if report.get("http_address") else ""
+        http = f", OpenAI API on http://{self.http_address}/v1" if self.http_address else ""
         say(
             f"router started on {self.router_address} (pid {self.router.pid}, --paged-attn "
             f"{self.cluster.router.paged_attn.value}, --expect-workers {self.cluster.num_workers}{http})"
@@ -195,58 +205,90 @@ class Launch:
     def _start_worker(self, worker: PlacedWorker) -> None:
         import ray
 
-        worker.argv = worker_argv(
-            worker.slot, router=self.router_address, host=worker.node_ip, labels=worker.labels
-        )
         try:
+            port = self._port_for(worker)
+            worker.argv = worker_argv(
+                worker.slot, router=self.router_address, host=worker.node_ip, labels=worker.labels, port=port
+            )
             worker.pid = ray.get(
                 worker.actor.start.remote(worker.argv, self.auth_token),
                 timeout=placement.ACTOR_READY_TIMEOUT_S,
             )
+        except ray.exceptions.GetTimeoutError:  # slow, not known dead: still a bounded wait
+            raise LaunchFailure(
+                f"worker {worker.slot.worker_id}: its Ray actor in {worker.where()} did not answer `start` "
+                f"within {placement.ACTOR_READY_TIMEOUT_S:g} s (alive but stalled; see `ray status`)"
+            ) from None
         except ray.exceptions.RayError as exc:
             raise LaunchFailure(placement.lost(worker, "while starting", exc)) from None
         where = f"{worker.where()} (logs in {worker.log_dir})"
         say(f"worker {worker.slot.worker_id} (pid {worker.pid}) started in {where}")
 
-    def _poll_workers(self) -> dict[str, int | BaseException | None]:
-        """worker id -> its process's exit code, None while it runs, or the error of a lost actor."""
+    def _port_for(self, worker: PlacedWorker) -> int:
+        """0 (any free port), or a free port of its group's port_range on its node (deploy/ports.py)."""
         import ray
 
-        refs = {w.slot.worker_id: w.actor.poll.remote() for w in self.placed}
-        result: dict[str, int | BaseException | None] = {}
-        for worker_id, ref in refs.items():
-            try:
-                result[worker_id] = ray.get(ref, timeout=30)
-            except ray.exceptions.RayError as exc:
-                result[worker_id] = exc
-        return result
+        port_range = worker.slot.group.port_range
+        if port_range is None:
+            return 0
+        mates = [w for w in self.placed if w.slot.group is worker.slot.group]
+        index, num = node_shares([w.node_id for w in mates])[mates.index(worker)]
+        candidates = port_candidates(port_range, index, num)
+        port = int(ray.get(worker.actor.free_port.remote(candidates), timeout=30))
+        if not port:
+            raise LaunchFailure(
+                f"worker {worker.slot.worker_id} in {worker.where()}: no free port in its share of "
+                f"workers[].port_range {list(port_range)} (worker {index + 1} of {num} of its group on that "
+                "node); widen the range or free those ports"
+            )
+        return port
+
+    def _observe(self) -> dict[str, Observation]:
+        """How each worker not being restarted is (deploy/supervision.py); says when one is slow."""
+        actors = {w.slot.worker_id: w.actor for w in self.placed if w.slot.worker_id not in self.restarting}
+        seen = self.poller.observe(actors)
+        for worker_id, obs in seen.items():
+            if obs.health is Health.SLOW:
+                if worker_id not in self.slow_since:
+                    self.slow_since[worker_id] = time.monotonic()
+                    detail = obs.detail
+                    say(f"worker {worker_id}: its actor is slow to answer ({detail}); not a death, asking on")
+            elif self.slow_since.pop(worker_id, None) is not None:
+                say(f"worker {worker_id}: its actor answers again")
+        return seen
 
     # -- supervision -----------------------------------------------------------------------------------
 
     def _until_serving(self) -> int | None:
-        """None once the router is SERVING; else the exit code of a failed start."""
+        """None once the router's report says SERVING; else the exit code of a failed start (a router
+        that failed exits by itself once it has told its workers, router --failed-linger)."""
         deadline = time.monotonic() + self.cluster.router.startup_timeout_s + STARTUP_MARGIN_S
         exited_at: dict[str, float] = {}
         while True:
+            report = read_report(self.report_path)
+            if report.get("state") == "serving":
+                return None
             code = self._router_code()
             if code is not None:
                 return code if code in (EXIT_POLICY, EXIT_FATAL) else EXIT_FATAL
-            credentials = channel_credentials(**self.transport)
-            if health_status(self.router_address, credentials=credentials) == "SERVING":
-                return None
             if self.stopping.is_set():
                 return EXIT_OK
-            states = self._poll_workers()
+            states = self._observe()
             for worker in self.placed:
-                state = states[worker.slot.worker_id]
-                if isinstance(state, BaseException):
-                    raise LaunchFailure(placement.lost(worker, "while starting", state))
-                if state is not None:
+                obs = states[worker.slot.worker_id]
+                if obs.health is Health.DEAD:
+                    raise LaunchFailure(
+                        f"worker {worker.slot.worker_id}: its Ray actor in {worker.where()} was lost while "
+                        f"starting ({obs.detail})"
+                    )
+                if obs.health is Health.EXITED:
+                    self.exited[worker.slot.worker_id] = int(obs.exit_code or 0)
                     first = exited_at.setdefault(worker.slot.worker_id, time.monotonic())
                     if time.monotonic() - first > ROUTER_OWN_EXIT_S and self._router_code() is None:
                         raise LaunchFailure(
-                            f"worker {worker.slot.worker_id} in {worker.where()} exited with code {state} "
-                            f"while starting and the router did not decide; its log is in {worker.log_dir}"
+                            f"worker {worker.slot.worker_id} in {worker.where()} exited with code "
+                            f"{obs.exit_code} while starting and the router did not decide (its last lines "
+                            "are above)"
                         )
             if time.monotonic() > deadline:
                 timeout_s = self.cluster.router.startup_timeout_s
@@ -257,102 +299,124 @@ class Launch:
             self.stopping.wait(POLL_INTERVAL_S)
 
     def _serve(self) -> tuple[int, str]:
-        """Serve until a signal or the router's exit; restart workers that die, within their budget."""
+        """Serve until a signal or the router's exit; restart workers that die, beside this loop."""
         while not self.stopping.wait(POLL_INTERVAL_S):
             code = self._router_code()
-            if code == EXIT_OK:  # `ray job stop` signals the driver and its children (the router) at once
+            if code == EXIT_OK:  # stopped by a signal of its own (the stop below finishes the job)
                 return EXIT_OK, "stopped (the router was stopped by a signal)"
             if code is not None:
                 return EXIT_FATAL, f"FAILED (exit code 1): the router exited with code {code} while serving"
-            for worker_id, state in self._poll_workers().items():
-                if state is not None:
-                    self._worker_down(next(w for w in self.placed if w.slot.worker_id == worker_id), state)
+            for worker_id, obs in self._observe().items():
+                if obs.health in (Health.EXITED, Health.DEAD) and not self.stopping.is_set():
+                    self._worker_down(next(w for w in self.placed if w.slot.worker_id == worker_id), obs)
         return EXIT_OK, "stopped"
 
-    def _worker_down(self, worker: PlacedWorker, state: int | BaseException) -> None:
-        """A worker that exited (or whose actor was lost) after the cluster served."""
+    def _worker_down(self, worker: PlacedWorker, obs: Observation) -> None:
+        """A worker that exited (or whose actor Ray reports dead) after the cluster served: restart it in
+        a thread of its own (supervision goes on), after its backoff, within its budget."""
+        worker_id = worker.slot.worker_id
         what = (
-            f"its Ray actor was lost ({state})"
-            if isinstance(state, BaseException)
-            else f"exited with code {state}"
+            f"its Ray actor is dead ({obs.detail})"
+            if obs.health is Health.DEAD
+            else f"exited with code {obs.exit_code}"
         )
-        budget = worker.slot.group.max_restarts
-        if worker.num_restarts >= budget:
+        now = time.monotonic()
+        budget = worker.budget
+        if not budget.can_restart(now):
             say(
-                f"worker {worker.slot.worker_id} in {worker.where()} {what}; not restarted "
-                f"(workers[].max_restarts {budget}); the router marks it DEAD, the others keep serving"
+                f"worker {worker_id} in {worker.where()} {what}; not restarted ({budget.recent(now)} "
+                f"restarts in the last {budget.window_s:g} s, workers[].max_restarts {budget.max_restarts}); "
+                "the router marks it DEAD, the others keep serving"
             )
             self.placed.remove(worker)
             self.retired.append(worker)
             return
-        worker.num_restarts += 1
+        delay = budget.delay(now)
+        number = budget.record(now)
         say(
-            f"worker {worker.slot.worker_id} in {worker.where()} {what}; restarting it in its bundle "
-            f"(restart {worker.num_restarts} of {budget})"
+            f"worker {worker_id} in {worker.where()} {what}; restarting it in its bundle in {delay:g} s "
+            f"(restart {number} of {budget.max_restarts} within {budget.window_s:g} s)"
         )
+        thread = threading.Thread(
+            target=self._restart, args=(worker, obs.health is Health.DEAD, delay), name=f"restart-{worker_id}"
+        )
+        self.restarting[worker_id] = thread
+        thread.start()
+
+    def _restart(self, worker: PlacedWorker, actor_dead: bool, delay: float) -> None:
+        """The backoff, then: a dead actor is killed (for sure) and replaced in the same bundle, waiting up
+        to ray.placement_timeout_s for its node; the worker is started again. A signal ends it early."""
         try:
-            if isinstance(state, BaseException):
+            if self.stopping.wait(delay):
+                return
+            if actor_dead:
+                placement.kill_actor(worker.actor)  # never two actors for one worker
                 worker.actor = placement.start_actor(worker.slot, self.group)
-                placement.locate([worker])
-            self._start_worker(worker)
+                timeout_s = self.cluster.ray.placement_timeout_s
+                if not placement.locate([worker], timeout_s, self.stopping.is_set, say):
+                    return
+            if not self.stopping.is_set():
+                self._start_worker(worker)
         except LaunchFailure as exc:
-            say(f"restart failed: {exc}", error=True)
+            say(f"restart of worker {worker.slot.worker_id} failed: {exc}", error=True)
+        except Exception as exc:  # a Ray error in the restart: supervision sees the worker again next round
+            say(f"restart of worker {worker.slot.worker_id} failed: {type(exc).__name__}: {exc}", error=True)
+        finally:
+            self.restarting.pop(worker.slot.worker_id, None)
 
     def _failure_verdict(self, code: int) -> str:
-        """The short verdict of a failed start (cause and exit code); keeps the router's report to print
-        before it."""
+        """The short verdict of a failed start (cause and exit code); keeps the router's report and the
+        failed workers' own last lines to print before it."""
         if code == EXIT_OK:
             return "stopped while starting"
-        self.report = _failure_report(self.router.stderr() if self.router is not None else "")
-        cause = _report_cause(self.report) or f"the router exited with code {self._router_code()}"
+        report = read_report(self.report_path)
+        failed = [
+            w.get("workerId", "")
+            for w in report.get("cluster_status", {}).get("workers", [])
+            if w.get("state") in ("WORKER_STATE_FAILED", "WORKER_STATE_REFUSED")
+        ]
+        tails = self._worker_tails([*failed, *(i for i in self.exited if i not in failed)])
+        self.report = "\n\n".join(part for part in (report.get("report", ""), tails) if part)
+        cause = report.get("cause") or f"the router exited with code {self._router_code()}"
         return f"FAILED (exit code {code}): {cause}"
 
+    def _worker_tails(self, worker_ids: list[str]) -> str:
+        return placement.output_tails([w for w in self.placed if w.slot.worker_id in worker_ids])
+
     def _cluster_table(self) -> str:
-        from kvpact.client import Client, render_cluster_status
+        """The table of the router's ClusterStatus, from its report (no second connection to it)."""
+        from google.protobuf import json_format
 
-        try:
-            with Client(self.router_address, timeout=10, api_key=self.api_key, **self.transport) as client:
-                return render_cluster_status(client.cluster_status())
-        except Exception as exc:  # e.g. a router that wants an API key: the cluster serves all the same
-            return f"(no cluster table: ClusterStatus from {self.router_address} failed: {exc})"
+        from kvpact.client import render_cluster_status
+        from kvpact.v1 import router_pb2
 
-    # -- teardown --------------------------------------------------------------------------------------
+        status = read_report(self.report_path).get("cluster_status", {})
+        return render_cluster_status(json_format.ParseDict(status, router_pb2.ClusterStatusResponse()))
+
+    # -- the stop --------------------------------------------------------------------------------------
 
     def _teardown(self) -> None:
-        """Workers, actors, placement group, then the router; each step logged, nothing raised."""
+        """The ordered stop: the router refuses new work; the workers drain and exit; the router exits once
+        its streams are done; actors killed, placement group removed. Each step logged, nothing raised."""
         import ray
 
         if not ray.is_initialized():
             return
-        for line in placement.release(self.placed + self.retired, self.group):
+        self.stopping.set()  # restarts in flight give up
+        for thread in list(self.restarting.values()):
+            thread.join(timeout=placement.STOP_MARGIN_S)
+        if self.router is not None and self.router.returncode is None:
+            self.router.popen.send_signal(signal.SIGTERM)  # again after Ray's is harmless: it drains once
+            say("teardown: router told to stop (SIGTERM: new calls refused, in-flight streams go on)")
+        everyone = self.placed + self.retired
+        for line in placement.stop_workers(everyone):
             say(f"teardown: {line}")
         if self.router is not None:
-            code = stop(self.router, grace_s=ROUTER_STOP_GRACE_S)
+            code = stop(self.router, grace_s=self.cluster.router.drain_timeout_s + placement.STOP_MARGIN_S)
             say(f"teardown: router stopped (exit code {code})")
+        for line in placement.release(everyone, self.group):
+            say(f"teardown: {line}")
         ray.shutdown()
-
-
-_REPORT = re.compile(r"^kvpact router: the cluster FAILED.*?^exit code \d+:[^\n]*$", re.MULTILINE | re.DOTALL)
-
-
-def _failure_report(router_stderr: str) -> str:
-    """The router's failure report (router/report.py) out of its stderr, which also holds its log lines."""
-    found = _REPORT.findall(router_stderr)
-    return found[-1] if found else ""
-
-
-def _report_cause(report: str) -> str:
-    match = re.search(r"^cause: (.*)$", report, re.MULTILINE)
-    return match.group(1) if match else ""
-
-
-def _reachable(bound: str) -> str:
-    """HOST:PORT a router printed, with a wildcard host replaced by what other nodes can reach."""
-    host, _, port = bound.rpartition(":")
-    host = host.strip("[]")
-    if host in _WILDCARD_HOSTS:
-        host = placement.node_ip()  # what other nodes can reach, never a hostname
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 if __name__ == "__main__":

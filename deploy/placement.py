@@ -7,15 +7,20 @@ Actors and the placement group are never detached: if the launcher dies, Ray rel
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpact.deploy.cluster_file import ClusterFile, WorkerSlot
+from kvpact.deploy.restarts import RestartBudget
 from kvpact.deploy.worker_actor import WorkerActor
 
 ACTOR_READY_TIMEOUT_S = 120.0  # an actor process on a busy node: Python, kvpact's imports
-STOP_GRACE_S = 10.0
+STOP_MARGIN_S = 10.0  # a worker's stop grace: its --drain-timeout plus this (never SIGKILLed mid-drain)
+PROGRESS_EVERY_S = 30.0
+OUTPUT_TAIL_CHARS = 3000  # of a failed worker's own output, in the failure report
 _RAY_LABEL_NODE, _RAY_LABEL_NODE_IP, _RAY_LABEL_BUNDLE = "ray.node", "ray.node_ip", "ray.bundle"
 
 
@@ -32,9 +37,9 @@ class PlacedWorker:
     node_id: str = ""
     node_ip: str = ""
     log_dir: str = ""
-    num_restarts: int = 0
     pid: int = 0  # its worker process, on its node
     argv: list[str] = field(default_factory=list)
+    budget: RestartBudget = field(default_factory=lambda: RestartBudget(0))
 
     @property
     def labels(self) -> dict[str, str]:
@@ -54,7 +59,11 @@ def connect(address: str) -> None:
     start one here). Raises LaunchFailure when there is no cluster to join."""
     import ray
 
-    options: dict[str, Any] = {"log_to_driver": False, "logging_level": "WARNING"}
+    # log_to_driver: each WorkerActor copies its worker's output to its stdout/stderr, which Ray streams here
+    # (and so into `ray job logs`) prefixed with the actor's repr, WorkerActor(<worker id>).
+    # RAY_COLOR_PREFIX=0: plain prefixes, no terminal colour codes in the job's log file (unless set).
+    options: dict[str, Any] = {"log_to_driver": True, "logging_level": "WARNING"}
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         if address == "local":
             ray.init(include_dashboard=False, **options)
@@ -131,23 +140,50 @@ def start_actor(slot: WorkerSlot, group: Any) -> Any:
     return ray.remote(WorkerActor).options(**options).remote(slot.worker_id)
 
 
-def locate(placed: list[PlacedWorker], timeout_s: float = ACTOR_READY_TIMEOUT_S) -> None:
-    """Ask each actor where it runs (fills node_id, node_ip, log_dir). LaunchFailure if one is lost."""
+def locate(
+    placed: list[PlacedWorker],
+    timeout_s: float = ACTOR_READY_TIMEOUT_S,
+    cancelled: Callable[[], bool] = lambda: False,
+    progress: Callable[[str], None] | None = None,
+) -> bool:
+    """Ask each actor where it runs (fills node_id, node_ip, log_dir), waiting for all at once up to
+    `timeout_s` (a bundle whose node is being replaced waits here) and saying every PROGRESS_EVERY_S what
+    it waits for. False if `cancelled()` ends the wait; LaunchFailure if an actor is lost or late."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayError
+    from ray.exceptions import RayError
 
-    refs = {p.slot.worker_id: p.actor.placement.remote() for p in placed}
-    for worker in placed:
-        try:
-            where = ray.get(refs[worker.slot.worker_id], timeout=timeout_s)
-        except GetTimeoutError:
+    by_ref = {p.actor.placement.remote(): p for p in placed}
+    pending = list(by_ref)
+    started = time.monotonic()
+    next_progress = started + PROGRESS_EVERY_S
+    while pending:
+        left = started + timeout_s - time.monotonic()
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(1.0, left)))
+        for ref in ready:
+            worker = by_ref[ref]
+            try:
+                where = ray.get(ref, timeout=0)
+            except RayError as exc:
+                raise LaunchFailure(lost(worker, "while starting", exc)) from None
+            worker.node_id, worker.node_ip = where["node_id"], where["node_ip"]
+            worker.log_dir = where["log_dir"]
+        if not pending:
+            break
+        waiting = ", ".join(by_ref[ref].slot.worker_id for ref in pending)
+        if cancelled():
+            return False
+        if time.monotonic() - started >= timeout_s:
             raise LaunchFailure(
-                f"worker {worker.slot.worker_id}: its Ray actor in {worker.where()} did not start within "
-                f"{timeout_s:g} s"
-            ) from None
-        except RayError as exc:
-            raise LaunchFailure(lost(worker, "while starting", exc)) from None
-        worker.node_id, worker.node_ip, worker.log_dir = where["node_id"], where["node_ip"], where["log_dir"]
+                f"worker {waiting}: its Ray actor did not start within {timeout_s:g} s (its bundle's node "
+                "was never ready: see `ray status` for pending resources)"
+            )
+        if progress is not None and time.monotonic() >= next_progress:
+            next_progress += PROGRESS_EVERY_S
+            progress(
+                f"waiting for the actor of worker {waiting} to start "
+                f"({time.monotonic() - started:.0f} s of {timeout_s:g} s; its bundle may wait for a node)"
+            )
+    return True
 
 
 def lost(worker: PlacedWorker, when: str, exc: BaseException) -> str:
@@ -157,32 +193,71 @@ def lost(worker: PlacedWorker, when: str, exc: BaseException) -> str:
     )
 
 
-def release(placed: list[PlacedWorker], group: Any) -> list[str]:
-    """Stop every worker (SIGTERM via its actor, in parallel), kill the actors, remove the placement group.
-    Returns one log line per step; never raises."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
+def stop_grace_s(worker: PlacedWorker) -> float:
+    """How long a worker gets between SIGTERM and SIGKILL: its whole drain, and a margin."""
+    return worker.slot.group.drain_timeout_s + STOP_MARGIN_S
 
-    lines = []
+
+def stop_workers(placed: list[PlacedWorker]) -> list[str]:
+    """SIGTERM every worker through its actor, in parallel; each drains its in-flight streams (up to its
+    --drain-timeout) and exits, or is SIGKILLed after `stop_grace_s`. One log line; never raises."""
+    import ray
+
     stops = {}
     for worker in placed:
         try:
-            stops[worker.slot.worker_id] = worker.actor.stop.remote(STOP_GRACE_S)
+            stops[worker.slot.worker_id] = (worker.actor.stop.remote(stop_grace_s(worker)), worker)
         except Exception:  # a dead actor: nothing to stop
             pass
     codes = []
-    for worker_id, ref in stops.items():
+    for worker_id, (ref, worker) in stops.items():
         try:
-            codes.append(f"{worker_id} {ray.get(ref, timeout=STOP_GRACE_S + 5)}")
+            codes.append(f"{worker_id} {ray.get(ref, timeout=stop_grace_s(worker) + 5)}")
         except Exception:  # teardown goes on whatever one step says
             codes.append(f"{worker_id} (actor gone)")
-    if codes:
-        lines.append(f"workers stopped (exit codes): {', '.join(codes)}")
-    for worker in placed:
+    return [f"workers stopped (exit codes): {', '.join(codes)}"] if codes else []
+
+
+def output_tails(workers: list[PlacedWorker]) -> str:
+    """The last lines each of these workers printed, fetched through its actor (its node may be
+    another machine, whose files go with it)."""
+    import ray
+
+    refs = {}
+    for worker in workers:
         try:
-            ray.kill(worker.actor, no_restart=True)
-        except Exception:  # teardown goes on whatever one step says
+            refs[worker.slot.worker_id] = worker.actor.output.remote(OUTPUT_TAIL_CHARS)
+        except Exception:  # a dead actor: nothing to fetch
             pass
+    blocks = []
+    for worker in workers:
+        ref = refs.get(worker.slot.worker_id)
+        try:
+            text = ray.get(ref, timeout=10) if ref is not None else "(its actor is gone)"
+        except Exception as exc:  # the report goes on without it
+            text = f"(its output could not be fetched: {type(exc).__name__})"
+        blocks.append(
+            f"worker {worker.slot.worker_id} in {worker.where()}: its last output lines\n{text.rstrip()}"
+        )
+    return "\n\n".join(blocks)
+
+
+def kill_actor(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
+def release(placed: list[PlacedWorker], group: Any) -> list[str]:
+    """Kill the actors, remove the placement group. One log line per step; never raises."""
+    from ray.util.placement_group import remove_placement_group
+
+    lines = []
+    for worker in placed:
+        kill_actor(worker.actor)
     if placed:
         lines.append(f"{len(placed)} Ray actors killed")
     if group is not None:

@@ -1,35 +1,39 @@
 """The Ray actor that runs one kvpact worker in its placement-group bundle.
 
-The actor does not run the worker in its own process: it starts the `worker` CLI itself
-(`python -m kvpact.worker FLAGS`, this interpreter) as its child, and reports on it. Why a child:
-
-- It is the same code as the CLI, byte for byte: flags parsed by the same parser, the same startup
-  sequence (kvpact.worker.process), the same handshake, reasons and exit codes. An exit code is what the
-  launcher needs to tell "stopped on request" (0) from "cannot honor the policy" (78) from "broken" (1).
-- The worker owns its process: it installs SIGINT/SIGTERM handlers on its event loop (only possible in a
-  main thread; actor methods may run elsewhere), runs the model in daemon threads, and may end with
-  os._exit (a worker stopped mid-load). Inside an actor each of these would break or kill the actor.
-- The GPUs stay Ray's: the child inherits the actor's environment, where Ray set CUDA_VISIBLE_DEVICES to
-  the GPUs of this bundle; nothing else picks devices.
-- Nothing outlives the actor: the child is started with a parent-death signal (prctl PR_SET_PDEATHSIG,
-  SIGKILL), so when Ray kills the actor (teardown, the launcher's death: actors are never detached, so
-  they share the driver's fate) the worker dies with it. The actor's methods run one at a time (default
-  concurrency), in the thread that started the child, which lives as long as the actor.
-
-Output goes to files in a directory on the actor's node (named by `placement()`); `output()` returns their
-tail. This module does not import ray at import time: the launcher wraps the class with `ray.remote`.
+NOTE: the actor starts the `worker` CLI (`python -m kvpact.worker FLAGS`, this interpreter) as its child
+and reports on it: the same code, flags, handshake and exit codes as the CLI, and a process the worker owns
+(its signal handlers, its os._exit). Invariants:
+- GPUs are Ray's: the child's CUDA_VISIBLE_DEVICES is exactly the GPU ids Ray assigned this actor, and ""
+  (no GPU at all) for a bundle without GPUs. Ray 2.60 no longer sets it for an actor with num_gpus=0,
+  which would otherwise see every GPU of its node.
+- Nothing outlives the actor: the child gets a parent-death signal (SIGKILL) from the actor's main thread.
+- Its output is kept in files on this node (`output()` returns their tail, for the launcher's failure
+  report) and copied, line by line, to the actor's own stdout/stderr, which Ray streams to the driver
+  (the job's logs) prefixed with this actor's repr, `WorkerActor(<worker id>)`.
+Does not import ray at import time: the launcher wraps the class with `ray.remote`.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from kvpact.deploy.processes import ProcessHandle, start_process, stop
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0  # when the caller gives none; the launcher gives the worker's --drain-timeout + margin
+FOLLOW_INTERVAL_S = 0.2
+
+
+def visible_devices(gpu_ids: Sequence[object]) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker given `gpu_ids` by Ray: those ids, or "" (no GPU) for none."""
+    return ",".join(str(i) for i in gpu_ids)
 
 
 class WorkerActor:
@@ -40,6 +44,9 @@ class WorkerActor:
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"kvpact-{worker_id}-"))
         self.handle: ProcessHandle | None = None
         self.num_starts = 0
+
+    def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
+        return f"WorkerActor({self.worker_id})"
 
     def placement(self) -> dict[str, str]:
         """Where Ray put this actor: node id and IP (as Ray reports it), its GPUs, its log directory."""
@@ -55,9 +62,22 @@ class WorkerActor:
             "pid": str(os.getpid()),
         }
 
+    def free_port(self, candidates: list[int]) -> int:
+        """The first of `candidates` free on this node's `0.0.0.0` now, or 0 when none is (port_range)."""
+        for port in candidates:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+                return port
+        return 0
+
     def start(self, argv: list[str], auth_token: str | None = None) -> int:
         """Start `worker ARGV` (its previous process, if any, must have exited); return its pid. With
         `auth_token`, the token is written to a private file on this node and passed as --auth-token-file."""
+        import ray
+
         if self.handle is not None and self.handle.returncode is None:
             raise RuntimeError(f"worker {self.worker_id} is still running (pid {self.handle.pid})")
         argv = list(argv)
@@ -67,9 +87,12 @@ class WorkerActor:
         self.handle = start_process(
             [sys.executable, "-m", "kvpact.worker", *argv],
             name=f"{self.worker_id}.{self.num_starts}",
+            env={"CUDA_VISIBLE_DEVICES": visible_devices(ray.get_gpu_ids())},
             log_dir=self.log_dir,
             die_with_parent=True,
         )
+        for path, stream in ((self.handle.stdout_path, sys.stdout), (self.handle.stderr_path, sys.stderr)):
+            threading.Thread(target=_follow, args=(self.handle, path, stream), daemon=True).start()
         return self.handle.pid
 
     def poll(self) -> int | None:
@@ -91,3 +114,25 @@ class WorkerActor:
         with os.fdopen(fd, "w") as file:
             file.write(token)
         return path
+
+
+def _follow(handle: ProcessHandle, path: Path, stream: TextIO) -> None:
+    """Copy `path`'s complete lines to `stream` as they are written, until the process has exited and
+    every line is copied (Ray streams the actor's stdout/stderr to the driver)."""
+    with open(path, "rb") as file:
+        partial = b""
+        while True:
+            exited = handle.returncode is not None
+            chunk = file.read()
+            if chunk:
+                *lines, partial = (partial + chunk).split(b"\n")
+                for line in lines:
+                    stream.write(line.decode(errors="replace") + "\n")
+                stream.flush()
+            elif exited:
+                if partial:
+                    stream.write(partial.decode(errors="replace") + "\n")
+                    stream.flush()
+                return
+            else:
+                time.sleep(FOLLOW_INTERVAL_S)

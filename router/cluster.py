@@ -25,10 +25,14 @@ from kvpact.router.readiness import readiness
 from kvpact.router.registry import Registry, WorkerEntry, WorkerState
 from kvpact.router.report import FailedStartup, render_failure_report
 from kvpact.shared import handshake_pb
+
+
+from kvpact.router.report_file import write_report
+from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.handshake import WorkerLoad
-from kvpact.v1 import worker_pb2
+from kvpact.v1 import router_pb2, worker_pb2
 
 log = structlog.get_logger("router")
 
@@ -54,6 +58,8 @@ class Cluster:
         self.stopping = False  # SIGTERM: draining the in-flight calls before exit
         self.told_after_failure: set[str] = set()  # workers refused while lingering in FAILED
         self.exit_code: int | None = None
+        self.address = ""  # HOST:PORT once bound (router/server.py), for --report-file
+        self.http_address = ""  # the --http-listen front's HOST:PORT once bound, for --report-file
         self.finished = asyncio.Event()  # set with exit_code when the router should exit
         self._report_stream = report_stream
         self._tasks: list[asyncio.Task[None]] = []
@@ -87,6 +93,36 @@ class Cluster:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.channels.close_all()
+
+    def status(self) -> router_pb2.ClusterStatusResponse:
+        return cluster_status_to_pb(
+            self.state,
+            self.config.policy,
+            self.startup.num_expected,
+            self.registry.entries(),
+            self.clock(),
+            self.failure_report,
+            self.serving_health,
+        )
+
+    def write_report(self, exit_code: int | None = None) -> None:
+        """--report-file, if set: the state now (router/report_file.py). An unwritable file is logged."""
+        if not self.config.report_file:
+            return
+        state = "stopping" if self.stopping else self.state.value
+        try:
+            write_report(
+                self.config.report_file,
+                address=self.address,
+                http_address=self.http_address,
+                state=state,
+                status=self.status(),
+                exit_code=exit_code,
+                cause=self.startup.cause,
+                report=self.failure_report,
+            )
+        except OSError as exc:
+            log.error("report_file_not_written", path=self.config.report_file, error=str(exc))
 
     def request_exit(self, exit_code: int) -> None:
         if self.exit_code is None:
@@ -200,7 +236,12 @@ class Cluster:
             await self.refresh_health()
         return worker_pb2.DeregisterReply(known=entry is not None)
 
-    def on_stop_signal(self) -> None:
+    def on_stop_signal(self, name: str = "SIGTERM") -> None:
+        """SIGTERM (again and again: `ray job stop` signals the router and kvpact-launch, which then stops
+        it in order) drains; a SIGINT while draining (a second Ctrl-C) stops now."""
+        if self.stopping and name == "SIGTERM":
+            log.info("router_already_draining", signal=name)
+            return
         self._tasks.append(asyncio.get_running_loop().create_task(self.drain_and_exit(0), name="drain"))
 
     async def drain_and_exit(self, exit_code: int = 0) -> None:
@@ -211,6 +252,7 @@ class Cluster:
             return
         self.stopping = True
         await self.refresh_health()
+        self.write_report()
         started = self.clock()
         in_flight = sum(e.num_outstanding for e in self.registry.entries())
         log.info("router_draining", in_flight=in_flight, timeout_s=self.config.drain_timeout_s)
@@ -315,6 +357,7 @@ class Cluster:
                 for e in admitted
             ],
         )
+        self.write_report()
 
     async def _fail(self, linger: bool = True) -> None:
         """Tell every registered worker to stop (bounded), those still LOADING included, print the one
@@ -337,6 +380,7 @@ class Cluster:
         stream = self._report_stream or sys.stderr
         stream.write(self.failure_report + "\n")
         stream.flush()
+        self.write_report(self.startup.exit_code)
         log.error(
             "cluster_failed", exit_code=self.startup.exit_code, worker_ids=[w.worker_id for w in workers]
         )

@@ -128,6 +128,14 @@ class RouterConfig:
         type=tcp_port,
         metavar="PORT",
     )
+    report_file: str | None = option(  # router/report_file.py
+        None,
+        "--report-file",
+        "keep a JSON report of this router here (its address, state, exit code, failure report and "
+        "ClusterStatus), replaced whole at each change of state; for the program that started it, e.g. "
+        "kvpact-launch (default: none)",
+        metavar="PATH",
+    )
     balance: str = option(  # a name in router/balancing's BALANCES
         DEFAULT_BALANCE,
         "--balance",

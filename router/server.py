@@ -101,9 +101,12 @@ class RouterServer:
         await self.cluster.start()
         await self._server.start()
         address = join_host_port(host, self.port)
-        print(f"router listening on {address}", flush=True)  # tests and deploy read it
+        self.cluster.address = address
+        print(f"router listening on {address}", flush=True)  # tests, make serve and deploy read it
         if self.http is not None:
             await self.http.start()  # prints "router http listening on HOST:PORT"
+            self.cluster.http_address = self.http.address
+        self.cluster.write_report()
         log.info(
             "router_listening",
             address=address,
@@ -146,12 +149,15 @@ async def serve(config: RouterConfig) -> int:
     # the collector's generations, so a collection walks only what requests allocate.
     gc.freeze()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # drain first (--drain-timeout); a second signal: now
-        loop.add_signal_handler(sig, server.cluster.on_stop_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # drain first (--drain-timeout); a second SIGINT: now
+        loop.add_signal_handler(sig, server.cluster.on_stop_signal, sig.name)
     loop.add_signal_handler(signal.SIGHUP, server.reload_secrets)
     try:
         code = await server.wait()
     finally:
         await server.stop()
+        # Exiting now: a late SIGTERM (a supervisor's, after its own) must not turn exit 0 into -15.
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log.info("router_exit", exit_code=code)
     return code

@@ -32,6 +32,8 @@ from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
 from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared.errors import RequestError
+
+
 from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
@@ -106,16 +108,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     async def ClusterStatus(
         self, request: router_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ClusterStatusResponse:
-        cluster = self.cluster
-        return cluster_status_to_pb(
-            cluster.state,
-            cluster.config.policy,
-            cluster.startup.num_expected,
-            cluster.registry.entries(),
-            cluster.clock(),
-            cluster.failure_report,
-            cluster.serving_health,
-        )
+        return self.cluster.status()
 
     def _check_serving(self) -> None:
         if self.cluster.state is not ClusterState.SERVING:

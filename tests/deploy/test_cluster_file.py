@@ -137,6 +137,10 @@ def test_yaml_booleans_are_the_modes_on_and_off_never_something_else(tmp_path: P
             "set the workers' replicas (their sum) instead",
         ),
         (
+            {"router": {"flags": {"report-file": "r.json"}}, **MINIMAL},
+            "c.yaml: router.flags.report-file: --report-file is set by kvpact-launch",
+        ),
+        (
             {"router": {"flags": {"heartbeat-timeout": -1}}, **MINIMAL},
             "c.yaml: router: argument --heartbeat-timeout: expected a number of seconds > 0, got '-1' "
             "(flags checked by the router CLI)",

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +37,9 @@ TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker ru
 LAUNCH = str(Path(sys.executable).parent / "kvpact-launch")  # the console script of this environment
 HEAD_START_S = 90.0
 JOB_END_S = 180.0
+STOP_WAIT_S = 60
+DRAIN_S = 15  # the workers' and the router's --drain-timeout: the stop takes at most 15 + 10 + 20 s
+NUM_STREAMS, STREAM_TOKENS = 8, 200
 
 
 @dataclass(frozen=True)
@@ -96,9 +101,9 @@ def head() -> Iterator[Head]:
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     argv = _head_argv(temp_dir)
     dashboard = f"http://127.0.0.1:{argv[argv.index('--dashboard-port') + 1]}"
-    # A stopped job's driver gets SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (default 3 s): give
-    # the launcher's teardown time to finish and say so.
-    env = {**os.environ, **auth, "RAY_JOB_STOP_WAIT_TIME_S": "30"}
+    # A stopped job's driver gets SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (default 3 s): long
+    # enough for the launcher's ordered stop (kvpact-launch warns when it is not; docs/ray.md).
+    env = {**os.environ, **auth, "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}
     env.pop("RAY_ADDRESS", None)
     with open(Path(temp_dir) / "head.log", "wb") as log:
         process = subprocess.Popen(
@@ -185,11 +190,38 @@ def test_a_job_whose_cluster_cannot_honor_on_fails_78_with_the_worker_and_reason
     assert_nothing_left(head)
 
 
-def test_a_job_serves_the_cpu_cluster_until_it_is_stopped(head: Head, model: Path, tmp_path: Path):
+@dataclass
+class Stream:
+    """One client stream, read to its end in a thread of its own."""
+
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str = ""
+    ended_at: float = 0.0
+
+
+def _read(router: str, stream: Stream, first_token: threading.Event) -> None:
+    try:
+        with Client(router, timeout=120) as kvpact:
+            for chunk in kvpact.generate("hi", max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True):
+                stream.num_tokens += len(chunk.token_ids)
+                first_token.set()
+                stream.finish_reason = chunk.finish_reason or stream.finish_reason
+    except Exception as exc:  # the assertion below shows it
+        stream.error = f"{type(exc).__name__}: {exc}"
+    stream.ended_at = time.monotonic()
+
+
+def test_ray_job_stop_with_streams_in_flight_finishes_every_stream_then_leaves_nothing(
+    head: Head, model: Path, tmp_path: Path
+):
+    """`ray job stop` signals the launcher and the router at once: the router refuses new work, the workers
+    drain their in-flight streams, the router exits after them; the job ends STOPPED."""
     from ray.job_submission import JobStatus
 
     router = f"127.0.0.1:{free_port()}"
-    config = cluster_file(tmp_path, workers=[worker_group(model, "cpu", 2)], listen=router)
+    group = worker_group(model, "cpu", 2, drain_timeout=DRAIN_S, max_num_seqs=2)  # streams queue: long
+    config = cluster_file(tmp_path, workers=[group], listen=router, router_flags={"drain-timeout": DRAIN_S})
     client = head.jobs()
     job_id = client.submit_job(entrypoint=f"{LAUNCH} --config {config}")
     deadline = time.monotonic() + JOB_END_S
@@ -199,12 +231,30 @@ def test_a_job_serves_the_cpu_cluster_until_it_is_stopped(head: Head, model: Pat
         time.sleep(0.5)
     with Client(router, timeout=30) as kvpact:
         status = kvpact.cluster_status()
-        assert "".join(c.text for c in kvpact.generate("hi", max_tokens=4, temperature=0))
     assert [w.state for w in status.workers] == [router_pb2.WORKER_STATE_ADMITTED] * 2
     print(render_cluster_status(status))
 
+    streams = [Stream() for _ in range(NUM_STREAMS)]
+    first_token = threading.Event()
+    threads = [threading.Thread(target=_read, args=(router, s, first_token)) for s in streams]
+    for thread in threads:
+        thread.start()
+    assert first_token.wait(60), [s.error for s in streams]
+    time.sleep(0.5)  # every stream has reached the router (the first ones are generating)
+    stopped_at = time.monotonic()
     client.stop_job(job_id)
-    assert wait_job(client, job_id, 60) in (JobStatus.STOPPED, JobStatus.SUCCEEDED)
+    for thread in threads:
+        thread.join(STOP_WAIT_S + 30)
+    assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [
+        ("", "length", STREAM_TOKENS)
+    ] * NUM_STREAMS
+    assert all(s.ended_at > stopped_at for s in streams)  # each was in flight when the stop came
+    assert wait_job(client, job_id, STOP_WAIT_S + 30) == JobStatus.STOPPED
+    logs = client.get_job_logs(job_id)
+    print("\n".join(line for line in logs.splitlines() if line.startswith("kvpact-launch: "))[-3000:])
+    assert "kvpact-launch: teardown: router told to stop" in logs, logs[-3000:]
+    assert re.search(r"workers stopped \(exit codes\): cpu-0 0, cpu-1 0$", logs, re.M), logs[-3000:]
+    assert "(WorkerActor(cpu-0) pid=" in logs  # the workers' own lines are in the job's logs
     assert_nothing_left(head)
     assert health_status(router) == "UNREACHABLE"
     for worker in status.workers:

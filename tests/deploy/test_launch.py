@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kvpact.client import Client, KvpactRpcError
-from kvpact.deploy.processes import health_status, wait_for_exit, wait_for_line
+from kvpact.deploy.processes import free_port, health_status, wait_for_exit, wait_for_line
 from kvpact.v1 import cache_pb2, router_pb2
 from tests.factories.certs import CertificateAuthority
 from tests.factories.eventually import eventually
@@ -97,11 +97,10 @@ def test_two_cpu_workers_serve_through_ray_then_sigterm_releases_everything(
 ):
     token = tmp_path / "token"  # the router requires it: each worker must have been handed it to register
     token.write_text("s3cret\n")
+    low = free_port()  # the workers' ports come from the group's port_range (firewalled nodes)
+    group = {**worker_group(model, "cpu", 2), "port_range": [low, low + 20]}
     config = cluster_file(
-        tmp_path,
-        workers=[worker_group(model, "cpu", 2)],
-        auth_token_file=token,
-        router_flags={"http-listen": "127.0.0.1:0"},
+        tmp_path, workers=[group], auth_token_file=token, router_flags={"http-listen": "127.0.0.1:0"}
     )
     with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
         group_name = placement_group_name(launch)
@@ -129,6 +128,7 @@ def test_two_cpu_workers_serve_through_ray_then_sigterm_releases_everything(
                 "ray.bundle": str(index),
             }
             assert w.address.startswith(ray.util.get_node_ip_address() + ":")
+            assert low <= int(w.address.rpartition(":")[2]) <= low + 20, w.address
             # A scraper finds each worker's /metrics in ClusterStatus.
             assert w.metrics_address.startswith(ray.util.get_node_ip_address() + ":"), w.metrics_address
         # The table the launcher printed shows where each worker runs.
@@ -163,7 +163,8 @@ def test_router_tls_and_api_keys_in_the_cluster_file_reach_router_and_workers(
     )
     with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
         address = wait_serving(launch)
-        assert "ADMITTED" in launch.stdout(), launch.output()  # the table, fetched over TLS with the key
+        # The table, from the router's report file: the launcher needs neither its TLS nor a key for it.
+        assert "ADMITTED" in launch.stdout(), launch.output()
         with Client(address, timeout=30, ca_file=str(files.ca), server_name="localhost") as client:
             with pytest.raises(KvpactRpcError) as refused:
                 client.cluster_status()
@@ -195,8 +196,15 @@ def test_on_with_a_worker_that_cannot_honor_it_fails_78_naming_it(
     assert TRITON_REASON in last
     # The router's report precedes the verdict: each worker, where Ray placed it, and the shutdown sent.
     assert 'worker "triton-0" at ' in err and "ray.bundle=1" in err
+    # Then the failed worker's own last lines, fetched through its actor (its node's files may be gone).
+    header = re.search(r"^worker triton-0 in bundle 1 on node \S+ \(\S+\): its last output lines$", err, re.M)
+    assert header is not None, err[-3000:]
+    assert TRITON_REASON in err[header.end() : err.rindex("kvpact-launch: FAILED")]
     out = launch.stdout()  # teardown's lines, printed (and flushed) before the verdict
     assert "teardown: placement group removed" in out
+    # Every worker's output reached the launcher's own (the job's logs), prefixed with its worker id.
+    everything = launch.output()
+    assert "(WorkerActor(torch-0) pid=" in everything and "(WorkerActor(triton-0) pid=" in everything
     # torch-0 did not keep loading: told to stop by the router (0), refused when it announced its plan to
     # the failed cluster (78), or stopped by the teardown (0).
     assert re.search(
@@ -240,7 +248,10 @@ def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitte
             before = client.cluster_status().workers[0].address
         os.kill(pid, signal.SIGKILL)  # the worker process this test's launcher started, by its pid
         wait_for_line(
-            launch, r"cpu-0 .* exited with code -9; restarting it in its bundle \(restart 1 of 1\)", 30
+            launch,
+            r"cpu-0 .* exited with code -9; restarting it in its bundle in 1 s "
+            r"\(restart 1 of 1 within 600 s\)",
+            30,
         )
         wait_for_line(launch, rf"^kvpact-launch: worker cpu-0 \(pid (?!{pid}\))\d+\) started in bundle 0", 30)
 
@@ -254,3 +265,35 @@ def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitte
             assert "".join(c.text for c in client.generate("hello", max_tokens=4, temperature=0))
         launch.popen.send_signal(signal.SIGTERM)
         assert wait_for_exit(launch, 60) == 0, launch.output()
+
+
+def test_a_killed_actor_is_restarted_after_its_backoff_and_a_sigterm_meanwhile_still_stops_at_once(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    """The actor itself dies (its process killed): Ray reports it dead, the launcher schedules a restart
+    after its backoff, beside supervision; a SIGTERM during the backoff ends the launch in order, and the
+    restart never happens."""
+    from ray.util import state
+
+    group = {**worker_group(model, "cpu", 1), "max_restarts": 2}
+    config = cluster_file(tmp_path, workers=[group])
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        group_name = placement_group_name(launch)
+        wait_serving(launch)
+        [actor] = state.list_actors(
+            address=ray_cluster.dashboard,
+            filters=[("class_name", "=", "WorkerActor"), ("state", "=", "ALIVE")],
+        )
+        os.kill(actor.pid, signal.SIGKILL)  # the actor this test's launcher started, by its pid
+        wait_for_line(
+            launch,
+            r"^kvpact-launch: worker cpu-0 in bundle 0 on node \S+ \(\S+\) its Ray actor is dead \(.+\); "
+            r"restarting it in its bundle in 1 s \(restart 1 of 2 within 600 s\)$",
+            60,
+        )
+        launch.popen.send_signal(signal.SIGTERM)  # answered now, not after the restart
+        assert wait_for_exit(launch, 60) == 0, launch.output()
+    out = launch.stdout()
+    assert out.rstrip().endswith("kvpact-launch: stopped"), out[-2000:]
+    assert len(re.findall(r"^kvpact-launch: worker cpu-0 \(pid \d+\) started", out, re.M)) == 1, out[-3000:]
+    assert_nothing_left(ray_cluster, group_name)
