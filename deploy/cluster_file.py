@@ -161,8 +161,11 @@ def worker_argv(
     router, `port` on `host` (0: a free one), `host` as the advertised address unless the group sets
     advertise-host, Prometheus metrics on a free port of `host` unless the group sets metrics-port (the
     worker reports the address it bound, so ClusterStatus tells a scraper where each worker's
-    /metrics is), and its labels."""
+    /metrics is), its bundle's CPUs as its torch threads unless the group sets threads (at least 1:
+    a fractional num_cpus still runs), and its labels."""
     argv = list(slot.group.flags)
+    if "--threads" not in argv:
+        argv += ["--threads", str(max(1, int(slot.group.resources.get("CPU", 1))))]
     argv += ["--worker-id", slot.worker_id, "--router", router, "--listen", join_host_port(host, port)]
     if "--advertise-host" not in argv:
         argv += ["--advertise-host", host]
@@ -235,7 +238,7 @@ def parse_cluster_file(document: object, where: str = "<cluster file>") -> Clust
     _check_port_ranges(workers, where)
     cluster = ClusterFile(where, ray_section, router, workers)
     args = _check_router_flags(cluster, where)
-    cluster = replace(cluster, router=replace(router, drain_timeout_s=args.drain_timeout))
+    cluster = replace(cluster, router=replace(router, drain_timeout_s=args.drain_timeout_s))
     for i, group in enumerate(workers):
         if group.drain_timeout_s > cluster.router.drain_timeout_s:
             _fail(
@@ -297,7 +300,7 @@ def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> Wor
     slot = WorkerSlot(f"{name}-0", worker, 0)
     argv = worker_argv(slot, router="127.0.0.1:1", host="127.0.0.1")
     args = _check_with(parser, argv, where, f"{key}.flags")
-    return replace(worker, drain_timeout_s=args.drain_timeout)
+    return replace(worker, drain_timeout_s=args.drain_timeout_s)
 
 
 def _port_range(raw: object, replicas: int, where: str, key: str) -> tuple[int, int] | None:

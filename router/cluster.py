@@ -24,11 +24,9 @@ from kvpact.router.errors import AlreadyExists, InvalidRequest
 from kvpact.router.readiness import readiness
 from kvpact.router.registry import Registry, WorkerEntry, WorkerState
 from kvpact.router.report import FailedStartup, render_failure_report
-from kvpact.shared import handshake_pb
-
-
 from kvpact.router.report_file import write_report
 from kvpact.router.status import cluster_status_to_pb
+from kvpact.shared import handshake_pb
 from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.handshake import WorkerLoad

@@ -30,10 +30,7 @@ from kvpact.router.coalesce import coalesced
 from kvpact.router.errors import NoLiveWorker, NotServing, Overloaded, WorkerCallFailed
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
-from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared.errors import RequestError
-
-
 from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 

@@ -63,7 +63,7 @@ def test_the_issue_shape_loads_with_its_defaults_and_command_lines():
     argv = worker_argv(second, router="10.0.0.1:50051", host="10.0.0.7", labels={"ray.bundle": "1"})
     assert argv == [
         "--paged-attn", "on", "--model", "/models/llama", "--pa-memory-fraction", "0.9",
-        "--worker-id", "gpu-1", "--router", "10.0.0.1:50051", "--listen", "10.0.0.7:0",
+        "--threads", "4", "--worker-id", "gpu-1", "--router", "10.0.0.1:50051", "--listen", "10.0.0.7:0",
         "--advertise-host", "10.0.0.7", "--metrics-port", "0", "--label", "ray.bundle=1",
     ]  # fmt: skip
 
@@ -201,6 +201,18 @@ def test_worker_argv_keeps_an_advertise_host_the_group_chose():
     argv = worker_argv(cluster.slots()[0], router="r:1", host="10.0.0.7", auth_token_file="/t")
     assert argv.count("--advertise-host") == 1 and "a.example" in argv
     assert argv[-2:] == ["--auth-token-file", "/t"]
+
+
+@pytest.mark.parametrize(("resources", "flags", "threads"), [
+    ({"num_cpus": 0.5}, {}, "1"),  # a fractional bundle still runs one thread
+    ({"num_cpus": 3, "num_gpus": 1}, {}, "3"),
+    ({"num_cpus": 3}, {"threads": 2}, "2"),  # the group's own --threads wins
+])  # fmt: skip
+def test_a_workers_torch_threads_are_its_bundles_cpus_unless_the_group_says(resources, flags, threads):
+    group = {"name": "a", "replicas": 1, "resources": resources, "flags": flags}
+    cluster = parse_cluster_file({"workers": [group]}, "c.yaml")
+    argv = worker_argv(cluster.slots()[0], router="r:1", host="10.0.0.7")
+    assert argv.count("--threads") == 1 and argv[argv.index("--threads") + 1] == threads
 
 
 def test_kvpact_launch_exits_2_with_one_line_and_never_imports_ray(tmp_path: Path):
