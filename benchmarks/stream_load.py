@@ -39,6 +39,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+def summary(
+    args: argparse.Namespace,
+    num_tokens: int,
+    num_messages: int,
+    num_streams: int,
+    by_worker: dict[str, int],
+    seconds: float,
+    latencies_ms: list[float],
+    first_token_ms: list[float],
+) -> dict[str, object]:
+    """What a run reports (the same fields for every --service)."""
+    return {
+        "num_tokens": num_tokens,
+        "num_messages": num_messages,
+        "num_streams": num_streams,
+        "tokens_by_worker": by_worker,
+        "seconds": seconds,
+        "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
+        "latency_ms": latencies_ms if args.keep_latencies else [],
+        "latency_p50_ms": percentile(latencies_ms, 50),
+        "latency_p99_ms": percentile(latencies_ms, 99),
+        "first_token_p50_ms": percentile(first_token_ms, 50),
+        "first_token_p99_ms": percentile(first_token_ms, 99),
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, object]:
     options: list[tuple[str, str | int]] = [*GRPC_MESSAGE_OPTIONS]
     if "," in args.target:  # several routers: spread the streams over them
@@ -106,19 +132,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
         await asyncio.gather(*(slot(i) for i in range(args.streams)))
         seconds = min(time.monotonic(), end) - counted_from
-    return {
-        "num_tokens": num_tokens,
-        "num_messages": num_messages,
-        "num_streams": num_streams,
-        "tokens_by_worker": by_worker,
-        "seconds": seconds,
-        "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
-        "latency_ms": latencies_ms if args.keep_latencies else [],
-        "latency_p50_ms": percentile(latencies_ms, 50),
-        "latency_p99_ms": percentile(latencies_ms, 99),
-        "first_token_p50_ms": percentile(first_token_ms, 50),
-        "first_token_p99_ms": percentile(first_token_ms, 99),
-    }
+    counts = (num_tokens, num_messages, num_streams)
+    return summary(args, *counts, by_worker, seconds, latencies_ms, first_token_ms)
 
 
 async def run_http(args: argparse.Namespace) -> dict[str, object]:
@@ -170,19 +185,8 @@ async def run_http(args: argparse.Namespace) -> dict[str, object]:
 
         await asyncio.gather(*(slot(i) for i in range(args.streams)))
         seconds = min(time.monotonic(), end) - counted_from
-    return {
-        "num_tokens": num_tokens,
-        "num_messages": num_messages,
-        "num_streams": num_streams,
-        "tokens_by_worker": {},
-        "seconds": seconds,
-        "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
-        "latency_ms": latencies_ms if args.keep_latencies else [],
-        "latency_p50_ms": percentile(latencies_ms, 50),
-        "latency_p99_ms": percentile(latencies_ms, 99),
-        "first_token_p50_ms": percentile(first_token_ms, 50),
-        "first_token_p99_ms": percentile(first_token_ms, 99),
-    }
+    counts = (num_tokens, num_messages, num_streams)
+    return summary(args, *counts, {}, seconds, latencies_ms, first_token_ms)
 
 
 def main(argv: list[str] | None = None) -> int:
