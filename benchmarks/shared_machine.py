@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     address = f"127.0.0.1:{free_port()}"
     logs = tempfile.mkdtemp(prefix="kvpact-shared-")
     quiet = ["--log-format", "json", "--log-level", "WARNING"]
-    router = [sys.executable, "-m", "kvpact.router", "--listen", address, "--expect-workers", str(num_workers)]
+    router = [sys.executable, "-m", "kvpact.router", "--listen", address]
+    router += ["--expect-workers", str(num_workers)]
     handles = [start_process([*router, *quiet], name="router", log_dir=logs, die_with_parent=True)]
     for n in range(num_workers):
         worker = [sys.executable, "-m", "kvpact.worker", "--router", address, "--device", "cpu"]
