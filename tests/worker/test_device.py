@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kvpact.worker import engine as engine_module
+from kvpact.worker.engine import engine as engine_module
 from kvpact.worker.startup.device import bind_thread, to_device
 
 
