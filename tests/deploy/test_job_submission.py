@@ -245,7 +245,6 @@ def test_ray_job_stop_with_streams_in_flight_finishes_every_stream_then_leaves_n
             if sum(w.num_outstanding for w in kvpact.cluster_status().workers) == NUM_STREAMS:
                 break
             time.sleep(0.02)
-    stopped_at = time.monotonic()
     assert [s.ended_at for s in streams] == [0.0] * NUM_STREAMS, "a stream ended before the stop came"
     client.stop_job(job_id)
     for thread in threads:
