@@ -37,6 +37,15 @@ MIXED_DEVICE_MAP = Reason(
     "device mapping includes CPU and PagedAttention has no CPU KV cache",
     "--device-map (one kind of device)",
 )
+STAGED_DEVICE_MAP = Reason(
+    "staged device map",
+    "device",
+    "--device-map has two or more entries on one kind of device (the layers run as stages; the paged "
+    "cache is not staged)",
+    "--device-map {device_map} runs the layers as {num_stages} stages and the paged KV cache does not "
+    "span stages",
+    "--device-map with one entry, or --device",
+)
 EAGER_DEFAULT = Reason(
     "CPU/MPS default",
     "device",
@@ -158,6 +167,7 @@ REASONS = (
     KV_DTYPE,
     SHARED_MEMORY,
     MIXED_DEVICE_MAP,
+    STAGED_DEVICE_MAP,
     SLIDING_WINDOW,
     KV_BUDGET,
     KERNEL_SELF_TEST,

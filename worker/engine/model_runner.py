@@ -5,6 +5,9 @@ AttentionStep sees `num_decodes` decode rows followed by prefill/extend rows. Lo
 for the last token of chunks that reach their sequence's end (a middle chunk of a long prompt samples
 nothing).
 
+`device` is where the step's inputs go: the first stage's (worker/model/stages.py); the sampled rows are
+read on the device the hidden states come back on.
+
 On CUDA a step synchronizes with the device once, when the sampler reads the token ids back: every
 host tensor goes over with `startup.device.to_device` (no stream sync), and the caches' AttentionSteps
 keep their metadata on the host side too.
@@ -65,12 +68,12 @@ class ModelRunner:
                 sample_rows += [len(input_ids) - 1] * (1 + len(c.forks))  # forks: the same logits
         ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
         pos = to_device(torch.tensor(positions, dtype=torch.long), self.device)
-        rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         if block_copies:  # copy on write (paged, n > 1): before this step writes into the copies
             assert isinstance(self.cache, PagedCache), "block copies on a cache without blocks"
             self.cache.copy_blocks(block_copies)
         attn = self.cache.attention_step(ordered, len(decodes))
-        hidden = self.model(ids, pos, attn)
+        hidden = self.model(ids, pos, attn)  # on the last stage's device (a --device-map's last entry)
+        rows = to_device(torch.tensor(sample_rows, dtype=torch.long), hidden.device)
         seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]
         if not seqs:
             return StepResult([], [], [], [])

@@ -29,6 +29,7 @@ from kvpact.worker.loader.gguf_file import GGUFFile
 from kvpact.worker.loader.hf import iter_safetensors, read_hf_config, safetensors_files, safetensors_numel
 from kvpact.worker.loader.progress import Progress
 from kvpact.worker.model import LlamaForCausalLM, ModelConfig, build_model
+from kvpact.worker.model.stages import Stage
 from kvpact.worker.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -152,9 +153,11 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
     cache_dir: str | Path | None = None,
+    stages: tuple[Stage, ...] | None = None,
 ) -> LoadedModel:
     """Load model, config and tokenizer. Raises ModelLoadError (missing/corrupt file, unsupported
-    architecture) or ConfigError (bad dtype/device)."""
+    architecture) or ConfigError (bad dtype/device). `stages`: layers on several devices
+    (worker/model/stages.py); None puts the whole model on `device`."""
     start = time.perf_counter()
     source = resolve_model_path(path)
     try:
@@ -177,7 +180,7 @@ def load_model(
         files = safetensors_files(directory)
         weights, origin = iter_safetensors(files), str(directory)
         num_tensors = len(safetensors_numel(files))
-    model = build_model(config, device, torch_dtype)
+    model = build_model(config, device, torch_dtype, stages)
     progress = Progress(f"loading {name}", total=num_tensors)
     model.load_weights(_counted(weights, progress), source=origin)
     progress.close()
@@ -187,6 +190,7 @@ def load_model(
         model=name,
         source=str(source),
         device=str(device),
+        stages=[stage.describe() for stage in stages] if stages else None,
         dtype=str(torch_dtype),
         seconds=round(seconds, 2),
         cached=cached,

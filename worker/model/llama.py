@@ -11,6 +11,10 @@ head_dim]` (RoPE applied to q and k; views into the fused projection's output, s
 strided but each token's [heads, head_dim] is contiguous) and calls `attn.forward(layer_idx, q, k, v)`, which
 returns `[num_tokens, num_heads, head_dim]` computed with scale `config.head_dim ** -0.5`. The model
 never touches a cache. q/k/v and gate/up projections are fused into one matmul each.
+
+The layers run as `stages` (worker/model/stages.py): one on the model's device, or the runs of a
+`--device-map`; `input_ids` and `positions` are on the first stage's device, the hidden states come back
+on the last one's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvpact.shared.errors import ModelLoadError
 from kvpact.worker.model.config import ModelConfig
 from kvpact.worker.model.layers import RMSNorm, SwiGLU
 from kvpact.worker.model.rope import RotaryEmbedding, apply_rotary
+from kvpact.worker.model.stages import Stage, single_stage
 
 if TYPE_CHECKING:
     from kvpact.worker.engine.attention import AttentionStep
@@ -101,17 +106,23 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.stages: tuple[Stage, ...] = ()  # set by build_model; () = every layer where its weights are
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+        # The hidden states move to each stage's device (a no-op on the same device).
+        for stage in self.stages or single_stage(x.device, len(self.model.layers)):
+            x, cos, sin = x.to(stage.device), cos.to(stage.device), sin.to(stage.device)
+            for layer in self.model.layers[stage.start : stage.stop]:
+                x = layer(x, cos, sin, attn)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """On the LM head's device: the last stage's, or a tied embedding's (the first stage's): moving
+        the sampled rows there is cheaper than a second copy of the vocabulary matrix."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden.to(weight.device), weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
@@ -173,10 +184,26 @@ def _parts(param_name: str) -> tuple[str, ...]:
     return ()
 
 
-def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> LlamaForCausalLM:
-    """An uninitialised model in `dtype` on `device` (weights allocated, not written): fill it with
-    `load_weights`. Nothing is initialised twice, so building costs only the allocation."""
+def build_model(
+    config: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    stages: tuple[Stage, ...] | None = None,
+) -> LlamaForCausalLM:
+    """An uninitialised model in `dtype` (weights allocated, not written): fill it with `load_weights`.
+    Nothing is initialised twice, so building costs only the allocation. `stages` None: every layer on
+    `device`; else each layer on its stage's device, the embedding on the first, norm and head on the last."""
+    stages = stages or single_stage(device, config.num_layers)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    first, last = stages[0].device, stages[-1].device
+    model.model.embed_tokens.to_empty(device=first)
+    for stage in stages:
+        for layer in model.model.layers[stage.start : stage.stop]:
+            layer.to_empty(device=stage.device)
+    model.model.norm.to_empty(device=last)
+    if model.lm_head is not None:
+        model.lm_head.to_empty(device=last)
+    model.stages = stages if len(stages) > 1 else ()  # one stage: wherever the model is moved later
     return model.eval()

@@ -83,6 +83,26 @@ def probe_device(requested: str = "auto", device_map: tuple[LayerPlacement, ...]
     return DeviceProbe(info, torch.device("cpu"), total, available)
 
 
+def missing_map_device(device_map: tuple[LayerPlacement, ...]) -> str:
+    """Why a --device-map entry cannot run on this machine ("" when every entry can)."""
+    text = ",".join(f"{p.device}={p.num_layers}" for p in device_map)
+    for p in device_map:
+        device = torch.device(p.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            why = "this machine has no usable CUDA device"
+        elif device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            why = f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+        elif device.type == "mps" and not torch.backends.mps.is_available():
+            why = "MPS is not available here"
+        else:
+            continue
+        return (
+            f"--device-map {text}: {p.device} cannot hold its {p.num_layers} layers because {why}; "
+            f"map the layers onto devices this machine has (e.g. cpu={sum(q.num_layers for q in device_map)})"
+        )
+    return ""
+
+
 def bind_thread(device: torch.device) -> None:
     """Make `device` the calling thread's current CUDA device (a no-op elsewhere). Every thread that
     launches kernels on `cuda:N` needs this: a new thread starts on cuda:0, and Triton launches on

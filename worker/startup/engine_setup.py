@@ -30,6 +30,7 @@ from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.kv import sizing
 from kvpact.worker.kv.eager import EagerCache
 from kvpact.worker.kv.paged import PagedCache
+from kvpact.worker.kv.staged import StagedCache
 from kvpact.worker.loader import (
     estimate_weight_bytes,
     load_model,
@@ -38,11 +39,12 @@ from kvpact.worker.loader import (
     resolve_model_path,
 )
 from kvpact.worker.model import ModelConfig
+from kvpact.worker.model.stages import plan_stages
 from kvpact.worker.scheduler.base import Scheduler
 from kvpact.worker.scheduler.block_manager import BlockManager
 from kvpact.worker.scheduler.eager import EagerScheduler
 from kvpact.worker.scheduler.paged import PagedScheduler
-from kvpact.worker.startup.device import DeviceProbe, probe_device
+from kvpact.worker.startup.device import DeviceProbe, missing_map_device, probe_device
 from kvpact.worker.startup.kernel_check import triton_self_test
 from kvpact.worker.startup.kernel_warmup import warm_up_paged_kernels
 
@@ -116,7 +118,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     max_model_len, fit_to_cache, max_model_len_source = _max_model_len(spec, config, defaults)
     for reason in loader_findings(config, max_model_len):
         disable_paged_attention(state, reason, component=reasons.SLIDING_WINDOW.component)
-    _check_device_map(spec, config)
+    _check_device_map(spec, config, state)
 
     max_num_batched_tokens = spec.max_num_batched_tokens or defaults.max_num_batched_tokens
     weight_bytes = estimate_weight_bytes(path, dtype=dtype)
@@ -218,9 +220,11 @@ def build_engine(
     if cpu_share is not None:
         threads = cpu_share.apply()
         log.info("cpu threads", threads=threads, requested=cpu_share.requested, cpus=len(cpu_share.cpus))
-    loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype)
+    placements = [(p.device, p.num_layers) for p in plan.spec.device_map]
+    stages = plan_stages(placements, plan.model_config.num_layers, plan.probe.device)
+    loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype, stages=stages)
     config = loaded.config
-    cache: PagedCache | EagerCache
+    cache: PagedCache | EagerCache | StagedCache
     if plan.state.paged_config is not None:
         assert plan.paged_size is not None and plan.backend is not None
         cache = PagedCache(
@@ -230,7 +234,7 @@ def build_engine(
             config.num_kv_heads,
             config.head_dim,
             plan.cache_dtype,
-            plan.probe.device,
+            stages[0].device,  # one stage (a staged map falls back to eager before this)
             plan.backend,
             max_model_len=plan.max_model_len,
         )
@@ -244,16 +248,21 @@ def build_engine(
                 variants=list(warm.variants),
             )
     else:
-        cache = EagerCache(
-            config.num_layers,
-            plan.max_num_seqs,
-            plan.max_model_len,
-            config.num_kv_heads,
-            config.head_dim,
-            plan.cache_dtype,
-            plan.probe.device,
-            sliding_window=config.sliding_window,
-        )
+
+        def eager(num_layers: int, device: torch.device) -> EagerCache:
+            return EagerCache(
+                num_layers,
+                plan.max_num_seqs,
+                plan.max_model_len,
+                config.num_kv_heads,
+                config.head_dim,
+                plan.cache_dtype,
+                device,
+                sliding_window=config.sliding_window,
+            )
+
+        # A map of two or more entries runs as stages, each layer's cache on its layer's device.
+        cache = StagedCache(stages, eager) if len(stages) > 1 else eager(config.num_layers, stages[0].device)
         log.info("eager attention kernels", kernels=cache.kernels)
     scheduler_kind = select_scheduler(plan.spec.cache, cache.kind)  # the backstop: from what was built
     scheduler: Scheduler
@@ -269,7 +278,7 @@ def build_engine(
         model=loaded.name,
         load_seconds=round(loaded.load_seconds, 2),
     )
-    runner = ModelRunner(loaded.model, cache, plan.probe.device)
+    runner = ModelRunner(loaded.model, cache, stages[0].device)
     return Engine(
         runner,
         scheduler,
@@ -284,7 +293,7 @@ def build_engine(
 
 
 def realized_cache(
-    plan: WorkerPlan, cache: PagedCache | EagerCache, scheduler: SchedulerKind
+    plan: WorkerPlan, cache: PagedCache | EagerCache | StagedCache, scheduler: SchedulerKind
 ) -> RealizedCache:
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
     fallbacks = tuple(plan.state.fallbacks)
@@ -352,7 +361,8 @@ def _max_model_len(
     return min(limit, cap), False, f"the default: min(the model's {limit} positions, {cap})"
 
 
-def _check_device_map(spec: WorkerSpec, config: ModelConfig) -> None:
+def _check_device_map(spec: WorkerSpec, config: ModelConfig, state: PagedAttentionState) -> None:
+    """Counts that cover the model; a staged map's paged fallback; devices this machine has."""
     if not spec.device_map:
         return
     total = sum(p.num_layers for p in spec.device_map)
@@ -361,8 +371,10 @@ def _check_device_map(spec: WorkerSpec, config: ModelConfig) -> None:
             f"--device-map places {total} layers but the model has {config.num_layers}; "
             f"make the counts add up to {config.num_layers}"
         )
-    if len({p.device for p in spec.device_map}) > 1:
-        raise ConfigError(
-            "--device-map across several devices is not implemented by this worker yet; "
-            "put every layer on one device (--device)"
-        )
+    if len(spec.device_map) > 1 and state.paged_config is not None:  # a mixed map fell back already
+        text = ",".join(f"{p.device}={p.num_layers}" for p in spec.device_map)
+        reason = reasons.STAGED_DEVICE_MAP.message(device_map=text, num_stages=len(spec.device_map))
+        disable_paged_attention(state, reason, component=reasons.STAGED_DEVICE_MAP.component)
+    missing = missing_map_device(spec.device_map)  # after the verdicts: `on` names its reason first
+    if missing:
+        raise ConfigError(missing)
