@@ -26,18 +26,21 @@ class StagedCache:
         """`make(num_layers, device)` builds one stage's cache."""
         self.stages = stages
         self.caches = [make(stage.num_layers, stage.device) for stage in stages]
-        self.layer_at = [(i, layer - s.start) for i, s in enumerate(stages) for layer in range(s.start, s.stop)]
+        # layer -> (its stage, its index in that stage's cache)
+        self.layer_at = [(i, n - s.start) for i, s in enumerate(stages) for n in range(s.start, s.stop)]
         first = self.caches[0]
         self.num_slots, self.max_model_len = first.num_slots, first.max_model_len
         self.sliding_window = first.sliding_window
-        self.kernels = "; ".join(f"{s.describe()}: {c.kernels}" for s, c in zip(stages, self.caches, strict=True))
+        pairs = zip(stages, self.caches, strict=True)
+        self.kernels = "; ".join(f"{s.describe()}: {c.kernels}" for s, c in pairs)
 
     @property
     def memory_bytes(self) -> int:
         return sum(c.memory_bytes for c in self.caches)
 
     def attention_step(self, chunks: list[ScheduledChunk], num_decodes: int) -> StagedAttentionStep:
-        return StagedAttentionStep([c.attention_step(chunks, num_decodes) for c in self.caches], self.layer_at)
+        steps = [c.attention_step(chunks, num_decodes) for c in self.caches]
+        return StagedAttentionStep(steps, self.layer_at)
 
 
 class StagedAttentionStep:
