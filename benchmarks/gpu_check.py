@@ -319,6 +319,63 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return result("engine", worst, "; ".join(why for v, why in verdicts if v == worst))
 
 
+def cmd_device_map(args: argparse.Namespace) -> int:
+    """`--device-map cuda:0=N-1,cpu=1` (dry run: cpu=1,cpu=N-1), float32: auto realizes EAGER with the
+    mixed-map reason (dry run: the CPU default) and its greedy tokens equal a one-device run's; on fails
+    naming the reason before loading."""
+    from dataclasses import replace
+
+    from kvpact.shared.errors import PagedAttentionRequiredError
+    from kvpact.shared.intent import PagedAttentionMode, cache_intent
+    from kvpact.shared.scheduler_choice import CacheKind
+    from kvpact.shared.spec import LayerPlacement, WorkerSpec
+    from kvpact.worker.engine.request import GenerationRequest, SamplingParams
+    from kvpact.worker.loader import read_model_config
+    from kvpact.worker.startup.engine_setup import build_engine, plan_startup
+
+    num_layers = read_model_config(args.model or None).num_layers
+    first = "cuda:0" if args.device == "cuda" else "cpu"
+    device_map = (LayerPlacement(first, num_layers - 1), LayerPlacement("cpu", 1))
+    text = ",".join(f"{p.device}={p.num_layers}" for p in device_map)
+    spec = WorkerSpec(model=args.model, device=first, dtype="float32", max_model_len=512, max_num_seqs=4)
+    greedy = SamplingParams(temperature=0.0)
+    requests = [
+        GenerationRequest(f"r{i}", tuple(p), greedy, max_tokens=NEW_TOKENS, ignore_eos=True)
+        for i, p in enumerate(PROMPTS)
+    ]
+    verdicts: list[tuple[str, str]] = []
+    tokens = {}
+    for name, dm in (("one device", ()), (text, device_map)):
+        started = time.monotonic()
+        with build_engine(replace(spec, device_map=dm)) as engine:
+            tokens[name] = [r.token_ids for r in engine.run(requests, timeout=300)]
+            realized = engine.realized
+            print(f"{name}: {realized.kind.value}, {time.monotonic() - started:.1f}s, tokens {tokens[name]}")
+            print(f"  kernels: {engine.runner.cache.kernels}")
+            if dm:
+                reasons = [f.reason for f in realized.fallbacks]
+                ok = realized.kind is CacheKind.EAGER and reasons
+                verdicts.append(
+                    ("PASS" if ok else "FAIL", f"auto realized {realized.kind.value} because {reasons}")
+                )
+    same = tokens["one device"] == tokens[text]
+    verdicts.append(
+        (
+            "PASS" if same else "FAIL",
+            f"{text} greedy tokens {'equal' if same else 'DIFFER from'} one device's",
+        )
+    )
+    try:
+        plan_startup(replace(spec, device_map=device_map, cache=cache_intent(PagedAttentionMode.ON)))
+        verdicts.append(("FAIL", f"on planned a paged cache for {text}"))
+    except PagedAttentionRequiredError as e:
+        verdicts.append(("PASS", f"on refused before loading: {e}"))
+    for verdict, why in verdicts:
+        print(f"  {verdict}  {why}")
+    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
+    return result("device-map", worst, "; ".join(why for v, why in verdicts if v == worst))
+
+
 def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
     """Synchronizing CUDA calls while the engine decodes one request (the engine thread included:
     the warnings machinery is process-wide). Expected: one a step, reading the sampled ids back.
@@ -483,7 +540,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("step", choices=["env", "engine", "e2e"])
+    parser.add_argument("step", choices=["env", "engine", "e2e", "device-map"])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
         "--model",
@@ -506,7 +563,7 @@ def main() -> int:
         else:
             args.model = str(write_model(tiny))
     print(f"model: {args.model or 'the bundled SmolLM2-135M-Instruct'}", flush=True)
-    return {"engine": cmd_engine, "e2e": cmd_e2e}[args.step](args)
+    return {"engine": cmd_engine, "e2e": cmd_e2e, "device-map": cmd_device_map}[args.step](args)
 
 
 if __name__ == "__main__":

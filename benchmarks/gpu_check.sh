@@ -24,6 +24,9 @@
 #                   concurrent requests (tokens/s, on vs on-torch) and the worker's compiles after ready
 #   f_host.txt      benchmarks/gpu_perf.py: a serving PagedAttentionStep's host time per layer at decode
 #                   batch 1/16/64 (context 2k) and the kernel compiles after the startup warm-up (must be 0)
+#   g_device_map.txt  benchmarks/gpu_check.py device-map: `--device-map cuda:0=N-1,cpu=1` in-process (fp32):
+#                   auto realizes EAGER with the mixed-map reason, greedy tokens equal a one-device run's,
+#                   on is refused before loading (dry run: cpu=N-1,cpu=1)
 #   summary.txt     one line a step (PASS / WARN / FAIL / SKIP, exit code, seconds); also printed last
 # The model is a tiny Llama with SmolLM2's attention shapes built on the fly (the SmolLM2 GGUF is 98 MB,
 # more than a run can carry); KVPACT_GPU_CHECK_MODEL=PATH uses another.
@@ -166,6 +169,12 @@ if needs "f) host time" triton numpy google.protobuf; then
         step "f) host time per layer at batch 1/16/64, compiles after warm-up" f_host.txt 80 \
             "$PY" benchmarks/gpu_perf.py --device cuda
     fi
+fi
+
+# ---- g) the seed's device map: layers on cuda:0 and the CPU as stages ----
+if needs "g) device map" "${SERVING[@]}"; then
+    step "g) --device-map cuda:0=N-1,cpu=1: auto eager + same tokens, on refused" g_device_map.txt 100 \
+        "$PY" benchmarks/gpu_check.py device-map --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
 fi
 
 # ---- e) router + worker processes ----
