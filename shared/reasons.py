@@ -46,6 +46,14 @@ STAGED_DEVICE_MAP = Reason(
     "span stages",
     "--device-map with one entry, or --device",
 )
+TENSOR_PARALLEL = Reason(
+    "tensor parallel",
+    "device",
+    "--tensor-parallel-size above 1 (the ranks keep eager caches of their own heads in this build)",
+    "--tensor-parallel-size {size} shards the KV cache over {size} ranks and the paged cache is not "
+    "sharded across ranks yet",
+    "--tensor-parallel-size 1",
+)
 EAGER_DEFAULT = Reason(
     "CPU/MPS default",
     "device",
@@ -168,6 +176,7 @@ REASONS = (
     SHARED_MEMORY,
     MIXED_DEVICE_MAP,
     STAGED_DEVICE_MAP,
+    TENSOR_PARALLEL,
     SLIDING_WINDOW,
     KV_BUDGET,
     KERNEL_SELF_TEST,

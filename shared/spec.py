@@ -84,6 +84,16 @@ class WorkerSpec:
     max_num_batched_tokens: int = option(
         0, "--max-num-batched-tokens", "most tokens in one engine step (0 = default)", minimum=0, group=MODEL
     )
+    tensor_parallel_size: int = option(
+        1,
+        "--tensor-parallel-size",
+        "shard the model over N ranks, one process each (the worker spawns ranks 1..N-1 itself; CPU/gloo "
+        "in this build; the attention heads must divide by N)",
+        metavar="N",
+        minimum=1,
+        maximum=64,
+        group=MODEL,
+    )
     threads: int | None = option(
         None,
         "--threads",

@@ -15,7 +15,9 @@ keep their metadata on the host side too.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +28,9 @@ from kvpact.worker.kv import KVCache
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.model import LlamaForCausalLM
 from kvpact.worker.startup.device import to_device
+
+if TYPE_CHECKING:
+    from kvpact.worker.parallel.ranks import RankGroup
 
 
 @dataclass(slots=True)
@@ -46,6 +51,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.keep_logits = False  # tests compare per-step logits with a reference
+        self.ranks: RankGroup | None = None  # --tensor-parallel-size > 1: this is rank 0, leading the rest
 
     def kernel_compiles_after_ready(self) -> int:
         """Triton kernel variants compiled since the startup warm-up (0 without Triton kernels)."""
@@ -72,7 +78,9 @@ class ModelRunner:
             assert isinstance(self.cache, PagedCache), "block copies on a cache without blocks"
             self.cache.copy_blocks(block_copies)
         attn = self.cache.attention_step(ordered, len(decodes))
-        hidden = self.model(ids, pos, attn)  # on the last stage's device (a --device-map's last entry)
+        # Tensor parallel: the other ranks run the same forward on their shards (worker/parallel/).
+        with self.ranks.lead(input_ids, ordered, len(decodes)) if self.ranks else nullcontext():
+            hidden = self.model(ids, pos, attn)  # on the last stage's device (a --device-map's last entry)
         rows = to_device(torch.tensor(sample_rows, dtype=torch.long), hidden.device)
         seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]
         if not seqs:

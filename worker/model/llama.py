@@ -19,7 +19,7 @@ on the last one's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,6 +51,8 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        # tensor parallel (worker/model/tensor_parallel.py): sums o_proj's partial output over the ranks
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionStep
@@ -65,8 +67,8 @@ class LlamaAttention(nn.Module):
         )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = attn.forward(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.o_proj(attn.forward(self.layer_idx, q, k, v).reshape(-1, self.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):

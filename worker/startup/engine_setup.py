@@ -40,6 +40,8 @@ from kvpact.worker.loader import (
 )
 from kvpact.worker.model import ModelConfig
 from kvpact.worker.model.stages import plan_stages
+from kvpact.worker.model.tensor_parallel import shard_model, tp_problem
+from kvpact.worker.parallel.ranks import RankGroup
 from kvpact.worker.scheduler.base import Scheduler
 from kvpact.worker.scheduler.block_manager import BlockManager
 from kvpact.worker.scheduler.eager import EagerScheduler
@@ -119,6 +121,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     for reason in loader_findings(config, max_model_len):
         disable_paged_attention(state, reason, component=reasons.SLIDING_WINDOW.component)
     _check_device_map(spec, config, state)
+    _check_tensor_parallel(spec, config, state, probe)
 
     max_num_batched_tokens = spec.max_num_batched_tokens or defaults.max_num_batched_tokens
     weight_bytes = estimate_weight_bytes(path, dtype=dtype)
@@ -222,8 +225,11 @@ def build_engine(
         log.info("cpu threads", threads=threads, requested=cpu_share.requested, cpus=len(cpu_share.cpus))
     placements = [(p.device, p.num_layers) for p in plan.spec.device_map]
     stages = plan_stages(placements, plan.model_config.num_layers, plan.probe.device)
+    ranks = start_ranks(plan) if plan.spec.tensor_parallel_size > 1 else None
     loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype, stages=stages)
-    config = loaded.config
+    if ranks is not None:  # rank 0's shard; `config` below then counts this rank's heads
+        loaded.model = shard_model(loaded.model, 0, ranks.world, ranks.all_reduce)
+    config = loaded.model.config
     cache: PagedCache | EagerCache | StagedCache
     if plan.state.paged_config is not None:
         assert plan.paged_size is not None and plan.backend is not None
@@ -279,6 +285,9 @@ def build_engine(
         load_seconds=round(loaded.load_seconds, 2),
     )
     runner = ModelRunner(loaded.model, cache, stages[0].device)
+    if ranks is not None:
+        ranks.ready()
+        runner.ranks = ranks
     return Engine(
         runner,
         scheduler,
@@ -290,6 +299,15 @@ def build_engine(
         log=log,
         cpu_share=cpu_share,
     )
+
+
+def start_ranks(plan: WorkerPlan) -> RankGroup:
+    """Spawn and join ranks 1..N-1, each told what this plan decided for its shard."""
+    dtype = str(plan.dtype).removeprefix("torch.")
+    cache_dtype = str(plan.cache_dtype).removeprefix("torch.")
+    args = ["--model", str(plan.model_path), "--dtype", dtype, "--cache-dtype", cache_dtype,
+            "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs)]  # fmt: skip
+    return RankGroup.start(plan.spec.tensor_parallel_size, args)
 
 
 def realized_cache(
@@ -359,6 +377,27 @@ def _max_model_len(
     if spec.max_model_len_auto or cap is None:  # explicit auto, or the CUDA default
         return limit, True, f"auto: the model's {limit} positions"
     return min(limit, cap), False, f"the default: min(the model's {limit} positions, {cap})"
+
+
+def _check_tensor_parallel(
+    spec: WorkerSpec, config: ModelConfig, state: PagedAttentionState, probe: DeviceProbe
+) -> None:
+    """The heads split over the ranks; eager on every rank (the paged cache is not sharded yet)."""
+    size = spec.tensor_parallel_size
+    if size == 1:
+        return
+    if spec.device_map:
+        raise ConfigError(
+            f"--tensor-parallel-size {size} with --device-map is not supported; use one of them"
+        )
+    if probe.device.type != "cpu":
+        raise ConfigError(f"--tensor-parallel-size {size} runs on CPU (gloo) in this build; use --device cpu")
+    problem = tp_problem(config, size)
+    if problem:
+        raise ConfigError(problem)
+    if state.paged_config is not None:
+        reason = reasons.TENSOR_PARALLEL.message(size=size)
+        disable_paged_attention(state, reason, component=reasons.TENSOR_PARALLEL.component)
 
 
 def _check_device_map(spec: WorkerSpec, config: ModelConfig, state: PagedAttentionState) -> None:
