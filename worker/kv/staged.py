@@ -8,7 +8,7 @@ Only the eager cache is staged: PagedAttention falls back for a staged map (shar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ class StagedCache:
 
 
 class StagedAttentionStep:
-    def __init__(self, steps: list[AttentionStep], layer_at: list[tuple[int, int]]) -> None:
+    def __init__(self, steps: Sequence[AttentionStep], layer_at: list[tuple[int, int]]) -> None:
         self.steps, self.layer_at = steps, layer_at
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

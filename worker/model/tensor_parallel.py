@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
 from kvpact.worker.model.config import ModelConfig
-from kvpact.worker.model.llama import LlamaForCausalLM, build_model
+from kvpact.worker.model.llama import LlamaDecoderLayer, LlamaForCausalLM, build_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,8 @@ def shard_model(
     model.model.norm.weight.copy_(full.model.norm.weight)
     if model.lm_head is not None and full.lm_head is not None:
         model.lm_head.weight.copy_(full.lm_head.weight)
-    for mine, theirs in zip(model.model.layers, full.model.layers, strict=True):
+    for mine_module, theirs_module in zip(model.model.layers, full.model.layers, strict=True):
+        mine, theirs = cast(LlamaDecoderLayer, mine_module), cast(LlamaDecoderLayer, theirs_module)
         mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
         mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
         attn, full_attn = mine.self_attn, theirs.self_attn
