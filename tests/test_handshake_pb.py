@@ -87,6 +87,7 @@ def test_every_worker_spec_field_travels():
         "max_num_seqs": 3,
         "max_num_batched_tokens": 64,
         "threads": 1,
+        "tensor_parallel_size": 3,
         "cache": cache_intent(PagedAttentionMode.ON),
         "max_model_len_auto": True,
     }
