@@ -2,8 +2,9 @@
 
 NOTE: the stop (deploy/launch.py's teardown) tells the router and waits for it to exit (its streams
 done, up to its --drain-timeout plus STOP_MARGIN_S), then every worker, each of which drains up to its
---drain-timeout and is SIGKILLed only STOP_MARGIN_S after that. `ray job stop` SIGKILLs the launcher RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM (3 s
-unless the head's environment says otherwise), so that must be at least `stop_budget_s`.
+--drain-timeout and is SIGKILLed only STOP_MARGIN_S after that. `ray job stop` SIGKILLs the launcher
+RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM (3 s unless the head's environment says otherwise), so that
+must be at least `stop_budget_s`.
 """
 
 from __future__ import annotations
