@@ -30,10 +30,16 @@ def _realized_cells(w: router_pb2.WorkerStatus) -> tuple[str, str]:
 
 
 def _asked_cell(w: router_pb2.WorkerStatus) -> str:
+    """The cache intent, then a worker bigger than one device: `tp N` ranks, `map DEVICE=N,...` stages."""
     try:
-        return describe_asked(handshake_pb.intent_from_pb(w.requested.cache))
+        asked = describe_asked(handshake_pb.intent_from_pb(w.requested.cache))
     except (KeyError, ValueError):
-        return "?"
+        asked = "?"
+    if w.requested.tensor_parallel_size > 1:
+        asked += f" tp {w.requested.tensor_parallel_size}"
+    if len(w.requested.device_map) > 1:
+        asked += " map " + ",".join(f"{p.device}={p.num_layers}" for p in w.requested.device_map)
+    return asked
 
 
 def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:

@@ -18,6 +18,7 @@ STEPS = [
     "d) engine",
     "e) end to end",
     "f) host time",
+    "g) --device-map",
 ]
 
 

