@@ -228,8 +228,8 @@ def compare_runs(name: str, got: Run, want: Run, rtol: float) -> tuple[str, str]
 def record_logits(engine) -> dict[str, list[Any]]:
     """Every sampled row's logits, per request id, in step order (a spy on the model runner)."""
     seen: dict[str, list[Any]] = {}
-    run = engine.runner.run
-    engine.runner.keep_logits = True
+    run = engine.step_loop.runner.run
+    engine.step_loop.runner.keep_logits = True
 
     def spy(chunks):
         result = run(chunks)
@@ -238,7 +238,7 @@ def record_logits(engine) -> dict[str, list[Any]]:
             seen.setdefault(seq.request_id, []).append(row.float().cpu())
         return result
 
-    engine.runner.run = spy
+    engine.step_loop.runner.run = spy
     return seen
 
 

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kvpact.worker.engine import engine as engine_module
+from kvpact.worker.engine import step_loop
 from kvpact.worker.startup.device import bind_thread, to_device
 
 
@@ -45,7 +45,7 @@ def test_to_device_on_cuda_copies_through_pinned_memory_without_blocking(monkeyp
 def test_the_engine_binds_its_step_thread_to_the_runner_device(make_engine, tiny_llama, monkeypatch):
     bound = []
     monkeypatch.setattr(
-        engine_module, "bind_thread", lambda d: bound.append((d, threading.current_thread().name))
+        step_loop, "bind_thread", lambda d: bound.append((d, threading.current_thread().name))
     )
     engine = make_engine(tiny_llama, "on", context_tokens=1024)
     engine.close()
