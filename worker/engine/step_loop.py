@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvpact.shared.handshake import WorkerLoad
+from kvpact.worker.engine.accelerator import bind_thread
 from kvpact.worker.engine.cpu_share import CpuShare
 from kvpact.worker.engine.engine_observer import EngineObserver, FinishedRequest
 from kvpact.worker.engine.model_runner import ModelRunner
@@ -30,7 +31,6 @@ from kvpact.worker.engine.output_stream import OutputStream, RequestStreams
 from kvpact.worker.engine.request import EngineClosedError, FinishReason, GenerationError
 from kvpact.worker.engine.sequence import Sequence
 from kvpact.worker.scheduler.base import Scheduler
-from kvpact.worker.startup.device import bind_thread
 
 CLOSE_TIMEOUT_S = 30.0
 TPS_WINDOW_S = 5.0

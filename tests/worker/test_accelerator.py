@@ -1,4 +1,4 @@
-"""worker.device: the step loop's helpers for an accelerator, checked on the CPU."""
+"""worker.engine.accelerator: the step loop's helpers for an accelerator, checked on the CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import torch
 
 from kvpact.worker.engine import step_loop
-from kvpact.worker.startup.device import bind_thread, to_device
+from kvpact.worker.engine.accelerator import bind_thread, to_device
 
 
 def test_bind_thread_sets_the_current_cuda_device_and_nothing_else(monkeypatch):
