@@ -197,6 +197,8 @@ def test_abort_of_a_waiting_request(make_engine, tiny_llama):
 
     async def main() -> None:
         running = asyncio.create_task(collect(engine, greedy("run", TEXT, 60)))
+        # "run" first: two prepare threads would otherwise race to queue first, and "wait" could run.
+        assert await eventually_async(lambda: engine.stats().num_running == 1)
         waiting = asyncio.create_task(collect(engine, greedy("wait", TEXT, 60)))
         assert await eventually_async(lambda: engine.stats().num_waiting == 1)
         assert engine.abort("wait")
