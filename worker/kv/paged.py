@@ -31,8 +31,8 @@ from kvpact.kernels.compiles import compiled_variant_count
 from kvpact.kernels.splits import decode_workspace, default_num_splits, device_num_sms, split_variants
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.worker.engine.accelerator import to_device
 from kvpact.worker.engine.sequence import ScheduledChunk
-from kvpact.worker.startup.device import to_device
 
 
 @dataclass(frozen=True, slots=True)
