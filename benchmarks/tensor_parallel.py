@@ -33,7 +33,7 @@ def measure(model: str, size: int) -> dict[str, Any]:
         WorkerSpec(model=model, device="cpu", max_model_len=256, max_num_seqs=4), tensor_parallel_size=size
     )
     engine = build_engine(spec)
-    runner = engine.runner
+    runner = engine.step_loop.runner
     timed = {"reduce": 0.0, "steps": 0, "step": 0.0}
     for layer in runner.model.model.layers:
         for module in (layer.self_attn, layer.mlp):  # type: ignore[union-attr]

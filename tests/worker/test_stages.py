@@ -66,11 +66,11 @@ def test_a_staged_map_gives_the_same_greedy_tokens_with_each_layers_cache_in_its
         try:
             tokens[text] = asyncio.run(collect(engine, greedy("r", prompt, 24))).token_ids
             if text:
-                cache = engine.runner.cache
+                cache = engine.step_loop.runner.cache
                 assert isinstance(cache, StagedCache) and engine.realized.kind is CacheKind.EAGER
                 assert [len(c.key) for c in cache.caches] == [1, 1]  # each stage holds only its layers
                 assert [c.device for c in cache.caches] == [torch.device("cpu")] * 2
-                assert [s.describe() for s in engine.runner.model.stages] == [
+                assert [s.describe() for s in engine.step_loop.runner.model.stages] == [
                     "layers 0-0 on cpu",
                     "layers 1-1 on cpu",
                 ]
