@@ -35,12 +35,13 @@ def measure(model: str, size: int) -> dict[str, Any]:
     engine = build_engine(spec)
     runner = engine.step_loop.runner
     timed = {"reduce": 0.0, "steps": 0, "step": 0.0}
-    for layer in runner.model.model.layers:
-        for module in (layer.self_attn, layer.mlp):  # type: ignore[union-attr]
+    layers: list[Any] = list(runner.model.model.layers)
+    for layer in layers:
+        for module in (layer.self_attn, layer.mlp):
             inner = module.reduce
             if inner is not None:
 
-                def reduce(t, inner=inner):  # type: ignore[no-untyped-def]
+                def reduce(t, inner=inner):
                     started = time.perf_counter()
                     out = inner(t)
                     timed["reduce"] += time.perf_counter() - started
@@ -49,7 +50,7 @@ def measure(model: str, size: int) -> dict[str, Any]:
                 module.reduce = reduce
     run = runner.run
 
-    def counted(chunks):  # type: ignore[no-untyped-def]
+    def counted(chunks):
         started = time.perf_counter()
         out = run(chunks)
         timed["step"] += time.perf_counter() - started

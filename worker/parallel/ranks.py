@@ -49,11 +49,12 @@ class RankGroup:
         self.last = time.monotonic()
 
     @classmethod
-    def start(cls, world: int, follower_args: list[str]) -> RankGroup:
-        """Spawn ranks 1..world-1 (`python -m kvpact.worker.parallel.follower ... follower_args`) and join
-        them; raises RuntimeError when they do not join."""
+    def start(cls, world: int, follower_args: list[str], threads: int | None = None) -> RankGroup:
+        """Spawn ranks 1..world-1 (`python -m kvpact.worker.parallel.follower ... follower_args`), each with
+        `threads` // world torch threads (None: the CPUs this process may use), and join them; raises
+        RuntimeError when they do not join."""
         address = f"127.0.0.1:{_free_port()}"
-        threads = max(1, len(os.sched_getaffinity(0)) // world)
+        threads = max(1, (threads or len(os.sched_getaffinity(0))) // world)
         group = cls(world)
         for rank in range(1, world):
             argv = [sys.executable, "-m", "kvpact.worker.parallel.follower", "--rank", str(rank),

@@ -307,7 +307,7 @@ def start_ranks(plan: WorkerPlan) -> RankGroup:
     cache_dtype = str(plan.cache_dtype).removeprefix("torch.")
     args = ["--model", str(plan.model_path), "--dtype", dtype, "--cache-dtype", cache_dtype,
             "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs)]  # fmt: skip
-    return RankGroup.start(plan.spec.tensor_parallel_size, args)
+    return RankGroup.start(plan.spec.tensor_parallel_size, args, plan.spec.threads)
 
 
 def realized_cache(
