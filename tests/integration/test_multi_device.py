@@ -1,7 +1,8 @@
-"""Workers bigger than one device, through the real router: a staged `--device-map` worker and a
-`--tensor-parallel-size 2` worker serve the greedy tokens a one-device worker serves; a killed rank
+"""Workers bigger than one device, through the real router: a `--tensor-parallel-size 2` worker and a
+staged `--device-map` worker (slow) serve the greedy tokens a one-device worker serves; a killed rank
 takes its worker down and leaves no process behind; a cuda + cpu map's `on` outcome on a machine
-without CUDA. One router with three workers (one model name each) is shared by the reading tests."""
+without CUDA (slow). One router with a one-device and a TP=2 worker (one model name each) is shared by
+the default tests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import importlib.util
 import os
 import signal
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,22 +55,39 @@ class Cluster:
     workers: dict[str, ProcessHandle]
 
 
-@pytest.fixture(scope="module")
-def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    log_dir = tmp_path_factory.mktemp("multi-device")
+EXTRA = {"one": (), "staged": ("--device-map", "cpu=1,cpu=1"), "tp2": ("--tensor-parallel-size", "2")}
+
+
+@contextmanager
+def serving(model: Path, log_dir: Path, names: tuple[str, ...]) -> Iterator[Cluster]:
+    """One router and a worker per name (EXTRA's flags), each serving the model under its own name."""
+    expect = str(len(names))
     with running(
-        router_argv("--paged-attn", "auto", "--expect-workers", "3"), name="router", log_dir=log_dir
+        router_argv("--paged-attn", "auto", "--expect-workers", expect), name="router", log_dir=log_dir
     ) as r:
         address = router_address(r)
-        extra = {"one": (), "staged": ("--device-map", "cpu=1,cpu=1"), "tp2": ("--tensor-parallel-size", "2")}
+        with ExitStack() as stack:
+            workers = {
+                name: stack.enter_context(
+                    started_worker(
+                        args(model, address, name, *EXTRA[name]),
+                        log_dir=log_dir,
+                        name=name,
+                        wait_serving=False,
+                        timeout_s=START_S,
+                    )  # fmt: skip
+                ).handle
+                for name in names
+            }
+            wait_for_health(address, START_S, watch=[r, *workers.values()])
+            yield Cluster(r, address, workers)
 
-        def start(name: str):  # type: ignore[no-untyped-def]
-            argv = args(model, address, name, *extra[name])
-            return started_worker(argv, log_dir=log_dir, name=name, wait_serving=False, timeout_s=START_S)
 
-        with start("one") as a, start("staged") as b, start("tp2") as c:
-            wait_for_health(address, START_S, watch=[r, a.handle, b.handle, c.handle])
-            yield Cluster(r, address, {"one": a.handle, "staged": b.handle, "tp2": c.handle})
+@pytest.fixture(scope="module")
+def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The default suite's: a one-device worker and a TP=2 worker (the staged one: a slow test's own)."""
+    with serving(model, tmp_path_factory.mktemp("multi-device"), ("one", "tp2")) as cluster:
+        yield cluster
 
 
 def complete(address: str, prompt: str, model: str) -> router_pb2.CompleteResponse:  # type: ignore[name-defined]
@@ -81,30 +100,39 @@ def complete(address: str, prompt: str, model: str) -> router_pb2.CompleteRespon
     return reply
 
 
-def test_the_workers_are_admitted_with_what_they_were_asked(cluster: Cluster):
+def test_the_tp_worker_is_admitted_with_what_it_was_asked(cluster: Cluster):
     with Client(cluster.address, timeout=30) as client:
         status = client.cluster_status()
     by_id = {w.worker_id: w for w in status.workers}
     rows = {line.split()[0]: line for line in render_cluster_status(status).splitlines()[2:] if line.strip()}
-    assert " tp 2" in rows["tp2"] and " map cpu=1,cpu=1" in rows["staged"]
-    assert " tp " not in rows["one"] and " map " not in rows["one"]
-    assert sorted(by_id) == ["one", "staged", "tp2"]
+    assert " tp 2" in rows["tp2"] and " tp " not in rows["one"]
+    assert sorted(by_id) == ["one", "tp2"]
     assert all(w.state == router_pb2.WORKER_STATE_ADMITTED for w in by_id.values())
     assert all(w.realized.kind == cache_pb2.CACHE_KIND_EAGER for w in by_id.values())
-    assert [(p.device, p.num_layers) for p in by_id["staged"].requested.device_map] == [
-        ("cpu", 1),
-        ("cpu", 1),
-    ]
     assert by_id["tp2"].requested.tensor_parallel_size == 2
-    stages = [e["stages"] for e in log_events(cluster.workers["staged"], "model_loaded")]
-    assert stages == [["layers 0-0 on cpu", "layers 1-1 on cpu"]]
 
 
-def test_a_staged_worker_serves_the_same_greedy_tokens_as_a_one_device_worker(cluster: Cluster):
-    for prompt in PROMPTS:
-        want = complete(cluster.address, prompt, "one")
-        got = complete(cluster.address, prompt, "staged")
-        assert len(want.token_ids) == NEW_TOKENS and list(got.token_ids) == list(want.token_ids), prompt
+@pytest.mark.slow  # a third worker; the same staged code runs in-process in tests/worker/test_stages.py
+def test_a_staged_worker_serves_the_same_greedy_tokens_as_a_one_device_worker(model: Path, tmp_path: Path):
+    with serving(model, tmp_path, ("one", "staged")) as cluster:
+        with Client(cluster.address, timeout=30) as client:
+            status = client.cluster_status()
+        staged = next(w for w in status.workers if w.worker_id == "staged")
+        assert (
+            staged.state == router_pb2.WORKER_STATE_ADMITTED
+            and staged.realized.kind == cache_pb2.CACHE_KIND_EAGER
+        )
+        assert [(p.device, p.num_layers) for p in staged.requested.device_map] == [("cpu", 1), ("cpu", 1)]
+        rows = {
+            line.split()[0]: line for line in render_cluster_status(status).splitlines()[2:] if line.strip()
+        }
+        assert " map cpu=1,cpu=1" in rows["staged"] and " map " not in rows["one"]
+        for prompt in PROMPTS:
+            want = complete(cluster.address, prompt, "one")
+            got = complete(cluster.address, prompt, "staged")
+            assert len(want.token_ids) == NEW_TOKENS and list(got.token_ids) == list(want.token_ids), prompt
+        stages = [e["stages"] for e in log_events(cluster.workers["staged"], "model_loaded")]
+        assert stages == [["layers 0-0 on cpu", "layers 1-1 on cpu"]]
 
 
 def test_tensor_parallel_2_serves_the_greedy_tokens_of_one_rank(cluster: Cluster):
