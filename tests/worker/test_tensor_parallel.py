@@ -86,3 +86,26 @@ def test_tensor_parallel_with_a_device_map_is_refused(tiny_llama, no_loading):
     )
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2 with --device-map is not supported"):
         engine_setup.plan_startup(spec)
+
+
+@pytest.mark.slow  # spawns a rank from the test process (the default suite runs TP=2 through the router)
+def test_kv_heads_replicated_over_the_ranks_give_the_one_rank_tokens(tmp_path):
+    import asyncio
+
+    from kvpact.worker.startup.engine_setup import build_engine
+    from tests.factories.tiny_models import make_tiny_llama
+    from tests.worker.conftest import collect, greedy
+
+    one_kv_head = make_tiny_llama(tmp_path / "mqa", num_heads=4, num_kv_heads=1)
+    tokens = {}
+    for size in (1, 2):
+        engine = build_engine(replace(worker_spec(one_kv_head), tensor_parallel_size=size))
+        ranks = engine.step_loop.runner.ranks
+        try:
+            assert engine.step_loop.runner.model.config.num_kv_heads == 1  # replicated, not split
+            tokens[size] = asyncio.run(collect(engine, greedy("r", "The quick brown fox", 24))).token_ids
+        finally:
+            engine.close()
+            if ranks is not None:
+                ranks.close()
+    assert len(tokens[1]) == 24 and tokens[2] == tokens[1]
