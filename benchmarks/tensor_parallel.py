@@ -12,11 +12,14 @@ on a machine whose cores the ranks share, that is mostly the other ranks' comput
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,6 +35,7 @@ def measure(model: str, size: int) -> dict[str, Any]:
     spec = replace(
         WorkerSpec(model=model, device="cpu", max_model_len=256, max_num_seqs=4), tensor_parallel_size=size
     )
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))  # rank 0's part, as the worker's
     engine = build_engine(spec)
     runner = engine.step_loop.runner
     timed = {"reduce": 0.0, "steps": 0, "step": 0.0}

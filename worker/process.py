@@ -36,7 +36,7 @@ from kvpact.shared.handshake_pb import failure_to_pb, mode_from_pb, plan_to_pb, 
 from kvpact.shared.log import configure_logging
 from kvpact.shared.tls import describe_tls, plaintext_warning
 from kvpact.v1 import worker_pb2
-from kvpact.worker.engine.cpu_share import CpuShare
+from kvpact.worker.engine.cpu_share import CpuShare, allowed_cpus
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.loader import model_name, resolve_model_path
@@ -130,7 +130,12 @@ class WorkerProcess:
             worker_id=self.worker_id, spec=spec_to_pb(options.spec), labels=dict(options.labels)
         )
         self._drain_task: asyncio.Task[None] | None = None
-        self.cpu_share = CpuShare.acquire(options.spec.threads)  # released in _close
+        threads, size = options.spec.threads, options.spec.tensor_parallel_size
+        if (
+            size > 1
+        ):  # the worker's threads are split between its ranks; rank 0 takes its part (worker/parallel/)
+            threads = max(1, (threads or len(allowed_cpus())) // size)
+        self.cpu_share = CpuShare.acquire(threads)  # released in _close
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
