@@ -29,7 +29,8 @@ from pathlib import Path
 
 from benchmarks.kv_steps import StepLog
 from benchmarks.kvpact_systems import greedy_request
-from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
+from kvpact.shared.features import FeatureIntents, FeatureMode
+from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.loader import default_model_path
@@ -60,9 +61,9 @@ class Row:
 
 
 def open_engine(model: Path, scale: Scale, prefix_caching: bool) -> Engine:
-    settings = PagedAttentionConfig(prefix_caching=prefix_caching)
+    prefix = FeatureIntents(prefix_caching=FeatureMode.AUTO if prefix_caching else FeatureMode.OFF)
     spec = WorkerSpec(model=str(model), device="cpu", max_model_len=scale.max_model_len, max_num_seqs=8)
-    return build_engine(replace(spec, cache=cache_intent(PagedAttentionMode.ON, settings)))
+    return build_engine(replace(spec, cache=cache_intent(PagedAttentionMode.ON), features=prefix))
 
 
 def trial(engine: Engine, log: StepLog, prompt: tuple[int, ...], scale: Scale, together: bool) -> Row:

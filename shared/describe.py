@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kvpact.shared.features import FeatureState
 from kvpact.shared.intent import CacheIntent, PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind
 
@@ -118,9 +119,19 @@ def realized_table(realized: RealizedCache, title: str = "realized KV cache") ->
         ("memory", f"{realized.memory_bytes / 2**20:.1f} MiB"),
     ]
     rows += [(f"fallback ({f.component})", f.reason) for f in realized.fallbacks]
+    # paged-attn is the kind and fallback rows above; every other feature gets its own row
+    rows += [(f.name, describe_feature(f)) for f in realized.features if f.name != "paged-attn"]
     width = max(len(k) for k, _ in rows)
     lines = [title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def describe_feature(state: FeatureState) -> str:
+    """`on (asked auto)` or `off (asked auto): no-cuda-device: no CUDA device: ...`."""
+    asked = f"(asked {state.requested.value})"
+    if state.realized:
+        return f"on {asked}"
+    return f"off {asked}: {state.code}: {state.message}" if state.code else f"off {asked}"
 
 
 def describe_labels(labels: Mapping[str, str]) -> str:

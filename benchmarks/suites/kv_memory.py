@@ -51,6 +51,7 @@ from benchmarks.kv_memory_report import (
 )
 from benchmarks.kv_steps import StepLog
 from benchmarks.kvpact_systems import greedy_request
+from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.request import GenerationOutput, GenerationRequest, GenerationResult
@@ -210,7 +211,8 @@ def _spec(
     prefix_caching: bool = True,
     block_size: int | None = None,
 ) -> WorkerSpec:
-    settings = PagedAttentionConfig(memory_bytes=memory_bytes, prefix_caching=prefix_caching)
+    settings = PagedAttentionConfig(memory_bytes=memory_bytes)
+    prefix = FeatureMode.AUTO if prefix_caching else FeatureMode.OFF
     if block_size is not None:
         settings = replace(settings, block_size=block_size)
     return WorkerSpec(
@@ -219,6 +221,7 @@ def _spec(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         cache=cache_intent(mode, settings),
+        features=FeatureIntents(prefix_caching=prefix),
     )
 
 
