@@ -10,7 +10,7 @@ the prefix cache) of PROMPT_TOKENS tokens, greedy, ignore_eos, MAX_TOKENS new to
 
     n=4                     one request, n=4: prefilled once, the 4 sequences fork its blocks
     4 requests              4 requests with that prompt, sent at once (prefix caching on, the default)
-    4 requests, no cache    the same on an engine with --no-prefix-caching
+    4 requests, no cache    the same on an engine with --prefix-caching off
 
 Peak blocks: the most pool blocks referenced at once during the run (benchmarks/kv_steps.py samples the
 pool after every step). Wall time: submit to the last token, median of the trials. --quick: a short

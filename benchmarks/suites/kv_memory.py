@@ -24,7 +24,7 @@ every step.
    held / (slots x max_model_len).
 2. Prefix cache. The shared_prefix workload (one 768-token system prompt + a 32-128 token question;
    4 requests. --quick: a 128-token system prompt, 2 requests, outputs cut to 16 tokens) on two
-   paged engines that differ only in `--no-prefix-caching`, default budget. One request with the
+   paged engines that differ only in `--prefix-caching off`, default budget. One request with the
    system prompt runs first on each (the prompt a server has already seen), then the requests
    arrive at once. Hit rate = cached prompt tokens / prompt tokens (from each request's usage);
    throughput = (prompt + output tokens) / wall time of the timed phase.
