@@ -25,6 +25,7 @@ from kvpact.shared.errors import ConfigError
 from kvpact.shared.exit_codes import exit_codes_help
 from kvpact.shared.features import FeatureIntents
 from kvpact.shared.intent import GPU_DEFAULT_MEMORY_FRACTION, CacheIntent, PagedAttentionConfig, cache_intent
+from kvpact.shared.log import configure_logging
 from kvpact.shared.options import add_options, option_values
 from kvpact.shared.reasons import reasons_help
 from kvpact.shared.spec import WorkerSpec
@@ -134,6 +135,8 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
     try:
         values = option_values(WorkerOptions, args)
         values["worker_id"] = values["worker_id"] or f"{socket.gethostname()}-{os.getpid()}"
+        if values["plan_json"] and not values["plan_only"]:
+            raise ConfigError("--json goes with --plan-only (it prints the plan as JSON); add --plan-only")
         return WorkerOptions(
             spec=spec_from_args(args),
             tls=tls_from_args(args),
@@ -147,6 +150,11 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_args(argv)
+    if options.plan_only:
+        from kvpact.worker.plan_only import run_plan_only
+
+        configure_logging(options.log_format, options.log_level, fields={"worker_id": options.worker_id})
+        exit_now(run_plan_only(options.spec, options.plan_json))
     try:
         code = asyncio.run(run_worker(options))
     except KeyboardInterrupt:  # Ctrl-C before the worker's own handlers were installed: a requested stop
