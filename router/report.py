@@ -11,7 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpact.router.registry import WorkerEntry
-from kvpact.shared.describe import describe_intent, describe_labels, describe_plan, describe_realized
+from kvpact.shared.describe import (
+    describe_feature_flags,
+    describe_intent,
+    describe_labels,
+    describe_plan,
+    describe_realized,
+)
 from kvpact.shared.errors import EXIT_POLICY
 from kvpact.shared.features import FeatureMode
 from kvpact.shared.intent import PagedAttentionMode
@@ -51,7 +57,10 @@ def render_failure_report(failed: FailedStartup) -> str:
         )
         if w.labels:
             lines.append(f"  placed:    {describe_labels(w.labels)}")
-        lines.append(f"  asked:     {describe_intent(w.spec.cache)}")
+        asked = " ".join(
+            filter(None, (describe_intent(w.spec.cache), describe_feature_flags(w.spec.features)))
+        )
+        lines.append(f"  asked:     {asked}")
         if w.realized is not None:
             lines.append(f"  realized:  {describe_realized(w.realized)}")
         elif w.plan is not None:
