@@ -184,7 +184,7 @@ OFF_BY_REQUEST = Reason(
     "intent",
     "the operator asked for the feature off (--FEATURE off); any feature",
     "it was started with --{feature} off",
-    "--{feature} auto or on",
+    "--FEATURE auto or on",
     feature="any",
 )
 PREFIX_NEEDS_PAGED = Reason(
