@@ -60,11 +60,10 @@ def test_every_unmet_on_is_refused_with_78_and_the_rest_still_planned(tiny_llama
     assert by_name["prefix-caching"]["reason"]["code"] == "prefix-cache-needs-paged"
 
 
-def test_json_without_plan_only_exits_2():
-    done = subprocess.run(
-        [sys.executable, "-m", "kvpact.worker", "--json"], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 2 and "--json goes with --plan-only" in done.stderr
+def test_json_without_plan_only_exits_2(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--json"])
+    assert exited.value.code == 2 and "--json goes with --plan-only" in capsys.readouterr().err
 
 
 def test_a_real_plan_only_process_reads_no_weight_data(tiny_llama, tmp_path):
