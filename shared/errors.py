@@ -19,10 +19,13 @@ FEATURE_TITLES = {  # how a message names each feature, with its verb
 class FeatureRequiredError(KvpactError):
     """`--FEATURE on` cannot be honored. `component` found it; `reason` says why; `code` names it."""
 
-    def __init__(self, reason: str, component: str = "", *, feature: str = "paged-attn") -> None:
+    def __init__(
+        self, reason: str, component: str = "", *, feature: str = "paged-attn", code: str = ""
+    ) -> None:
         self.reason = reason
         self.component = component
         self.feature = feature
+        self.code = code
         where = f" [{component}]" if component else ""
         title = FEATURE_TITLES.get(feature, f"{feature} was")
         super().__init__(f"{title} explicitly requested (--{feature} on), but {reason}.{where}")
@@ -31,8 +34,8 @@ class FeatureRequiredError(KvpactError):
 class PagedAttentionRequiredError(FeatureRequiredError):
     """`--paged-attn on` cannot be honored."""
 
-    def __init__(self, reason: str, component: str = "") -> None:
-        super().__init__(reason, component, feature="paged-attn")
+    def __init__(self, reason: str, component: str = "", code: str = "") -> None:
+        super().__init__(reason, component, feature="paged-attn", code=code)
 
 
 class ConfigError(KvpactError):

@@ -124,7 +124,7 @@ class Ledger:
         if not self.in_force(feature):
             return
         if self.modes[feature] is FeatureMode.ON:
-            raise FeatureRequiredError(finding.message, finding.component, feature=feature)
+            raise FeatureRequiredError(finding.message, finding.component, feature=feature, code=finding.code)
         self.findings[feature] = finding
 
     def state(self, feature: str) -> FeatureState:

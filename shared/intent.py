@@ -215,6 +215,6 @@ def disable_paged_attention(
     if state.paged_config is None:
         return
     if state.paged_config.required:
-        raise PagedAttentionRequiredError(reason, component)
+        raise PagedAttentionRequiredError(reason, component, code)
     state.paged_config = None
     state.fallbacks.append(Fallback(component=component, reason=reason, code=code))

@@ -4,7 +4,7 @@ It runs the same `plan_startup` a starting worker runs (the config, file sizes a
 prints what each feature will realize and why; exit 0 when the intent can be met, 78 when not, 1 when
 the model cannot be read. NOTE: a failed `on` stops the real plan at that check, so the plan is made
 again with that feature under `auto` (the rest of the plan as a started worker would see it had it
-fallen back), and that feature is reported refused with the reason `on` met.
+fallen back), and that feature is reported refused with the reason (and code) `on` met.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def make_plan(spec: WorkerSpec, log: Any = None) -> PlanVerdict:
         try:
             plan = plan_startup(spec, probe=probe, log=log)
         except FeatureRequiredError as exc:
-            refused.append(FeatureState(exc.feature, FeatureMode.ON, False, "", exc.reason, exc.component))
+            refused.append(
+                FeatureState(exc.feature, FeatureMode.ON, False, exc.code, exc.reason, exc.component)
+            )
             spec = _as_auto(spec, exc.feature)
             continue
         except ConfigError as exc:
@@ -57,18 +59,9 @@ def make_plan(spec: WorkerSpec, log: Any = None) -> PlanVerdict:
         except KvpactError as exc:
             return PlanVerdict(EXIT_FATAL, (), tuple(refused), str(exc))
         by_name = {r.name: r for r in refused}
-        features = tuple(
-            _refused_state(by_name[f.name], f) if f.name in by_name else f for f in plan.features
-        )
+        features = tuple(by_name.get(f.name, f) for f in plan.features)
         return PlanVerdict(EXIT_POLICY if refused else 0, features, tuple(refused), plan=plan)
     raise AssertionError("plan-only: more failed features than features")  # each round removes one `on`
-
-
-def _refused_state(refused: FeatureState, planned: FeatureState) -> FeatureState:
-    """The refused feature: requested on, planned off, with the reason `on` met (its code from the
-    auto plan when that plan found the same reason)."""
-    code = planned.code if planned.message == refused.message else ""
-    return replace(refused, code=code)
 
 
 def verdict_json(v: PlanVerdict) -> dict[str, Any]:

@@ -300,7 +300,9 @@ def built_features(plan: WorkerPlan, cache: PagedCache | EagerCache) -> tuple[Fe
         if f.name == CPU_KERNELS and f.realized and not cache.cpu_kernels:
             finding = reasons.CPU_KERNELS_BUILT.found(built=f"{cache.kind.value} KV cache ({cache.kernels})")
             if f.requested is FeatureMode.ON:
-                raise FeatureRequiredError(finding.message, finding.component, feature=CPU_KERNELS)
+                raise FeatureRequiredError(
+                    finding.message, finding.component, feature=CPU_KERNELS, code=finding.code
+                )
             f = FeatureState(f.name, f.requested, False, finding.code, finding.message, finding.component)
         features.append(f)
     return tuple(features)
