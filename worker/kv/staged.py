@@ -35,6 +35,11 @@ class StagedCache:
         self.kernels = "; ".join(f"{s.describe()}: {c.kernels}" for s, c in pairs)
 
     @property
+    def cpu_kernels(self) -> bool:
+        """Whether every stage runs the C kernels (a CUDA stage never does)."""
+        return all(c.cpu_kernels for c in self.caches)
+
+    @property
     def memory_bytes(self) -> int:
         return sum(c.memory_bytes for c in self.caches)
 
