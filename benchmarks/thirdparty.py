@@ -1,0 +1,121 @@
+"""A third-party OpenAI benchmark client (guidellm, from PyPI) that the online suite runs against the
+router's HTTP front, to check the suite's own client against someone else's.
+
+    ensure_guidellm()        the `guidellm` executable of its own venv, or a sentence saying why not
+    run_guidellm(...)        one fixed-concurrency run; TTFT p50 and output tok/s as guidellm reports them
+    tokenizer_dir(model)     the folder with the model's tokenizer.json (guidellm's --processor)
+
+The client is installed by the benchmark, never into the product's environment: a venv of its own under
+$KVPACT_BENCH_CLIENTS_DIR, else <kvpact cache>/bench-clients ($KVPACT_CACHE_DIR or ~/.cache/kvpact), in
+`guidellm-<GUIDELLM_VERSION>`, created once (`python -m venv`, `pip install guidellm==VERSION`) and reused
+while its `.installed` marker is there. guidellm 0.2.1 is the newest that installs without a CUDA torch
+(0.8 pulls torch and the CUDA wheels, 6 GB); aiperf does not resolve here. With
+KVPACT_BENCH_CLIENT_INSTALL=0 nothing is installed: a missing client is reported, not fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+GUIDELLM_VERSION = "0.2.1"
+DIR_ENV, INSTALL_ENV = "KVPACT_BENCH_CLIENTS_DIR", "KVPACT_BENCH_CLIENT_INSTALL"
+INSTALL_TIMEOUT_S = 900.0
+RUN_TIMEOUT_S = 600.0
+
+
+def clients_root() -> Path:
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV])
+    from kvpact.worker.loader.cache import cache_root
+
+    return cache_root() / "bench-clients"
+
+
+def ensure_guidellm() -> Path | str:
+    """The path of `guidellm` in its venv (installed now if missing and allowed), or why there is none."""
+    venv = clients_root() / f"guidellm-{GUIDELLM_VERSION}"
+    exe = venv / "bin" / "guidellm"
+    if (venv / ".installed").exists() and exe.exists():
+        return exe
+    if os.environ.get(INSTALL_ENV, "1") == "0":
+        why = f"{INSTALL_ENV}=0 forbids installing it"
+        return f"guidellm {GUIDELLM_VERSION} is not installed in {venv}; {why}"
+    shutil.rmtree(venv, ignore_errors=True)  # a half-made venv from an interrupted install
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"guidellm=={GUIDELLM_VERSION}"],
+    ]
+    for argv in steps:
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            shutil.rmtree(venv, ignore_errors=True)
+            return f"could not install guidellm {GUIDELLM_VERSION} into {venv}: {e}"
+        if done.returncode != 0:
+            shutil.rmtree(venv, ignore_errors=True)
+            tail = " ".join(line for line in done.stderr.splitlines() if "is ignored" not in line)[-300:]
+            return (
+                f"could not install guidellm {GUIDELLM_VERSION} into {venv} (no network to PyPI?): "
+                f"`{' '.join(argv[-3:])}` exited {done.returncode}: {tail}"
+            )
+    (venv / ".installed").write_text(GUIDELLM_VERSION + "\n")
+    return exe
+
+
+def tokenizer_dir(model: Path) -> Path | None:
+    """`model` itself when it is a folder with tokenizer.json; for a GGUF file, its conversion-cache
+    entry (worker/loader/cache.py writes tokenizer.json there when a worker first loads it)."""
+    if model.is_dir():
+        return model if (model / "tokenizer.json").exists() else None
+    from kvpact.worker.loader.cache import cache_root, entry_dir
+
+    entry = entry_dir(cache_root(), model)
+    return entry if (entry / "tokenizer.json").exists() else None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientFigures:
+    requests: int
+    ttft_p50_s: float
+    output_tok_s: float
+
+
+def run_guidellm(
+    exe: Path,
+    http_address: str,
+    processor: Path,
+    prompt_tokens: int,
+    output_tokens: int,
+    concurrency: int,
+    num_requests: int,
+    seed: int,
+) -> ClientFigures:
+    """guidellm at a fixed `concurrency` for `num_requests` synthetic requests (text prompts of
+    `prompt_tokens` tokens by `processor`, exactly `output_tokens` out: it sends ignore_eos). Raises
+    RuntimeError with its output when it fails."""
+    with tempfile.TemporaryDirectory(prefix="kvpact-guidellm-") as tmp:
+        out = Path(tmp) / "benchmarks.json"
+        argv = [str(exe), "benchmark", "--target", f"http://{http_address}", "--processor", str(processor)]
+        argv += ["--data", f"prompt_tokens={prompt_tokens},output_tokens={output_tokens}"]
+        argv += ["--rate-type", "concurrent", "--rate", str(concurrency), "--max-requests", str(num_requests)]
+        argv += ["--random-seed", str(seed), "--output-path", str(out), "--disable-progress"]
+        argv += ["--disable-console-outputs"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"guidellm exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+        bench = json.loads(out.read_text())["benchmarks"][0]
+    metrics = bench["metrics"]
+    return ClientFigures(
+        requests=int(bench["request_totals"]["successful"]),
+        ttft_p50_s=float(metrics["time_to_first_token_ms"]["successful"]["median"]) / 1000,
+        output_tok_s=float(metrics["output_tokens_per_second"]["successful"]["mean"]),
+    )
