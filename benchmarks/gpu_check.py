@@ -247,8 +247,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
     from kvpact.shared.scheduler_choice import CacheKind
     from kvpact.shared.spec import WorkerSpec
-    from kvpact.worker.engine_setup import build_engine
-    from kvpact.worker.request import GenerationRequest, SamplingParams
+    from kvpact.worker.engine.request import GenerationRequest, SamplingParams
+    from kvpact.worker.startup.engine_setup import build_engine
 
     cuda = args.device == "cuda"
     backends = [PagedBackend.TRITON, PagedBackend.TORCH] if cuda else [PagedBackend.TORCH, PagedBackend.TORCH]
@@ -325,7 +325,7 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
     Without CUDA there is nothing to count (0); the request still runs."""
     import torch
 
-    from kvpact.worker.request import GenerationRequest, SamplingParams
+    from kvpact.worker.engine.request import GenerationRequest, SamplingParams
 
     steps = 16
     request = GenerationRequest(

@@ -4,7 +4,7 @@
 
 Builds a PagedCache with Llama-3-8B's attention shapes (32 query heads, 8 KV heads, head size 128,
 bf16, block 16, max_model_len 4096; 8 layers), warms it up as a worker does
-(worker/kernel_warmup.py), then for decode batches of 1, 16 and 64 sequences at context 2048 times
+(worker/startup/kernel_warmup.py), then for decode batches of 1, 16 and 64 sequences at context 2048 times
 one step: building its metadata, then every layer's `forward` (write, decode, merge) measured on the
 host before synchronizing (CUDA launches are asynchronous, so that is the host's cost), then the
 device time to finish. Ends with `RESULT host: PASS|WARN|FAIL ...`: FAIL if any kernel compiled after
@@ -39,8 +39,8 @@ def main() -> int:
     import torch
 
     from kvpact.shared.intent import PagedBackend
-    from kvpact.worker.kernel_warmup import warm_up_paged_kernels
     from kvpact.worker.kv.paged import PagedAttentionStep, PagedCache
+    from kvpact.worker.startup.kernel_warmup import warm_up_paged_kernels
 
     cuda = args.device == "cuda"
     device = torch.device(args.device)

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpact.worker.engine import Engine
-from kvpact.worker.scheduler import PagedScheduler
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.scheduler.paged import PagedScheduler
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """kvpact as the offline and online suites run it: in-process, and as real processes (router + worker).
 
-    open_engine(model, cache, ...)      an Engine built by kvpact.worker.engine_setup (what a worker runs)
+    open_engine(model, cache, ...)      an Engine built by worker/startup/engine_setup.py (a worker's way)
     run_engine(engine, items)           every request submitted at once; wall time to the last token
     Cluster(model, cache, ...)          a `router` and `num_workers` (1) `worker` processes on 127.0.0.1 (free
                                         ports, logs in a temporary folder, stopped by pid); `start()` then
@@ -35,9 +35,9 @@ from kvpact.client import AsyncClient
 from kvpact.deploy.processes import ProcessHandle, free_port, start_process, stop, wait_for_health
 from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
-from kvpact.worker.engine import Engine
-from kvpact.worker.engine_setup import build_engine
-from kvpact.worker.request import GenerationRequest, SamplingParams
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.request import GenerationRequest, SamplingParams
+from kvpact.worker.startup.engine_setup import build_engine
 
 MODES = {"paged": PagedAttentionMode.ON, "eager": PagedAttentionMode.OFF}
 START_TIMEOUT_S = 300.0

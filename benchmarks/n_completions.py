@@ -31,9 +31,9 @@ from benchmarks.kv_steps import StepLog
 from benchmarks.kvpact_systems import greedy_request
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
-from kvpact.worker.engine import Engine
-from kvpact.worker.engine_setup import build_engine
+from kvpact.worker.engine.engine import Engine
 from kvpact.worker.loader import default_model_path
+from kvpact.worker.startup.engine_setup import build_engine
 
 N = 4
 

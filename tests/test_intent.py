@@ -242,7 +242,7 @@ def test_a_gpu_whose_shared_memory_cannot_hold_the_tiles_falls_back_through_the_
 
 def test_the_support_table_covers_every_supported_shape_and_grows_with_dtype_and_head():
     from kvpact.kernels import support
-    from kvpact.worker.device import kernel_support
+    from kvpact.worker.startup.device import kernel_support
 
     table = dict(kernel_support((8, 9)).shared_memory_bytes)  # L4
     assert set(table) == {(d, h) for d in support.TRITON_DTYPES for h in support.TRITON_HEAD_SIZES}

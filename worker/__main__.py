@@ -3,9 +3,12 @@
 torch's CPU ops run on OpenMP (libgomp), whose threads spin at every barrier for GOMP_SPINCOUNT iterations
 (300,000 by default) before they sleep. On a machine whose cores are shared (two workers, a router and its
 clients on two cores) a spinning thread holds the core its sibling needs, and each parallel region can cost
-a whole time slice: measured here, one worker under load ran 3-8x slower than with short spins. The
-library reads the setting once, when it loads, so it is set here, before anything imports torch. An
-operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+a whole time slice. Measured on the 2-core machine (router + workers + client, 6 x 48 tokens;
+docs/performance.md "Workers sharing a machine"): under load one worker ran 3-8x faster with short spins;
+two workers deliver 1.15-1.27x one alone with 1,000 spins but 0.52-0.83x with 300,000. The price: one
+worker alone on an idle machine is ~20% slower (wakes instead of spins); an operator who runs one worker
+per machine can set GOMP_SPINCOUNT=300000. The library reads the setting once, when it loads, so it is set
+here, before anything imports torch. An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from kvpact.shared.errors import RequestError
 from kvpact.v1 import cache_pb2, generation_pb2, worker_pb2
-from kvpact.worker.device import DeviceProbe
-from kvpact.worker.request import (
+from kvpact.worker.engine.request import (
     ChatMessage,
     FinishReason,
     GenerationOutput,
@@ -21,6 +20,7 @@ from kvpact.worker.request import (
     ResponseFormat,
     SamplingParams,
 )
+from kvpact.worker.startup.device import DeviceProbe
 
 _FINISH_TO_PB = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,

@@ -11,7 +11,7 @@ Read from the engine at scrape time (never drift from it):
     kvpact_worker_paged_attention{requested,realized_kind,backend}   1: the contract, as realized
     kvpact_worker_info{worker_id,model}                 1
 
-Recorded from the engine's per-request events (worker/engine_observer.py; O(1) per token):
+Recorded from the engine's per-request events (worker/engine/engine_observer.py; O(1) per token):
 
     kvpact_worker_time_to_first_token_seconds           arrival -> first generated token
     kvpact_worker_inter_token_latency_seconds           between two tokens of one request
@@ -38,10 +38,10 @@ from prometheus_client.registry import Collector
 
 from kvpact.shared.intent import PagedAttentionMode
 from kvpact.shared.realized import RealizedCache
-from kvpact.worker.engine_observer import OUTCOMES, FinishedRequest
+from kvpact.worker.engine.engine_observer import OUTCOMES, FinishedRequest
 
 if TYPE_CHECKING:
-    from kvpact.worker.engine import Engine
+    from kvpact.worker.engine.engine import Engine
 
 # Seconds. TTFT and end-to-end span a CPU prefill of long prompts; inter-token spans a GPU decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)

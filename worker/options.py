@@ -11,7 +11,7 @@ from kvpact.shared.cli import host_port, port_or_zero, seconds
 from kvpact.shared.options import UINT32_MAX, check_options, option
 from kvpact.shared.spec import MODEL, WorkerSpec
 from kvpact.shared.tls import TlsConfig
-from kvpact.worker.engine import DEFAULT_MAX_WAITING
+from kvpact.worker.engine.engine import DEFAULT_MAX_WAITING
 
 SERVING = "serving"  # the --help group of `worker` these options are shown in
 DEFAULT_ROUTER_TIMEOUT_S = 60.0

@@ -36,16 +36,16 @@ from kvpact.shared.handshake_pb import failure_to_pb, mode_from_pb, plan_to_pb, 
 from kvpact.shared.log import configure_logging
 from kvpact.shared.tls import describe_tls, plaintext_warning
 from kvpact.v1 import worker_pb2
-from kvpact.worker.cpu_share import CpuShare
-from kvpact.worker.device import probe_device
-from kvpact.worker.engine import Engine
-from kvpact.worker.engine_setup import WorkerPlan, build_engine, plan_startup
+from kvpact.worker.engine.cpu_share import CpuShare
+from kvpact.worker.engine.engine import Engine
 from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.loader import model_name, resolve_model_path
 from kvpact.worker.metrics import WorkerMetrics
 from kvpact.worker.options import WorkerOptions
 from kvpact.worker.registration import RegistrationError, RouterLink
 from kvpact.worker.service import WorkerServer, WorkerService
+from kvpact.worker.startup.device import probe_device
+from kvpact.worker.startup.engine_setup import WorkerPlan, build_engine, plan_startup
 
 log = structlog.get_logger(__name__)
 
@@ -275,7 +275,7 @@ class WorkerProcess:
         return None
 
     async def _build_engine(self) -> Engine:
-        """The startup sequence proper, in worker/engine_setup.py: the device probe (its capabilities go into
+        """The startup sequence proper, in startup/engine_setup.py: the device probe (its capabilities go into
         every handshake from then on, a failed one too), the pre-load verdict (it logs how long that
         took), then weights, cache and scheduler. All run in a thread, so health answers meanwhile."""
         started = time.monotonic()

@@ -31,11 +31,11 @@ from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS, check_request_limits, exc
 from kvpact.shared.rpc_errors import ErrorInterceptor, LogContextInterceptor
 from kvpact.shared.tls import TlsConfig, add_port
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvpact.worker.engine.request import EngineClosedError, EngineOverloadedError, GenerationError
 from kvpact.worker.generate_pb import chunk_to_pb, request_from_pb
-from kvpact.worker.request import EngineClosedError, EngineOverloadedError, GenerationError
 
 if TYPE_CHECKING:
-    from kvpact.worker.engine import Engine
+    from kvpact.worker.engine.engine import Engine
 
 log = structlog.get_logger(__name__)
 

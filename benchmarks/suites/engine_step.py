@@ -1,7 +1,7 @@
 """Engine step: where one decode step's time goes, paged vs eager, at 32 sequences and at batch 1.
 
 For each cache (paged: `--paged-attn on`, the torch backend on CPU; eager: `--paged-attn off`) one
-engine is built through `kvpact.worker.engine_setup.build_engine` with `--max-num-seqs 32`. Its model
+engine is built through `kvpact.worker.startup.engine_setup.build_engine` with `--max-num-seqs 32`. Its model
 runner is wrapped (in this benchmark only) so each step is timed on the engine's own step thread,
 and a few steps run under `torch.profiler` there for the breakdown by op group.
 
@@ -37,10 +37,10 @@ from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_f
 from benchmarks.kvpact_systems import greedy_request
 from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
-from kvpact.worker.engine import Engine
-from kvpact.worker.engine_setup import build_engine
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.request import GenerationOutput
 from kvpact.worker.loader import read_model_config
-from kvpact.worker.request import GenerationOutput
+from kvpact.worker.startup.engine_setup import build_engine
 
 NUM_SEQS = 32
 WAIT_S = 600.0

@@ -53,8 +53,8 @@ from benchmarks.kv_steps import StepLog
 from benchmarks.kvpact_systems import greedy_request
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
-from kvpact.worker.engine_setup import build_engine, plan_startup
-from kvpact.worker.request import GenerationOutput, GenerationRequest, GenerationResult
+from kvpact.worker.engine.request import GenerationOutput, GenerationRequest, GenerationResult
+from kvpact.worker.startup.engine_setup import build_engine, plan_startup
 
 NAME = "kv_memory"
 EAGER_SLOTS = 2  # the budget is the memory of this many eager slots at max_model_len

@@ -215,7 +215,7 @@ def report(
             command,
             [
                 f"{len(shared[1].outputs)} requests of {len(shared[1].outputs[0])} tokens (ignore_eos), all"
-                " at once; each worker sizes its CPU threads to its share (worker/cpu_share.py)"
+                " at once; each worker sizes its CPU threads to its share (worker/engine/cpu_share.py)"
             ],
         )
     )

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from benchmarks.suites import engine_step
-from kvpact.worker.request import GenerationError
+from kvpact.worker.engine.request import GenerationError
 from tests.factories.tiny_models import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """Fixtures for the engine tests: tiny models on disk (once per session) and engines built through the
-real startup path (`kvpact.worker.engine_setup.build_engine`), closed at the end of each test."""
+real startup path (`kvpact.worker.startup.engine_setup.build_engine`), closed at the end of each test."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
-from kvpact.worker.engine import Engine
-from kvpact.worker.engine_setup import build_engine
-from kvpact.worker.request import GenerationOutput, GenerationRequest, GenerationResult, SamplingParams
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.request import GenerationOutput, GenerationRequest, GenerationResult, SamplingParams
+from kvpact.worker.startup.engine_setup import build_engine
 from tests.factories.tiny_models import make_tiny_llama, make_tiny_qwen2
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpact.worker.block_manager import BlockManager, BlockTable, OutOfBlocksError
+from kvpact.worker.scheduler.block_manager import BlockManager, BlockTable, OutOfBlocksError
 
 BS = 4
 

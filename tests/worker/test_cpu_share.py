@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpact.worker.cpu_share import CpuShare, allowed_cpus
+from kvpact.worker.engine.cpu_share import CpuShare, allowed_cpus
 
 
 @pytest.fixture

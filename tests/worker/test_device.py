@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from kvpact.worker import engine as engine_module
-from kvpact.worker.device import bind_thread, to_device
+from kvpact.worker.engine import engine as engine_module
+from kvpact.worker.startup.device import bind_thread, to_device
 
 
 def test_bind_thread_sets_the_current_cuda_device_and_nothing_else(monkeypatch):

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvpact.worker.engine.request import SamplingParams
+from kvpact.worker.engine.sequence import ScheduledChunk, Sequence
 from kvpact.worker.kv.eager import EagerCache
-from kvpact.worker.request import SamplingParams
-from kvpact.worker.sequence import ScheduledChunk, Sequence
 from tests.factories.tiny_models import ContiguousAttention
 
 HEADS, KV_HEADS, DIM = 4, 2, 16

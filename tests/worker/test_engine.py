@@ -10,8 +10,8 @@ import pytest
 
 from kvpact.shared.errors import RequestError
 from kvpact.shared.handshake import WorkerLoad
-from kvpact.worker.engine import Engine
-from kvpact.worker.request import (
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.request import (
     EngineClosedError,
     EngineOverloadedError,
     FinishReason,

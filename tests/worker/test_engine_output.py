@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvpact.worker.output_stream import OutputStream
-from kvpact.worker.request import FinishReason, SamplingParams
-from kvpact.worker.sequence import Sequence
+from kvpact.worker.engine.output_stream import OutputStream
+from kvpact.worker.engine.request import FinishReason, SamplingParams
+from kvpact.worker.engine.sequence import Sequence
 from kvpact.worker.tokenizer import Tokenizer
 from tests.factories.tiny_models import EOS_ID, tiny_tokenizer
 

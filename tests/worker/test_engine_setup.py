@@ -18,11 +18,12 @@ from kvpact.shared.intent import PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from kvpact.shared.spec import LayerPlacement
 from kvpact.v1 import cache_pb2
-from kvpact.worker import engine_setup
-from kvpact.worker.device import KERNEL_SUPPORT, DeviceProbe
 from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.kv import sizing
-from kvpact.worker.scheduler import EagerScheduler, PagedScheduler
+from kvpact.worker.scheduler.eager import EagerScheduler
+from kvpact.worker.scheduler.paged import PagedScheduler
+from kvpact.worker.startup import engine_setup
+from kvpact.worker.startup.device import KERNEL_SUPPORT, DeviceProbe
 from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import greedy, worker_spec
 

@@ -7,9 +7,9 @@ import pytest
 
 from kvpact.shared.errors import RequestError
 from kvpact.v1 import generation_pb2
-from kvpact.worker.engine import Engine
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.request import FinishReason, GenerationOutput, SamplingParams, TopLogprobs
 from kvpact.worker.generate_pb import chunk_to_pb, request_from_pb
-from kvpact.worker.request import FinishReason, GenerationOutput, SamplingParams, TopLogprobs
 from tests.worker.conftest import greedy
 
 MODES = {"eager": dict(mode="off"), "paged": dict(mode="on", context_tokens=2048)}

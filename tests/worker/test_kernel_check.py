@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpact.worker.kernel_check import triton_self_test
 from kvpact.worker.kv.paged import reference_ops
+from kvpact.worker.startup.kernel_check import triton_self_test
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = dict(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16)
@@ -68,7 +68,7 @@ def test_the_triton_kernels_pass_under_the_interpreter():
     pytest.importorskip("triton")
     code = (
         "import torch\n"
-        "from kvpact.worker.kernel_check import triton_self_test\n"
+        "from kvpact.worker.startup.kernel_check import triton_self_test\n"
         "for dtype in (torch.float32, torch.bfloat16):\n"
         "    print(repr(triton_self_test(torch.device('cpu'), dtype, num_heads=6, num_kv_heads=2,"
         " head_dim=64, block_size=16)))\n"

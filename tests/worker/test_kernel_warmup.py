@@ -1,4 +1,4 @@
-"""The startup warm-up compiles every kernel variant serving can reach (worker/kernel_warmup.py).
+"""The startup warm-up compiles every kernel variant serving can reach (worker/startup/kernel_warmup.py).
 
 The split heuristic (kernels/splits.py) is checked against a brute-force enumeration of the split
 counts it picks; the warm-up itself runs under the Triton interpreter in a subprocess, where every

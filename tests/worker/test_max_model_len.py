@@ -9,9 +9,9 @@ import pytest
 
 from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
 from kvpact.shared.scheduler_choice import CacheKind
-from kvpact.worker import engine_setup
 from kvpact.worker.cli import parse_args
 from kvpact.worker.kv import sizing
+from kvpact.worker.startup import engine_setup
 from tests.worker.conftest import worker_spec
 from tests.worker.test_engine_setup import h200_probe, head64_llama, no_loading  # noqa: F401 - fixtures
 

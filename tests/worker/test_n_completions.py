@@ -10,9 +10,9 @@ import asyncio
 import pytest
 
 from kvpact.shared.errors import RequestError
-from kvpact.worker.engine import Engine
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.request import FinishReason, GenerationOutput, GenerationRequest, SamplingParams
 from kvpact.worker.generate_pb import chunk_to_pb
-from kvpact.worker.request import FinishReason, GenerationOutput, GenerationRequest, SamplingParams
 from tests.factories.eventually import eventually
 from tests.worker.conftest import greedy
 

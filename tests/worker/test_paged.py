@@ -7,10 +7,10 @@ import torch
 
 from kvpact import kernels
 from kvpact.shared.intent import PagedBackend
-from kvpact.worker.block_manager import BlockTable
+from kvpact.worker.engine.request import SamplingParams
+from kvpact.worker.engine.sequence import ScheduledChunk, Sequence
 from kvpact.worker.kv.paged import PagedCache, paged_ops, reference_ops
-from kvpact.worker.request import SamplingParams
-from kvpact.worker.sequence import ScheduledChunk, Sequence
+from kvpact.worker.scheduler.block_manager import BlockTable
 from tests.factories.tiny_models import ContiguousAttention
 from tests.worker.conftest import greedy, run_staggered
 

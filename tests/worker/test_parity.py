@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpact.worker.engine import Engine
-from kvpact.worker.model_runner import StepResult
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.model_runner import StepResult
 from tests.factories.tiny_models import transformers_greedy
 from tests.worker.conftest import greedy, run_staggered
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvpact.shared.errors import RequestError
-from kvpact.worker.request import ChatMessage, GenerationRequest, SamplingParams
-from kvpact.worker.sampling import SampleRow, make_generator, sample
+from kvpact.worker.engine.request import ChatMessage, GenerationRequest, SamplingParams
+from kvpact.worker.engine.sampling import SampleRow, make_generator, sample
 
 VOCAB = 8
 

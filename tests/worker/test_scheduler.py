@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from kvpact.worker.block_manager import BlockManager
-from kvpact.worker.request import SamplingParams
-from kvpact.worker.scheduler import EagerScheduler, PagedScheduler, Scheduler
-from kvpact.worker.sequence import Sequence, SequenceStatus
+from kvpact.worker.engine.request import SamplingParams
+from kvpact.worker.engine.sequence import Sequence, SequenceStatus
+from kvpact.worker.scheduler.base import Scheduler
+from kvpact.worker.scheduler.block_manager import BlockManager
+from kvpact.worker.scheduler.eager import EagerScheduler
+from kvpact.worker.scheduler.paged import PagedScheduler
 
 
 def seq(name: str, num_prompt: int, max_tokens: int = 100, first_token: int = 10) -> Sequence:

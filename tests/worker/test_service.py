@@ -12,9 +12,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from kvpact.worker.cli import parse_args
-from kvpact.worker.engine_setup import build_engine
-from kvpact.worker.request import GenerationError, GenerationRequest, SamplingParams
+from kvpact.worker.engine.request import GenerationError, GenerationRequest, SamplingParams
 from kvpact.worker.service import WorkerServer, WorkerService
+from kvpact.worker.startup.engine_setup import build_engine
 from tests.factories.eventually import eventually
 from tests.factories.processes import started_worker, stop
 from tests.factories.tiny_models import make_tiny_llama

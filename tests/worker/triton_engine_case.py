@@ -14,14 +14,14 @@ import torch
 from kvpact.shared.intent import CacheDtype, PagedBackend
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
-from kvpact.worker.block_manager import BlockManager
-from kvpact.worker.engine import Engine
-from kvpact.worker.kernel_warmup import warm_up_paged_kernels
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.model_runner import ModelRunner
+from kvpact.worker.engine.request import GenerationRequest, SamplingParams
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.loader import load_model
-from kvpact.worker.model_runner import ModelRunner
-from kvpact.worker.request import GenerationRequest, SamplingParams
-from kvpact.worker.scheduler import PagedScheduler
+from kvpact.worker.scheduler.block_manager import BlockManager
+from kvpact.worker.scheduler.paged import PagedScheduler
+from kvpact.worker.startup.kernel_warmup import warm_up_paged_kernels
 from tests.factories.tiny_models import make_tiny_llama
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN = 16, 16, 64

@@ -13,8 +13,8 @@ import torch
 
 from kvpact.kernels import cache_write, decode_attention, prefill_attention
 from kvpact.shared.intent import PagedBackend
-from kvpact.worker.kernel_warmup import warm_up_paged_kernels
 from kvpact.worker.kv.paged import PagedAttentionStep, PagedCache
+from kvpact.worker.startup.kernel_warmup import warm_up_paged_kernels
 
 HEADS, KV_HEADS, DIM = 4, 2, 32
 

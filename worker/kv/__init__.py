@@ -1,5 +1,5 @@
 """KV caches. Each cache builds, per step, the `AttentionStep` the model calls in every layer
-(worker/attention.py): `eager.EagerCache` (contiguous per-slot regions) and `paged.PagedCache`
+(worker/engine/attention.py): `eager.EagerCache` (contiguous per-slot regions) and `paged.PagedCache`
 (block pools with the torch or Triton backend). `sizing` turns budgets and flags into their sizes.
 
 Both take a step's chunks in the model runner's flat order: the `num_decodes` one-token chunks
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvpact.shared.scheduler_choice import CacheKind
-from kvpact.worker.attention import AttentionStep
-from kvpact.worker.sequence import ScheduledChunk
+from kvpact.worker.engine.attention import AttentionStep
+from kvpact.worker.engine.sequence import ScheduledChunk
 
 
 class KVCache(Protocol):

@@ -2,7 +2,7 @@
 
 Per layer, `key[layer]` and `value[layer]` are [num_blocks, block_size, kv_heads, head_dim]; position
 p of a sequence lives in slot `block_ids[p // block_size] * block_size + p % block_size` of its
-block table (worker/block_manager.py owns the tables; this file only reads them).
+block table (worker/scheduler/block_manager.py owns the tables; this file only reads them).
 
 A step writes every new token's K/V into the pools first (`reshape_and_cache`), then attends through
 the pools: one-token chunks with `paged_decode_attention`, longer chunks (prefill, or extend after a
@@ -13,7 +13,7 @@ place), else kernels/reference.py (MPS, other dtypes, no C compiler); TRITON = t
 
 Host work is per step, not per layer: the step checks the kernels' arguments on its first layer only,
 picks the decode split count once (kernels/splits.py, capped at the largest count the startup warm-up
-compiled, worker/kernel_warmup.py), and allocates the output and the split partials/LSEs once; every
+compiled, worker/startup/kernel_warmup.py), and allocates the output and the split partials/LSEs once; every
 layer's kernels write into them (`out=`), so a decode layer is a write, a decode (+ merge) and no copy.
 """
 
@@ -30,8 +30,8 @@ from kvpact.kernels.compiles import compiled_variant_count
 from kvpact.kernels.splits import decode_workspace, default_num_splits, device_num_sms, split_variants
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind
-from kvpact.worker.device import to_device
-from kvpact.worker.sequence import ScheduledChunk
+from kvpact.worker.engine.sequence import ScheduledChunk
+from kvpact.worker.startup.device import to_device
 
 
 @dataclass(frozen=True, slots=True)

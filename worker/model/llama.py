@@ -28,7 +28,7 @@ from kvpact.worker.model.layers import RMSNorm, SwiGLU
 from kvpact.worker.model.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
-    from kvpact.worker.attention import AttentionStep
+    from kvpact.worker.engine.attention import AttentionStep
 
 
 class LlamaAttention(nn.Module):

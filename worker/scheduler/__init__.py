@@ -3,10 +3,7 @@
 `base.Scheduler` is the interface the engine drives; `eager.EagerScheduler` batches over eager
 slots, `paged.PagedScheduler` over a block pool. `kvpact.shared.scheduler_choice.select_scheduler` picks one
 from the cache that was actually built.
+
+The package re-exports nothing: `kvpact.worker.engine.sequence` imports `block_manager.BlockTable`, and
+an eager import of `base` here (which imports `sequence`) would close an import loop.
 """
-
-from kvpact.worker.scheduler.base import Scheduler, SchedulerOutput
-from kvpact.worker.scheduler.eager import EagerScheduler
-from kvpact.worker.scheduler.paged import PagedScheduler
-
-__all__ = ["EagerScheduler", "PagedScheduler", "Scheduler", "SchedulerOutput"]

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpact.worker.sequence import ScheduledChunk, Sequence, SequenceStatus
+from kvpact.worker.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvpact.worker.engine.sequence import ScheduledChunk, Sequence
 from kvpact.worker.scheduler.base import Scheduler, SchedulerOutput
-from kvpact.worker.sequence import ScheduledChunk, Sequence
 
 
 class EagerScheduler(Scheduler):

@@ -15,9 +15,9 @@ after it. Each one's first write into the shared partial block copies it (copy o
 
 from __future__ import annotations
 
-from kvpact.worker.block_manager import BlockManager, BlockTable
+from kvpact.worker.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 from kvpact.worker.scheduler.base import Scheduler, SchedulerOutput
-from kvpact.worker.sequence import ScheduledChunk, Sequence, SequenceStatus
+from kvpact.worker.scheduler.block_manager import BlockManager, BlockTable
 
 
 class PagedScheduler(Scheduler):

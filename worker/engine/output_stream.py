@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvpact.worker.request import FinishReason, GenerationOutput, TopLogprobs, Usage
-from kvpact.worker.sequence import Sequence
+from kvpact.worker.engine.request import FinishReason, GenerationOutput, TopLogprobs, Usage
+from kvpact.worker.engine.sequence import Sequence
 from kvpact.worker.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 Sink = Callable[[GenerationOutput | BaseException], None]

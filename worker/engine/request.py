@@ -83,7 +83,7 @@ Prompt = str | tuple[ChatMessage, ...] | tuple[int, ...]
 
 @dataclass(slots=True)
 class ResponseFormat:
-    """Grammar-constrained output (worker/grammar.py): `json_schema` None = any JSON object, else the
+    """Grammar-constrained output (worker/engine/grammar.py): `json_schema` None = any JSON object, else the
     output is JSON matching that JSON Schema (given as JSON text)."""
 
     json_schema: str | None = None

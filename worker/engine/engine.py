@@ -33,12 +33,11 @@ from kvpact.shared.errors import RequestError
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.limits import check_completion_budget, excerpt
 from kvpact.shared.realized import RealizedCache
-from kvpact.worker.cpu_share import CpuShare
-from kvpact.worker.device import bind_thread
-from kvpact.worker.engine_observer import EngineObserver, FinishedRequest
-from kvpact.worker.model_runner import ModelRunner
-from kvpact.worker.output_stream import OutputStream, RequestStreams, Sink
-from kvpact.worker.request import (
+from kvpact.worker.engine.cpu_share import CpuShare
+from kvpact.worker.engine.engine_observer import EngineObserver, FinishedRequest
+from kvpact.worker.engine.model_runner import ModelRunner
+from kvpact.worker.engine.output_stream import OutputStream, RequestStreams, Sink
+from kvpact.worker.engine.request import (
     ChatMessage,
     EngineClosedError,
     EngineOverloadedError,
@@ -48,12 +47,13 @@ from kvpact.worker.request import (
     GenerationRequest,
     GenerationResult,
 )
-from kvpact.worker.scheduler import Scheduler
-from kvpact.worker.sequence import Sequence
+from kvpact.worker.engine.sequence import Sequence
+from kvpact.worker.scheduler.base import Scheduler
+from kvpact.worker.startup.device import bind_thread
 from kvpact.worker.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from kvpact.worker.grammar import GrammarCompiler, GrammarState
+    from kvpact.worker.engine.grammar import GrammarCompiler, GrammarState
 
 DEFAULT_MAX_TOKENS = 256
 CLOSE_TIMEOUT_S = 30.0
@@ -74,7 +74,7 @@ class Prepared(NamedTuple):
 def _grammar_state(compiled: Any) -> GrammarState | None:
     if compiled is None:
         return None
-    from kvpact.worker.grammar import GrammarState
+    from kvpact.worker.engine.grammar import GrammarState
 
     return GrammarState(compiled)
 
@@ -325,7 +325,7 @@ class Engine:
         """Built on the first response_format request (it reads the whole vocabulary, about a second)."""
         with self._grammar_lock:
             if self._grammars is None:
-                from kvpact.worker.grammar import GrammarCompiler
+                from kvpact.worker.engine.grammar import GrammarCompiler
 
                 try:
                     self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpact.worker.block_manager import BlockTable
-from kvpact.worker.request import FinishReason, SamplingParams
-from kvpact.worker.sampling import SampleRow, make_generator
+from kvpact.worker.engine.request import FinishReason, SamplingParams
+from kvpact.worker.engine.sampling import SampleRow, make_generator
+from kvpact.worker.scheduler.block_manager import BlockTable
 
 if TYPE_CHECKING:
-    from kvpact.worker.grammar import GrammarState
+    from kvpact.worker.engine.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):

@@ -24,12 +24,9 @@ from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend, 
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
-from kvpact.worker.block_manager import BlockManager
-from kvpact.worker.cpu_share import CpuShare
-from kvpact.worker.device import DeviceProbe, probe_device
-from kvpact.worker.engine import Engine
-from kvpact.worker.kernel_check import triton_self_test
-from kvpact.worker.kernel_warmup import warm_up_paged_kernels
+from kvpact.worker.engine.cpu_share import CpuShare
+from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.kv import sizing
 from kvpact.worker.kv.eager import EagerCache
 from kvpact.worker.kv.paged import PagedCache
@@ -41,8 +38,13 @@ from kvpact.worker.loader import (
     resolve_model_path,
 )
 from kvpact.worker.model import ModelConfig
-from kvpact.worker.model_runner import ModelRunner
-from kvpact.worker.scheduler import EagerScheduler, PagedScheduler, Scheduler
+from kvpact.worker.scheduler.base import Scheduler
+from kvpact.worker.scheduler.block_manager import BlockManager
+from kvpact.worker.scheduler.eager import EagerScheduler
+from kvpact.worker.scheduler.paged import PagedScheduler
+from kvpact.worker.startup.device import DeviceProbe, probe_device
+from kvpact.worker.startup.kernel_check import triton_self_test
+from kvpact.worker.startup.kernel_warmup import warm_up_paged_kernels
 
 _CACHE_DTYPES = {
     CacheDtype.FLOAT32: torch.float32,

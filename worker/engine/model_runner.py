@@ -6,7 +6,7 @@ for the last token of chunks that reach their sequence's end (a middle chunk of 
 nothing).
 
 On CUDA a step synchronizes with the device once, when the sampler reads the token ids back: every
-host tensor goes over with `kvpact.worker.device.to_device` (no stream sync), and the caches' AttentionSteps
+host tensor goes over with `startup.device.to_device` (no stream sync), and the caches' AttentionSteps
 keep their metadata on the host side too.
 """
 
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpact.worker.device import to_device
+from kvpact.worker.engine.request import TopLogprobs
+from kvpact.worker.engine.sampling import sample
+from kvpact.worker.engine.sequence import ScheduledChunk, Sequence
 from kvpact.worker.kv import KVCache
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.model import LlamaForCausalLM
-from kvpact.worker.request import TopLogprobs
-from kvpact.worker.sampling import sample
-from kvpact.worker.sequence import ScheduledChunk, Sequence
+from kvpact.worker.startup.device import to_device
 
 
 @dataclass(slots=True)

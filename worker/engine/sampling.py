@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from kvpact.worker.device import to_device
-from kvpact.worker.request import SamplingParams, TopLogprobs
+from kvpact.worker.engine.request import SamplingParams, TopLogprobs
+from kvpact.worker.startup.device import to_device
 
 if TYPE_CHECKING:
-    from kvpact.worker.grammar import GrammarState
+    from kvpact.worker.engine.grammar import GrammarState
 
 
 @dataclass(slots=True)
@@ -140,7 +140,7 @@ def _apply_masks(logits: torch.Tensor, rows: Seq[SampleRow], among: list[int]) -
         token_ids = torch.tensor([t for row in ids for t in row], dtype=torch.long)
         logits[to_device(row_ids, device), to_device(token_ids, device)] = float("-inf")
     if constrained:
-        from kvpact.worker.grammar import apply_grammars  # xgrammar loads only once a grammar is used
+        from kvpact.worker.engine.grammar import apply_grammars  # xgrammar loads only once a grammar is used
 
         idx = _indices(constrained, device)
         sub = logits[idx]
