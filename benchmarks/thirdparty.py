@@ -2,7 +2,7 @@
 router's HTTP front, to check the suite's own client against someone else's.
 
     ensure_guidellm()        the `guidellm` executable of its own venv, or a sentence saying why not
-    run_guidellm(...)        one fixed-concurrency run; TTFT p50 and output tok/s as guidellm reports them
+    run_guidellm(...)        one fixed-concurrency run: TTFT p50 and output tok/s from its per-request records
     tokenizer_dir(model)     the folder with the model's tokenizer.json (guidellm's --processor)
 
 The client is installed by the benchmark, never into the product's environment: a venv of its own under
@@ -83,9 +83,15 @@ def tokenizer_dir(model: Path) -> Path | None:
 
 @dataclass(frozen=True, slots=True)
 class ClientFigures:
+    """One client's run, counted the same way for every client: TTFT = first streamed token - request
+    sent, its median over requests; output tok/s = the requests' output tokens (the server's usage) /
+    (last token of any request - first request sent)."""
+
     requests: int
+    prompt_tokens: float  # mean per request, as the server counted them (usage)
     ttft_p50_s: float
     output_tok_s: float
+    reported_output_tok_s: float = float("nan")  # the client's own summary figure, for reference
 
 
 def run_guidellm(
@@ -99,23 +105,47 @@ def run_guidellm(
     seed: int,
 ) -> ClientFigures:
     """guidellm at a fixed `concurrency` for `num_requests` synthetic requests (text prompts of
-    `prompt_tokens` tokens by `processor`, exactly `output_tokens` out: it sends ignore_eos). Raises
+    `prompt_tokens` tokens by `processor`, exactly `output_tokens` out: it sends ignore_eos). The
+    figures are computed from its per-request records (see ClientFigures); its own summary
+    `output_tokens_per_second` is a time-binned rate, kept as `reported_output_tok_s`. Raises
     RuntimeError with its output when it fails."""
     with tempfile.TemporaryDirectory(prefix="kvpact-guidellm-") as tmp:
         out = Path(tmp) / "benchmarks.json"
         argv = [str(exe), "benchmark", "--target", f"http://{http_address}", "--processor", str(processor)]
         argv += ["--data", f"prompt_tokens={prompt_tokens},output_tokens={output_tokens}"]
-        argv += ["--rate-type", "concurrent", "--rate", str(concurrency), "--max-requests", str(num_requests)]
+        # --rate as a float: guidellm 0.2.1 calls float.is_integer() on it (an int has none on 3.11)
+        argv += ["--rate-type", "concurrent", "--rate", f"{float(concurrency)}"]
+        argv += ["--max-requests", str(num_requests)]
         argv += ["--random-seed", str(seed), "--output-path", str(out), "--disable-progress"]
         argv += ["--disable-console-outputs"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp)
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp
+            )
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"guidellm ran past {RUN_TIMEOUT_S:g} s: {str(e.stderr or '')[-800:]}") from e
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"guidellm exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
         bench = json.loads(out.read_text())["benchmarks"][0]
-    metrics = bench["metrics"]
+    return figures(bench)
+
+
+def figures(bench: dict) -> ClientFigures:
+    """ClientFigures from one entry of guidellm's `benchmarks` JSON (every request is in it: no
+    --output-sampling)."""
+    ok = bench["requests"]["successful"]
+    if not ok or bench["request_totals"]["errored"]:
+        errors = [r.get("error", "") for r in bench["requests"].get("errored", [])][:2]
+        raise RuntimeError(f"guidellm: {len(ok)} requests succeeded, errors: {errors}")
+    ttfts = sorted(r["first_token_time"] - r["start_time"] for r in ok)
+    mid = len(ttfts) // 2
+    median = ttfts[mid] if len(ttfts) % 2 else (ttfts[mid - 1] + ttfts[mid]) / 2
+    wall = max(r["last_token_time"] for r in ok) - min(r["start_time"] for r in ok)
     return ClientFigures(
-        requests=int(bench["request_totals"]["successful"]),
-        ttft_p50_s=float(metrics["time_to_first_token_ms"]["successful"]["median"]) / 1000,
-        output_tok_s=float(metrics["output_tokens_per_second"]["successful"]["mean"]),
+        requests=len(ok),
+        prompt_tokens=sum(r["prompt_tokens"] for r in ok) / len(ok),
+        ttft_p50_s=median,
+        output_tok_s=sum(r["output_tokens"] for r in ok) / wall,
+        reported_output_tok_s=float(bench["metrics"]["output_tokens_per_second"]["successful"]["mean"]),
     )
