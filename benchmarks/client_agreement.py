@@ -1,7 +1,8 @@
 """The third-party client vs the suite's client: guidellm and `stream_http` against one router's HTTP
 front, back to back in the same run, at the same concurrency, prompt and output lengths.
 
-    compare(cluster, model, vocab_size, scale, seed)   -> Agreement (its table, targets and data)
+    compare(cluster, model, vocab_size, scale, seed, command)   the table, its targets and data
+    python -m benchmarks.client_agreement [--quick] [--concurrency 4,16]   just this table
 
 For each concurrency the suite's client runs, then guidellm, then the suite's client again (ours,
 guidellm, ours: a drift during the run moves both of ours, and guidellm is compared with their mean).
@@ -15,6 +16,7 @@ corpus, each run a fresh seed, so the prefix cache helps neither. Where guidellm
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -30,7 +32,7 @@ TARGET = "third-party client agrees within 10%"
 GOAL = f"guidellm / ours in [{1 - AGREE_WITHIN:g}, {1 + AGREE_WITHIN:g}]"
 FIGURES = ("TTFT p50", "output tok/s")
 COLUMNS = ["concurrency", "client", "requests", "prompt tokens", "output tokens"]
-COLUMNS += ["TTFT p50 s", "output tok/s"]
+COLUMNS += ["TTFT p50 s", "output tok/s", "in flight", "client CPU s"]
 NAN = float("nan")
 
 
@@ -50,13 +52,17 @@ class Agreement:
 
 
 def ours(cluster: Cluster, items: list[workloads.WorkItem], concurrency: int) -> ClientFigures:
+    cpu = time.process_time()  # this process runs nothing else meanwhile
     streamed: list[Streamed] = asyncio.run(stream_http(cluster.http_address, items, concurrency))
+    cpu = time.process_time() - cpu
     wall = max(s.token_times[-1] for s in streamed) - min(s.sent for s in streamed)
     return ClientFigures(
         requests=len(streamed),
         prompt_tokens=sum(len(i.prompt) for i in items) / len(items),
         ttft_p50_s=median(s.ttft for s in streamed),
         output_tok_s=sum(len(s.tokens) for s in streamed) / wall,
+        in_flight=sum(s.token_times[-1] - s.sent for s in streamed) / wall,
+        cpu_s=cpu,
     )
 
 
@@ -72,6 +78,9 @@ def compare(
         "both counted alike: TTFT p50 over requests (sent -> first streamed text); output tok/s = output "
         "tokens / (last token - first request sent); prompt tokens: ours the token ids sent, guidellm's "
         "the server's usage count of its text prompts",
+        "in flight = the requests' spans (sent -> last token) / wall: how full the client kept its "
+        "slots; client CPU s: what the client itself burned (guidellm's includes its start-up), CPU the "
+        "server on the same machine did not get",
     ]
     exe = thirdparty.ensure_guidellm()
     processor = thirdparty.tokenizer_dir(model)
@@ -116,10 +125,10 @@ def _at(
     rows: list[list[Any]] = []
     for name, f in (("ours (1st)", first), ("guidellm", theirs), ("ours (2nd)", second)):
         if isinstance(f, str):
-            rows.append([concurrency, f"guidellm failed: {f[-300:]}"] + [NAN] * 5)
+            rows.append([concurrency, f"guidellm failed: {f[-300:]}"] + [NAN] * (len(COLUMNS) - 2))
         else:
             rows.append([concurrency, name, f.requests, f.prompt_tokens, scale.output_tokens]
-                        + [f.ttft_p50_s, f.output_tok_s])  # fmt: skip
+                        + [f.ttft_p50_s, f.output_tok_s, f.in_flight, f.cpu_s])  # fmt: skip
     run: dict[str, Any] = {"concurrency": concurrency, "requests": n, "ours": [first, second]}
     run.update(rows=rows, targets=[], notes=[])
     if isinstance(theirs, str):
@@ -132,7 +141,9 @@ def _at(
         "TTFT p50": theirs.ttft_p50_s / ((first.ttft_p50_s + second.ttft_p50_s) / 2),
         "output tok/s": theirs.output_tok_s / ((first.output_tok_s + second.output_tok_s) / 2),
     }
-    rows.append([concurrency, "guidellm / ours", "", "", "", ratios["TTFT p50"], ratios["output tok/s"]])
+    rows.append(
+        [concurrency, "guidellm / ours", "", "", "", ratios["TTFT p50"], ratios["output tok/s"], "", ""]
+    )
     drift = (
         f"our two runs differ by {abs(first.ttft_p50_s / second.ttft_p50_s - 1):.0%} (TTFT), "
         f"{abs(first.output_tok_s / second.output_tok_s - 1):.0%} (tok/s)"
@@ -159,3 +170,49 @@ def _jsonable(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return value
 
     return [{k: one(v) for k, v in run.items()} for run in runs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Just this table, on one paged router + worker with the online suite's settings (its full scale,
+    or --quick's); prints the table, its targets and the load average before and after."""
+    import argparse
+    import os
+
+    from benchmarks.framework import targets_table
+    from benchmarks.suites import online
+    from kvpact.worker.loader.load import default_model_path, read_model_config
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.client_agreement", description=main.__doc__)
+    parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
+    parser.add_argument("--quick", action="store_true", help="the online suite's --quick scale")
+    parser.add_argument("--concurrency", default="", help="comma-separated, instead of the scale's")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+    model = Path(args.model) if args.model else default_model_path()
+    scale = online.QUICK_CLIENT_SCALE if args.quick else online.CLIENT_SCALE
+    if args.concurrency:
+        try:
+            levels = tuple(int(c) for c in args.concurrency.split(","))
+        except ValueError:
+            parser.error(f"--concurrency {args.concurrency!r}: give whole numbers, comma-separated (4,16)")
+        scale = Scale(levels, scale.prompt_tokens, scale.output_tokens, scale.requests_per_slot)
+    config = read_model_config(model)
+    cap = min(config.max_position_embeddings, 96 if args.quick else 512)
+    cluster = Cluster(model, "paged", -(-cap // 64) * 64, online.MAX_NUM_SEQS, http=True).start()
+    try:
+        cluster.wait_ready()
+        print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+        command = "python -m benchmarks.client_agreement " + " ".join(argv if argv is not None else [])
+        agreement = compare(cluster, model, config.vocab_size, scale, args.seed, command.strip())
+        print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    finally:
+        cluster.stop()
+    print(agreement.table.markdown())
+    print(targets_table(agreement.targets))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

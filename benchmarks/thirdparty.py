@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import median
 
 GUIDELLM_VERSION = "0.2.1"
 DIR_ENV, INSTALL_ENV = "KVPACT_BENCH_CLIENTS_DIR", "KVPACT_BENCH_CLIENT_INSTALL"
@@ -91,6 +93,8 @@ class ClientFigures:
     prompt_tokens: float  # mean per request, as the server counted them (usage)
     ttft_p50_s: float
     output_tok_s: float
+    in_flight: float  # sum of the requests' spans (sent -> last token) / wall: concurrency kept busy
+    cpu_s: float = float("nan")  # CPU seconds the client itself used (guidellm's: with its start-up)
     reported_output_tok_s: float = float("nan")  # the client's own summary figure, for reference
 
 
@@ -119,6 +123,7 @@ def run_guidellm(
         argv += ["--random-seed", str(seed), "--output-path", str(out), "--disable-progress"]
         argv += ["--disable-console-outputs"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        before = _children_cpu_s()
         try:
             done = subprocess.run(
                 argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp
@@ -128,7 +133,12 @@ def run_guidellm(
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"guidellm exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
         bench = json.loads(out.read_text())["benchmarks"][0]
-    return figures(bench)
+    return replace(figures(bench), cpu_s=_children_cpu_s() - before)
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # finished children, and what they waited for
+    return usage.ru_utime + usage.ru_stime
 
 
 def figures(bench: dict) -> ClientFigures:
@@ -138,14 +148,12 @@ def figures(bench: dict) -> ClientFigures:
     if not ok or bench["request_totals"]["errored"]:
         errors = [r.get("error", "") for r in bench["requests"].get("errored", [])][:2]
         raise RuntimeError(f"guidellm: {len(ok)} requests succeeded, errors: {errors}")
-    ttfts = sorted(r["first_token_time"] - r["start_time"] for r in ok)
-    mid = len(ttfts) // 2
-    median = ttfts[mid] if len(ttfts) % 2 else (ttfts[mid - 1] + ttfts[mid]) / 2
     wall = max(r["last_token_time"] for r in ok) - min(r["start_time"] for r in ok)
     return ClientFigures(
         requests=len(ok),
         prompt_tokens=sum(r["prompt_tokens"] for r in ok) / len(ok),
-        ttft_p50_s=median,
+        ttft_p50_s=median(r["first_token_time"] - r["start_time"] for r in ok),
         output_tok_s=sum(r["output_tokens"] for r in ok) / wall,
+        in_flight=sum(r["last_token_time"] - r["start_time"] for r in ok) / wall,
         reported_output_tok_s=float(bench["metrics"]["output_tokens_per_second"]["successful"]["mean"]),
     )
