@@ -6,16 +6,18 @@ front, back to back in the same run, at the same concurrency, prompt and output 
 
 For each concurrency the suite's client runs, then guidellm, then the suite's client again (ours,
 guidellm, ours: a drift during the run moves both of ours, and guidellm is compared with their mean).
-Both count the same way (thirdparty.ClientFigures): TTFT p50 over requests, output tok/s = output
-tokens / (last token - first request sent). guidellm sends text prompts that its --processor (the
-model's tokenizer.json) makes `prompt_tokens` long; ours sends that many token ids cut from the
-corpus, each run a fresh seed, so the prefix cache helps neither. Where guidellm cannot be installed
-(no PyPI) or has no tokenizer, the table says so in one row and its targets are not measured.
+Both send the same request body (GUIDELLM_BODY) and count the same way (thirdparty.ClientFigures):
+TTFT p50 over requests, output tok/s = output tokens / (last token - first request sent). guidellm
+sends text prompts that its --processor (the model's tokenizer.json) makes `prompt_tokens` long; ours
+sends that many token ids cut from the corpus, each run a fresh seed, so the prefix cache helps
+neither. Where guidellm cannot be installed (no PyPI) or has no tokenizer, the table says so in one
+row and its targets are not measured.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from typing import Any
 
 from benchmarks import thirdparty, workloads
 from benchmarks.framework import Table, Target
-from benchmarks.kvpact_systems import Cluster, Streamed, stream_http
+from benchmarks.kvpact_systems import Cluster, stream_http
 from benchmarks.thirdparty import ClientFigures
 
 AGREE_WITHIN = 0.10
@@ -34,6 +36,9 @@ FIGURES = ("TTFT p50", "output tok/s")
 COLUMNS = ["concurrency", "client", "requests", "prompt tokens", "output tokens"]
 COLUMNS += ["TTFT p50 s", "output tok/s", "in flight", "client CPU s"]
 NAN = float("nan")
+# what guidellm 0.2.1 sends besides prompt and max_tokens (backend/openai.py): no temperature, so the
+# server samples at its default 1.0 for both clients; greedy alone ran ~20% faster here
+GUIDELLM_BODY = {"stream": True, "stream_options": {"include_usage": True}, "stop": None, "ignore_eos": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +58,7 @@ class Agreement:
 
 def ours(cluster: Cluster, items: list[workloads.WorkItem], concurrency: int) -> ClientFigures:
     cpu = time.process_time()  # this process runs nothing else meanwhile
-    streamed: list[Streamed] = asyncio.run(stream_http(cluster.http_address, items, concurrency))
+    streamed = asyncio.run(stream_http(cluster.http_address, items, concurrency, body=GUIDELLM_BODY))
     cpu = time.process_time() - cpu
     wall = max(s.token_times[-1] for s in streamed) - min(s.sent for s in streamed)
     return ClientFigures(
@@ -72,7 +77,10 @@ def compare(
     title = "Third-party client vs the suite's client (guidellm and stream_http, one router's HTTP front)"
     notes = [
         f"guidellm {thirdparty.GUIDELLM_VERSION} (its own venv, {thirdparty.clients_root()}), "
-        "--rate-type concurrent; ours: benchmarks/kvpact_systems.stream_http, the same closed loop",
+        f"--rate-type concurrent, GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP="
+        f"{os.environ.get('GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP', thirdparty.LOOP_SLEEP_S)}; ours: "
+        "benchmarks/kvpact_systems.stream_http, the same closed loop, the same request body as guidellm's "
+        "(no temperature: the server's default 1.0)",
         f"prompt {scale.prompt_tokens} tokens, output {scale.output_tokens} (ignore_eos); run order "
         "ours, guidellm, ours; 'guidellm / ours' divides by the mean of our two runs",
         "both counted alike: TTFT p50 over requests (sent -> first streamed text); output tok/s = output "
@@ -176,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     """Just this table, on one paged router + worker with the online suite's settings (its full scale,
     or --quick's); prints the table, its targets and the load average before and after."""
     import argparse
-    import os
 
     from benchmarks.framework import targets_table
     from benchmarks.suites import online

@@ -190,9 +190,8 @@ def stream_run(address: str, items: Sequence[WorkItem]) -> Run:
     return Run(wall, [s.tokens for s in streamed], "router + worker processes, streaming client")
 
 
-async def _one_http(client: Any, url: str, item: WorkItem) -> Streamed:
-    body = {"prompt": list(item.prompt), "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+async def _one_http(client: Any, url: str, item: WorkItem, body: dict[str, Any]) -> Streamed:
+    body = {"prompt": list(item.prompt), "max_tokens": item.max_tokens, **body}
     sent = time.perf_counter()
     times: list[float] = []
     completion_tokens = 0
@@ -213,11 +212,20 @@ async def _one_http(client: Any, url: str, item: WorkItem) -> Streamed:
     return Streamed(sent, times, tuple(range(completion_tokens)))
 
 
+HTTP_BODY = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
 async def stream_http(
-    http_address: str, items: Sequence[WorkItem], concurrency: int, timeout_s: float = RUN_TIMEOUT_S
+    http_address: str,
+    items: Sequence[WorkItem],
+    concurrency: int,
+    timeout_s: float = RUN_TIMEOUT_S,
+    body: dict[str, Any] | None = None,
 ) -> list[Streamed]:
     """`items` in order through `concurrency` slots, each sending its next request when its last one
-    ends (the load a fixed-concurrency benchmark client makes); results in completion order."""
+    ends (the load a fixed-concurrency benchmark client makes); results in completion order. `body`:
+    the request's fields besides prompt and max_tokens (HTTP_BODY: greedy, ignore_eos, streamed with
+    usage)."""
     import httpx
 
     url = f"http://{http_address}/v1/completions"
@@ -228,7 +236,7 @@ async def stream_http(
 
         async def slot() -> None:
             while queue:
-                done.append(await _one_http(client, url, queue.pop()))
+                done.append(await _one_http(client, url, queue.pop(), HTTP_BODY if body is None else body))
 
         await asyncio.gather(*(slot() for _ in range(concurrency)))
     return done

@@ -30,6 +30,10 @@ GUIDELLM_VERSION = "0.2.1"
 DIR_ENV, INSTALL_ENV = "KVPACT_BENCH_CLIENTS_DIR", "KVPACT_BENCH_CLIENT_INSTALL"
 INSTALL_TIMEOUT_S = 900.0
 RUN_TIMEOUT_S = 600.0
+# guidellm's scheduler loop sleeps 100 us between polls by default (settings.default_async_loop_sleep):
+# about a fifth of a core on a 2-core machine it shares with the server, and 10,000 wake-ups a second
+# between the worker's OpenMP threads. 10 ms still refills its request queue long before a request ends.
+LOOP_SLEEP_S = 0.01
 
 
 def clients_root() -> Path:
@@ -123,6 +127,7 @@ def run_guidellm(
         argv += ["--random-seed", str(seed), "--output-path", str(out), "--disable-progress"]
         argv += ["--disable-console-outputs"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.setdefault("GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP", str(LOOP_SLEEP_S))
         before = _children_cpu_s()
         try:
             done = subprocess.run(
