@@ -97,8 +97,8 @@ def compare(
         why = f"no tokenizer.json for {model} (guidellm's --processor); load it in a worker once"
     if why is not None:
         row = ["-", f"guidellm not installed: {why}"] + [NAN] * (len(COLUMNS) - 2)
-        targets = [Target(TARGET, "TTFT p50, output tok/s", "not run", None, why)]
-        return Agreement(Table(title, COLUMNS, [row], command, notes), targets, {"guidellm": why})
+        missing = [Target(TARGET, "TTFT p50, output tok/s", "not run", None, why)]
+        return Agreement(Table(title, COLUMNS, [row], command, notes), missing, {"guidellm": why})
     assert not isinstance(exe, str) and processor is not None
     rows: list[list[Any]] = []
     targets: list[Target] = []
