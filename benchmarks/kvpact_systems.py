@@ -6,6 +6,8 @@
                                         ports, logs in a temporary folder, stopped by pid); `start()` then
                                         `wait_ready()`,
                                         so several clusters can start at once
+    stream_http(http_address, ...)      the same client over the OpenAI front: `concurrency` SSE streams of
+                                        POST /v1/completions (token-id prompts, ignore_eos), closed loop
     stream(address, items)              an asyncio client (kvpact.client.AsyncClient, one channel) sending
                                         each request at its `arrival_s` (0: all at once) as token ids,
                                         greedy, ignore_eos, streaming; records when every token arrived
@@ -18,12 +20,14 @@ budget (min(1 GiB, 10% of RAM)) and prefix caching.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from benchmarks.peers import Run
 from benchmarks.workloads import WorkItem
@@ -38,6 +42,7 @@ from kvpact.worker.startup.engine_setup import build_engine
 MODES = {"paged": PagedAttentionMode.ON, "eager": PagedAttentionMode.OFF}
 START_TIMEOUT_S = 300.0
 RUN_TIMEOUT_S = 1800.0
+HTTP_LISTENING = "router http listening on "
 WARMUP = (WorkItem(tuple(range(100, 124)), 4), WorkItem(tuple(range(200, 208)), 4))
 
 
@@ -83,7 +88,9 @@ class Cluster:
     max_model_len: int
     max_num_seqs: int
     num_workers: int = 1
+    http: bool = False  # also `--http-listen 127.0.0.1:0`; `http_address` is read back once ready
     address: str = ""
+    http_address: str = ""
     handles: list[ProcessHandle] = field(default_factory=list)
 
     def start(self) -> Cluster:
@@ -94,6 +101,8 @@ class Cluster:
         quiet = ["--log-format", "json", "--log-level", "WARNING"]
         router = [python, "-m", "kvpact.router", "--listen", self.address, *quiet]
         router += ["--expect-workers", str(self.num_workers)]
+        if self.http:
+            router += ["--http-listen", "127.0.0.1:0"]
         worker = [python, "-m", "kvpact.worker", "--router", self.address, "--model", str(self.model)]
         worker += ["--paged-attn", MODES[self.cache].value, "--device", "cpu"]
         worker += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
@@ -107,6 +116,13 @@ class Cluster:
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         wait_for_health(self.address, timeout_s, watch=self.handles)
+        if self.http:
+            said = [ln for ln in self.handles[0].stdout().splitlines() if ln.startswith(HTTP_LISTENING)]
+            if not said:
+                raise RuntimeError(
+                    f"the router did not print '{HTTP_LISTENING} ...':\n{self.handles[0].output()}"
+                )
+            self.http_address = said[0][len(HTTP_LISTENING) :].strip()
         asyncio.run(stream(self.address, list(WARMUP)))
 
     def stop(self) -> None:
@@ -172,3 +188,55 @@ def stream_run(address: str, items: Sequence[WorkItem]) -> Run:
     streamed = asyncio.run(stream(address, items))
     wall = max(s.token_times[-1] for s in streamed) - min(s.sent for s in streamed)
     return Run(wall, [s.tokens for s in streamed], "router + worker processes, streaming client")
+
+
+async def _one_http(client: Any, url: str, item: WorkItem, body: dict[str, Any]) -> Streamed:
+    body = {"prompt": list(item.prompt), "max_tokens": item.max_tokens, **body}
+    sent = time.perf_counter()
+    times: list[float] = []
+    completion_tokens = 0
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"POST {url}: HTTP {response.status_code}: {(await response.aread())[:400]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0].get("text"):
+                times.append(time.perf_counter())
+            if event.get("usage"):
+                completion_tokens = int(event["usage"]["completion_tokens"])
+    if completion_tokens != item.max_tokens or not times:
+        raise RuntimeError(f"asked for {item.max_tokens} tokens (ignore_eos), usage says {completion_tokens}")
+    # one time per SSE event; the token count is the usage's (an event may carry several tokens)
+    return Streamed(sent, times, tuple(range(completion_tokens)))
+
+
+HTTP_BODY = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def stream_http(
+    http_address: str,
+    items: Sequence[WorkItem],
+    concurrency: int,
+    timeout_s: float = RUN_TIMEOUT_S,
+    body: dict[str, Any] | None = None,
+) -> list[Streamed]:
+    """`items` in order through `concurrency` slots, each sending its next request when its last one
+    ends (the load a fixed-concurrency benchmark client makes); results in completion order. `body`:
+    the request's fields besides prompt and max_tokens (HTTP_BODY: greedy, ignore_eos, streamed with
+    usage)."""
+    import httpx
+
+    url = f"http://{http_address}/v1/completions"
+    queue = list(reversed(items))
+    done: list[Streamed] = []
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+
+        async def slot() -> None:
+            while queue:
+                done.append(await _one_http(client, url, queue.pop(), HTTP_BODY if body is None else body))
+
+        await asyncio.gather(*(slot() for _ in range(concurrency)))
+    return done

@@ -10,6 +10,7 @@ Distributions (uniform integers, both ends included; `Random(seed)`):
 
     mixed          prompt 32-256 tokens, output 16-256
     long_prompt    prompt 512-1,536, output 16-128
+    fixed          every prompt and every output of one given length (what guidellm sends)
     shared_prefix  one common 768-token system prompt, then a 32-128 token question; output 16-128
 
 `fit(items, max_model_len)` shortens prompts and outputs proportionally so prompt + output fits a
@@ -61,6 +62,11 @@ def _draw(
 
 def mixed(n: int, seed: int, vocab_size: int) -> list[WorkItem]:
     return _draw(n, seed, vocab_size, (32, 256), (16, 256))
+
+
+def fixed(n: int, seed: int, vocab_size: int, prompt_tokens: int, output_tokens: int) -> list[WorkItem]:
+    """Every prompt `prompt_tokens` long, every output `output_tokens` (a benchmark client's shape)."""
+    return _draw(n, seed, vocab_size, (prompt_tokens, prompt_tokens), (output_tokens, output_tokens))
 
 
 def long_prompt(n: int, seed: int, vocab_size: int) -> list[WorkItem]:

@@ -13,6 +13,11 @@ WINDOW_S seconds and is streamed through the router (token ids, greedy, ignore_e
     ITL    the gap between consecutive tokens of a request, over every token of every request
            (tokens arriving together in one message share the gap before it evenly)
 
+Then, on the paged cluster's HTTP front (`--http-listen`), a third-party OpenAI benchmark client
+(guidellm, installed by benchmarks/thirdparty.py into its own venv) and the suite's own SSE client run
+back to back at the same concurrency and lengths (benchmarks/client_agreement.py); the target is that
+guidellm's TTFT p50 and output tok/s agree with ours within 10%.
+
 The rate at which p99 TTFT passes 2 s is interpolated linearly between the two measured rates around
 it. Above the capacity the queue grows for as long as requests keep arriving, so TTFT there depends on
 the window: compare caches at the same rates, not runs with different windows.
@@ -27,7 +32,8 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from benchmarks import workloads
+from benchmarks import client_agreement, workloads
+from benchmarks.client_agreement import Agreement, Scale
 from benchmarks.framework import BenchContext, SuiteResult, Table, new_figure
 from benchmarks.kvpact_systems import Cluster, Streamed, stream
 from benchmarks.workloads import WorkItem
@@ -41,6 +47,9 @@ MAX_REQUESTS, QUICK_MAX_REQUESTS = 48, 8
 PROBE_REQUESTS, QUICK_PROBE_REQUESTS = 16, 4
 MIN_REQUESTS = 3  # at the lowest rate, within the window
 CACHES = ("paged", "eager")
+# the third-party client check: concurrencies, prompt and output tokens, requests per concurrency slot
+CLIENT_SCALE = Scale(concurrencies=(4, 16), prompt_tokens=128, output_tokens=64, requests_per_slot=3)
+QUICK_CLIENT_SCALE = Scale(concurrencies=(2,), prompt_tokens=32, output_tokens=8, requests_per_slot=2)
 
 
 def _items(n: int, seed: int, vocab_size: int, cap: int) -> list[WorkItem]:
@@ -76,7 +85,8 @@ def run(ctx: BenchContext) -> SuiteResult:
     with ExitStack() as stack:
         clusters = {}
         for cache in CACHES:
-            clusters[cache] = Cluster(ctx.model, cache, max_model_len, MAX_NUM_SEQS).start()
+            http = cache == "paged"  # the paged cluster also serves HTTP, for the client check
+            clusters[cache] = Cluster(ctx.model, cache, max_model_len, MAX_NUM_SEQS, http=http).start()
             stack.callback(clusters[cache].stop)
         for cluster in clusters.values():
             cluster.wait_ready()
@@ -97,7 +107,15 @@ def run(ctx: BenchContext) -> SuiteResult:
                 began = time.perf_counter()
                 streamed = asyncio.run(stream(clusters[cache].address, items))
                 results[cache].append((rate, streamed, time.perf_counter() - began))
-    return report(ctx, results, capacity, window, max_model_len)
+        scale = QUICK_CLIENT_SCALE if ctx.quick else CLIENT_SCALE
+        agreement = client_agreement.compare(
+            clusters["paged"], ctx.model, config.vocab_size, scale, ctx.seed, _command(ctx)
+        )
+    return report(ctx, results, capacity, window, max_model_len, agreement)
+
+
+def _command(ctx: BenchContext) -> str:
+    return "python -m benchmarks.run --suites online" + (" --quick" if ctx.quick else "")
 
 
 def report(
@@ -106,8 +124,9 @@ def report(
     capacity: float,
     window: float,
     max_model_len: int,
+    agreement: Agreement,
 ) -> SuiteResult:
-    command = "python -m benchmarks.run --suites online" + (" --quick" if ctx.quick else "")
+    command = _command(ctx)
     rows, data, crossings = [], [], {}
     for cache in CACHES:
         p99s = []
@@ -156,11 +175,19 @@ def report(
             [[cache, crossings[cache]] for cache in CACHES],
             command,
         ),
+        agreement.table,
     ]
     return SuiteResult(
         suite="online",
         tables=tables,
-        data={"runs": data, "capacity_req_s": capacity, "crossing": crossings, "window_s": window},
+        targets=agreement.targets,
+        data={
+            "runs": data,
+            "capacity_req_s": capacity,
+            "crossing": crossings,
+            "window_s": window,
+            "client_agreement": agreement.data,
+        },
         figure=_figure(results),
         notes=[f"p99 TTFT passes {TTFT_LIMIT_S:g} s at: " + "; ".join(f"{c} {crossings[c]}" for c in CACHES)],
     )

@@ -26,8 +26,8 @@ def refuse(body: _Generation) -> None:
         raise HttpError(400, f"{name}: {reason}; leave it out", name, "unsupported_parameter")
 
 
-def chat_request(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest:
-    refuse(body)
+def _max_tokens(body: _Generation) -> int | None:
+    """max_tokens or its newer name max_completion_tokens; both only when they agree."""
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         if body.max_tokens != body.max_completion_tokens:
             raise HttpError(
@@ -35,7 +35,12 @@ def chat_request(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest:
                 "max_tokens and max_completion_tokens disagree; send one of them",
                 "max_completion_tokens",
             )
-    request = _common(body, body.max_completion_tokens or body.max_tokens)
+    return body.max_completion_tokens or body.max_tokens
+
+
+def chat_request(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest:
+    refuse(body)
+    request = _common(body, _max_tokens(body))
     for message in body.messages:
         content = (
             message.content
@@ -65,7 +70,7 @@ def completion_requests(body: CompletionRequest) -> list[generation_pb2.Generate
     requests = []
     base_id = uuid.uuid4().hex
     for i, one in enumerate(prompts):
-        request = _common(body, body.max_tokens)
+        request = _common(body, _max_tokens(body))
         if isinstance(one, str):
             request.text = one
         else:

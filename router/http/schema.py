@@ -81,6 +81,8 @@ class _Generation(_Strict):
 
     model: str = Field(default="", max_length=MAX_MODEL_NAME_CHARS)  # "" = the only served model
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+    # OpenAI's newer name for max_tokens; taken on completions too (guidellm sends both, equal)
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stop: str | list[str] | None = None
@@ -131,7 +133,6 @@ def _neutral(name: str, value: Any) -> bool:
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
 

@@ -1,22 +1,36 @@
 """`python -m benchmarks.run --quick --suites online` on the tiny model: both caches serve every rate through
-a real router, and the report gives TTFT and inter-token latency percentiles and where p99 TTFT passes 2 s."""
+a real router, and the report gives TTFT and inter-token latency percentiles and where p99 TTFT passes 2 s,
+and the third-party client (guidellm, installed once into a module-level folder) next to the suite's own."""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import pytest
 
+from benchmarks.thirdparty import DIR_ENV
 from tests.benchmarks.quick_suite import run_quick_suite
 
 TIMEOUT_S = 240
+INSTALL_S = 900  # the first run installs guidellm (about 3 minutes here)
+
+
+@pytest.fixture(scope="module")
+def clients_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """guidellm's venv for this module: installed by the first suite run, reused by later ones."""
+    return tmp_path_factory.mktemp("bench-clients")
 
 
 @pytest.mark.slow  # one quick suite (engine_step) runs by default; this one in make test-all
-def test_quick_online_suite_on_the_tiny_model(tmp_path: Path) -> None:
-    report = run_quick_suite("online", tmp_path, timeout_s=TIMEOUT_S)
+def test_quick_online_suite_on_the_tiny_model(
+    tmp_path: Path, clients_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(DIR_ENV, os.environ.get(DIR_ENV, str(clients_dir)))
+    report = run_quick_suite("online", tmp_path, timeout_s=TIMEOUT_S + INSTALL_S)
 
-    latency, crossing = report["tables"]
+    latency, crossing, clients = report["tables"]
     assert latency["command"] == "python -m benchmarks.run --suites online --quick"
     assert latency["columns"][:3] == ["cache", "rate req/s", "requests"]
     rows = latency["rows"]
@@ -33,3 +47,19 @@ def test_quick_online_suite_on_the_tiny_model(tmp_path: Path) -> None:
     assert [row[0] for row in crossing["rows"]] == ["paged", "eager"]
     assert all("req/s" in row[1] for row in crossing["rows"])
     assert report["data"]["capacity_req_s"] > 0
+
+    assert clients["columns"][1:3] == ["client", "requests"]
+    names = [row[1] for row in clients["rows"]]
+    targets = [t for t in report["targets"] if t["name"].startswith("third-party client agrees")]
+    if names[0].startswith("guidellm not installed: "):  # no PyPI: one line saying so, not a failure
+        assert len(names) == 1 and [t["met"] for t in targets] == [None], (names, targets)
+        return
+    assert names == ["ours (1st)", "guidellm", "ours (2nd)", "guidellm / ours"], names
+    runs, ratio = clients["rows"][:3], clients["rows"][3]
+    for row in runs:  # concurrency 2, 4 requests, 32-token prompts, 8 tokens out
+        assert row[0] == 2 and row[2] == 4 and row[4] == 8 and row[5] > 0 and row[6] > 0, row
+    # ours sends 32 ids; guidellm's text prompts, re-tokenized by the server, come out near 32 (36.5
+    # with the tiny tokenizer, exactly 64 of 64 with SmolLM2's)
+    assert runs[0][3] == runs[2][3] == 32 and 32 <= runs[1][3] <= 48, runs
+    assert all(math.isfinite(r) and r > 0 for r in ratio[5:7]), ratio
+    assert len(targets) == 2 and all(t["met"] in (True, False) for t in targets), targets

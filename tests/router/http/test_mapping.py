@@ -83,6 +83,17 @@ def test_a_refused_value_is_a_400_naming_it(params, name):
     assert err.value.status == 400 and err.value.param == name and name in err.value.message
 
 
+def test_completions_take_max_completion_tokens_as_guidellm_sends_it():
+    # guidellm 0.2.1 sends max_tokens and max_completion_tokens, equal, with stop: null
+    [r] = completion_requests(CompletionRequest(prompt="a", max_tokens=5, max_completion_tokens=5, stop=None))
+    assert r.max_tokens == 5 and not r.stop
+    [r] = completion_requests(CompletionRequest(prompt="a", max_completion_tokens=3))
+    assert r.max_tokens == 3
+    with pytest.raises(HttpError) as err:
+        completion_requests(CompletionRequest(prompt="a", max_tokens=3, max_completion_tokens=4))
+    assert err.value.status == 400 and err.value.param == "max_completion_tokens"
+
+
 def test_completions_refuse_echo_and_best_of_but_take_their_neutral_values():
     completion_requests(CompletionRequest(prompt="a", echo=False, best_of=1))
     for params, name in (({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "z"}, "suffix")):
