@@ -225,7 +225,29 @@ class Cluster:
             log.info("worker_revived", worker_id=entry.worker_id)
             await self.refresh_health()
         stop = entry.state in (WorkerState.REFUSED, WorkerState.FAILED) or self.state is ClusterState.FAILED
-        return worker_pb2.HeartbeatReply(known=True, shutdown=stop, router_stopping=self.stopping)
+        return worker_pb2.HeartbeatReply(
+            known=True,
+            shutdown=stop,
+            router_stopping=self.stopping,
+            drain=bool(entry.drain_reason),
+            drain_reason=entry.drain_reason,
+        )
+
+    async def drain(self, request: worker_pb2.DrainRequest) -> worker_pb2.DrainReply:
+        """Registry.Drain (kvpact-launch scaling down): nothing new is routed to the worker from now on; its
+        next heartbeat reply tells it to drain, and it leaves once its in-flight streams are done."""
+        entry = self.registry.drain(request.worker_id, request.reason)
+        if entry is None:
+            return worker_pb2.DrainReply(known=False)
+        log.info(
+            "worker_drain_requested",
+            worker_id=entry.worker_id,
+            reason=entry.drain_reason,
+            state=entry.state.value,
+            num_outstanding=entry.num_outstanding,
+        )
+        await self.refresh_health()
+        return worker_pb2.DrainReply(known=True, state=entry.state.value)
 
     async def deregister(self, request: worker_pb2.DeregisterRequest) -> worker_pb2.DeregisterReply:
         entry = self.registry.remove(request.worker_id, request.registration_id)

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from kvpact.client import Client, KvpactRpcError
-from kvpact.v1 import router_pb2
+from kvpact.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories.processes import (
     free_port,
     health_status,
@@ -148,3 +148,34 @@ def test_a_restarted_router_admits_its_workers_again(model, tmp_path):
                 assert states(client) == {"w-1": router_pb2.WORKER_STATE_ADMITTED}
                 assert client.complete("again", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
         assert w.returncode is None  # it waited for a router instead of exiting
+
+
+
+def test_a_worker_the_router_tells_to_drain_finishes_its_stream_deregisters_and_exits_0(model, tmp_path):
+    """Registry.Drain (what kvpact-launch calls when it scales a group down): the router routes nothing new
+    to the worker at once and says `drain` in its next heartbeat reply; the worker runs its SIGTERM drain
+    (its in-flight stream finishes), deregisters and exits 0."""
+    argv = router_argv("--expect-workers", "1", "--heartbeat-interval", "0.3", "--drain-timeout", "20")
+    with running(argv, name="router", log_dir=tmp_path) as r:
+        address = router_address(r)
+        with worker(model, address, "w-1", tmp_path) as w, Client(address, timeout=60) as client:
+            wait_for_health(address, START_S, watch=[r, w])
+            stream = client.generate("drained", max_tokens=200, ignore_eos=True)
+            assert next(stream).finish_reason is None
+            with grpc.insecure_channel(address) as channel:
+                registry = worker_pb2_grpc.RegistryStub(channel)
+                reply = registry.Drain(worker_pb2.DrainRequest(worker_id="w-1", reason="scale-down"), timeout=5)
+                unknown = registry.Drain(worker_pb2.DrainRequest(worker_id="w-9"), timeout=5)
+            assert (reply.known, reply.state) == (True, "draining")
+            assert not unknown.known
+            assert states(client) == {"w-1": router_pb2.WORKER_STATE_DRAINING}
+            with pytest.raises(KvpactRpcError) as err:  # nothing new reaches it
+                client.complete("new", max_tokens=1)
+            assert err.value.code is grpc.StatusCode.UNAVAILABLE
+            rest = list(stream)
+            assert rest[-1].finish_reason == "length" and 1 + len(rest) == 200  # its stream finished
+            assert wait_for_exit(w, 30) == 0, w.output()
+            assert "the router asked it to drain (scale-down)" in w.stdout()
+            assert states(client) == {}  # it deregistered
+        assert [e["worker_id"] for e in log_events(r, "worker_drain_requested")] == ["w-1"]
+        assert [e["worker_id"] for e in log_events(r, "worker_left")] == ["w-1"]
