@@ -11,6 +11,8 @@
        until SIGINT/SIGTERM. Every worker is asked at once each round; one whose process exits, or whose
        actor Ray reports dead, is restarted beside supervision (deploy/restarts.py: backoff, at most
        workers[].max_restarts per window), else the router marks it DEAD. A slow answer is never a death.
+       Each round also moves every group toward its target size (`kvpact-launch scale`, through the named
+       actor kvpact-launcher: deploy/scaling.py, deploy/control.py, deploy/scale.py)
     -> the stop, in order (always): the router refuses new work (SIGTERM); the workers drain their in-flight
        streams (SIGTERM, each up to its --drain-timeout, SIGKILL only after that and a margin); the router
        exits once its streams are done; then actors killed and the placement group removed
@@ -44,6 +46,7 @@ from kvpact.deploy.placement import LaunchFailure, PlacedWorker
 from kvpact.deploy.ports import node_shares, port_candidates
 from kvpact.deploy.processes import ProcessHandle, start_process, stop
 from kvpact.deploy.restarts import RestartBudget
+from kvpact.deploy.scaling import Scaler
 from kvpact.deploy.stop import stop_wait_warning
 from kvpact.deploy.supervision import Health, Observation, Poller
 from kvpact.shared.address import join_host_port
@@ -67,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="the cluster file (YAML)")
+    scale = "scale --group NAME --replicas N [--address A] [--timeout S]"
+    parser.usage = f"{PROG} --config FILE\n       {PROG} {scale}"
+
     return parser
 
 
@@ -75,6 +81,11 @@ def say(message: str, *, error: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["scale"]:
+        from kvpact.deploy.scale import main as scale_main
+
+        return scale_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         cluster = load_cluster_file(args.config)
@@ -95,6 +106,12 @@ def _reachable(bound: str) -> str:
     if host in _WILDCARD_HOSTS:
         host = placement.node_ip()  # what other nodes can reach, never a hostname
     return join_host_port(host, int(port))
+
+
+def _what(obs: Observation) -> str:
+    if obs.health is Health.DEAD:
+        return f"its Ray actor is dead ({obs.detail})"
+    return f"exited with code {obs.exit_code}"
 
 
 def read_report(path: Path) -> dict[str, Any]:
@@ -127,6 +144,18 @@ class Launch:
         self.slow_since: dict[str, float] = {}
         self.exited: dict[str, int] = {}  # worker id -> exit code, for workers that exited while starting
         self.auth_token = auth_token
+        self.scaler = Scaler(self)  # groups that grow and shrink while serving (deploy/scaling.py)
+
+    def say(self, message: str) -> None:
+        say(message)
+
+    def say_error(self, message: str) -> None:
+        say(message, error=True)
+
+    def report_status(self) -> dict[str, Any]:
+        """The ClusterStatus in the router's latest report (JSON mapping), {} before it has one."""
+        status = read_report(self.report_path).get("cluster_status", {})
+        return status if isinstance(status, dict) else {}
 
     def run(self) -> int:
         try:
@@ -299,7 +328,9 @@ class Launch:
             self.stopping.wait(POLL_INTERVAL_S)
 
     def _serve(self) -> tuple[int, str]:
-        """Serve until a signal or the router's exit; restart workers that die, beside this loop."""
+        """Serve until a signal or the router's exit; restart workers that die, beside this loop; move
+        each group toward its target size (kvpact-launch scale, deploy/scaling.py)."""
+        self.scaler.start()
         while not self.stopping.wait(POLL_INTERVAL_S):
             code = self._router_code()
             if code == EXIT_OK:  # stopped by a signal of its own (the stop below finishes the job)
@@ -308,18 +339,18 @@ class Launch:
                 return EXIT_FATAL, f"FAILED (exit code 1): the router exited with code {code} while serving"
             for worker_id, obs in self._observe().items():
                 if obs.health in (Health.EXITED, Health.DEAD) and not self.stopping.is_set():
-                    self._worker_down(next(w for w in self.placed if w.slot.worker_id == worker_id), obs)
+                    worker = next(w for w in self.placed if w.slot.worker_id == worker_id)
+                    if not self.scaler.on_exit(worker, obs.exit_code, _what(obs)):
+                        self._worker_down(worker, obs)
+            if not self.stopping.is_set():
+                self.scaler.round()
         return EXIT_OK, "stopped"
 
     def _worker_down(self, worker: PlacedWorker, obs: Observation) -> None:
         """A worker that exited (or whose actor Ray reports dead) after the cluster served: restart it in
         a thread of its own (supervision goes on), after its backoff, within its budget."""
         worker_id = worker.slot.worker_id
-        what = (
-            f"its Ray actor is dead ({obs.detail})"
-            if obs.health is Health.DEAD
-            else f"exited with code {obs.exit_code}"
-        )
+        what = _what(obs)
         now = time.monotonic()
         budget = worker.budget
         if not budget.can_restart(now):
@@ -351,7 +382,7 @@ class Launch:
                 return
             if actor_dead:
                 placement.kill_actor(worker.actor)  # never two actors for one worker
-                worker.actor = placement.start_actor(worker.slot, self.group)
+                worker.actor = placement.start_actor(worker.slot, worker.own_group or self.group)
                 timeout_s = self.cluster.ray.placement_timeout_s
                 if not placement.locate([worker], timeout_s, self.stopping.is_set, say):
                     return
@@ -402,9 +433,10 @@ class Launch:
 
         if not ray.is_initialized():
             return
-        self.stopping.set()  # restarts in flight give up
+        self.stopping.set()  # restarts and adds in flight give up
         for thread in list(self.restarting.values()):
             thread.join(timeout=placement.STOP_MARGIN_S)
+        self.scaler.stop()
         if self.router is not None and self.router.returncode is None:
             self.router.popen.send_signal(signal.SIGTERM)  # again after Ray's is harmless: it drains once
             say("teardown: router told to stop (SIGTERM: new calls refused, in-flight streams go on)")

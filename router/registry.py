@@ -101,7 +101,8 @@ class Registry:
         entry.last_heartbeat = now
         if (draining or entry.drain_reason) and entry.state in (WorkerState.ADMITTED, WorkerState.DEAD):
             entry.state = WorkerState.DRAINING
-            entry.state_reason = f"draining: {entry.drain_reason or 'it finishes its in-flight requests, then leaves'}"
+            why = entry.drain_reason or "it finishes its in-flight requests, then leaves"
+            entry.state_reason = f"draining: {why}"
         elif entry.state is WorkerState.DEAD:
             entry.state = WorkerState.ADMITTED
             entry.state_reason = "heartbeats resumed"

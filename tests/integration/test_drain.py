@@ -150,7 +150,6 @@ def test_a_restarted_router_admits_its_workers_again(model, tmp_path):
         assert w.returncode is None  # it waited for a router instead of exiting
 
 
-
 def test_a_worker_the_router_tells_to_drain_finishes_its_stream_deregisters_and_exits_0(model, tmp_path):
     """Registry.Drain (what kvpact-launch calls when it scales a group down): the router routes nothing new
     to the worker at once and says `drain` in its next heartbeat reply; the worker runs its SIGTERM drain
@@ -164,7 +163,8 @@ def test_a_worker_the_router_tells_to_drain_finishes_its_stream_deregisters_and_
             assert next(stream).finish_reason is None
             with grpc.insecure_channel(address) as channel:
                 registry = worker_pb2_grpc.RegistryStub(channel)
-                reply = registry.Drain(worker_pb2.DrainRequest(worker_id="w-1", reason="scale-down"), timeout=5)
+                request = worker_pb2.DrainRequest(worker_id="w-1", reason="scale-down")
+                reply = registry.Drain(request, timeout=5)
                 unknown = registry.Drain(worker_pb2.DrainRequest(worker_id="w-9"), timeout=5)
             assert (reply.known, reply.state) == (True, "draining")
             assert not unknown.known
