@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from kvpact.deploy.control import CONTROL_NAME, CONTROL_NAMESPACE, GroupStatus
 
@@ -79,7 +79,7 @@ def _scale(group: str, num: int, timeout_s: float | None, address: str) -> int:
     import ray
 
     try:
-        control = ray.get_actor(CONTROL_NAME, namespace=CONTROL_NAMESPACE)
+        control: Any = ray.get_actor(CONTROL_NAME, namespace=CONTROL_NAMESPACE)
     except ValueError:
         say(
             f"no kvpact launcher runs on the Ray cluster at {address!r} (no actor {CONTROL_NAME!r} in "
@@ -89,7 +89,8 @@ def _scale(group: str, num: int, timeout_s: float | None, address: str) -> int:
         )
         return EXIT_FAILED
     try:
-        answer = cast(dict[str, Any], ray.get(control.scale.remote(group, num), timeout=CALL_TIMEOUT_S))
+        ref: Any = control.scale.remote(group, num)
+        answer: dict[str, Any] = dict(ray.get(ref, timeout=CALL_TIMEOUT_S))
     except ray.exceptions.RayError as exc:
         say(f"the launcher did not answer ({type(exc).__name__}); is it stopping?", error=True)
         return EXIT_FAILED
