@@ -1,8 +1,9 @@
-"""Graceful drain with real processes (issue 11, items 3 and 7 "drain").
+"""Graceful drain with real processes (issue 11, items 3 and 7 "drain"; issue 23, the `drain` field).
 
 A rolling restart of both workers of a cluster under steady load loses no request: each worker, sent
 SIGTERM, tells the router it is draining (the router shows DRAINING and routes nothing new to it),
-finishes what it has, deregisters and exits 0; restarted with the same id, it is admitted again. Then
+finishes what it has, deregisters and exits 0; restarted with the same id, it is admitted again. Then one
+worker is drained by the router (the `drain` field of its heartbeat reply) the same way. Then
 the router, sent SIGTERM with a stream in flight: health NOT_SERVING and new calls UNAVAILABLE at once,
 the stream finishes, and it exits 0.
 """
@@ -105,6 +106,27 @@ def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_dr
         assert {e["worker_id"] for e in log_events(r, "worker_draining")} == {"w-1", "w-2"}
         assert {e["worker_id"] for e in log_events(r, "worker_left")} == {"w-1", "w-2"}
 
+        # The router tells w-2 to drain (Registry.Drain, what kvpact-launch calls to scale a group down):
+        # nothing new is routed to it, its next heartbeat reply says `drain`, it runs its SIGTERM drain
+        # (its in-flight stream finishes), deregisters and exits 0.
+        with Client(address, timeout=60) as client, grpc.insecure_channel(address) as channel:
+            streams = [client.generate(f"s{i}", max_tokens=200, ignore_eos=True) for i in range(2)]
+            firsts = [next(stream) for stream in streams]  # least outstanding: one on each worker
+            [on_w2] = [s for s, first in zip(streams, firsts, strict=True) if first.worker_id == "w-2"]
+            registry = worker_pb2_grpc.RegistryStub(channel)
+            reply = registry.Drain(worker_pb2.DrainRequest(worker_id="w-2", reason="scale-down"), timeout=5)
+            assert (reply.known, reply.state) == (True, "draining")
+            assert not registry.Drain(worker_pb2.DrainRequest(worker_id="w-9"), timeout=5).known
+            assert states(client)["w-2"] == router_pb2.WORKER_STATE_DRAINING
+            assert [client.complete(f"n{i}", max_tokens=1).worker_id for i in range(3)] == ["w-1"] * 3
+            rest = list(on_w2)
+            assert rest[-1].finish_reason == "length" and 1 + len(rest) == 200  # its stream finished
+            assert wait_for_exit(handles["w-2"], 30) == 0, handles["w-2"].output()
+            assert "the router asked it to drain (scale-down)" in handles["w-2"].stdout()
+            assert set(states(client)) == {"w-1"}  # it deregistered
+            assert [e["worker_id"] for e in log_events(r, "worker_drain_requested")] == ["w-2"]
+            list(streams[1 - streams.index(on_w2)])
+
         # The router, SIGTERM with a stream in flight.
         with Client(address, timeout=60) as client:
             stream = client.generate("last", max_tokens=300, ignore_eos=True)
@@ -148,34 +170,3 @@ def test_a_restarted_router_admits_its_workers_again(model, tmp_path):
                 assert states(client) == {"w-1": router_pb2.WORKER_STATE_ADMITTED}
                 assert client.complete("again", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
         assert w.returncode is None  # it waited for a router instead of exiting
-
-
-def test_a_worker_the_router_tells_to_drain_finishes_its_stream_deregisters_and_exits_0(model, tmp_path):
-    """Registry.Drain (what kvpact-launch calls when it scales a group down): the router routes nothing new
-    to the worker at once and says `drain` in its next heartbeat reply; the worker runs its SIGTERM drain
-    (its in-flight stream finishes), deregisters and exits 0."""
-    argv = router_argv("--expect-workers", "1", "--heartbeat-interval", "0.3", "--drain-timeout", "20")
-    with running(argv, name="router", log_dir=tmp_path) as r:
-        address = router_address(r)
-        with worker(model, address, "w-1", tmp_path) as w, Client(address, timeout=60) as client:
-            wait_for_health(address, START_S, watch=[r, w])
-            stream = client.generate("drained", max_tokens=200, ignore_eos=True)
-            assert next(stream).finish_reason is None
-            with grpc.insecure_channel(address) as channel:
-                registry = worker_pb2_grpc.RegistryStub(channel)
-                request = worker_pb2.DrainRequest(worker_id="w-1", reason="scale-down")
-                reply = registry.Drain(request, timeout=5)
-                unknown = registry.Drain(worker_pb2.DrainRequest(worker_id="w-9"), timeout=5)
-            assert (reply.known, reply.state) == (True, "draining")
-            assert not unknown.known
-            assert states(client) == {"w-1": router_pb2.WORKER_STATE_DRAINING}
-            with pytest.raises(KvpactRpcError) as err:  # nothing new reaches it
-                client.complete("new", max_tokens=1)
-            assert err.value.code is grpc.StatusCode.UNAVAILABLE
-            rest = list(stream)
-            assert rest[-1].finish_reason == "length" and 1 + len(rest) == 200  # its stream finished
-            assert wait_for_exit(w, 30) == 0, w.output()
-            assert "the router asked it to drain (scale-down)" in w.stdout()
-            assert states(client) == {}  # it deregistered
-        assert [e["worker_id"] for e in log_events(r, "worker_drain_requested")] == ["w-1"]
-        assert [e["worker_id"] for e in log_events(r, "worker_left")] == ["w-1"]
