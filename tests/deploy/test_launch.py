@@ -437,4 +437,6 @@ def test_scale_up_to_2_then_down_to_1_drains_the_leaver_with_its_streams_and_lea
 
         launch.popen.send_signal(signal.SIGTERM)
         assert wait_for_exit(launch, 60) == 0, launch.output()[-3000:]
+    print(up.stdout + output)
+    print("\n".join(line for line in launch.stdout().splitlines() if line.startswith("kvpact-launch: ")))
     eventually_live(ray_cluster, name, ([], []))
