@@ -18,6 +18,9 @@ it implies. Pure: nothing here touches Ray, a socket or a process.
         min_replicas: 2          # the bounds of `kvpact-launch scale` (both default to replicas;
         max_replicas: 2          # 1 <= min_replicas <= replicas <= max_replicas); a worker added later
                                  # gets a one-bundle placement group of its own
+        autoscale: null          # {metric: waiting | kv_usage, target: X, up_after_s: 30, down_after_s: 300}:
+                                 # one worker more (fewer) when the group's mean load stays above (below)
+                                 # X that long, within the bounds (deploy/autoscale.py)
         resources: {num_gpus: 1, num_cpus: 4}   # one placement-group bundle per replica; any Ray resource
         max_restarts: 0          # restarts of a replica that dies after the cluster serves, within any
                                  # 10 minutes (deploy/restarts.py: exponential backoff from 1 s)
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvpact.deploy.autoscale import METRICS, AutoscalePolicy
 from kvpact.shared.address import join_host_port
 from kvpact.shared.errors import ConfigError, KvpactError
 from kvpact.shared.intent import PagedAttentionMode
@@ -105,6 +109,7 @@ class WorkerGroup:
     drain_timeout_s: float = 30.0  # its --drain-timeout, as the worker's parser read it
     min_replicas: int = 0  # 0: replicas (the bounds `kvpact-launch scale` keeps to)
     max_replicas: int = 0
+    autoscale: AutoscalePolicy | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "min_replicas", self.min_replicas or self.replicas)
@@ -300,7 +305,7 @@ def _router(section: dict[str, Any], where: str) -> RouterSection:
 
 def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> WorkerGroup:
     allowed = {"name", "replicas", "min_replicas", "max_replicas", "resources", "flags", "max_restarts"}
-    allowed.add("port_range")
+    allowed |= {"port_range", "autoscale"}
     group = _mapping(raw, where, key, allowed, required={"name", "replicas"})
     name = group["name"]
     if not isinstance(name, str) or not _NAME.match(name):
@@ -315,6 +320,7 @@ def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> Wor
     max_restarts = _whole(group.get("max_restarts", 0), where, f"{key}.max_restarts", minimum=0)
     resources = _resources(group.get("resources", {"num_cpus": 1}), where, f"{key}.resources")
     port_range = _port_range(group.get("port_range"), max_replicas, where, f"{key}.port_range")
+    autoscale = _autoscale(group.get("autoscale"), min_replicas, max_replicas, where, f"{key}.autoscale")
     from kvpact.worker.cli import build_parser
 
     parser = build_parser()
@@ -323,12 +329,39 @@ def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> Wor
         flags = ["--paged-attn", policy.value, *flags]
     worker = WorkerGroup(
         name, replicas, resources, tuple(flags), max_restarts, port_range,
-        min_replicas=min_replicas, max_replicas=max_replicas,
+        min_replicas=min_replicas, max_replicas=max_replicas, autoscale=autoscale,
     )  # fmt: skip
     slot = WorkerSlot(f"{name}-0", worker, 0)
     argv = worker_argv(slot, router="127.0.0.1:1", host="127.0.0.1")
     args = _check_with(parser, argv, where, f"{key}.flags")
     return replace(worker, drain_timeout_s=args.drain_timeout_s)
+
+
+def _autoscale(raw: object, low: int, high: int, where: str, key: str) -> AutoscalePolicy | None:
+    """{metric, target, up_after_s, down_after_s}, for a group whose bounds leave room to move."""
+    if raw is None:
+        return None
+    section = _mapping(
+        raw, where, key, {"metric", "target", "up_after_s", "down_after_s"}, {"metric", "target"}
+    )
+    metric = section["metric"]
+    if metric not in METRICS:
+        _fail(where, f"{key}.metric", f"expected one of {', '.join(METRICS)}", metric)
+    target = section["target"]
+    top = 1.0 if metric == "kv_usage" else math.inf
+    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target < top:
+        what = "a fraction between 0 and 1 (exclusive)" if metric == "kv_usage" else "a number > 0"
+        _fail(where, f"{key}.target", f"expected {what} for metric {metric}", target)
+    if low == high:
+        _fail(
+            where,
+            key,
+            f"expected min_replicas < max_replicas (both {low}): autoscaling needs room to add or remove",
+            raw,
+        )
+    up = _seconds(section.get("up_after_s", 30), where, f"{key}.up_after_s")
+    down = _seconds(section.get("down_after_s", 300), where, f"{key}.down_after_s")
+    return AutoscalePolicy(metric, float(target), up, down)
 
 
 def _port_range(raw: object, replicas: int, where: str, key: str) -> tuple[int, int] | None:

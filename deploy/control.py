@@ -6,8 +6,12 @@ string, the command exits 2) and records the group's new target size. Each super
 calls `exchange(status)`: it publishes what each group has now (admitted and leaving worker ids, what
 blocks it) and takes the targets back. A target the launcher could not reach (a refused joiner, a
 placement never granted) is lowered by the launcher with `set_target`, the reason in `gave_up`, so the
-command that asked fails with it instead of waiting forever. Plain Python: the launcher wraps it with
-`ray.remote`; tests call it directly. Never detached: it goes with the launcher's job.
+command that asked fails with it instead of waiting forever; an autoscaling decision arrives through
+`autoscaled`, and a later `scale` overrides it. Every change of a target is recorded as a decision (kept in
+`decisions()`, and counted in Ray's metrics when Ray runs this: `kvpact_scaling_decisions` by group,
+direction and cause, `kvpact_group_target_workers` by group; Ray exports both to Prometheus with its own).
+Plain Python: the launcher wraps it with `ray.remote`; tests call it directly. Never detached: it goes
+with the launcher's job.
 """
 
 from __future__ import annotations
@@ -17,6 +21,31 @@ from typing import Any
 
 CONTROL_NAME = "kvpact-launcher"
 CONTROL_NAMESPACE = "kvpact"
+MAX_DECISIONS = 100
+
+
+def _ray_metrics() -> tuple[Any, Any] | None:
+    """Ray's Counter and Gauge for the decisions, when this runs inside Ray; None elsewhere (tests)."""
+    try:
+        import ray
+        from ray.util.metrics import Counter, Gauge
+
+        if not ray.is_initialized():
+            return None
+        return (
+            Counter(
+                "kvpact_scaling_decisions",
+                description="Changes of a worker group's target size (kvpact-launch scale, autoscaling)",
+                tag_keys=("group", "direction", "cause"),
+            ),
+            Gauge(
+                "kvpact_group_target_workers",
+                description="The target number of workers of a group",
+                tag_keys=("group",),
+            ),
+        )
+    except Exception:  # no Ray, or its metrics agent is not there: the decisions are still kept
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +76,38 @@ class LauncherControl:
         self.timeout_s = timeout_s  # the scale command's default wait (ray.placement_timeout_s)
         self.targets = {name: b.replicas for name, b in bounds.items()}
         self.status: dict[str, GroupStatus] = {name: GroupStatus(b.replicas) for name, b in bounds.items()}
+        self._decisions: list[dict[str, Any]] = []
+        self._metrics = _ray_metrics()
+        for name, num in self.targets.items():
+            self._gauge(name, num)
+
+    def _decide(self, group: str, num: int, cause: str, reason: str) -> None:
+        before = self.targets[group]
+        direction = "up" if num > before else "down" if num < before else "same"
+        self.targets[group] = num
+        self.status[group].target = num
+        self._decisions.append(
+            {
+                "group": group,
+                "from": before,
+                "to": num,
+                "cause": cause,
+                "direction": direction,
+                "reason": reason,
+            }
+        )
+        del self._decisions[:-MAX_DECISIONS]
+        if self._metrics is not None:
+            self._metrics[0].inc(tags={"group": group, "direction": direction, "cause": cause})
+        self._gauge(group, num)
+
+    def _gauge(self, group: str, num: int) -> None:
+        if self._metrics is not None:
+            self._metrics[1].set(num, tags={"group": group})
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """The latest changes of a target (oldest first), each {group, from, to, cause, direction, reason}."""
+        return list(self._decisions)
 
     def scale(self, group: str, num: int) -> dict[str, Any]:
         """Set `group`'s target to `num`: {"error": why} (unknown group, outside the bounds), else
@@ -60,16 +121,18 @@ class LauncherControl:
                 "error": f"--replicas {num} is outside group {group!r}'s bounds [{bounds.min_replicas}, "
                 f"{bounds.max_replicas}] (workers[].min_replicas and max_replicas in the cluster file)"
             }
-        self.targets[group] = num
-        self.status[group].target = num
+        self._decide(group, num, "scale", "kvpact-launch scale")
         self.status[group].gave_up = ""
         return {"timeout_s": self.timeout_s}
 
     def set_target(self, group: str, num: int, reason: str) -> None:
         """The launcher gives up on the target it had (and says why)."""
-        self.targets[group] = num
-        self.status[group].target = num
+        self._decide(group, num, "gave-up", reason)
         self.status[group].gave_up = reason
+
+    def autoscaled(self, group: str, num: int, reason: str) -> None:
+        """The launcher's autoscaling chose a new size (deploy/autoscale.py)."""
+        self._decide(group, num, "autoscale", reason)
 
     def exchange(self, status: dict[str, dict[str, Any]]) -> dict[str, int]:
         """The launcher's round: publish each group's status (admitted_ids, leaving_ids, blocked); take the

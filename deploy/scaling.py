@@ -14,6 +14,8 @@ NOTE: each supervision round, `Scaler.round` trades status for targets with the 
   placement group removed (or its bundle kept free for the next worker of the group).
 - a joiner that exits 78 (the policy refused it) is released, never restarted, and its group's target is
   lowered to what it has, with the router's reason, so the `scale` that asked fails with it.
+- a group with `autoscale` gets its target from deploy/autoscale.py while it is settled; `scale` sets a
+  new size, and autoscaling goes on from it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvpact.deploy import placement
+from kvpact.deploy.autoscale import Autoscaler, measure
 from kvpact.deploy.cluster_file import WorkerGroup, WorkerSlot
 from kvpact.deploy.control import CONTROL_NAME, CONTROL_NAMESPACE, GroupBounds, LauncherControl
 from kvpact.deploy.placement import LaunchFailure, PlacedWorker
@@ -63,6 +66,9 @@ class Scaler:
         self.leaving: dict[str, float] = {}  # worker id -> when it is stopped if it has not left
         self.forced: set[str] = set()  # leavers sent SIGTERM through their actor
         self.blocked: dict[str, str] = {}  # group -> what an add waits for now
+        self.autoscalers = {
+            g.name: Autoscaler(g.autoscale, g.min_replicas, g.max_replicas) for g in groups if g.autoscale
+        }
         self.control: Any = None
         self._exchange: tuple[Any, int] | None = None  # the control call not answered yet, and its epoch
         self._epoch = 0  # bumped when the launcher lowers a target itself
@@ -119,6 +125,8 @@ class Scaler:
                 )
                 self.targets[name] = num
                 self.blocked.pop(name, None)
+                if name in self.autoscalers:
+                    self.autoscalers[name].reset()  # autoscaling goes on from the new size
 
     def _status(self) -> dict[str, dict[str, Any]]:
         workers = self.launch.report_status().get("workers", [])
@@ -162,8 +170,9 @@ class Scaler:
         return [w for w in placed if w.slot.group.name == name and w.slot.worker_id not in self.leaving]
 
     def round(self) -> None:
-        """Move every group toward its target, and stop the leavers that overstay."""
+        """Autoscale the settled groups, move every group toward its target, stop leavers that overstay."""
         self._trade()
+        self._autoscale()
         for name in self.groups:
             members = self._members(name)
             num_adding = sum(1 for i in self.adding if group_of(i) == name)
@@ -183,6 +192,33 @@ class Scaler:
                 if overstaying is not None:
                     self.launch.say(f"scale: worker {worker_id} has not left after its drain; stopping it")
                     self._stop(overstaying)
+
+    def _autoscale(self) -> None:
+        """Each autoscaled group that is settled (its size is its target, every member admitted, nobody
+        joining or leaving) is measured; a decision becomes its new target (deploy/autoscale.py)."""
+        workers = self.launch.report_status().get("workers", [])
+        admitted = {w.get("workerId", ""): w for w in workers if w.get("state") == "WORKER_STATE_ADMITTED"}
+        for name, autoscaler in self.autoscalers.items():
+            member_ids = {w.slot.worker_id for w in self._members(name)}
+            busy = any(group_of(i) == name for i in [*self.adding, *self.leaving])
+            if busy or len(member_ids) != self.targets[name] or not member_ids <= admitted.keys():
+                autoscaler.reset()
+                continue
+            metric = autoscaler.policy.metric
+            load = measure(metric, [admitted[i].get("load", {}) for i in sorted(member_ids)])
+            decision = autoscaler.observe(load, len(member_ids), time.monotonic())
+            if decision is None:
+                continue
+            old, new = self.targets[name], decision.num
+            self.launch.say(f"autoscale: group {name} from {old} to {new} workers: {decision.reason}")
+            with self._lock:
+                self._epoch += 1  # an exchange sent before this brings the old target: not taken
+                self.targets[name] = decision.num
+                if self.control is not None:
+                    try:
+                        self.control.autoscaled.remote(name, decision.num, decision.reason)
+                    except Exception:  # the control actor is gone: the launcher's target stands
+                        pass
 
     def _placed(self, worker_id: str) -> PlacedWorker | None:
         return next((w for w in self.launch.placed if w.slot.worker_id == worker_id), None)

@@ -447,5 +447,5 @@ class Cluster:
             for entry in dead:
                 log.warning("worker_dead", worker_id=entry.worker_id, reason=entry.state_reason)
             await self.refresh_health()  # a worker died or came back
-            if dead:
+            if dead or self.state is ClusterState.SERVING:  # serving: the loads, for autoscaling
                 self.write_report()
