@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvpact.deploy.autoscale import AutoscalePolicy
 from kvpact.deploy.cluster_file import (
     ClusterFileError,
     WorkerSlot,
@@ -131,6 +132,42 @@ def test_yaml_booleans_are_the_modes_on_and_off_never_something_else(tmp_path: P
             "c.yaml: workers[0].port_range: expected at least 3 ports (max_replicas: 3",
         ),
         (
+            {"workers": [{"name": "cpu", "replicas": 1, "autoscale": {"metric": "waiting", "target": 1}}]},
+            "c.yaml: workers[0].autoscale: expected min_replicas < max_replicas (both 1): autoscaling needs "
+            "room to add or remove",
+        ),
+        (
+            {"workers": [{"name": "c", "replicas": 1, "max_replicas": 2, "autoscale": {"metric": "queue"}}]},
+            "c.yaml: workers[0].autoscale.target: required",
+        ),
+        (
+            {
+                "workers": [
+                    {
+                        "name": "c",
+                        "replicas": 1,
+                        "max_replicas": 2,
+                        "autoscale": {"metric": "rps", "target": 1},
+                    }
+                ]
+            },
+            "c.yaml: workers[0].autoscale.metric: expected one of waiting, kv_usage, got 'rps'",
+        ),
+        (
+            {
+                "workers": [
+                    {
+                        "name": "c",
+                        "replicas": 1,
+                        "max_replicas": 2,
+                        "autoscale": {"metric": "kv_usage", "target": 1.5},
+                    }
+                ]
+            },
+            "c.yaml: workers[0].autoscale.target: expected a fraction between 0 and 1 (exclusive) for metric "
+            "kv_usage, got 1.5",
+        ),
+        (
             {"workers": [{"name": "cpu", "replicas": 1, "flags": {"pa-backend": "cuda"}}]},
             "c.yaml: workers[0].flags: argument --pa-backend: invalid choice: 'cuda'",
         ),
@@ -197,6 +234,11 @@ def test_the_replica_bounds_default_to_replicas_and_say_what_is_outside_them():
         "in the cluster file)"
     )
     assert fixed.bounds_error(1).startswith("group 'a': 1 replicas is outside its bounds [2, 2]")
+    auto = {"metric": "kv_usage", "target": 0.8, "up_after_s": 5}
+    [group] = parse_cluster_file(
+        {"workers": [{"name": "a", "replicas": 1, "max_replicas": 2, "autoscale": auto}]}, "c.yaml"
+    ).workers
+    assert group.autoscale == AutoscalePolicy("kv_usage", 0.8, up_after_s=5, down_after_s=300)
 
 
 def test_a_key_given_twice_is_refused(tmp_path: Path):

@@ -1,5 +1,6 @@
 """`kvpact-launch scale` without a cluster: the control actor's rules (deploy/control.py, called directly),
-which workers leave first (deploy/scaling.py), and the command's own usage errors. The scale itself, through
+which workers leave first (deploy/scaling.py), the command's own usage errors, and the autoscaling policy
+(deploy/autoscale.py). The scale itself, through
 a real Ray cluster, is in test_launch.py (it shares that module's cluster)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from kvpact.deploy.autoscale import AutoscalePolicy, Autoscaler, Decision, measure
 from kvpact.deploy.cluster_file import WorkerGroup, WorkerSlot
 from kvpact.deploy.control import GroupBounds, GroupStatus, LauncherControl
 from kvpact.deploy.placement import PlacedWorker
@@ -72,3 +74,38 @@ def test_the_command_says_what_is_missing_and_exits_2_before_touching_ray(args: 
     argv = [sys.executable, "-m", "kvpact.deploy.launch", "scale", *args]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and expected in done.stderr, done.stderr
+
+
+# -- autoscaling (deploy/autoscale.py), time passed in -----------------------------------------------
+
+
+def waiting(*nums: int) -> list[dict[str, int]]:
+    return [{"numWaiting": n} for n in nums]
+
+
+def test_load_is_the_mean_over_the_admitted_workers():
+    assert measure("waiting", waiting(3, 0)) == 1.5
+    kv = [{"numFreeBlocks": 4, "numTotalBlocks": 16}, {"numFreeBlocks": 16, "numTotalBlocks": 16}]
+    assert measure("kv_usage", kv) == 0.375
+    assert measure("waiting", []) is None
+
+
+def test_one_worker_more_only_once_the_load_stayed_above_its_target_for_up_after_s():
+    auto = Autoscaler(AutoscalePolicy("waiting", 1.0, up_after_s=10, down_after_s=60), 1, 3)
+    assert auto.observe(4.0, 1, now=0) is None
+    assert auto.observe(4.0, 1, now=9.9) is None
+    assert auto.observe(4.0, 1, now=10) == Decision(2, "waiting 4.00 above its target 1 for 10 s")
+    assert auto.observe(4.0, 2, now=15) is None  # a decision restarts the clock
+    assert auto.observe(0.5, 2, now=16) is None  # a dip restarts it too
+    assert auto.observe(4.0, 2, now=17) is None
+    assert auto.observe(4.0, 2, now=27) == Decision(3, "waiting 4.00 above its target 1 for 10 s")
+    assert auto.observe(4.0, 3, now=100) is None and auto.observe(4.0, 3, now=200) is None  # at max
+
+
+def test_one_worker_fewer_once_the_load_stayed_below_its_target_for_down_after_s_never_below_min():
+    auto = Autoscaler(AutoscalePolicy("kv_usage", 0.5, up_after_s=10, down_after_s=60), 1, 3)
+    assert auto.observe(0.1, 2, now=0) is None
+    assert auto.observe(0.1, 2, now=59) is None
+    assert auto.observe(0.1, 2, now=60) == Decision(1, "kv_usage 0.10 below its target 0.5 for 60 s")
+    assert auto.observe(0.0, 1, now=61) is None and auto.observe(0.0, 1, now=500) is None  # at min
+    assert auto.observe(None, 1, now=501) is None  # no admitted worker: nothing to measure
