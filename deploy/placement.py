@@ -118,7 +118,8 @@ def describe_bundles(cluster: ClusterFile) -> str:
 
 
 def describe_resources(resources: dict[str, float] | Any) -> str:
-    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "object_store_memory"))}
+    hidden = ("node:", "object_store_memory", "bundle_group_")  # Ray's own bookkeeping, not what to add
+    shown = {k: v for k, v in resources.items() if not k.startswith(hidden)}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
 
 

@@ -440,3 +440,91 @@ def test_scale_up_to_2_then_down_to_1_drains_the_leaver_with_its_streams_and_lea
     print(up.stdout + output)
     print("\n".join(line for line in launch.stdout().splitlines() if line.startswith("kvpact-launch: ")))
     eventually_live(ray_cluster, name, ([], []))
+
+
+@pytest.mark.slow  # ~45 s: a second worker's cold start, then its drain
+def test_autoscaling_adds_a_worker_under_a_burst_and_removes_it_when_idle(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    """A CPU group of fractional CPUs (0.5, so it grows on a small Ray) autoscaled on `waiting`: a burst on
+    its one worker (one sequence at a time, the rest queued) adds a second; idle again, one leaves (drained,
+    exit 0). Every decision is one launcher line and is recorded by the control actor."""
+    autoscale = {"metric": "waiting", "target": 0.5, "up_after_s": 2, "down_after_s": 4}
+    group = {
+        **worker_group(model, "cpu", 1, resources={"num_cpus": 0.5}, max_num_seqs=1),
+        "max_replicas": 2,
+        "autoscale": autoscale,
+    }
+    config = cluster_file(tmp_path, workers=[group], router_flags={"heartbeat-interval": 0.3})
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        router = wait_serving(launch)
+        streams: list[Stream] = []
+        stop_load = threading.Event()
+        loaders = [threading.Thread(target=_load, args=(router, streams, stop_load)) for _ in range(6)]
+        for thread in loaders:
+            thread.start()
+        wait_for_line(launch, r"^kvpact-launch: autoscale: group cpu from 1 to 2 workers: waiting \S+ above "
+                      r"its target 0.5 for 2 s$", 60)  # fmt: skip
+        with Client(router, timeout=30) as kvpact:
+            deadline = time.monotonic() + 120
+            while [w.state for w in kvpact.cluster_status().workers] != [ADMITTED, ADMITTED]:
+                assert time.monotonic() < deadline, launch.output()[-3000:]
+                time.sleep(0.2)
+        while not any(s.worker_id == "cpu-1" for s in streams):  # the burst reaches the new worker
+            assert time.monotonic() < deadline, launch.output()[-3000:]
+            time.sleep(0.05)
+        stop_load.set()
+        for thread in loaders:
+            thread.join(120)
+        wait_for_line(launch, r"^kvpact-launch: autoscale: group cpu from 2 to 1 workers: waiting 0.00 below "
+                      r"its target 0.5 for 4 s$", 60)  # fmt: skip
+        wait_for_line(launch, r"scale: worker cpu-1 left \(exited with code 0\)", 60)
+        control = ray.get_actor("kvpact-launcher", namespace="kvpact")
+        decisions = ray.get(control.decisions.remote(), timeout=30)
+        assert [(d["cause"], d["from"], d["to"]) for d in decisions] == [
+            ("autoscale", 1, 2),
+            ("autoscale", 2, 1),
+        ]
+        assert [(s.error, s.finish_reason) for s in streams] == [("", "length")] * len(streams)
+        assert {s.worker_id for s in streams} == {"cpu-0", "cpu-1"}
+        print("\n".join(line for line in launch.stdout().splitlines() if "scale" in line))
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()[-3000:]
+
+
+@pytest.mark.slow  # ~30 s: three runs of the command against one launch
+def test_scale_refuses_by_name_and_says_what_blocks_a_placement(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    """With no launcher, exit 1 saying so; an unknown group or a size outside the bounds, exit 2; a worker
+    whose placement group cannot be granted (3 CPUs each on a 4-CPU cluster), exit 1 naming it; the launcher
+    then gives up after ray.placement_timeout_s, and the cluster serves on at its size."""
+    nobody = scale(ray_cluster, "--group", "big", "--replicas", "2")
+    assert nobody.returncode == 1 and "no kvpact launcher runs on the Ray cluster" in nobody.stderr
+    group = {**worker_group(model, "big", 1, resources={"num_cpus": 3}), "max_replicas": 3}
+    config = cluster_file(tmp_path, workers=[group], placement_timeout_s=15)
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        name = placement_group_name(launch)
+        router = wait_serving(launch)
+        unknown = scale(ray_cluster, "--group", "small", "--replicas", "2")
+        assert unknown.returncode == 2, unknown.stderr
+        assert "no worker group 'small' in this cluster (its groups: big); pass --group" in unknown.stderr
+        outside = scale(ray_cluster, "--group", "big", "--replicas", "4")
+        assert outside.returncode == 2, outside.stderr
+        assert "--replicas 4 is outside group 'big''s bounds [1, 3]" in outside.stderr
+        pending = scale(ray_cluster, "--group", "big", "--replicas", "2", "--timeout", "5")
+        assert pending.returncode == 1, pending.stderr
+        assert re.search(
+            r"group big: FAILED: 1 of 2 workers admitted after 5 s \(big-0\); blocked by: worker big-1: its "
+            r"placement group \{CPU: 3\} is pending \(\d+ s of ray.placement_timeout_s 15; free now: ",
+            pending.stderr,
+        ), pending.stderr
+        wait_for_line(launch, r"scale: group big stays at 1 workers: worker big-1: its placement group "
+                      r"\{CPU: 3\} was not granted within ray.placement_timeout_s 15 s", 60,
+                      stream="stderr")  # fmt: skip
+        eventually_live(ray_cluster, name, (["LauncherControl:kvpact-launcher", "WorkerActor:"], [name]))
+        with Client(router, timeout=30) as kvpact:
+            assert [w.state for w in kvpact.cluster_status().workers] == [ADMITTED]
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()[-3000:]
+    eventually_live(ray_cluster, name, ([], []))
