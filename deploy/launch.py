@@ -361,6 +361,7 @@ class Launch:
             )
             self.placed.remove(worker)
             self.retired.append(worker)
+            self.scaler.retired(worker, f"worker {worker_id} {what} and is not restarted (max_restarts)")
             return
         delay = budget.delay(now)
         number = budget.record(now)

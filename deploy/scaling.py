@@ -13,7 +13,8 @@ NOTE: each supervision round, `Scaler.round` trades status for targets with the 
 - a leaver's exit is never restarted nor counted against max_restarts; its actor is killed and its
   placement group removed (or its bundle kept free for the next worker of the group).
 - a joiner that exits 78 (the policy refused it) is released, never restarted, and its group's target is
-  lowered to what it has, with the router's reason, so the `scale` that asked fails with it.
+  lowered to what it has, with the router's reason, so the `scale` that asked fails with it. So is the
+  target of a group whose worker supervision stops restarting (max_restarts): no replacement crash loop.
 - a group with `autoscale` gets its target from deploy/autoscale.py while it is settled; `scale` sets a
   new size, and autoscaling goes on from it.
 """
@@ -284,6 +285,11 @@ class Scaler:
             self._give_up(worker.slot.group.name, f"worker {worker_id} was refused: {reason}")
             return True
         return False
+
+    def retired(self, worker: PlacedWorker, reason: str) -> None:
+        """A worker supervision gave up on (its restart budget spent): its group's target drops to what it
+        has, so no replacement is started in a loop; `scale` can ask for more again."""
+        self._give_up(worker.slot.group.name, reason)
 
     def _router_reason(self, worker_id: str) -> str:
         for w in self.launch.report_status().get("workers", []):
