@@ -195,7 +195,7 @@ class Launch:
         if not placement.locate(self.placed, cancelled=self.stopping.is_set, progress=say):
             return EXIT_OK, "stopped while starting"
         for worker in self.placed:
-            self._start_worker(worker)
+            self.start_worker(worker)
         code = self._until_serving()
         if code is not None:
             return code, self._failure_verdict(code)
@@ -231,7 +231,7 @@ class Launch:
 
     # -- workers ---------------------------------------------------------------------------------------
 
-    def _start_worker(self, worker: PlacedWorker) -> None:
+    def start_worker(self, worker: PlacedWorker) -> None:
         import ray
 
         try:
@@ -388,7 +388,7 @@ class Launch:
                 if not placement.locate([worker], timeout_s, self.stopping.is_set, say):
                     return
             if not self.stopping.is_set():
-                self._start_worker(worker)
+                self.start_worker(worker)
         except LaunchFailure as exc:
             say(f"restart of worker {worker.slot.worker_id} failed: {exc}", error=True)
         except Exception as exc:  # a Ray error in the restart: supervision sees the worker again next round

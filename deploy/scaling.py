@@ -23,18 +23,34 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvpact.deploy import placement
 from kvpact.deploy.autoscale import Autoscaler, measure
-from kvpact.deploy.cluster_file import WorkerGroup, WorkerSlot
+from kvpact.deploy.cluster_file import ClusterFile, WorkerGroup, WorkerSlot
 from kvpact.deploy.control import CONTROL_NAME, CONTROL_NAMESPACE, GroupBounds, LauncherControl
 from kvpact.deploy.placement import LaunchFailure, PlacedWorker
 from kvpact.deploy.restarts import RestartBudget
 from kvpact.shared.errors import EXIT_POLICY
 
-if TYPE_CHECKING:
-    from kvpact.deploy.launch import Launch
+
+class LaunchView(Protocol):
+    """What scaling uses of the launch (deploy/launch.py's Launch)."""
+
+    cluster: ClusterFile
+    name: str  # the launch's placement group; an added worker's is NAME-<worker id>
+    group: Any  # the launch's placement group
+    placed: list[PlacedWorker]
+    restarting: dict[str, threading.Thread]
+    stopping: threading.Event
+    auth_token: str | None
+    router_address: str
+
+    def say(self, message: str) -> None: ...
+    def say_error(self, message: str) -> None: ...
+    def report_status(self) -> dict[str, Any]: ...
+    def start_worker(self, worker: PlacedWorker) -> None: ...
+
 
 EXCHANGE_WAIT_S = 0.5
 DRAIN_CALL_TIMEOUT_S = 5.0
@@ -56,7 +72,7 @@ def choose_leavers(members: list[PlacedWorker], num: int) -> list[PlacedWorker]:
 
 
 class Scaler:
-    def __init__(self, launch: Launch) -> None:
+    def __init__(self, launch: LaunchView) -> None:
         self.launch = launch
         groups = launch.cluster.workers
         self.groups: dict[str, WorkerGroup] = {g.name: g for g in groups}
@@ -346,7 +362,7 @@ class Scaler:
                 return
             self.launch.say(f"scale: adding worker {worker_id} in {where}, {worker.where()}")
             self.launch.placed.append(worker)
-            self.launch._start_worker(worker)
+            self.launch.start_worker(worker)
             worker = None  # supervision owns it now
         except LaunchFailure as exc:
             failure = f"worker {worker_id} could not be added: {exc}"
