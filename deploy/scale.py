@@ -83,8 +83,9 @@ def _scale(group: str, num: int, timeout_s: float | None, address: str) -> int:
     except ValueError:
         say(
             f"no kvpact launcher runs on the Ray cluster at {address!r} (no actor {CONTROL_NAME!r} in "
-            f"namespace {CONTROL_NAMESPACE!r}); start one with `kvpact-launch --config FILE`, or pass the "
-            "cluster it runs on with --address",
+            f"namespace {CONTROL_NAMESPACE!r}; a launcher creates it once its cluster serves); start one "
+            "with `kvpact-launch --config FILE`, wait for SERVING, or pass the cluster it runs on with "
+            "--address",
             error=True,
         )
         return EXIT_FAILED

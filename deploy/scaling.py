@@ -157,10 +157,10 @@ class Scaler:
                 for i in (w.slot.worker_id for w in self._members(name))
                 if i not in admitted_ids
             ]
-            starting += [f"worker {i} is being placed" for i in self.adding if group_of(i) == name]
+            starting += [f"worker {i} is being placed" for i in self._adding(name)]
             status[name] = {
                 "admitted_ids": admitted_ids,
-                "leaving_ids": [i for i in self.leaving if group_of(i) == name],
+                "leaving_ids": [i for i in list(self.leaving) if group_of(i) == name],
                 "blocked": self.blocked.get(name) or "; ".join(starting),
             }
         return status
@@ -168,7 +168,7 @@ class Scaler:
     def _give_up(self, name: str, reason: str) -> None:
         """The target cannot be reached: it becomes what the group has (members and adds in flight; the
         failed one already released), with the reason."""
-        num = len(self._members(name)) + sum(1 for i in self.adding if group_of(i) == name)
+        num = len(self._members(name)) + len(self._adding(name))
         self.launch.say_error(f"scale: group {name} stays at {num} workers: {reason}")
         with self._lock:
             self._epoch += 1  # an exchange sent before this brings the old target: not taken
@@ -182,8 +182,12 @@ class Scaler:
 
     # -- the round -----------------------------------------------------------------------------------
 
+    def _adding(self, name: str) -> list[str]:
+        """The ids of `name`'s workers being added (a copy: add threads change the dict)."""
+        return [i for i in list(self.adding) if group_of(i) == name]
+
     def _members(self, name: str) -> list[PlacedWorker]:
-        placed = self.launch.placed
+        placed = list(self.launch.placed)
         return [w for w in placed if w.slot.group.name == name and w.slot.worker_id not in self.leaving]
 
     def round(self) -> None:
@@ -192,7 +196,7 @@ class Scaler:
         self._autoscale()
         for name in self.groups:
             members = self._members(name)
-            num_adding = sum(1 for i in self.adding if group_of(i) == name)
+            num_adding = len(self._adding(name))
             have = len(members) + num_adding
             target = self.targets[name]
             if have < target:
@@ -217,7 +221,7 @@ class Scaler:
         admitted = {w.get("workerId", ""): w for w in workers if w.get("state") == "WORKER_STATE_ADMITTED"}
         for name, autoscaler in self.autoscalers.items():
             member_ids = {w.slot.worker_id for w in self._members(name)}
-            busy = any(group_of(i) == name for i in [*self.adding, *self.leaving])
+            busy = any(group_of(i) == name for i in [*list(self.adding), *list(self.leaving)])
             if busy or len(member_ids) != self.targets[name] or not member_ids <= admitted.keys():
                 autoscaler.reset()
                 continue
