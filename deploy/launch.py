@@ -339,11 +339,16 @@ class Launch:
                 return EXIT_FATAL, f"FAILED (exit code 1): the router exited with code {code} while serving"
             for worker_id, obs in self._observe().items():
                 if obs.health in (Health.EXITED, Health.DEAD) and not self.stopping.is_set():
-                    worker = next(w for w in self.placed if w.slot.worker_id == worker_id)
+                    worker = next((w for w in self.placed if w.slot.worker_id == worker_id), None)
+                    if worker is None:  # released meanwhile (a failed add)
+                        continue
                     if not self.scaler.on_exit(worker, obs.exit_code, _what(obs)):
                         self._worker_down(worker, obs)
             if not self.stopping.is_set():
-                self.scaler.round()
+                try:
+                    self.scaler.round()
+                except Exception as exc:  # scaling never stops supervision; the next round tries again
+                    say(f"warning: scaling round failed: {type(exc).__name__}: {exc}", error=True)
         return EXIT_OK, "stopped"
 
     def _worker_down(self, worker: PlacedWorker, obs: Observation) -> None:
