@@ -247,6 +247,8 @@ def output_tails(workers: list[PlacedWorker]) -> str:
 
 
 def kill_actor(actor: Any) -> None:
+    if actor is None:  # never started
+        return
     import ray
 
     try:

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from dataclasses import dataclass, field
 
 import pytest
 
 from kvpact.deploy.autoscale import AutoscalePolicy, Autoscaler, Decision, measure
-from kvpact.deploy.cluster_file import WorkerGroup, WorkerSlot
+from kvpact.deploy.cluster_file import ClusterFile, RaySection, RouterSection, WorkerGroup, WorkerSlot
 from kvpact.deploy.control import GroupBounds, GroupStatus, LauncherControl
 from kvpact.deploy.placement import PlacedWorker
-from kvpact.deploy.scaling import choose_leavers, group_of
+from kvpact.deploy.scaling import Scaler, choose_leavers, group_of
 
 
 def test_scale_refuses_an_unknown_group_and_a_size_outside_the_bounds_by_name():
@@ -109,3 +111,52 @@ def test_one_worker_fewer_once_the_load_stayed_below_its_target_for_down_after_s
     assert auto.observe(0.1, 2, now=60) == Decision(1, "kv_usage 0.10 below its target 0.5 for 60 s")
     assert auto.observe(0.0, 1, now=61) is None and auto.observe(0.0, 1, now=500) is None  # at min
     assert auto.observe(None, 1, now=501) is None  # no admitted worker: nothing to measure
+
+
+@dataclass
+class LaunchHere:
+    """The part of a launch scaling reads (deploy/scaling.py's LaunchView), without Ray: no control actor,
+    workers whose actors are gone."""
+
+    cluster: ClusterFile
+    report: dict = field(default_factory=dict)
+    name: str = "kvpact-test"
+    group: object = None
+    placed: list = field(default_factory=list)
+    restarting: dict = field(default_factory=dict)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    auth_token: str | None = None
+    router_address: str = ""
+    lines: list = field(default_factory=list)
+
+    def say(self, message: str) -> None:
+        self.lines.append(message)
+
+    say_error = say
+
+    def report_status(self) -> dict:
+        return self.report
+
+    def start_worker(self, worker: PlacedWorker) -> None:
+        raise AssertionError("not started here")
+
+
+def test_a_refused_joiner_is_released_never_restarted_and_its_group_stays_at_its_size():
+    group = WorkerGroup("cpu", 1, {"CPU": 1}, (), max_replicas=3)
+    cluster = ClusterFile("c.yaml", RaySection(), RouterSection(), (group,))
+    launch = LaunchHere(cluster)
+    first = PlacedWorker(WorkerSlot("cpu-0", group, 0), actor=None)
+    joiner = PlacedWorker(WorkerSlot("cpu-1", group, 1), actor=None, added=True)
+    launch.placed += [first, joiner]
+    refusal = "its plan (EAGER) does not meet the cluster policy on"
+    launch.report = {
+        "workers": [{"workerId": "cpu-1", "state": "WORKER_STATE_REFUSED", "stateReason": refusal}]
+    }
+    scaler = Scaler(launch)
+    scaler.targets["cpu"] = 2
+    assert not scaler.on_exit(first, 1, "exited with code 1")  # a starting worker: restarts decide
+    assert scaler.on_exit(joiner, 78, "exited with code 78")
+    assert launch.placed == [first]
+    assert scaler.targets["cpu"] == 1  # no second try in a loop
+    assert scaler.free_bundles["cpu"] == [1]  # its bundle is returned for the next worker
+    assert launch.lines[-1] == f"scale: group cpu stays at 1 workers: worker cpu-1 was refused: {refusal}"
