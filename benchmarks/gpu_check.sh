@@ -136,7 +136,7 @@ if needs "b) kernel tests" pytest triton; then
     if [ $DRY = 1 ]; then
         step "b) kernel tests (dry run: interpreter, a subset)" b_kernels.txt 150 \
             env KVPACT_KERNEL_DEVICE=cpu TRITON_INTERPRET=1 "$PY" -m pytest tests/kernels/triton_cases.py \
-            -q -p no:cacheprovider -m '' -rfE --tb=short -k 'split_counts or default_num_splits or strided or cache_write'
+            -q -p no:cacheprovider -m '' -rfE --tb=short -k 'default_num_splits or cache_write_accepts_strided'
     else
         XDIST=()
         "$PY" -c 'import xdist' 2> /dev/null && XDIST=(-n 8)

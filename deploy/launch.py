@@ -13,9 +13,9 @@
        workers[].max_restarts per window), else the router marks it DEAD. A slow answer is never a death.
        Each round also moves every group toward its target size (`kvpact-launch scale`, through the named
        actor kvpact-launcher: deploy/scaling.py, deploy/control.py, deploy/scale.py)
-    -> the stop, in order (always): the router refuses new work (SIGTERM); the workers drain their in-flight
-       streams (SIGTERM, each up to its --drain-timeout, SIGKILL only after that and a margin); the router
-       exits once its streams are done; then actors killed and the placement group removed
+    -> the stop, in order (always): the router refuses new work (SIGTERM) and exits once its streams are
+       done; then the workers drain what is left (SIGTERM, each up to its --drain-timeout, SIGKILL only
+       after that and a margin); then actors killed and the placement group removed
 
 Exit codes, printed LAST as a short verdict (a failed Ray job keeps only the tail of its output):
     0   stopped by SIGINT/SIGTERM (e.g. `ray job stop`)
@@ -433,8 +433,10 @@ class Launch:
     # -- the stop --------------------------------------------------------------------------------------
 
     def _teardown(self) -> None:
-        """The ordered stop: the router refuses new work; the workers drain and exit; the router exits once
-        its streams are done; actors killed, placement group removed. Each step logged, nothing raised."""
+        """The ordered stop: the router refuses new work and exits once its streams are done; then the
+        workers drain what is left and exit; actors killed, placement group removed. Workers stop only
+        after the router: a worker that drained first would refuse a call the router had already taken,
+        with no other worker left to retry it on. Each step logged, nothing raised."""
         import ray
 
         if not ray.is_initialized():
@@ -446,12 +448,12 @@ class Launch:
         if self.router is not None and self.router.returncode is None:
             self.router.popen.send_signal(signal.SIGTERM)  # again after Ray's is harmless: it drains once
             say("teardown: router told to stop (SIGTERM: new calls refused, in-flight streams go on)")
+        if self.router is not None:  # first: a call it took just before the stop still reaches a worker
+            code = stop(self.router, grace_s=self.cluster.router.drain_timeout_s + placement.STOP_MARGIN_S)
+            say(f"teardown: router stopped (exit code {code})")
         everyone = self.placed + self.retired
         for line in placement.stop_workers(everyone):
             say(f"teardown: {line}")
-        if self.router is not None:
-            code = stop(self.router, grace_s=self.cluster.router.drain_timeout_s + placement.STOP_MARGIN_S)
-            say(f"teardown: router stopped (exit code {code})")
         for line in placement.release(everyone, self.group):
             say(f"teardown: {line}")
         ray.shutdown()

@@ -1,9 +1,10 @@
 """How long the ordered stop takes, and whether Ray gives it that long. Pure.
 
-NOTE: the stop (deploy/launch.py's teardown) tells the router, then every worker, each of which drains
-up to its --drain-timeout and is SIGKILLed only STOP_MARGIN_S after that; the router exits once its
-streams are done. `ray job stop` SIGKILLs the launcher RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM (3 s
-unless the head's environment says otherwise), so that must be at least `stop_budget_s`.
+NOTE: the stop (deploy/launch.py's teardown) tells the router and waits for it to exit (its streams
+done, up to its --drain-timeout plus STOP_MARGIN_S), then every worker, each of which drains up to its
+--drain-timeout and is SIGKILLed only STOP_MARGIN_S after that. `ray job stop` SIGKILLs the launcher
+RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM (3 s unless the head's environment says otherwise), so that
+must be at least `stop_budget_s`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ RAY_JOB_STOP_WAIT_DEFAULT_S = 3  # Ray's, when RAY_JOB_STOP_WAIT_TIME_S is not s
 
 
 def stop_budget_s(cluster: ClusterFile) -> float:
-    """The longest an ordered stop takes: the longest worker drain (plus its margin) or the router's,
-    then the router's exit and the release."""
+    """The longest an ordered stop takes: the router's drain (plus its margin), then the longest worker
+    drain (plus its margin), then the release."""
     worker_drain = max(g.drain_timeout_s for g in cluster.workers) + STOP_MARGIN_S
-    return max(worker_drain, cluster.router.drain_timeout_s) + 2 * STOP_MARGIN_S
+    return cluster.router.drain_timeout_s + STOP_MARGIN_S + worker_drain + STOP_MARGIN_S
 
 
 def stop_wait_warning(cluster: ClusterFile, environ: Mapping[str, str]) -> str:

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.quick_suite import ROOT
 from tests.factories.tiny_models import make_tiny_llama
 
 
+@pytest.mark.slow  # one quick suite (engine_step) runs by default; this one in make test-all
 def test_quick_n_completions_shares_the_prompt_blocks_and_prefills_once(tmp_path: Path):
     model = make_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "n.json"

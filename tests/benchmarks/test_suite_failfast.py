@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.quick_suite import run_quick_suite
 
 
+@pytest.mark.slow  # one quick suite (engine_step) runs by default; this one in make test-all
 def test_quick_failfast_suite_times_the_cli_path_and_says_ray_was_skipped(tmp_path: Path):
     result = run_quick_suite("failfast", tmp_path, timeout_s=180)
     (table,) = result["tables"]

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.quick_suite import run_quick_suite
 
 
+@pytest.mark.slow  # one quick suite (engine_step) runs by default; this one in make test-all
 def test_quick_kv_memory_suite_reports_both_caches_the_prefix_cache_and_its_targets(tmp_path: Path):
     result = run_quick_suite("kv_memory", tmp_path, timeout_s=180)
     budget, prefix = result["tables"]

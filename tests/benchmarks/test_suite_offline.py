@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.quick_suite import run_quick_suite
 
 TIMEOUT_S = 240
 
 
+@pytest.mark.slow  # one quick suite (engine_step) runs by default; this one in make test-all
 def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
     report = run_quick_suite("offline", tmp_path, timeout_s=TIMEOUT_S)
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.quick_suite import run_quick_suite
 
 TIMEOUT_S = 240
 
 
+@pytest.mark.slow  # one quick suite (engine_step) runs by default; this one in make test-all
 def test_quick_online_suite_on_the_tiny_model(tmp_path: Path) -> None:
     report = run_quick_suite("online", tmp_path, timeout_s=TIMEOUT_S)
 

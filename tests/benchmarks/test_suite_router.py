@@ -25,6 +25,7 @@ TARGETS = {
 }
 
 
+@pytest.mark.slow  # one quick suite (engine_step) runs by default; this one in make test-all
 @pytest.mark.timeout(240)
 def test_quick_router_suite_writes_its_tables_targets_and_plot(tmp_path):
     model = make_tiny_llama(tmp_path / "tiny")

@@ -128,10 +128,11 @@ def head() -> Iterator[Head]:
 
 
 def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the head's process group (raylet, GCS, dashboard stop with it), SIGKILL what is left."""
+    """SIGTERM the head's process group (raylet, GCS, dashboard stop with it), SIGKILL what is left after
+    5 s (`ray start --block` itself waits out its children's exits far longer than that)."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=15)
+        process.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
     except ProcessLookupError:
@@ -215,8 +216,9 @@ def _read(router: str, stream: Stream, first_token: threading.Event) -> None:
 def test_ray_job_stop_with_streams_in_flight_finishes_every_stream_then_leaves_nothing(
     head: Head, model: Path, tmp_path: Path
 ):
-    """`ray job stop` signals the launcher and the router at once: the router refuses new work, the workers
-    drain their in-flight streams, the router exits after them; the job ends STOPPED."""
+    """`ray job stop` signals the launcher and the router at once: the router refuses new work and
+    finishes every stream it took, even one it took an instant before the stop; then the workers stop;
+    the job ends STOPPED."""
     from ray.job_submission import JobStatus
 
     router = f"127.0.0.1:{free_port()}"

@@ -28,7 +28,7 @@ def test_a_worker_is_killed_only_after_its_whole_drain():
     worker = PlacedWorker(WorkerSlot("cpu-0", c.workers[0], 0), actor=None)
     assert c.workers[0].drain_timeout_s == 20
     assert placement.stop_grace_s(worker) == 20 + placement.STOP_MARGIN_S
-    assert stop_budget_s(c) == max(20 + placement.STOP_MARGIN_S, 25) + 2 * placement.STOP_MARGIN_S
+    assert stop_budget_s(c) == 25 + placement.STOP_MARGIN_S + 20 + 2 * placement.STOP_MARGIN_S
 
 
 def test_a_router_drain_shorter_than_a_workers_is_refused():
