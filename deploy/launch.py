@@ -263,6 +263,9 @@ class Launch:
         mates = [w for w in self.placed if w.slot.group is worker.slot.group]
         index, num = node_shares([w.node_id for w in mates])[mates.index(worker)]
         candidates = port_candidates(port_range, index, num)
+        if worker.added:  # shares shift as workers come and go: then any free port of the range
+            low, high = port_range
+            candidates += [p for p in range(low, high + 1) if p not in candidates]
         port = int(ray.get(worker.actor.free_port.remote(candidates), timeout=30))
         if not port:
             raise LaunchFailure(
