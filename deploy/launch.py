@@ -199,6 +199,7 @@ class Launch:
         code = self._until_serving()
         if code is not None:
             return code, self._failure_verdict(code)
+        self.scaler.start()  # before "SERVING": whoever reads it can run `kvpact-launch scale` at once
         table = self._cluster_table()  # first: whoever reads "SERVING" finds the table with it
         http = f"\nOpenAI API: http://{self.http_address}/v1" if self.http_address else ""
         say(f"the cluster is SERVING on {self.router_address}{http}\n{table}")
@@ -333,7 +334,6 @@ class Launch:
     def _serve(self) -> tuple[int, str]:
         """Serve until a signal or the router's exit; restart workers that die, beside this loop; move
         each group toward its target size (kvpact-launch scale, deploy/scaling.py)."""
-        self.scaler.start()
         while not self.stopping.wait(POLL_INTERVAL_S):
             code = self._router_code()
             if code == EXIT_OK:  # stopped by a signal of its own (the stop below finishes the job)
