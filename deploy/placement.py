@@ -112,6 +112,41 @@ def reserve(cluster: ClusterFile, name: str, cancelled: Any) -> Any:
     )
 
 
+def reserve_one(
+    resources: dict[str, float],
+    name: str,
+    timeout_s: float,
+    cancelled: Callable[[], bool],
+    waiting: Callable[[str], None],
+) -> tuple[Any, str]:
+    """A one-bundle placement group (a worker added while serving), once granted: (group, ""). Until then
+    `waiting(what it waits for)` every half second; (None, "") if `cancelled()`, (None, why) after
+    `timeout_s` (the group removed either way). A pending bundle is what makes an autoscaler add a node."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([resources], name=name)
+    wanted = describe_resources(resources)
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        ready, _ = ray.wait([pg.ready()], timeout=0.5)
+        if ready:
+            return pg, ""
+        if cancelled():
+            remove_group(pg)
+            return None, ""
+        free = describe_resources(ray.available_resources())
+        waiting(
+            f"its placement group {wanted} is pending ({time.monotonic() - started:.0f} s of "
+            f"ray.placement_timeout_s {timeout_s:g}; free now: {free})"
+        )
+    remove_group(pg)
+    return None, (
+        f"its placement group {wanted} was not granted within ray.placement_timeout_s {timeout_s:g} s "
+        f"(free: {describe_resources(ray.available_resources())}); add nodes or lower the group's resources"
+    )
+
+
 def describe_bundles(cluster: ClusterFile) -> str:
     """e.g. `gpu x2 {GPU: 1, CPU: 4}, cpu x1 {CPU: 1}`."""
     return ", ".join(f"{g.name} x{g.replicas} {describe_resources(g.resources)}" for g in cluster.workers)

@@ -382,37 +382,23 @@ class Scaler:
                 self._give_up(group.name, failure)
 
     def _own_group(self, group: WorkerGroup, worker_id: str) -> tuple[Any, str]:
-        """A one-bundle placement group for `worker_id` once granted, or (None, why not: "" if stopped)."""
-        import ray
-        from ray.util.placement_group import placement_group
+        """A one-bundle placement group for `worker_id` once granted, or (None, why not: "" if stopped);
+        what it waits for is the group's `blocked` meanwhile."""
 
-        resources = dict(group.resources)
-        pg = placement_group([resources], name=f"{self.launch.name}-{worker_id}")
-        timeout_s = self.launch.cluster.ray.placement_timeout_s
-        started = time.monotonic()
-        wanted = placement.describe_resources(resources)
+        def waiting(line: str) -> None:
+            self.blocked[group.name] = f"worker {worker_id}: {line}"
+
         try:
-            while time.monotonic() - started < timeout_s:
-                ready, _ = ray.wait([pg.ready()], timeout=0.5)
-                if ready:
-                    return pg, ""
-                if self.launch.stopping.is_set():
-                    placement.remove_group(pg)
-                    return None, ""
-                self.blocked[group.name] = (
-                    f"worker {worker_id}: its placement group {wanted} is pending "
-                    f"({time.monotonic() - started:.0f} s of ray.placement_timeout_s {timeout_s:g}; free "
-                    f"now: {placement.describe_resources(ray.available_resources())})"
-                )
+            pg, why = placement.reserve_one(
+                dict(group.resources),
+                f"{self.launch.name}-{worker_id}",
+                self.launch.cluster.ray.placement_timeout_s,
+                self.launch.stopping.is_set,
+                waiting,
+            )
         finally:
             self.blocked.pop(group.name, None)
-        placement.remove_group(pg)
-        return None, (
-            f"worker {worker_id}: its placement group {wanted} was not granted within "
-            f"ray.placement_timeout_s {timeout_s:g} s (free: "
-            f"{placement.describe_resources(ray.available_resources())}); add nodes or lower the group's "
-            "resources"
-        )
+        return pg, f"worker {worker_id}: {why}" if why else ""
 
     # -- the stop ------------------------------------------------------------------------------------
 
