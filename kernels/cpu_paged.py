@@ -146,10 +146,21 @@ class CpuPagedOps:
         max_query_len=None,
         *,
         out=None,
+        key=None,
+        value=None,
         **_,
     ) -> torch.Tensor:
         return prefill_attention(
-            query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out=out
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            out=out,
+            key=key,
+            value=value,
         )
 
 
@@ -163,9 +174,13 @@ def prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference's prefill (paged_prefill_attention_torch), one gather per sequence and torch's
-    fused attention instead of explicit scores; any cache dtype."""
+    fused attention instead of explicit scores; any cache dtype. `key`/`value` [num_tokens, kv_heads,
+    head_dim], when given, are the new tokens' K/V laid out like `query` (already written to the cache):
+    a sequence with no cached prefix (q_len == context_len) attends on them, and gathers nothing."""
     _, block_size, kv_heads, head_dim = key_cache.shape
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -175,10 +190,13 @@ def prefill_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        block_ids = block_tables[i, : -(-context_len // block_size)].long()
-        k = key_cache.index_select(0, block_ids).view(-1, kv_heads, head_dim)[:context_len]
-        v = value_cache.index_select(0, block_ids).view(-1, kv_heads, head_dim)[:context_len]
         mask = None  # q_len == context_len: plain causal
+        if key is not None and value is not None and q_len == context_len:
+            k, v = key[start:end], value[start:end]
+        else:
+            block_ids = block_tables[i, : -(-context_len // block_size)].long()
+            k = key_cache.index_select(0, block_ids).view(-1, kv_heads, head_dim)[:context_len]
+            v = value_cache.index_select(0, block_ids).view(-1, kv_heads, head_dim)[:context_len]
         if q_len != context_len:  # a cached prefix: query j sits at context_len - q_len + j
             q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
             mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]

@@ -152,7 +152,7 @@ def test_every_part_is_imported_as_kvpact_dot_part():
 
 
 def test_benchmarks_do_not_import_from_tests():
-    """What benchmarks and tests share lives in the package (kvpact.worker.testing)."""
+    """What benchmarks and tests share lives in the package (kvpact.worker.tokenizer.tiny)."""
     bad = [
         str(path.relative_to(ROOT))
         for path in sources("benchmarks")
@@ -233,3 +233,47 @@ def test_no_module_imports_itself_back():
 def test_the_cycle_finder_finds_a_loop():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+# The worker's rooms (docs/design.md, "Where each concept lives"): the process lifecycle at the top
+# level uses startup/ and the engine core; startup/ builds the engine core; the engine core uses neither.
+WORKER_LIFECYCLE = tuple(
+    f"kvpact.worker.{m}"
+    for m in ("cli", "process", "service", "registration", "metrics", "generate_pb", "options")
+)
+WORKER_CORE = ("engine", "kv", "model", "scheduler", "tokenizer", "loader")
+WORKER_ROOM_FORBIDS = {
+    **{room: ("kvpact.worker.startup", *WORKER_LIFECYCLE) for room in WORKER_CORE},
+    "startup": WORKER_LIFECYCLE,
+}
+
+
+def room_violations(room: str, tree: ast.AST) -> list[str]:
+    forbidden = WORKER_ROOM_FORBIDS[room]
+    return sorted(
+        name
+        for name in _imported_names(tree)
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    )
+
+
+def test_the_worker_rooms_import_one_way():
+    bad = []
+    for room in WORKER_ROOM_FORBIDS:
+        for path in sources(f"worker/{room}"):
+            hits = room_violations(room, ast.parse(path.read_text(), str(path)))
+            bad += [f"{path.relative_to(ROOT)} imports {', '.join(hits)}" for _ in [0] if hits]
+    assert sources("worker/engine") and sources("worker/startup") and not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("room", "code"),
+    [
+        ("engine", "from kvpact.worker.startup.device import probe_device"),
+        ("scheduler", "import kvpact.worker.startup.engine_setup"),
+        ("kv", "from kvpact.worker.metrics import WorkerMetrics"),
+        ("startup", "from kvpact.worker.process import WorkerProcess"),
+    ],
+)
+def test_the_room_guard_catches_a_planted_import(room, code):
+    assert room_violations(room, ast.parse(code))

@@ -132,7 +132,7 @@ class WorkerMetrics:
         for fallback in realized.fallbacks:
             self.fallbacks.labels(component=fallback.component).inc()
         self._view.attach(engine, realized, model_name)
-        engine.observer = self
+        engine.step_loop.observer = self
 
     def set_state(self, state: str) -> None:
         self._view.state = state

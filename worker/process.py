@@ -217,7 +217,7 @@ class WorkerProcess:
         self.engine = engine
         engine.max_waiting = options.max_waiting
         loop = asyncio.get_running_loop()
-        engine.on_fatal = lambda reason: loop.call_soon_threadsafe(self._engine_stopped, reason)
+        engine.step_loop.on_fatal = lambda reason: loop.call_soon_threadsafe(self._engine_stopped, reason)
         served_name = options.model_name or engine.model_name
         self.handshake.model_name = served_name
         self.handshake.ready.CopyFrom(realized_to_pb(engine.realized))

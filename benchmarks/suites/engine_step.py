@@ -216,7 +216,7 @@ def _run_scenario(
     engine: Engine, log: StepLog, seqs: int, lengths: list[int], tokens: int, seed: int
 ) -> None:
     """One batch of `seqs` requests; its all-decode steps land in `log` (the first batch is profiled)."""
-    engine.runner.log = log  # type: ignore[attr-defined]
+    engine.step_loop.runner.log = log  # type: ignore[attr-defined]
     log.profile_steps, log.profile_width = (2 if not log.profiled else 0), seqs
     _generate(
         engine,
@@ -270,9 +270,9 @@ def run(ctx: BenchContext) -> SuiteResult:
             r = engine.realized
             realized[name] = (
                 f"{r.kind.value} cache, backend {r.backend.value if r.backend else 'eager'}, "
-                f"{engine.runner.cache.kernels}, startup {time.monotonic() - started:.1f} s"
+                f"{engine.step_loop.runner.cache.kernels}, startup {time.monotonic() - started:.1f} s"
             )
-            engine.runner = _TimedRunner(engine.runner, StepLog())  # type: ignore[assignment]
+            engine.step_loop.runner = _TimedRunner(engine.step_loop.runner, StepLog())  # type: ignore[assignment]
             _generate(engine, _prompts(2, [32], engine.vocab_size, ctx.seed), 4, f"{name}-warmup")
             engines[name] = engine
         logs = {(name, n): StepLog() for name in engines for n in (NUM_SEQS, 1)}
@@ -282,7 +282,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                 _run_scenario(engine, logs[(name, NUM_SEQS)], NUM_SEQS, lengths, tokens, ctx.seed + i)
                 _run_scenario(engine, logs[(name, 1)], 1, single, tokens, ctx.seed + 100 + i)
         scenarios = [
-            _summarize(name, n, logs[(name, n)], engines[name].runner.model)
+            _summarize(name, n, logs[(name, n)], engines[name].step_loop.runner.model)
             for name in engines
             for n in (NUM_SEQS, 1)
         ]

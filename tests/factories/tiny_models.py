@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvpact.worker.testing import (
+from kvpact.worker.tokenizer.tiny import (
     BOS_ID,
     CHATML_TEMPLATE,
     EOS_ID,

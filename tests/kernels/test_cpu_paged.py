@@ -85,6 +85,16 @@ def test_prefill_equals_the_reference_with_and_without_a_cached_prefix(ops, grou
         want = dense_attention(query[a:b], batch.keys[i], batch.values[i], 0.2)
         torch.testing.assert_close(got[a:b].double(), want, atol=1e-5, rtol=1e-5)
         assert b - a == q_len and n >= q_len
+    # Given the new tokens' own K/V, a chunk with no cached prefix attends on them and reads no block: with
+    # every block poisoned, those chunks are unchanged and only the extend (7 of 40) turns NaN.
+    key = torch.cat([batch.keys[i][-q:] for i, q in enumerate(query_lens)])
+    value = torch.cat([batch.values[i][-q:] for i, q in enumerate(query_lens)])
+    own = ops.prefill(*args, key=key, value=value)
+    torch.testing.assert_close(own, got, atol=1e-5, rtol=1e-5)
+    poisoned = (query, batch.key_cache.clone().fill_(float("nan")), *args[2:])
+    blind = ops.prefill(*poisoned, key=key, value=value)
+    nan_rows = [int(i) for i in blind.isnan().any(-1).any(-1).nonzero().flatten()]
+    assert nan_rows == list(range(int(starts[1]), int(starts[2])))
 
 
 def test_write_equals_the_reference_and_skips_negative_slots(ops):

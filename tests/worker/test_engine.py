@@ -197,6 +197,8 @@ def test_abort_of_a_waiting_request(make_engine, tiny_llama):
 
     async def main() -> None:
         running = asyncio.create_task(collect(engine, greedy("run", TEXT, 60)))
+        # "run" first: two prepare threads would otherwise race to queue first, and "wait" could run.
+        assert await eventually_async(lambda: engine.stats().num_running == 1)
         waiting = asyncio.create_task(collect(engine, greedy("wait", TEXT, 60)))
         assert await eventually_async(lambda: engine.stats().num_waiting == 1)
         assert engine.abort("wait")
@@ -255,7 +257,7 @@ def test_stats_is_the_load_the_router_sees(engine):
 
 
 def test_a_failing_step_fails_its_requests_clearly_and_the_engine_keeps_serving(engine):
-    run = engine.runner.run
+    run = engine.step_loop.runner.run
     calls = {"n": 0}
 
     def flaky(chunks):  # type: ignore[no-untyped-def]
@@ -264,7 +266,7 @@ def test_a_failing_step_fails_its_requests_clearly_and_the_engine_keeps_serving(
             raise RuntimeError("simulated device fault")
         return run(chunks)
 
-    engine.runner.run = flaky  # type: ignore[method-assign]
+    engine.step_loop.runner.run = flaky  # type: ignore[method-assign]
     with pytest.raises(GenerationError, match="RuntimeError: simulated device fault"):
         engine.run([greedy("doomed", TEXT, 10)], timeout=30)
     assert eventually(lambda: all_blocks_free(engine))
@@ -291,16 +293,16 @@ def test_an_internal_scheduler_fault_stops_the_engine_once_instead_of_spinning(e
     """A bug outside the model call (here the scheduler, also broken when freeing) leaves no state to
     trust: the engine fails what is in flight, refuses new work and tells its owner, exactly once."""
     fatal: list[str] = []
-    engine.on_fatal = fatal.append
+    engine.step_loop.on_fatal = fatal.append
 
     def broken(*_args: object) -> None:
         raise RuntimeError("scheduler bug")
 
-    engine.scheduler.schedule = broken  # type: ignore[method-assign]
-    engine.scheduler.finish = broken  # type: ignore[method-assign]
+    engine.step_loop.scheduler.schedule = broken  # type: ignore[method-assign]
+    engine.step_loop.scheduler.finish = broken  # type: ignore[method-assign]
     with pytest.raises(GenerationError, match="RuntimeError: scheduler bug"):
         engine.run([greedy("doomed", TEXT, 4)], timeout=30)
-    assert eventually(lambda: not engine._thread.is_alive())
+    assert eventually(lambda: not engine.step_loop._thread.is_alive())
     assert fatal == ["the engine failed: RuntimeError: scheduler bug"]
     with pytest.raises(EngineClosedError):
         engine.run([greedy("late", TEXT, 2)])

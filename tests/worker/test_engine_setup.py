@@ -59,7 +59,7 @@ def test_cpu_auto_realizes_eager_and_says_why(make_engine, tiny_llama):
         ("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")
     ]
     assert "fallback (device)  eager is the CPU default" in realized_table(r)
-    assert isinstance(engine.scheduler, EagerScheduler)
+    assert isinstance(engine.step_loop.scheduler, EagerScheduler)
     # the CPU defaults: 8 slots reserved at max_model_len
     assert (r.num_blocks, r.max_concurrency, r.capacity_tokens) == (8, 8, 8 * 256)
     assert r.memory_bytes == 8 * 256 * BYTES_PER_TOKEN
@@ -76,7 +76,7 @@ def test_cpu_on_realizes_the_torch_paged_backend(make_engine, tiny_llama):
     )
     assert (r.num_blocks, r.capacity_tokens, r.max_concurrency) == (63, 1008, 3)
     assert r.memory_bytes == 1008 * BYTES_PER_TOKEN and r.prefix_caching and fallbacks(r) == []
-    assert isinstance(engine.scheduler, PagedScheduler)
+    assert isinstance(engine.step_loop.scheduler, PagedScheduler)
 
 
 def test_cpu_off_realizes_eager_with_no_fallback(make_engine, tiny_llama):
@@ -163,7 +163,7 @@ def test_sliding_window_under_auto_falls_back_to_the_windowed_eager_cache(make_e
     engine = make_engine(windowed_llama, "auto", backend=PagedBackend.TORCH, context_tokens=1024)
     assert engine.realized.kind is CacheKind.EAGER
     assert [c for c, _ in fallbacks(engine.realized)] == ["loader"]
-    assert engine.runner.cache.sliding_window == 32
+    assert engine.step_loop.runner.cache.sliding_window == 32
 
 
 def test_sliding_window_longer_than_max_model_len_is_no_obstacle(windowed_llama, no_loading):

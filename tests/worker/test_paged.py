@@ -129,14 +129,14 @@ def test_backend_choice_is_only_which_functions_run():
 
 def record_chunks(engine) -> dict[str, list[tuple[int, int]]]:
     seen: dict[str, list[tuple[int, int]]] = {}
-    run = engine.runner.run
+    run = engine.step_loop.runner.run
 
     def spy(chunks):  # type: ignore[no-untyped-def]
         for ch in chunks:
             seen.setdefault(ch.seq.request_id, []).append((ch.start, ch.num_tokens))
         return run(chunks)
 
-    engine.runner.run = spy
+    engine.step_loop.runner.run = spy
     return seen
 
 

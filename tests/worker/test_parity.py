@@ -51,8 +51,8 @@ def hf_generate(model_dir, prompt_list):
 def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
     """Spy on the model runner: every sampled row's logits, per request, in step order."""
     seen: dict[str, list[torch.Tensor]] = {}
-    run = engine.runner.run
-    engine.runner.keep_logits = True
+    run = engine.step_loop.runner.run
+    engine.step_loop.runner.keep_logits = True
 
     def spy(chunks):  # type: ignore[no-untyped-def]
         result: StepResult = run(chunks)
@@ -60,7 +60,7 @@ def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
             seen.setdefault(seq.request_id, []).append(row.clone())
         return result
 
-    engine.runner.run = spy  # type: ignore[method-assign]
+    engine.step_loop.runner.run = spy  # type: ignore[method-assign]
     return seen
 
 

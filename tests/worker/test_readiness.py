@@ -90,7 +90,7 @@ def test_a_stopped_engine_turns_health_not_serving_and_the_worker_exits_1(tiny_l
             raise RuntimeError("scheduler state corrupted")
 
         assert process.engine is not None
-        process.engine.scheduler.schedule = broken_schedule  # type: ignore[method-assign]
+        process.engine.step_loop.scheduler.schedule = broken_schedule  # type: ignore[method-assign]
         async with grpc.aio.insecure_channel(address) as worker:
             stub = worker_pb2_grpc.WorkerStub(worker)
             request = generation_pb2.GenerateRequest(text="hello", max_tokens=4)

@@ -1,63 +1,55 @@
-"""The engine: one thread owns the model, the cache and the scheduler, and runs the step loop.
+"""The engine's caller side: validate, tokenize and admit requests, then hand them to the step loop.
 
-    caller (asyncio or plain thread)                 step thread
-    --------------------------------                 -----------
+    caller (asyncio or plain thread)                 step thread (step_loop.StepLoop)
+    --------------------------------                 --------------------------------
     generate(request): validate, tokenize  --add-->  queue -> scheduler.add
       (tokenize in a prepare thread)
     abort(request_id)                      --abort-> queue -> scheduler.finish (frees its cache)
     <-- GenerationOutput pieces (call_soon_threadsafe) --  schedule -> run model -> sample -> stream
 
-Invariants: only the step thread touches the scheduler, the cache and the sequences; the caller
-threads only enqueue commands and read a stats snapshot. A request that can never fit is refused in
-the caller before it is queued. A failed step fails the requests it was running (their streams raise
-GenerationError) and frees their cache; the others keep going. `close()` stops the thread within a
-bound and fails whatever was still in flight with EngineClosedError.
+Invariant: this side never touches the scheduler, the cache or the sequences once queued; it only
+queues commands and reads the step loop's `InFlight` (under its lock) and load snapshot. A request
+that can never fit is refused here, before it is queued (RequestError), and so is one past the
+--max-waiting bound (EngineOverloadedError) or one sent to a closed engine (EngineClosedError).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
-import torch
 
 from kvpact.shared.errors import RequestError
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.limits import check_completion_budget, excerpt
 from kvpact.shared.realized import RealizedCache
 from kvpact.worker.engine.cpu_share import CpuShare
-from kvpact.worker.engine.engine_observer import EngineObserver, FinishedRequest
+from kvpact.worker.engine.engine_observer import EngineObserver
 from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.engine.output_stream import OutputStream, RequestStreams, Sink
 from kvpact.worker.engine.request import (
     ChatMessage,
     EngineClosedError,
     EngineOverloadedError,
-    FinishReason,
-    GenerationError,
     GenerationOutput,
     GenerationRequest,
     GenerationResult,
 )
 from kvpact.worker.engine.sequence import Sequence
+from kvpact.worker.engine.step_loop import StepLoop
 from kvpact.worker.scheduler.base import Scheduler
-from kvpact.worker.startup.device import bind_thread
 from kvpact.worker.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from kvpact.worker.engine.grammar import GrammarCompiler, GrammarState
 
 DEFAULT_MAX_TOKENS = 256
-CLOSE_TIMEOUT_S = 30.0
-TPS_WINDOW_S = 5.0
 DEFAULT_MAX_WAITING = 256  # requests accepted but not yet running, beyond which new ones are refused
 PREPARE_THREADS = 2  # prompts rendered and tokenized at once (the tokenizer is native code)
 
@@ -94,38 +86,25 @@ class Engine:
         observer: EngineObserver | None = None,
         cpu_share: CpuShare | None = None,
     ) -> None:
-        self.runner = runner
-        self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.realized = realized
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.log = log or structlog.get_logger("worker.engine")
-        self.observer = observer  # per-request events (worker/metrics.py); set before the first request
-        self.cpu_share = cpu_share  # the step thread applies its thread count (None: torch's default)
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._requests: dict[str, RequestStreams] = {}  # step thread only
-        self._live: set[str] = set()  # request ids queued or running; guarded by _lock
-        self._lock = threading.Lock()
-        self._seq_ids = itertools.count()
-        self._closed = threading.Event()
-        self._generated: deque[tuple[float, int]] = deque()  # (time, tokens) per step, for tokens/s
-        self._counts = (0, 0)  # (running, waiting) after the last step
+        self.device = runner.device  # new sequences' tensors go here
+        self.max_num_seqs = scheduler.max_num_seqs  # read once: the scheduler is the step thread's
         # Requests accepted but not running yet (being tokenized, queued, or waiting in the scheduler)
         # are capped: past it a new request is refused at once (the worker's --max-waiting).
         self.max_waiting = DEFAULT_MAX_WAITING
-        self._num_preparing = 0  # guarded by _lock
-        # Called from the step thread, once, if the engine stops on an internal error (the worker exits).
-        self.on_fatal: Callable[[str], object] | None = None
+        self._seq_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built on first use; see _grammar_compiler
         self._grammar_lock = threading.Lock()
         # Renders and tokenizes prompts for generate(), off the caller's event loop.
         self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="kvpact-prepare")
-        self._thread = threading.Thread(target=self._loop, name="kvpact-engine", daemon=True)
-        self._thread.start()
-
-    # ---- caller side ----
+        # Owns runner and scheduler from here on; set its observer and on_fatal before the first request.
+        self.step_loop = StepLoop(runner, scheduler, log=self.log, observer=observer, cpu_share=cpu_share)
+        self._in_flight = self.step_loop.in_flight
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput]:
         """Stream the request's pieces; the last has finish_reason and usage. Raises RequestError before
@@ -143,18 +122,18 @@ class Engine:
         # Rendering and tokenizing run in a thread: a large prompt must not stall the worker's event
         # loop (heartbeats, Stats, every other stream).
         try:
-            with self._lock:
+            with self._in_flight.lock:
                 self._check_room()
-                self._num_preparing += 1
+                self._in_flight.num_preparing += 1
             try:
                 prepared = await loop.run_in_executor(self._preparer, self._prepare, request)
             except RuntimeError as exc:  # the preparer was shut down: the engine is closing
-                if not self._closed.is_set():
+                if not self.step_loop.closed.is_set():
                     raise
                 raise EngineClosedError("the engine is closed") from exc
             finally:
-                with self._lock:
-                    self._num_preparing -= 1
+                with self._in_flight.lock:
+                    self._in_flight.num_preparing -= 1
             self._enqueue(request, prepared, sink)
         except (RequestError, EngineClosedError, EngineOverloadedError):
             self._rejected()
@@ -182,8 +161,8 @@ class Engine:
             raise
 
     def _rejected(self) -> None:
-        if self.observer is not None:
-            self.observer.request_rejected()
+        if self.step_loop.observer is not None:
+            self.step_loop.observer.request_rejected()
 
     def _enqueue(self, request: GenerationRequest, prepared: Prepared, sink: Sink) -> None:
         prompt_ids, max_tokens, compiled = prepared
@@ -197,31 +176,31 @@ class Engine:
                 sampling=request.sampling,
                 max_tokens=max_tokens,
                 stop_token_ids=frozenset(request.stop_token_ids) | eos,
-                device=self.runner.device,
+                device=self.device,
                 min_tokens=request.min_tokens,
                 grammar=_grammar_state(compiled),
                 index=index,
             )
             OutputStream(seq, self.tokenizer, request.stop, streams)
-        with self._lock:  # with close() under the same lock, a queued add is always drained
-            if self._closed.is_set():
+        with self._in_flight.lock:  # with close() under the same lock, a queued add is always drained
+            if self.step_loop.closed.is_set():
                 raise EngineClosedError("the engine is closed")
             self._check_room()
-            if request.request_id in self._live:
+            if request.request_id in self._in_flight.request_ids:
                 raise RequestError(
                     f"request_id {excerpt(request.request_id)} is already in flight; send a new request_id "
                     "(or none: the server assigns one)"
                 )
-            self._live.add(request.request_id)
-            self._commands.put(("add", streams))
+            self._in_flight.request_ids.add(request.request_id)
+            self.step_loop.add(streams)
 
     def _check_room(self) -> None:
-        """Under _lock: refuse a new request when max_waiting requests are already accepted and not
-        running (those being tokenized count too)."""
+        """Under the in-flight lock: refuse a new request when max_waiting requests are already accepted
+        and not running (those being tokenized count too)."""
         # Running: what the last step ran, or what the batch will take at once (a burst arrives before
         # any step has counted it), so a burst is not refused early by a stale count.
-        in_flight = len(self._live) + self._num_preparing
-        running = max(self._counts[0], min(in_flight, self.scheduler.max_num_seqs))
+        in_flight = len(self._in_flight)
+        running = max(self._in_flight.num_running, min(in_flight, self.max_num_seqs))
         waiting = in_flight - running
         if waiting >= self.max_waiting:
             raise EngineOverloadedError(
@@ -231,46 +210,28 @@ class Engine:
 
     def num_in_flight(self) -> int:
         """Requests accepted and not finished (being tokenized, queued, waiting or running)."""
-        with self._lock:
-            return len(self._live) + self._num_preparing
+        with self._in_flight.lock:
+            return len(self._in_flight)
 
     def abort(self, request_id: str) -> bool:
         """True if the request was queued or running (it ends with finish_reason ABORT)."""
-        with self._lock:
-            found = request_id in self._live
+        with self._in_flight.lock:
+            found = request_id in self._in_flight.request_ids
         if found:
-            self._commands.put(("abort", request_id))
+            self.step_loop.abort(request_id)
         return found
 
     def stats(self) -> WorkerLoad:
-        """A snapshot of the load, as the router sees it (EAGER: blocks are slots, one per sequence);
-        tokens_per_second is over the last TPS_WINDOW_S seconds."""
-        now = time.monotonic()
-        with self._lock:
-            window = [(t, n) for t, n in self._generated if now - t <= TPS_WINDOW_S]
-            running, waiting = self._counts
-        tps = sum(n for _, n in window) / (now - window[0][0]) if len(window) > 1 else 0.0
-        return WorkerLoad(
-            num_running=running,
-            num_waiting=waiting,
-            num_free_blocks=self.scheduler.num_free_blocks,
-            num_total_blocks=self.scheduler.num_total_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
-            tokens_per_second=tps,
-            kernel_compiles_after_ready=self.runner.kernel_compiles_after_ready(),
-        )
+        """A snapshot of the load, as the router sees it (StepLoop.load)."""
+        return self.step_loop.load()
 
     def close(self) -> None:
         """Stop the step loop (after the step in progress) and fail what is still in flight. Idempotent."""
-        with self._lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-        self._commands.put(("wake", None))
-        self._preparer.shutdown(wait=False, cancel_futures=True)
-        self._thread.join(timeout=CLOSE_TIMEOUT_S)
-        if self._thread.is_alive():
-            self.log.warning("engine step thread did not stop in time", timeout_s=CLOSE_TIMEOUT_S)
+        if (
+            self.step_loop.stop()
+        ):  # `closed` first: a prepare the shutdown cuts short raises EngineClosedError
+            self._preparer.shutdown(wait=False, cancel_futures=True)
+            self.step_loop.join()
 
     def run(
         self, requests: Iterable[GenerationRequest], timeout: float | None = None
@@ -371,9 +332,9 @@ class Engine:
         max_tokens = (
             request.max_tokens if request.max_tokens is not None else min(DEFAULT_MAX_TOKENS, limit - n)
         )
-        if request.n > self.scheduler.max_num_seqs:
+        if request.n > self.max_num_seqs:
             raise RequestError(
-                f"n ({request.n}) is more than the {self.scheduler.max_num_seqs} sequences this worker runs "
+                f"n ({request.n}) is more than the {self.max_num_seqs} sequences this worker runs "
                 "at once (--max-num-seqs); lower n"
             )
         check_completion_budget(request.n, max_tokens)
@@ -393,166 +354,3 @@ class Engine:
         if request.response_format is not None:
             compiled = self._grammar_compiler().compile(request.response_format)
         return Prepared(ids, max_tokens, compiled)
-
-    # ---- step thread ----
-
-    def _loop(self) -> None:
-        with torch.inference_mode():
-            try:
-                bind_thread(self.runner.device)  # Triton launches on this thread's current CUDA device
-            except Exception as e:
-                self._stop_on_error(e)
-            while not self._closed.is_set():
-                try:
-                    if self.cpu_share is not None:  # idle: its share goes to the other workers here
-                        self.cpu_share.apply(busy=self.scheduler.has_work())
-                    self._drain(block=not self.scheduler.has_work())
-                    if not self._closed.is_set() and self.scheduler.has_work():
-                        self._step()
-                except Exception as e:  # a bug outside the model call: nothing's state can be trusted
-                    self._stop_on_error(e)
-        self._fail(list(self._requests.values()), EngineClosedError("the engine was closed"))
-        self._drain(block=False)
-
-    def _stop_on_error(self, e: Exception) -> None:
-        self.log.exception("engine step failed; the engine stops and fails every request")
-        with self._lock:
-            self._closed.set()  # new requests get EngineClosedError (UNAVAILABLE)
-        self._fail(list(self._requests.values()), e)
-        if self.on_fatal is not None:
-            self.on_fatal(f"the engine failed: {type(e).__name__}: {e}")
-
-    def _drain(self, block: bool) -> None:
-        try:
-            cmd, arg = self._commands.get() if block else self._commands.get_nowait()
-            while True:
-                if cmd == "add":
-                    self._add(arg)
-                elif cmd == "abort":
-                    self._abort(arg)
-                cmd, arg = self._commands.get_nowait()
-        except queue.Empty:
-            pass
-
-    def _add(self, request: RequestStreams) -> None:
-        if self._closed.is_set():
-            self._release_id(request.request_id)
-            request.fail(EngineClosedError("the engine was closed"))
-            return
-        self._requests[request.request_id] = request
-        self.scheduler.add_group([s.seq for s in request.streams])
-
-    def _abort(self, request_id: str) -> None:
-        request = self._requests.get(request_id)
-        if request is None:
-            return  # it finished meanwhile
-        live = [s for s in request.streams if not s.seq.is_finished]
-        for stream in live:  # index order: index 0 (which may hold pending forks) first
-            self.scheduler.finish(stream.seq)
-        self._forget(request)
-        self._observe_finish(request, FinishReason.ABORT.value, time.monotonic())
-        for stream in live:
-            stream.finish_early(FinishReason.ABORT)
-
-    def _stream(self, seq: Sequence) -> OutputStream:
-        return self._requests[seq.request_id].streams[seq.index]
-
-    def _step(self) -> None:
-        out = self.scheduler.schedule()
-        if not out.chunks:
-            raise RuntimeError(
-                f"the scheduler found nothing to run with {len(self.scheduler.waiting)} waiting and "
-                f"{len(self.scheduler.running)} running"
-            )
-        if self.observer is not None:
-            scheduled_at = time.monotonic()
-            for chunk in out.chunks:
-                stream = self._stream(chunk.seq)
-                if stream.scheduled_s is None:
-                    stream.scheduled_s = scheduled_at
-        try:
-            result = self.runner.run(out.chunks)
-        except Exception as e:
-            self.log.exception("model step failed", request_ids=[c.seq.request_id for c in out.chunks])
-            failed = dict.fromkeys(c.seq.request_id for c in out.chunks)
-            self._fail([self._requests[rid] for rid in failed], e)
-            return
-        self.scheduler.on_step_done(out)
-        with self._lock:  # before any piece goes out: whoever saw a piece sees at least this step's counts
-            self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))
-        now = time.monotonic()
-        sampled = zip(result.seqs, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
-        for seq, token_id, logprob, top in sampled:
-            request = self._requests.get(seq.request_id)
-            if request is None:
-                continue  # another of its completions failed it in this loop
-            stream = request.streams[seq.index]
-            try:
-                piece = stream.on_token(token_id, logprob, top)
-            except Exception as e:  # e.g. the detokenizer: only this request is affected
-                self.log.exception("output processing failed", request_id=seq.request_id)
-                self._fail([request], e)
-                continue
-            if self.observer is not None and seq.index == 0:
-                self._observe_token(stream, now)
-            if piece.finish_reason is not None:  # free its cache before anyone sees the piece
-                self.scheduler.finish(seq)
-            if piece.usage is not None:  # the request's last piece
-                self._forget(request)
-                self._observe_finish(request, piece.finish_reason.value if piece.finish_reason else "", now)
-            stream.sink(piece)
-        with self._lock:
-            self._generated.append((now, len(result.seqs)))
-            while self._generated and now - self._generated[0][0] > TPS_WINDOW_S:
-                self._generated.popleft()
-            self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))
-
-    def _forget(self, request: RequestStreams) -> None:
-        """Every sequence of the request is finished (cache freed): forget it (the caller emits its last
-        piece)."""
-        del self._requests[request.request_id]
-        self._release_id(request.request_id)
-
-    def _fail(self, requests: list[RequestStreams], error: BaseException) -> None:
-        for request in requests:
-            try:
-                for stream in request.streams:  # index order, as in _abort
-                    self.scheduler.finish(stream.seq)
-            except Exception:  # noqa: BLE001 - the scheduler may be the broken part; still fail the stream
-                pass
-            self._requests.pop(request.request_id, None)
-            self._release_id(request.request_id)
-            self._observe_finish(request, "error", time.monotonic())
-            if not isinstance(error, GenerationError):
-                error = GenerationError(f"generation failed: {type(error).__name__}: {error}")
-            request.fail(error)
-
-    def _observe_token(self, stream: OutputStream, now: float) -> None:
-        assert self.observer is not None
-        if stream.last_token_s is None:
-            self.observer.first_token(now - stream.arrival_s)
-        else:
-            self.observer.next_token(now - stream.last_token_s)
-        stream.last_token_s = now
-
-    def _observe_finish(self, request: RequestStreams, outcome: str, now: float) -> None:
-        if self.observer is None:
-            return
-        stream = request.streams[0]
-        usage = request.usage()
-        queued = None if stream.scheduled_s is None else stream.scheduled_s - stream.arrival_s
-        self.observer.request_finished(
-            FinishedRequest(
-                outcome=outcome,
-                num_prompt_tokens=usage.prompt_tokens,
-                num_generated_tokens=usage.completion_tokens,
-                num_cached_tokens=usage.cached_prompt_tokens,
-                queued_s=queued,
-                duration_s=now - stream.arrival_s,
-            )
-        )
-
-    def _release_id(self, request_id: str) -> None:
-        with self._lock:
-            self._live.discard(request_id)
-            self._counts = (len(self.scheduler.running), len(self.scheduler.waiting))

@@ -28,8 +28,8 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
 from kvpact.shared.errors import RequestError
+from kvpact.worker.engine.accelerator import to_device
 from kvpact.worker.engine.request import GenerationError, ResponseFormat
-from kvpact.worker.startup.device import to_device
 from kvpact.worker.tokenizer import Tokenizer
 
 _NATIVE_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: \(error\.empty\(\)\) is false: )?")

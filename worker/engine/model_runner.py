@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpact.worker.engine.accelerator import to_device
 from kvpact.worker.engine.request import TopLogprobs
 from kvpact.worker.engine.sampling import sample
 from kvpact.worker.engine.sequence import ScheduledChunk, Sequence
 from kvpact.worker.kv import KVCache
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.model import LlamaForCausalLM
-from kvpact.worker.startup.device import to_device
 
 
 @dataclass(slots=True)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from kvpact.worker.engine.accelerator import to_device
 from kvpact.worker.engine.request import SamplingParams, TopLogprobs
-from kvpact.worker.startup.device import to_device
 
 if TYPE_CHECKING:
     from kvpact.worker.engine.grammar import GrammarState

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from kvpact.kernels import cpu_paged
 from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.worker.engine.accelerator import to_device
 from kvpact.worker.engine.sequence import ScheduledChunk
-from kvpact.worker.startup.device import to_device
 
 
 class EagerCache:

@@ -6,7 +6,8 @@ block table (worker/scheduler/block_manager.py owns the tables; this file only r
 
 A step writes every new token's K/V into the pools first (`reshape_and_cache`), then attends through
 the pools: one-token chunks with `paged_decode_attention`, longer chunks (prefill, or extend after a
-prefix-cache hit or a previous chunk) with `paged_prefill_attention`. The backend only chooses which
+prefix-cache hit or a previous chunk) with `paged_prefill_attention` (on the CPU kernels a chunk with
+no cached prefix attends on its own K/V instead of gathering its blocks back). The backend only chooses which
 functions those are: TORCH = kernels/cpu_paged.py on a CPU float32 cache (C decode reading blocks in
 place), else kernels/reference.py (MPS, other dtypes, no C compiler); TRITON = the Triton kernels
 (CUDA). They share signatures and layouts; `PagedCache.kernels` says which run.
@@ -30,8 +31,8 @@ from kvpact.kernels.compiles import compiled_variant_count
 from kvpact.kernels.splits import decode_workspace, default_num_splits, device_num_sms, split_variants
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.worker.engine.accelerator import to_device
 from kvpact.worker.engine.sequence import ScheduledChunk
-from kvpact.worker.startup.device import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +267,8 @@ class PagedAttentionStep:
                 )
         out = self._out
         assert out is not None
-        cache.ops.write(k.to(dtype), v.to(dtype), key_cache, value_cache, self.slot_mapping, check=check)
+        key, value = k.to(dtype), v.to(dtype)
+        cache.ops.write(key, value, key_cache, value_cache, self.slot_mapping, check=check)
         if d:
             cache.ops.decode(
                 query[:d],
@@ -281,6 +283,8 @@ class PagedAttentionStep:
                 check=check,
             )
         if self.has_prefills:
+            # The CPU kernels attend a chunk with no cached prefix on its own K/V (no block gather).
+            own = {"key": key[d:], "value": value[d:]} if cache.backend is PagedBackend.TORCH else {}
             cache.ops.prefill(
                 query[d:],
                 key_cache,
@@ -292,6 +296,7 @@ class PagedAttentionStep:
                 self.max_prefill_len,
                 out=out[d:],
                 check=check,
+                **own,
             )
         return out.to(q.dtype)
 

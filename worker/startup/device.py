@@ -5,13 +5,6 @@ on CUDA, its compute capability, and fills `shared.capability.DeviceInfo` with t
 limits (kernels.support) so the capability decision is a pure function of it. Memory on CPU is the
 system's: total RAM and what /proc/meminfo calls available; on CUDA it is read before any weight is
 loaded (the budget in worker/kv/sizing.py subtracts the weights' estimate from it, once).
-
-Two helpers for the step loop on an accelerator:
-    bind_thread(device)      make `device` current in the calling thread (Triton launches on the
-                             thread's current CUDA device, not on its tensors' device)
-    to_device(tensor, dev)   a host tensor on `dev` without a stream sync (PyTorch's blocking
-                             host-to-device copy synchronizes the stream; the step loop's only sync
-                             should be reading the sampled token ids back)
 """
 
 from __future__ import annotations
@@ -81,22 +74,6 @@ def probe_device(requested: str = "auto", device_map: tuple[LayerPlacement, ...]
         return DeviceProbe(info, device, total, available)
     info = DeviceInfo(kind="cpu", name=_cpu_name(), device_map_kinds=map_kinds)
     return DeviceProbe(info, torch.device("cpu"), total, available)
-
-
-def bind_thread(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device (a no-op elsewhere). Every thread that
-    launches kernels on `cuda:N` needs this: a new thread starts on cuda:0, and Triton launches on
-    the current device whatever device its tensors are on."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` (on the CPU) on `device`. On CUDA the copy goes through pinned memory and does not
-    synchronize the stream, so it queues behind the kernels already launched."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def system_memory() -> tuple[int, int]:

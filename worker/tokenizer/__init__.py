@@ -1,6 +1,7 @@
 """Tokenization for serving: the `Tokenizer` (encode/decode, chat template), and the two per-sequence
 helpers the step loop uses on generated text — `IncrementalDetokenizer` (never splits a UTF-8
-character) and `StopMatcher` (stop strings across token boundaries)."""
+character) and `StopMatcher` (stop strings across token boundaries). `tiny` builds the tiny tokenizer
+tests and benchmarks share; nothing serves with it."""
 
 from kvpact.worker.tokenizer.chat_template import ChatTemplate
 from kvpact.worker.tokenizer.detokenizer import IncrementalDetokenizer

@@ -1,4 +1,4 @@
-"""worker.device: the step loop's helpers for an accelerator, checked on the CPU."""
+"""worker.engine.accelerator: the step loop's helpers for an accelerator, checked on the CPU."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from kvpact.worker.engine import engine as engine_module
-from kvpact.worker.startup.device import bind_thread, to_device
+from kvpact.worker.engine import step_loop
+from kvpact.worker.engine.accelerator import bind_thread, to_device
 
 
 def test_bind_thread_sets_the_current_cuda_device_and_nothing_else(monkeypatch):
@@ -45,7 +45,7 @@ def test_to_device_on_cuda_copies_through_pinned_memory_without_blocking(monkeyp
 def test_the_engine_binds_its_step_thread_to_the_runner_device(make_engine, tiny_llama, monkeypatch):
     bound = []
     monkeypatch.setattr(
-        engine_module, "bind_thread", lambda d: bound.append((d, threading.current_thread().name))
+        step_loop, "bind_thread", lambda d: bound.append((d, threading.current_thread().name))
     )
     engine = make_engine(tiny_llama, "on", context_tokens=1024)
     engine.close()
