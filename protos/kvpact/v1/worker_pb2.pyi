@@ -466,7 +466,7 @@ class HeartbeatReply(_message.Message):
     """true: the router asks the worker to drain and leave: it runs exactly its SIGTERM drain (routes
     nothing new, finishes its in-flight streams up to --drain-timeout, deregisters) and exits 0. Set
     for a worker the launcher scales down (Registry.Drain); meant for any router-side reason to retire
-    a healthy worker (e.g. drift). Answered once per registration; later beats repeat it until it leaves.
+    a healthy worker (e.g. drift). Set in every reply until it leaves; the worker acts on the first.
     """
     drain_reason: _builtins.str
     """why, for the worker's log"""
