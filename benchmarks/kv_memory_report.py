@@ -154,7 +154,7 @@ def prefix_table(runs: list[PrefixRun], measured: list[workloads.WorkItem], comm
     base = next(r for r in runs if not r.prefix_caching)
     rows = [
         [
-            "on" if r.prefix_caching else "off (--no-prefix-caching)",
+            "on" if r.prefix_caching else "off (--prefix-caching off)",
             r.requests,
             r.prompt_tokens,
             r.cached_tokens,

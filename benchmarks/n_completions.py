@@ -10,7 +10,7 @@ the prefix cache) of PROMPT_TOKENS tokens, greedy, ignore_eos, MAX_TOKENS new to
 
     n=4                     one request, n=4: prefilled once, the 4 sequences fork its blocks
     4 requests              4 requests with that prompt, sent at once (prefix caching on, the default)
-    4 requests, no cache    the same on an engine with --no-prefix-caching
+    4 requests, no cache    the same on an engine with --prefix-caching off
 
 Peak blocks: the most pool blocks referenced at once during the run (benchmarks/kv_steps.py samples the
 pool after every step). Wall time: submit to the last token, median of the trials. --quick: a short
@@ -29,7 +29,8 @@ from pathlib import Path
 
 from benchmarks.kv_steps import StepLog
 from benchmarks.kvpact_systems import greedy_request
-from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
+from kvpact.shared.features import FeatureIntents, FeatureMode
+from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.loader import default_model_path
@@ -60,9 +61,9 @@ class Row:
 
 
 def open_engine(model: Path, scale: Scale, prefix_caching: bool) -> Engine:
-    settings = PagedAttentionConfig(prefix_caching=prefix_caching)
+    prefix = FeatureIntents(prefix_caching=FeatureMode.AUTO if prefix_caching else FeatureMode.OFF)
     spec = WorkerSpec(model=str(model), device="cpu", max_model_len=scale.max_model_len, max_num_seqs=8)
-    return build_engine(replace(spec, cache=cache_intent(PagedAttentionMode.ON, settings)))
+    return build_engine(replace(spec, cache=cache_intent(PagedAttentionMode.ON), features=prefix))
 
 
 def trial(engine: Engine, log: StepLog, prompt: tuple[int, ...], scale: Scale, together: bool) -> Row:

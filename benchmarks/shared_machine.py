@@ -4,26 +4,39 @@ model, paged, no thread flags), then 6 requests of 48 tokens (ignore_eos, greedy
     python -m benchmarks.shared_machine 1     # one worker alone
     python -m benchmarks.shared_machine 2     # two workers sharing the machine
     GOMP_SPINCOUNT=300000 python -m benchmarks.shared_machine 2   # OpenMP's default spin, for comparison
+    python -m benchmarks.shared_machine 2 --sigterm-after 1   # SIGTERM worker w0 1 s into the load
 
-Prints one line: workers, wall seconds (first request sent -> last token), tokens, tokens/s. The offline
-suite's "Workers sharing this machine" table runs the same case on the suite's workload.
+Prints one line: workers, wall seconds (first request sent -> last token), tokens, tokens/s, and with
+--sigterm-after, w0's exit code and how long its drain took (SIGTERM -> exit, against its --drain-timeout
+of 30 s) and how many streams failed (its in-flight ones must finish: 0). The offline suite's "Workers
+sharing this machine" table runs the same case on the suite's workload.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from kvpact.client import AsyncClient
-from kvpact.deploy.processes import free_port, start_process, stop, wait_for_health
+from kvpact.deploy.processes import (
+    ProcessHandle,
+    free_port,
+    start_process,
+    stop,
+    wait_for_exit,
+    wait_for_health,
+)
 
 REQUESTS, TOKENS = 6, 48
 
 
-async def _load(address: str) -> tuple[float, int]:
+async def _load(address: str) -> tuple[float, int, int]:
+    """(wall seconds, tokens, failed streams)."""
     async with AsyncClient(address, timeout=600) as client:
 
         async def one(k: int) -> int:
@@ -34,14 +47,25 @@ async def _load(address: str) -> tuple[float, int]:
             return tokens
 
         started = time.perf_counter()
-        got = await asyncio.gather(*(one(k) for k in range(REQUESTS)))
-        return time.perf_counter() - started, sum(got)
+        got = await asyncio.gather(*(one(k) for k in range(REQUESTS)), return_exceptions=True)
+        tokens = sum(g for g in got if isinstance(g, int))
+        return time.perf_counter() - started, tokens, sum(1 for g in got if isinstance(g, BaseException))
+
+
+def _sigterm_later(handle: ProcessHandle, after_s: float, drained: dict[str, float]) -> None:
+    time.sleep(after_s)
+    sent = time.perf_counter()
+    handle.popen.send_signal(signal.SIGTERM)
+    drained["code"] = wait_for_exit(handle, 60)
+    drained["seconds"] = time.perf_counter() - sent
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workers", type=int, nargs="?", default=2)
-    num_workers = parser.parse_args(argv).workers
+    parser.add_argument("--sigterm-after", type=float, default=None, metavar="S")
+    args = parser.parse_args(argv)
+    num_workers = args.workers
     address = f"127.0.0.1:{free_port()}"
     logs = tempfile.mkdtemp(prefix="kvpact-shared-")
     quiet = ["--log-format", "json", "--log-level", "WARNING"]
@@ -54,8 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         handles.append(start_process(worker, name=f"w{n}", log_dir=logs, die_with_parent=True))
     try:
         wait_for_health(address, 300, watch=handles)
-        wall, tokens = asyncio.run(_load(address))
-        print(f"workers={num_workers} wall={wall:.1f}s tokens={tokens} tok/s={tokens / wall:.1f}")
+        drained: dict[str, float] = {}
+        if args.sigterm_after is not None:
+            killer = threading.Thread(target=_sigterm_later, args=(handles[1], args.sigterm_after, drained))
+            killer.start()
+        wall, tokens, failed = asyncio.run(_load(address))
+        line = f"workers={num_workers} wall={wall:.1f}s tokens={tokens} tok/s={tokens / wall:.1f}"
+        if args.sigterm_after is not None:
+            killer.join(90)
+            line += (
+                f" w0_exit={drained.get('code')} w0_drain={drained.get('seconds', -1):.1f}s failed={failed}"
+            )
+        print(line)
     finally:
         for handle in reversed(handles):
             stop(handle)

@@ -9,6 +9,7 @@ it implies. Pure: nothing here touches Ray, a socket or a process.
     router:
       listen: 0.0.0.0:50051
       paged_attn: on             # the cluster policy; also each worker's --paged-attn unless its flags say
+      policies: {cuda-graphs: off, prefix-caching: on}   # router --policy NAME=MODE for every feature
       startup_timeout_s: 900
       auth_token_file: null      # read on the launcher's node; the same token reaches every worker
       flags: {}                  # any other router flag, by its CLI name without the dashes
@@ -31,9 +32,11 @@ it implies. Pure: nothing here touches Ray, a socket or a process.
 Validation happens before Ray is touched: every error is one line naming the key (`workers[1].flags.model`)
 and what is allowed, and `kvpact-launch` exits 2 with it. Worker and router `flags` are checked by the
 CLIs' own argument parsers (kvpact.worker.cli, kvpact.router.cli), so the file and the CLIs cannot drift.
-YAML 1.1 reads a bare `on`/`off` as a boolean: for `paged_attn` and the `paged-attn` flag, true means
-"on" and false means "off"; any other flag given a boolean must be a switch (`no-prefix-caching: true`),
-else the error says to quote the value. Flags the launcher sets itself (the worker's --router,
+YAML 1.1 reads a bare `on`/`off` as a boolean: for `paged_attn`, `router.policies` and every feature flag
+(`paged-attn`, `prefix-caching`, `cpu-kernels`, `cuda-graphs`), true means "on" and false means "off"; any
+other flag given a boolean must be a switch (`log-prompts: true`), else the error says to quote the value.
+`router.policies` may name paged-attn too, if `paged_attn` is absent or says the same.
+Flags the launcher sets itself (the worker's --router,
 --worker-id, --listen, --label; the router's --listen, --paged-attn, --expect-workers, --startup-timeout,
 --auth-token-file) are refused in `flags`, with the key to use instead where there is one.
 """
@@ -51,6 +54,7 @@ from typing import Any, NoReturn
 from kvpact.deploy.autoscale import METRICS, AutoscalePolicy
 from kvpact.shared.address import join_host_port
 from kvpact.shared.errors import ConfigError, KvpactError
+from kvpact.shared.features import FEATURES
 from kvpact.shared.intent import PagedAttentionMode
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -96,6 +100,7 @@ class RouterSection:
     auth_token_file: str | None = None
     flags: tuple[str, ...] = ()  # argv of the other router flags, in file order
     drain_timeout_s: float = 30.0  # its --drain-timeout, as its parser read it
+    policies: tuple[tuple[str, PagedAttentionMode], ...] = ()  # every other feature's --policy, file order
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +170,8 @@ class ClusterFile:
         """The router's flags (without the program): the file's, or `listen` in place of router.listen."""
         r = self.router
         argv = ["--listen", listen or r.listen, "--paged-attn", r.paged_attn.value]
+        for name, mode in r.policies:
+            argv += ["--policy", f"{name}={mode.value}"]
         argv += ["--expect-workers", str(self.num_workers), "--startup-timeout", _number(r.startup_timeout_s)]
         if r.auth_token_file:
             argv += ["--auth-token-file", r.auth_token_file]
@@ -291,6 +298,16 @@ def _router(section: dict[str, Any], where: str) -> RouterSection:
     if not isinstance(listen, str):
         _fail(where, "router.listen", "expected HOST:PORT (port 0 = a free port)", listen)
     policy = _mode(section.get("paged_attn", "auto"), where, "router.paged_attn")
+    policies = _policies(section.get("policies", {}), where)
+    if "paged-attn" in policies:
+        if "paged_attn" in section and policies["paged-attn"] is not policy:
+            _fail(
+                where,
+                "router.policies.paged-attn",
+                f"expected the same mode as router.paged_attn ({policy.value}), or only one of the two",
+                policies["paged-attn"].value,
+            )
+        policy = policies.pop("paged-attn")
     timeout = _seconds(section.get("startup_timeout_s", 900), where, "router.startup_timeout_s")
     token_file = section.get("auth_token_file")
     if token_file is not None and (not isinstance(token_file, str) or not token_file):
@@ -300,7 +317,19 @@ def _router(section: dict[str, Any], where: str) -> RouterSection:
     flags = _flags_argv(
         section.get("flags", {}), where, "router.flags", build_parser(), LAUNCHER_ROUTER_FLAGS
     )
-    return RouterSection(listen, policy, timeout, token_file, tuple(flags))
+    return RouterSection(listen, policy, timeout, token_file, tuple(flags), policies=tuple(policies.items()))
+
+
+def _policies(raw: object, where: str) -> dict[str, PagedAttentionMode]:
+    """`router.policies: {NAME: MODE}`: each a feature of shared/features.py; a YAML boolean is on/off."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        _fail(where, "router.policies", "expected a mapping of feature names to auto, on or off", raw)
+    for name in raw:
+        if name not in FEATURES:
+            _fail(where, f"router.policies.{name}", f"expected a feature name: {', '.join(FEATURES)}", name)
+    return {name: _mode(mode, where, f"router.policies.{name}") for name, mode in raw.items()}
 
 
 def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> WorkerGroup:
@@ -448,7 +477,7 @@ def _flags_argv(
             argv += [option] if value else []
             continue
         for item in value if isinstance(value, list) else [value]:
-            argv += [option, _flag_value(item, where, here, paged=name == "paged-attn")]
+            argv += [option, _flag_value(item, where, here, paged=name in FEATURES)]
     return argv
 
 

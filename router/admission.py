@@ -10,13 +10,20 @@ its failure. Every reason is a sentence an operator can act on.
 
 A worker's pre-load plan (Handshake.loading) is judged by the same rules (`admit_plan`): refused, or
 pending until the worker registers again with `ready`.
+
+Every other feature (router --policy NAME=MODE) is judged the same way, on the worker's reported
+feature states (`_judge_features`): on -> realized only; off -> not realized only; auto -> either. A
+worker started with --NAME off under policy on (or on under off) is refused for that; a worker that
+reports no state for a feature the policy constrains (an older worker) is refused naming it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvpact.shared.describe import describe_kind, fallback_reasons
+from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import CacheIntent, PagedAttentionMode
 from kvpact.shared.realized import RealizedCache
@@ -29,27 +36,41 @@ ON, OFF, AUTO = PagedAttentionMode.ON, PagedAttentionMode.OFF, PagedAttentionMod
 class Decision:
     admitted: bool
     reason: str
-    policy_failure: bool = False  # refused because of --paged-attn (exit 78), not a crash or bad model
+    policy_failure: bool = False  # refused because of a feature policy (exit 78), not a crash or bad model
     pending: bool = False  # a pre-load plan that meets the policy: not admitted until the worker is ready
+    feature: str = ""  # the feature whose policy it failed ("paged-attn", "cuda-graphs", ...)
+
+
+Policies = Mapping[str, FeatureMode]  # feature name -> the cluster's mode, for the features but paged-attn
 
 
 def admit(
-    policy: PagedAttentionMode, requested: CacheIntent, outcome: RealizedCache | StartupFailure
+    policy: PagedAttentionMode,
+    requested: CacheIntent,
+    outcome: RealizedCache | StartupFailure,
+    policies: Policies | None = None,
 ) -> Decision:
     """Decide for one worker: `requested` is the intent it was started with, `outcome` what it built
-    (or why it could not start)."""
+    (or why it could not start); `policies` the other features' cluster policies (None: all auto)."""
     if isinstance(outcome, StartupFailure):
         return _failed(outcome)
-    return _judge(policy, requested, outcome, outcome.scheduler, "realized")
+    decision = _judge(policy, requested, outcome, outcome.scheduler, "realized")
+    if decision.admitted:
+        return _judge_features(policies or {}, outcome.features, "realized") or decision
+    return decision
 
 
-def admit_plan(policy: PagedAttentionMode, requested: CacheIntent, plan: LoadingPlan) -> Decision:
+def admit_plan(
+    policy: PagedAttentionMode, requested: CacheIntent, plan: LoadingPlan, policies: Policies | None = None
+) -> Decision:
     """Decide on a worker's pre-load plan (Handshake.loading), by the same rules as `admit`: a planned
     PAGED cache runs the paged scheduler (select_scheduler follows the cache). A plan that meets the
     policy is `pending` (not admitted yet: the worker registers again with `ready` once loaded); one that
     does not is refused, so the cluster fails before that worker reads a weight."""
     scheduler = SchedulerKind.PAGED if plan.kind is CacheKind.PAGED else SchedulerKind.DEFAULT
     decision = _judge(policy, requested, plan, scheduler, "plans")
+    if decision.admitted:
+        decision = _judge_features(policies or {}, plan.features, "plans") or decision
     if not decision.admitted:
         return decision
     return Decision(admitted=False, reason=f"loading: {decision.reason}", pending=True)
@@ -99,15 +120,64 @@ def _judge(
     return Decision(admitted=True, reason=reason)
 
 
+def _judge_features(policies: Policies, states: tuple[FeatureState, ...], verb: str) -> Decision | None:
+    """The first feature whose policy the worker's states do not meet, as a refusal; None when all do."""
+    by_name = {s.name: s for s in states}
+    for name, mode in policies.items():
+        if mode is FeatureMode.AUTO:
+            continue
+        flag = f"--policy {name}={mode.value}"
+        s = by_name.get(name)
+        if s is None:
+            return _refuse(
+                f"the cluster policy is {flag} and it reported no {name} state (a worker older than this "
+                f"router); upgrade it, or drop {flag}",
+                name,
+            )
+        if mode is FeatureMode.ON and s.requested is FeatureMode.OFF:
+            return _refuse(
+                f"it was started with --{name} off and the cluster policy is {flag}; "
+                f"start it with --{name} on (or auto where it works)",
+                name,
+            )
+        if mode is FeatureMode.OFF and s.requested is FeatureMode.ON:
+            return _refuse(
+                f"it was started with --{name} on and the cluster policy is {flag}; "
+                f"start it with --{name} off (or auto)",
+                name,
+            )
+        if mode is FeatureMode.ON and not s.realized:
+            return _refuse(
+                f"the cluster policy is {flag} and it {verb} {name} off under --{name} {s.requested.value} "
+                f"because [{s.component}] {s.code}: {s.message}",
+                name,
+            )
+        if mode is FeatureMode.OFF and s.realized:
+            return _refuse(
+                f"the cluster policy is {flag} and it {verb} {name} on under --{name} {s.requested.value}; "
+                f"start it with --{name} off",
+                name,
+            )
+    return None
+
+
+_POLICY_CODES = (
+    StartupFailureCode.PAGED_ATTENTION_REQUIRED,
+    StartupFailureCode.FEATURE_REQUIRED,
+    StartupFailureCode.INVALID_CONFIG,
+)
+
+
 def _failed(failure: StartupFailure) -> Decision:
     where = f" [{failure.component}]" if failure.component else ""
-    policy = failure.code in (StartupFailureCode.PAGED_ATTENTION_REQUIRED, StartupFailureCode.INVALID_CONFIG)
+    feature = f" --{failure.feature} on:" if failure.feature not in ("", "paged-attn") else ""
     return Decision(
         admitted=False,
-        reason=f"its startup failed ({failure.code.value}){where}: {failure.reason}",
-        policy_failure=policy,
+        reason=f"its startup failed ({failure.code.value}){where}:{feature} {failure.reason}",
+        policy_failure=failure.code in _POLICY_CODES,
+        feature=failure.feature,
     )
 
 
-def _refuse(reason: str) -> Decision:
-    return Decision(admitted=False, reason=reason, policy_failure=True)
+def _refuse(reason: str, feature: str = "paged-attn") -> Decision:
+    return Decision(admitted=False, reason=reason, policy_failure=True, feature=feature)

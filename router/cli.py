@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpact.router.config import RouterConfig
+from kvpact.router.config import RouterConfig, resolve_policies
 from kvpact.router.event_loop import loop_factory, run_loop
 from kvpact.shared.auth import read_secrets
 from kvpact.shared.cli import add_log_args
@@ -25,7 +25,8 @@ from kvpact.shared.tls import add_tls_args, tls_from_args
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="router",
-        description="The kvpact router: admits workers under the cluster's --paged-attn policy and "
+        description="The kvpact router: admits workers under the cluster's feature policies (--policy, "
+        "--paged-attn) and "
         "serves the client-facing Generation service.",
         epilog=__doc__.split("\n\n")[1] + "\n\n" + exit_codes_help("router"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The config its options say, with the secrets their files hold and the TLS the --tls-* flags give."""
     values = option_values(RouterConfig, args)
+    values["policy"], values["policies"] = resolve_policies(values["policy"], values["policies"])
     auth, keys = values["auth_token_file"], values["api_key_file"]
     return RouterConfig(
         **values,

@@ -29,6 +29,7 @@ from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared import handshake_pb
 from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
 from kvpact.shared.errors import ConfigError
+from kvpact.shared.features import FeatureState, describe_features
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.v1 import router_pb2, worker_pb2
 
@@ -56,6 +57,8 @@ class Cluster:
         self.stopping = False  # SIGTERM: draining the in-flight calls before exit
         self.told_after_failure: set[str] = set()  # workers refused while lingering in FAILED
         self.exit_code: int | None = None
+        # each registration's feature states, for kvpact_worker_fallbacks_total (router/server.py sets it)
+        self.observe_fallbacks: Callable[[tuple[FeatureState, ...]], None] = lambda features: None
         self.address = ""  # HOST:PORT once bound (router/server.py), for --report-file
         self.http_address = ""  # the --http-listen front's HOST:PORT once bound, for --report-file
         self.finished = asyncio.Event()  # set with exit_code when the router should exit
@@ -82,6 +85,7 @@ class Cluster:
         log.info(
             "cluster_starting",
             policy=self.config.policy.value,
+            policies={k: v.value for k, v in self.config.feature_policies().items()},
             expect_workers=self.config.num_expected_workers,
             startup_timeout_s=self.config.startup_timeout_s,
         )
@@ -101,6 +105,7 @@ class Cluster:
             self.clock(),
             self.failure_report,
             self.serving_health,
+            self.config.feature_policies(),
         )
 
     def write_report(self, exit_code: int | None = None) -> None:
@@ -151,12 +156,15 @@ class Cluster:
             self.told_after_failure.add(entry.worker_id)
             log.info("worker_told_cluster_failed", worker_id=entry.worker_id, planned=entry.plan is not None)
             return self._admission(False, entry.state_reason)
+        policies = self.config.feature_policies()
         if entry.plan is not None and entry.realized is None and entry.failure is None:
-            decision = admit_plan(policy, entry.spec.cache, entry.plan)
+            decision = admit_plan(policy, entry.spec.cache, entry.plan, policies)
         else:
             outcome = entry.realized if entry.realized is not None else entry.failure
             assert outcome is not None
-            decision = admit(policy, entry.spec.cache, outcome)
+            decision = admit(policy, entry.spec.cache, outcome, policies)
+        if entry.realized is not None:
+            self._note_fallbacks(entry)
         if decision.admitted:
             entry.state = WorkerState.ADMITTED
         elif decision.pending:
@@ -192,7 +200,9 @@ class Cluster:
             asked=describe_intent(entry.spec.cache),
             realized=describe_realized(entry.realized) if entry.realized else None,
             planned=describe_plan(entry.plan) if entry.plan else None,
+            features=describe_features(entry.realized.features) if entry.realized else None,
             reason=decision.reason,
+            feature=decision.feature or None,
             cluster_state=after.value,
             admitted=f"{self.startup.num_admitted}/{self.startup.num_expected}",
         )
@@ -206,6 +216,24 @@ class Cluster:
         if before is ClusterState.SERVING:
             self.write_report()  # a joiner while serving: kvpact-launch counts a group's admitted workers
         return self._admission(decision.admitted, decision.reason, registration_id=entry.registration_id)
+
+    def _note_fallbacks(self, entry: WorkerEntry) -> None:
+        """A ready registration's features: each fallback logged once here (the worker logged it too) and
+        counted in kvpact_worker_fallbacks_total."""
+        assert entry.realized is not None
+        features = entry.realized.features
+        self.observe_fallbacks(features)
+        for f in features:
+            if f.fell_back:
+                log.info(
+                    "worker_feature_fallback",
+                    worker_id=entry.worker_id,
+                    feature=f.name,
+                    requested=f.requested.value,
+                    reason=f.code,
+                    component=f.component,
+                    message=f.message,
+                )
 
     async def heartbeat(self, request: worker_pb2.HeartbeatRequest) -> worker_pb2.HeartbeatReply:
         known = self.registry.get(request.worker_id)
@@ -401,6 +429,8 @@ class Cluster:
                 exit_code=self.startup.exit_code,
                 workers=workers,
                 shutdown=shutdown,
+                policies=self.config.feature_policies(),
+                feature=self.startup.feature,
             )
         )
         stream = self._report_stream or sys.stderr

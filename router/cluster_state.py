@@ -34,6 +34,7 @@ class Startup:
     admitted_ids: set[str] = field(default_factory=set)
     cause: str = ""  # why FAILED, naming the worker
     exit_code: int = 0  # set when FAILED
+    feature: str = ""  # the feature whose policy failed it (a policy refusal), else ""
 
     @property
     def num_admitted(self) -> int:
@@ -48,6 +49,7 @@ class Startup:
             if self.num_admitted >= self.num_expected:
                 self.state = ClusterState.SERVING
         else:
+            self.feature = decision.feature
             self._fail(
                 f'worker "{worker_id}" was refused while the cluster was starting: {decision.reason}',
                 EXIT_POLICY if decision.policy_failure else EXIT_FATAL,

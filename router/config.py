@@ -3,11 +3,14 @@ option, its flag, help, default and bounds declared on the field (shared/options
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from kvpact.router.balancing import BALANCES, DEFAULT_BALANCE
 from kvpact.router.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from kvpact.shared.cli import host_port, seconds, tcp_port
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.features import FEATURES, FeatureMode
 from kvpact.shared.intent import PagedAttentionMode
 from kvpact.shared.options import check_options, option
 from kvpact.shared.tls import TlsConfig
@@ -18,6 +21,49 @@ POLICY_HELP = (
     "(exit 78, naming each worker and reason); off: admit only workers with the eager KV cache. "
     "Default: auto."
 )
+
+POLICIES_HELP = (
+    "a feature's cluster policy, repeatable; NAME is one of "
+    + ", ".join(FEATURES)
+    + ". auto: admit whatever it realized; on: every admitted worker must realize it, or the cluster does "
+    "not start (exit 78, naming each worker, feature and reason), and a later worker without it is refused; "
+    "off: admit only workers without it. --paged-attn X is short for --policy paged-attn=X. Default: auto."
+)
+
+
+def parse_policy(value: str) -> tuple[str, FeatureMode]:
+    """`NAME=MODE` (the argparse type of --policy)."""
+    name, sep, mode = value.partition("=")
+    if not sep or name not in FEATURES or mode not in {m.value for m in FeatureMode}:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=auto|on|off with NAME one of {', '.join(FEATURES)}, got {value!r}"
+        )
+    return name, FeatureMode(mode)
+
+
+def resolve_policies(
+    paged_attn: PagedAttentionMode | None, given: tuple[tuple[str, FeatureMode], ...]
+) -> tuple[PagedAttentionMode, tuple[tuple[str, FeatureMode], ...]]:
+    """--paged-attn and every --policy -> (the paged-attn policy, every other feature's, in FEATURES
+    order). Two values for one feature that disagree are a ConfigError naming both."""
+    seen: dict[str, FeatureMode] = {}
+    said: dict[str, str] = {}
+    for name, mode in given:
+        if name in seen and seen[name] is not mode:
+            raise ConfigError(
+                f"{said[name]} and --policy {name}={mode.value} disagree; give the {name} policy once"
+            )
+        seen[name], said[name] = mode, f"--policy {name}={mode.value}"
+    if paged_attn is not None:
+        if seen.get("paged-attn", paged_attn) is not paged_attn:
+            raise ConfigError(
+                f"--paged-attn {paged_attn.value} and {said['paged-attn']} disagree; "
+                "--paged-attn is short for "
+                "--policy paged-attn=MODE: give one"
+            )
+        seen["paged-attn"] = paged_attn
+    others = tuple((n, seen.get(n, FeatureMode.AUTO)) for n in FEATURES if n != "paged-attn")
+    return seen.get("paged-attn", FeatureMode.AUTO), others
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +78,22 @@ class RouterConfig:
         cli_default=("127.0.0.1", 50051),
     )
     port: int = 50051  # set by --listen; 0 = a free port (the bound one is logged)
-    policy: PagedAttentionMode = option(
+    policy: PagedAttentionMode = option(  # the paged-attn policy (--paged-attn, or --policy paged-attn=)
         PagedAttentionMode.AUTO,
         "--paged-attn",
         POLICY_HELP,
         choices=tuple(m.value for m in PagedAttentionMode),
         convert=PagedAttentionMode,
+        cli_default=None,  # not given: --policy paged-attn=, else auto (router/cli.py resolves the two)
+    )
+    policies: tuple[tuple[str, FeatureMode], ...] = option(  # every other feature's; absent = auto
+        (),
+        "--policy",
+        POLICIES_HELP,
+        type=parse_policy,
+        action="append",
+        metavar="NAME=MODE",
+        convert=tuple,
     )
     num_expected_workers: int = option(
         1,
@@ -158,3 +214,11 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+
+    def feature_policies(self) -> dict[str, FeatureMode]:
+        """Every feature's cluster policy but paged-attn's (`policy`), absent ones auto."""
+        given = dict(self.policies)
+        return {n: given.get(n, FeatureMode.AUTO) for n in FEATURES if n != "paged-attn"}
+
+    def all_policies(self) -> dict[str, FeatureMode]:
+        return {"paged-attn": self.policy, **self.feature_policies()}

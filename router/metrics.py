@@ -7,6 +7,9 @@ Worker gauges are computed from the registry at scrape time, so they never drift
     kvpact_router_worker_realized{worker_id,model,realized_kind,backend}   1 per registered worker
     kvpact_router_worker_outstanding{worker_id}        requests being forwarded to it
     kvpact_router_worker_free_blocks{worker_id}        from its last heartbeat
+    kvpact_worker_feature_realized{feature,requested,realized}   workers by each feature's intent and outcome
+    kvpact_worker_fallbacks_total{feature,reason}      features realized off although asked auto (or on),
+                                                       counted once per worker registration that reports it
     kvpact_router_requests_total{model,code,api}           finished client requests by gRPC status
     kvpact_router_tokens_total{model,api}                  generated tokens relayed
     kvpact_router_time_to_first_token_seconds{model,api}   received -> first token relayed (as clients see it)
@@ -30,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from kvpact.router.cluster_state import ClusterState, Startup
 from kvpact.router.registry import Registry
+from kvpact.shared.features import FeatureState
 
 NO_CACHE = "none"  # a worker that failed before building a cache
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
@@ -41,6 +45,12 @@ class RouterMetrics:
     def __init__(self, registry: Registry, startup: Startup) -> None:
         self.prometheus = CollectorRegistry()
         self.prometheus.register(_ClusterCollector(registry, startup))
+        self.fallbacks = Counter(
+            "kvpact_worker_fallbacks",
+            "Features that workers realized off although not asked off, by feature and reason code",
+            ["feature", "reason"],
+            registry=self.prometheus,
+        )
         self.requests = Counter(
             "kvpact_router_requests",
             "Finished client requests by gRPC status code",
@@ -96,6 +106,12 @@ class RouterMetrics:
         if num_tokens:
             self.tokens.labels(model=model, api=api).inc(num_tokens)
 
+    def observe_fallbacks(self, features: tuple[FeatureState, ...]) -> None:
+        """One worker registration's features: count each that fell back."""
+        for f in features:
+            if f.fell_back:
+                self.fallbacks.labels(feature=f.name, reason=f.code or "unknown").inc()
+
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.prometheus)
 
@@ -146,3 +162,15 @@ class _ClusterCollector(Collector):
         yield realized
         yield outstanding
         yield free
+
+        features = GaugeMetricFamily(
+            "kvpact_worker_feature_realized",
+            "Workers by feature, its requested mode and whether it was realized (built, else planned)",
+            labels=["feature", "requested", "realized"],
+        )
+        tally = Tally(
+            (f.name, f.requested.value, "on" if f.realized else "off") for e in entries for f in e.features
+        )
+        for (name, requested, on), n in sorted(tally.items()):
+            features.add_metric([name, requested, on], n)
+        yield features

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpact.shared.features import FeatureState
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, WorkerLoad
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.spec import WorkerSpec
@@ -63,6 +64,13 @@ class WorkerEntry:
     @property
     def serving(self) -> bool:
         return self.state is WorkerState.ADMITTED
+
+    @property
+    def features(self) -> tuple[FeatureState, ...]:
+        """What it built of each feature, else what it planned, else nothing (it failed first)."""
+        if self.realized is not None:
+            return self.realized.features
+        return self.plan.features if self.plan is not None else ()
 
 
 class Registry:

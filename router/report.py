@@ -8,11 +8,18 @@ fails with the same text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpact.router.registry import WorkerEntry
-from kvpact.shared.describe import describe_intent, describe_labels, describe_plan, describe_realized
+from kvpact.shared.describe import (
+    describe_feature_flags,
+    describe_intent,
+    describe_labels,
+    describe_plan,
+    describe_realized,
+)
 from kvpact.shared.errors import EXIT_POLICY
+from kvpact.shared.features import FeatureMode
 from kvpact.shared.intent import PagedAttentionMode
 
 
@@ -24,12 +31,19 @@ class FailedStartup:
     exit_code: int
     workers: list[WorkerEntry]
     shutdown: dict[str, str]  # worker id -> "sent" or why not
+    policies: dict[str, FeatureMode] = field(default_factory=dict)  # router --policy; absent = auto
+    feature: str = ""  # the feature whose policy failed it (Startup.feature); "" = paged-attn or none
 
 
 def render_failure_report(failed: FailedStartup) -> str:
     admitted = sum(1 for w in failed.workers if w.serving)
+    others = "".join(
+        f"--policy {name}={mode.value}, "
+        for name, mode in failed.policies.items()
+        if mode is not FeatureMode.AUTO
+    )
     lines = [
-        f"kvpact router: the cluster FAILED to start (--paged-attn {failed.policy.value}, "
+        f"kvpact router: the cluster FAILED to start (--paged-attn {failed.policy.value}, {others}"
         f"--expect-workers {failed.num_expected}, {admitted} admitted)",
         f"cause: {failed.cause}",
         "",
@@ -43,20 +57,32 @@ def render_failure_report(failed: FailedStartup) -> str:
         )
         if w.labels:
             lines.append(f"  placed:    {describe_labels(w.labels)}")
-        lines.append(f"  asked:     {describe_intent(w.spec.cache)}")
+        asked = " ".join(
+            filter(None, (describe_intent(w.spec.cache), describe_feature_flags(w.spec.features)))
+        )
+        lines.append(f"  asked:     {asked}")
         if w.realized is not None:
             lines.append(f"  realized:  {describe_realized(w.realized)}")
         elif w.plan is not None:
             lines.append(f"  planned:   {describe_plan(w.plan)}")
+        for f in w.features:
+            if not f.realized and failed.policies.get(f.name, FeatureMode.AUTO) is not FeatureMode.AUTO:
+                lines.append(f"  feature:   {f.name} off [{f.component}] {f.code}: {f.message}")
         if w.failure is not None:
             where = f" [{w.failure.component}]" if w.failure.component else ""
-            lines.append(f"  failed:    ({w.failure.code.value}){where} {w.failure.reason}")
+            feature = f" --{w.failure.feature} on:" if w.failure.feature not in ("", "paged-attn") else ""
+            lines.append(f"  failed:    ({w.failure.code.value}){where}{feature} {w.failure.reason}")
         else:  # a failure is its own admission reason; say it once
             lines.append(f"  admission: {w.state_reason}")
         lines.append(f"  shutdown:  {failed.shutdown.get(w.worker_id, 'not asked')}")
         lines.append("")
     meaning = (
-        "the --paged-attn policy cannot be honored by every worker"
+        (
+            "the --paged-attn policy cannot be honored by every worker"
+            if failed.feature in ("", "paged-attn")
+            else f"the {failed.feature} policy (--policy {failed.feature}, or a worker's "
+            f"--{failed.feature} on) cannot be honored by every worker"
+        )
         if failed.exit_code == EXIT_POLICY
         else "the cluster did not come up"
     )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kvpact.router.cluster_state import ClusterState
 from kvpact.router.registry import WorkerEntry, WorkerState
 from kvpact.shared import handshake_pb
-from kvpact.shared.intent import PagedAttentionMode
+from kvpact.shared.features import FeatureMode
 from kvpact.v1 import router_pb2
 
 _CLUSTER_STATE_TO_PB = {
@@ -50,17 +52,23 @@ def worker_status_to_pb(entry: WorkerEntry, now: float) -> router_pb2.WorkerStat
 
 def cluster_status_to_pb(
     state: ClusterState,
-    policy: PagedAttentionMode,
+    policy: FeatureMode,
     num_expected: int,
     workers: list[WorkerEntry],
     now: float,
     failure_report: str = "",
     serving: bool = False,
+    policies: Mapping[str, FeatureMode] | None = None,
 ) -> router_pb2.ClusterStatusResponse:
+    """`policy`: paged-attn's; `policies`: every other feature's (None: all auto)."""
     return router_pb2.ClusterStatusResponse(
         health="SERVING" if serving else "NOT_SERVING",
         state=_CLUSTER_STATE_TO_PB[state],
         policy=handshake_pb.mode_to_pb(policy),
+        policies={
+            name: handshake_pb.feature_mode_to_pb(mode)
+            for name, mode in {"paged-attn": policy, **(policies or {})}.items()
+        },
         expected_workers=num_expected,
         workers=[worker_status_to_pb(w, now) for w in workers],
         failure_report=failure_report,

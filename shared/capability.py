@@ -11,8 +11,8 @@ on a CPU. The defaults (docs/design.md, "The contract"):
     a device map mixing CPU and accelerator layers                     -> unsupported
     --pa-backend triton without CUDA                                   -> unsupported
 
-Every "unsupported" goes through `disable_paged_attention`, so `auto` records the reason and `on` raises;
-the messages are shared/reasons.py's (component `device`; `kernels` for shared memory).
+Every "unsupported" is a shared/reasons.py `Finding` that goes through `disable_paged_attention`, so `auto`
+records the reason (with its component and code) and `on` raises.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvpact.shared import reasons
 from kvpact.shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
+from kvpact.shared.reasons import Finding
 
 ACCELERATOR_KINDS = frozenset({"cuda", "mps"})
 
@@ -75,70 +76,67 @@ def decide_paged_attention(
         return PagedDecision(enabled=False, required=False, backend=None, reason="--paged-attn off")
     if state.paged_config is None:  # an earlier component already fell back
         return PagedDecision(enabled=False, required=False, backend=None, reason=state.fallbacks[-1].reason)
-    backend, reason = _choose_backend(device, state, model)
+    backend, finding = choose_backend(device, state, model)
     if backend is None:
-        # A GPU too small for the kernels' tiles is the kernels' limit; everything else the device's.
-        component = reasons.SHARED_MEMORY.component if _is_shared_memory(reason) else "device"
-        disable_paged_attention(state, reason, component=component)
-        return PagedDecision(enabled=False, required=False, backend=None, reason=reason)
+        assert finding is not None
+        disable_paged_attention(state, finding.message, component=finding.component, code=finding.code)
+        return PagedDecision(enabled=False, required=False, backend=None, reason=finding.message)
     return PagedDecision(enabled=True, required=state.required, backend=backend, reason="")
 
 
-def _choose_backend(
+def choose_backend(
     device: DeviceInfo, state: PagedAttentionState, model: ModelTraits | None
-) -> tuple[PagedBackend | None, str]:
+) -> tuple[PagedBackend | None, Finding | None]:
+    """The backend PagedAttention runs with here, or (None, why it cannot). Pure; the caller routes
+    the finding through the door (`decide_paged_attention` does, as does the worker's startup check)."""
     config = state.paged_config
     assert config is not None
     kinds = device.device_map_kinds or frozenset({device.kind})
     if "cpu" in kinds and kinds & ACCELERATOR_KINDS:
-        return None, reasons.MIXED_DEVICE_MAP.message()
+        return None, reasons.MIXED_DEVICE_MAP.found()
     if config.backend is PagedBackend.TORCH:
-        return PagedBackend.TORCH, ""
+        return PagedBackend.TORCH, None
     if config.backend is PagedBackend.TRITON or device.kind == "cuda":
-        reason = _triton_unsupported(device, config.block_size, model)
-        return (None, reason) if reason else (PagedBackend.TRITON, "")
+        finding = _triton_unsupported(device, config.block_size, model)
+        return (None, finding) if finding else (PagedBackend.TRITON, None)
     # CPU or MPS with backend auto.
     if not config.required:
-        return None, reasons.EAGER_DEFAULT.message(device=device.kind.upper())
-    return PagedBackend.TORCH, ""
+        return None, reasons.EAGER_DEFAULT.found(device=device.kind.upper())
+    return PagedBackend.TORCH, None
 
 
-def _triton_unsupported(device: DeviceInfo, block_size: int, model: ModelTraits | None) -> str:
-    """Why the Triton kernels cannot run here, or "" when they can."""
+def _triton_unsupported(device: DeviceInfo, block_size: int, model: ModelTraits | None) -> Finding | None:
+    """Why the Triton kernels cannot run here, or None when they can."""
     if device.kind != "cuda":
-        return reasons.TRITON_OFF_CUDA.message(device=device.kind)
+        return reasons.TRITON_OFF_CUDA.found(device=device.kind)
     if device.triton_version is None:
-        return reasons.NO_TRITON.message()
+        return reasons.NO_TRITON.found()
     support = device.triton_support
     if support is None:
-        return reasons.KERNEL_LIMITS_UNKNOWN.message()
+        return reasons.KERNEL_LIMITS_UNKNOWN.found()
     cc = device.compute_capability
     if cc is None or cc < support.min_compute_capability:
         need = ".".join(map(str, support.min_compute_capability))
         have = ".".join(map(str, cc)) if cc else "unknown"
         name = device.name or "this GPU"
-        return reasons.COMPUTE_CAPABILITY.message(need=need, gpu=name, have=have)
+        return reasons.COMPUTE_CAPABILITY.found(need=need, gpu=name, have=have)
     if block_size not in support.block_sizes:
         sizes = ", ".join(map(str, sorted(support.block_sizes)))
-        return reasons.BLOCK_SIZE.message(sizes=sizes, block_size=block_size)
+        return reasons.BLOCK_SIZE.found(sizes=sizes, block_size=block_size)
     if model is not None and model.head_size not in support.head_sizes:
         sizes = ", ".join(map(str, sorted(support.head_sizes)))
-        return reasons.HEAD_SIZE.message(head_size=model.head_size, sizes=sizes)
+        return reasons.HEAD_SIZE.found(head_size=model.head_size, sizes=sizes)
     if model is not None and model.dtype not in support.dtypes:
         dtypes = ", ".join(sorted(support.dtypes))
-        return reasons.KV_DTYPE.message(dtypes=dtypes, dtype=model.dtype)
+        return reasons.KV_DTYPE.found(dtypes=dtypes, dtype=model.dtype)
     need_bytes = dict(support.shared_memory_bytes).get((model.dtype, model.head_size)) if model else None
     have_bytes = device.max_shared_memory_per_block
     if model is not None and need_bytes is not None and have_bytes is not None and need_bytes > have_bytes:
-        return reasons.SHARED_MEMORY.message(
+        return reasons.SHARED_MEMORY.found(
             need=need_bytes,
             dtype=model.dtype,
             head_size=model.head_size,
             gpu=device.name or "this GPU",
             have=have_bytes,
         )
-    return ""
-
-
-def _is_shared_memory(reason: str) -> bool:
-    return reason.startswith(reasons.SHARED_MEMORY.template.split("{", 1)[0]) and "shared memory" in reason
+    return None

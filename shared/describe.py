@@ -4,6 +4,7 @@ ClusterStatus, the client's status table).
 
     describe_intent(intent)      the flags that say it: `--paged-attn on --pa-backend triton ...`
     describe_asked(intent)       short: `on (torch)`
+    describe_feature_flags(f)    the other features asked other than auto: `--cuda-graphs on`
     describe_kind(x)             `a PAGED KV cache (torch backend)` / `an EAGER KV cache`
     describe_realized(realized)  one line: kind, blocks/slots, capacity, max model len, fallbacks
     describe_compact(realized)   table cells: (`PAGED torch 1456x16`, `23296 tok`)
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kvpact.shared.features import FeatureIntents, FeatureState
 from kvpact.shared.intent import CacheIntent, PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind
 
@@ -42,6 +44,12 @@ def describe_intent(intent: CacheIntent) -> str:
         if config.cache_dtype.value != "auto":
             parts.append(f"--pa-cache-dtype {config.cache_dtype.value}")
     return " ".join(parts)
+
+
+def describe_feature_flags(features: FeatureIntents) -> str:
+    """The flags of the features asked other than auto, e.g. `--cuda-graphs on --prefix-caching off`."""
+    modes = ((name, features.mode(name)) for name in features.names())
+    return " ".join(f"--{name} {mode.value}" for name, mode in modes if mode.value != "auto")
 
 
 def describe_asked(intent: CacheIntent) -> str:
@@ -118,9 +126,19 @@ def realized_table(realized: RealizedCache, title: str = "realized KV cache") ->
         ("memory", f"{realized.memory_bytes / 2**20:.1f} MiB"),
     ]
     rows += [(f"fallback ({f.component})", f.reason) for f in realized.fallbacks]
+    # paged-attn is the kind and fallback rows above; every other feature gets its own row
+    rows += [(f.name, describe_feature(f)) for f in realized.features if f.name != "paged-attn"]
     width = max(len(k) for k, _ in rows)
     lines = [title, "-" * len(title)] + [f"{k.ljust(width)}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def describe_feature(state: FeatureState) -> str:
+    """`on (asked auto)` or `off (asked auto): no-cuda-device: no CUDA device: ...`."""
+    asked = f"(asked {state.requested.value})"
+    if state.realized:
+        return f"on {asked}"
+    return f"off {asked}: {state.code}: {state.message}" if state.code else f"off {asked}"
 
 
 def describe_labels(labels: Mapping[str, str]) -> str:

@@ -8,14 +8,34 @@ class KvpactError(Exception):
     """Base class of every error kvpact raises on purpose."""
 
 
-class PagedAttentionRequiredError(KvpactError):
-    """`--paged-attn on` cannot be honored. `component` found it; `reason` says why."""
+FEATURE_TITLES = {  # how a message names each feature, with its verb
+    "paged-attn": "PagedAttention was",
+    "prefix-caching": "Prefix caching was",
+    "cpu-kernels": "The C CPU kernels were",
+    "cuda-graphs": "CUDA graphs were",
+}
 
-    def __init__(self, reason: str, component: str = "") -> None:
+
+class FeatureRequiredError(KvpactError):
+    """`--FEATURE on` cannot be honored. `component` found it; `reason` says why; `code` names it."""
+
+    def __init__(
+        self, reason: str, component: str = "", *, feature: str = "paged-attn", code: str = ""
+    ) -> None:
         self.reason = reason
         self.component = component
+        self.feature = feature
+        self.code = code
         where = f" [{component}]" if component else ""
-        super().__init__(f"PagedAttention was explicitly requested (--paged-attn on), but {reason}.{where}")
+        title = FEATURE_TITLES.get(feature, f"{feature} was")
+        super().__init__(f"{title} explicitly requested (--{feature} on), but {reason}.{where}")
+
+
+class PagedAttentionRequiredError(FeatureRequiredError):
+    """`--paged-attn on` cannot be honored."""
+
+    def __init__(self, reason: str, component: str = "", code: str = "") -> None:
+        super().__init__(reason, component, feature="paged-attn", code=code)
 
 
 class ConfigError(KvpactError):

@@ -49,9 +49,10 @@ EXIT_CODES = (
     ),
     ExitCode(
         EXIT_POLICY,
-        router="a worker cannot honor the --paged-attn policy while the cluster starts (one report names "
-        "each worker, what it was asked, what it realized or planned, and why)",
-        worker="configuration cannot be honored: --paged-attn on not realizable here, flags that "
+        router="a worker cannot honor a feature policy (--paged-attn, --policy) while the cluster starts "
+        "(one report names each worker, what it was asked, what it realized or planned, and why)",
+        worker="configuration cannot be honored: a --FEATURE on (--paged-attn, --prefix-caching, "
+        "--cpu-kernels, --cuda-graphs) not realizable here, flags that "
         "contradict the device or model, or the router refused it (its plan, before loading, or the "
         "ready worker)",
     ),

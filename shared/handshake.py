@@ -9,12 +9,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpact.shared.features import FeatureState
 from kvpact.shared.intent import Fallback, PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind
 
 
 class StartupFailureCode(enum.Enum):
     PAGED_ATTENTION_REQUIRED = "paged-attention-required"  # --paged-attn on cannot be honored
+    FEATURE_REQUIRED = "feature-required"  # another --FEATURE on cannot be honored (`feature` names it)
     INVALID_CONFIG = "invalid-config"
     MODEL_LOAD = "model-load"
     OUT_OF_MEMORY = "out-of-memory"
@@ -30,6 +32,7 @@ class LoadingPlan:
     backend: PagedBackend | None = None
     fallbacks: tuple[Fallback, ...] = field(default_factory=tuple)
     verdict_seconds: float = 0.0
+    features: tuple[FeatureState, ...] = field(default_factory=tuple)  # every feature, as planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,7 @@ class StartupFailure:
     code: StartupFailureCode
     reason: str
     component: str = ""
+    feature: str = ""  # the feature whose `on` could not be honored (a *_REQUIRED code), else ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode, WorkerLoad
 from kvpact.shared.intent import (
     DEFAULT_BLOCK_SIZE,
@@ -57,6 +58,54 @@ _SCHED_TO_PB = {
 _SCHED_FROM_PB = {v: k for k, v in _SCHED_TO_PB.items()}
 
 
+_FEATURE_MODE_TO_PB = {
+    FeatureMode.AUTO: cache_pb2.FEATURE_MODE_AUTO,
+    FeatureMode.ON: cache_pb2.FEATURE_MODE_ON,
+    FeatureMode.OFF: cache_pb2.FEATURE_MODE_OFF,
+}
+_FEATURE_MODE_FROM_PB = {v: k for k, v in _FEATURE_MODE_TO_PB.items()} | {
+    cache_pb2.FEATURE_MODE_UNSPECIFIED: FeatureMode.AUTO
+}
+
+
+def feature_mode_to_pb(mode: FeatureMode) -> cache_pb2.FeatureMode.ValueType:
+    return _FEATURE_MODE_TO_PB[mode]
+
+
+def feature_mode_from_pb(value: int) -> FeatureMode:
+    return _FEATURE_MODE_FROM_PB[value]  # type: ignore[index]
+
+
+def feature_to_pb(state: FeatureState) -> cache_pb2.FeatureState:
+    return cache_pb2.FeatureState(
+        name=state.name,
+        requested=_FEATURE_MODE_TO_PB[state.requested],
+        realized=state.realized,
+        reason_code=state.code,
+        message=state.message,
+        component=state.component,
+    )
+
+
+def feature_from_pb(msg: cache_pb2.FeatureState) -> FeatureState:
+    return FeatureState(
+        name=msg.name,
+        requested=feature_mode_from_pb(msg.requested),
+        realized=msg.realized,
+        code=msg.reason_code,
+        message=msg.message,
+        component=msg.component,
+    )
+
+
+def _fallbacks_to_pb(fallbacks: tuple[Fallback, ...]) -> list[cache_pb2.Fallback]:
+    return [cache_pb2.Fallback(component=f.component, reason=f.reason, code=f.code) for f in fallbacks]
+
+
+def _fallbacks_from_pb(msgs: object) -> tuple[Fallback, ...]:
+    return tuple(Fallback(component=f.component, reason=f.reason, code=f.code) for f in msgs)  # type: ignore[attr-defined]
+
+
 def mode_to_pb(mode: PagedAttentionMode) -> cache_pb2.PagedAttentionMode.ValueType:
     return _MODE_TO_PB[mode]
 
@@ -71,7 +120,6 @@ def paged_config_to_pb(config: PagedAttentionConfig) -> cache_pb2.PagedAttention
         block_size=config.block_size,
         cache_dtype=_DTYPE_TO_PB[config.cache_dtype],
         backend=_BACKEND_TO_PB[config.backend],
-        disable_prefix_caching=not config.prefix_caching,
     )
     if config.memory_fraction is not None:
         msg.memory_fraction = config.memory_fraction
@@ -92,7 +140,6 @@ def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionC
         context_tokens=msg.context_tokens if budget == "context_tokens" else None,
         cache_dtype=_DTYPE_FROM_PB[msg.cache_dtype],
         backend=_BACKEND_FROM_PB[msg.backend],
-        prefix_caching=not msg.disable_prefix_caching,
     )
 
 
@@ -122,11 +169,12 @@ def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
         capacity_tokens=realized.capacity_tokens,
         max_concurrency=realized.max_concurrency,
         scheduler=_SCHED_TO_PB[realized.scheduler],
-        fallbacks=[cache_pb2.Fallback(component=f.component, reason=f.reason) for f in realized.fallbacks],
+        fallbacks=_fallbacks_to_pb(realized.fallbacks),
         cache_dtype=_DTYPE_TO_PB[realized.cache_dtype],
         max_model_len=realized.max_model_len,
         memory_bytes=realized.memory_bytes,
         prefix_caching=realized.prefix_caching,
+        features=[feature_to_pb(f) for f in realized.features],
     )
 
 
@@ -144,7 +192,8 @@ def realized_from_pb(msg: cache_pb2.RealizedCache) -> RealizedCache:
         backend=_BACKEND_FROM_PB[msg.backend] if kind is CacheKind.PAGED else None,
         block_size=msg.block_size,
         prefix_caching=msg.prefix_caching,
-        fallbacks=tuple(Fallback(component=f.component, reason=f.reason) for f in msg.fallbacks),
+        fallbacks=_fallbacks_from_pb(msg.fallbacks),
+        features=tuple(feature_from_pb(f) for f in msg.features),
     )
 
 
@@ -152,8 +201,9 @@ def plan_to_pb(plan: LoadingPlan) -> worker_pb2.LoadingPlan:
     return worker_pb2.LoadingPlan(
         planned_kind=_KIND_TO_PB[plan.kind],
         planned_backend=_BACKEND_TO_PB[plan.backend] if plan.backend else cache_pb2.PAGED_BACKEND_UNSPECIFIED,
-        fallbacks=[cache_pb2.Fallback(component=f.component, reason=f.reason) for f in plan.fallbacks],
+        fallbacks=_fallbacks_to_pb(plan.fallbacks),
         verdict_seconds=plan.verdict_seconds,
+        features=[feature_to_pb(f) for f in plan.features],
     )
 
 
@@ -163,14 +213,15 @@ def plan_from_pb(msg: worker_pb2.LoadingPlan) -> LoadingPlan:
     return LoadingPlan(
         kind=kind,
         backend=_BACKEND_FROM_PB[msg.planned_backend] if kind is CacheKind.PAGED else None,
-        fallbacks=tuple(Fallback(component=f.component, reason=f.reason) for f in msg.fallbacks),
+        fallbacks=_fallbacks_from_pb(msg.fallbacks),
         verdict_seconds=msg.verdict_seconds,
+        features=tuple(feature_from_pb(f) for f in msg.features),
     )
 
 
 # WorkerSpec's plain fields travel under their own names; a zero value read back means the field's
 # default (an older sender's "unset"); an `optional` proto field unset reads as None.
-_SPEC_SCALARS = tuple(f.name for f in fields(WorkerSpec) if f.name not in ("device_map", "cache"))
+_SPEC_SCALARS = tuple(f.name for f in fields(WorkerSpec) if f.name not in ("device_map", "cache", "features"))
 
 
 def spec_to_pb(spec: WorkerSpec) -> worker_pb2.WorkerSpec:
@@ -179,6 +230,7 @@ def spec_to_pb(spec: WorkerSpec) -> worker_pb2.WorkerSpec:
             worker_pb2.LayerPlacement(device=p.device, num_layers=p.num_layers) for p in spec.device_map
         ],
         cache=intent_to_pb(spec.cache),
+        features={n: _FEATURE_MODE_TO_PB[spec.features.mode(n)] for n in FeatureIntents.names()},
     )
     for name in _SPEC_SCALARS:
         if (value := getattr(spec, name)) is not None:
@@ -191,8 +243,17 @@ def spec_from_pb(msg: worker_pb2.WorkerSpec) -> WorkerSpec:
     return WorkerSpec(
         device_map=tuple(LayerPlacement(device=p.device, num_layers=p.num_layers) for p in msg.device_map),
         cache=intent_from_pb(msg.cache),
+        features=features_from_pb(msg.features),
         **scalars,
     )
+
+
+def features_from_pb(modes: object) -> FeatureIntents:
+    """WorkerSpec.features (name -> mode); a feature absent reads as AUTO. An unknown name is a sender
+    newer than this reader: ignored here (the sender's handshake still reports its state)."""
+    known = set(FeatureIntents.names())
+    values = {n.replace("-", "_"): feature_mode_from_pb(m) for n, m in modes.items() if n in known}  # type: ignore[attr-defined]
+    return FeatureIntents(**values)
 
 
 _FAILURE_TO_PB = {
@@ -201,6 +262,7 @@ _FAILURE_TO_PB = {
     StartupFailureCode.MODEL_LOAD: worker_pb2.STARTUP_FAILURE_CODE_MODEL_LOAD,
     StartupFailureCode.OUT_OF_MEMORY: worker_pb2.STARTUP_FAILURE_CODE_OUT_OF_MEMORY,
     StartupFailureCode.INTERNAL: worker_pb2.STARTUP_FAILURE_CODE_INTERNAL,
+    StartupFailureCode.FEATURE_REQUIRED: worker_pb2.STARTUP_FAILURE_CODE_FEATURE_REQUIRED,
 }
 # An unspecified code is an unexplained failure: INTERNAL, never a guess at a policy failure.
 _FAILURE_FROM_PB = {v: k for k, v in _FAILURE_TO_PB.items()} | {
@@ -210,12 +272,17 @@ _FAILURE_FROM_PB = {v: k for k, v in _FAILURE_TO_PB.items()} | {
 
 def failure_to_pb(failure: StartupFailure) -> worker_pb2.StartupFailure:
     return worker_pb2.StartupFailure(
-        code=_FAILURE_TO_PB[failure.code], reason=failure.reason, component=failure.component
+        code=_FAILURE_TO_PB[failure.code],
+        reason=failure.reason,
+        component=failure.component,
+        feature=failure.feature,
     )
 
 
 def failure_from_pb(msg: worker_pb2.StartupFailure) -> StartupFailure:
-    return StartupFailure(code=_FAILURE_FROM_PB[msg.code], reason=msg.reason, component=msg.component)
+    return StartupFailure(
+        code=_FAILURE_FROM_PB[msg.code], reason=msg.reason, component=msg.component, feature=msg.feature
+    )
 
 
 def load_to_pb(load: WorkerLoad) -> worker_pb2.WorkerLoad:

@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
+from kvpact.shared.features import FeatureMode, FeatureState, off_by_request
 from kvpact.shared.options import UINT64_MAX, check_options, option
 
 DEFAULT_BLOCK_SIZE = 16
@@ -32,10 +33,7 @@ PAGED_ATTN_HELP = (
 GPU_DEFAULT_MEMORY_FRACTION = 0.9  # the paged budget's share of free GPU memory when no --pa-* budget is set
 
 
-class PagedAttentionMode(enum.Enum):
-    AUTO = "auto"
-    ON = "on"
-    OFF = "off"
+PagedAttentionMode = FeatureMode  # paged-attn's mode is one feature's mode (shared/features.py)
 
 
 class PagedBackend(enum.Enum):
@@ -108,13 +106,6 @@ class PagedAttentionConfig:
         convert=PagedBackend,
         group=CACHE,
     )
-    prefix_caching: bool = option(
-        True,
-        "--no-prefix-caching",
-        "do not reuse cached blocks of repeated prompt prefixes",
-        action="store_false",
-        group=CACHE,
-    )
 
     def __post_init__(self) -> None:
         budgets = [b for b in (self.memory_fraction, self.memory_bytes, self.context_tokens) if b is not None]
@@ -172,10 +163,12 @@ def cache_intent(mode: PagedAttentionMode, settings: PagedAttentionConfig | None
 
 @dataclass(frozen=True, slots=True)
 class Fallback:
-    """One place where PagedAttention was found impossible under `auto`, and why."""
+    """One place where PagedAttention was found impossible under `auto`, and why (`code`: the reason's
+    code in shared/reasons.py; "" from an older sender)."""
 
     component: str
     reason: str
+    code: str = ""
 
 
 @dataclass(slots=True)
@@ -198,8 +191,21 @@ class PagedAttentionState:
     def required(self) -> bool:
         return self.paged_config is not None and self.paged_config.required
 
+    def feature_state(self) -> FeatureState:
+        """paged-attn as one feature's state: realized while the config is in force, else the last
+        fallback's reason (or off by request)."""
+        mode = self.intent.mode
+        if mode is FeatureMode.OFF:
+            return off_by_request("paged-attn")
+        if self.paged_config is not None:
+            return FeatureState("paged-attn", mode, True)
+        last = self.fallbacks[-1]
+        return FeatureState("paged-attn", mode, False, last.code, last.reason, last.component)
 
-def disable_paged_attention(state: PagedAttentionState, reason: str, *, component: str) -> None:
+
+def disable_paged_attention(
+    state: PagedAttentionState, reason: str, *, component: str, code: str = ""
+) -> None:
     """The single fallback door. `reason` completes "PagedAttention cannot be used here because ...".
 
     Config absent (off, or already fallen back): nothing to do. `required` (on): raise
@@ -209,6 +215,6 @@ def disable_paged_attention(state: PagedAttentionState, reason: str, *, componen
     if state.paged_config is None:
         return
     if state.paged_config.required:
-        raise PagedAttentionRequiredError(reason, component)
+        raise PagedAttentionRequiredError(reason, component, code)
     state.paged_config = None
-    state.fallbacks.append(Fallback(component=component, reason=reason))
+    state.fallbacks.append(Fallback(component=component, reason=reason, code=code))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpact.shared.features import FeatureState
 from kvpact.shared.intent import CacheDtype, Fallback, PagedBackend
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 
@@ -22,4 +23,5 @@ class RealizedCache:
     backend: PagedBackend | None = None  # PAGED only
     block_size: int = 0  # PAGED only
     prefix_caching: bool = False
-    fallbacks: tuple[Fallback, ...] = field(default_factory=tuple)
+    fallbacks: tuple[Fallback, ...] = field(default_factory=tuple)  # paged-attn's, in the order taken
+    features: tuple[FeatureState, ...] = field(default_factory=tuple)  # every feature, as built

@@ -1,33 +1,66 @@
-"""Every reason a worker gives for not using PagedAttention, as data: who finds it (`component`), when
-(`condition`), what it says (`template`, completing "PagedAttention was explicitly requested
-(--paged-attn on), but ..."), and what to change (`flag`).
+"""Every reason a worker gives for realizing an optional feature off, as data: which feature (`feature`,
+a name of shared/features.py), who finds it (`component`), when (`condition`), what it says (`template`,
+completing "FEATURE was explicitly requested (--FEATURE on), but ..."), what to change (`flag`), and the
+short `code` the wire, the metrics and the logs carry.
 
-One table, rendered everywhere an operator reads it: the messages (each check calls
-`Reason.message(**fields)` and passes `Reason.component` to `disable_paged_attention`), `worker --help`
+One table, rendered everywhere an operator reads it: the messages (each check returns
+`Reason.found(**fields)`, a `Finding`, which the fallback door records or raises), `worker --help`
 (`reasons_help`) and docs/contract.md (`reasons_markdown`, through tools/render_docs.py). `condition`
 may name the kernels' limits as {head_sizes}, {block_sizes}, {dtypes}, {min_cc}: the worker fills them
 from kvpact.kernels.support (shared/ does not import the kernels).
 
-Adding a reason: a `Reason` here, a call where it becomes knowable, a test for auto and for on.
+Adding a reason: a `Reason` here, a check where it becomes knowable, a test for auto and for on.
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+PAGED_ATTN = "paged-attn"  # the feature names (shared/features.py has them all)
+PREFIX_CACHING = "prefix-caching"
+CPU_KERNELS = "cpu-kernels"
+CUDA_GRAPHS = "cuda-graphs"
 
 
 @dataclass(frozen=True, slots=True)
 class Reason:
     name: str  # how --help and the docs list it
-    component: str  # device | loader | cache-budget | kernels | scheduler
+    component: str  # device | loader | cache-budget | kernels | scheduler | cache | build
     condition: str  # when it applies, for the operator
     template: str  # the message, with {fields} the check fills in
     flag: str  # what the operator changes
+    feature: str = PAGED_ATTN  # the feature it turns off
+
+    @property
+    def code(self) -> str:
+        """The reason's stable short name: the wire's reason code and the metrics' `reason` label."""
+        return re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
 
     def message(self, **fields: object) -> str:
         return self.template.format(**fields)
+
+    def found(self, **fields: object) -> Finding:
+        """This reason, found by a check, with its message filled in."""
+        return Finding(self, self.message(**fields))
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A check's verdict that a feature cannot be realized here: which reason, and its message."""
+
+    reason: Reason
+    message: str
+
+    @property
+    def component(self) -> str:
+        return self.reason.component
+
+    @property
+    def code(self) -> str:
+        return self.reason.code
 
 
 MIXED_DEVICE_MAP = Reason(
@@ -146,6 +179,81 @@ NOT_PAGED_CACHE = Reason(
     "the worker built {built}, not a paged one",
     "whichever reason the startup log names first",
 )
+OFF_BY_REQUEST = Reason(
+    "off by request",
+    "intent",
+    "the operator asked for the feature off (--FEATURE off); any feature",
+    "it was started with --{feature} off",
+    "--FEATURE auto or on",
+    feature="any",
+)
+PREFIX_NEEDS_PAGED = Reason(
+    "prefix cache needs paged",
+    "cache",
+    "prefix caching shares full KV blocks between sequences, so it needs the paged KV cache, and this worker "
+    "realized the eager one (the reason PagedAttention is off is its own)",
+    "prefix caching needs the paged KV cache and this worker plans an eager one ({why})",
+    "--paged-attn on (or auto where it works), or --prefix-caching off",
+    feature=PREFIX_CACHING,
+)
+CPU_KERNELS_DEVICE = Reason(
+    "C kernels need CPU",
+    "device",
+    "the C decode and write kernels run on CPU tensors and this worker's KV cache is on an accelerator",
+    "the C kernels run on CPU tensors and this worker's KV cache is on {device}",
+    "--device cpu, or --cpu-kernels auto/off",
+    feature=CPU_KERNELS,
+)
+CPU_KERNELS_DTYPE = Reason(
+    "C kernels need float32",
+    "device",
+    "the C decode and write kernels are float32 only and the KV cache is 16-bit",
+    "the C kernels are float32 only and the KV cache is {dtype}",
+    "--pa-cache-dtype float32 (or --dtype float32), or --cpu-kernels auto/off",
+    feature=CPU_KERNELS,
+)
+CPU_KERNELS_WINDOW = Reason(
+    "C kernels window",
+    "loader",
+    "the model uses sliding-window attention on the eager cache, which the C decode kernel has no window for",
+    "the model uses sliding-window attention (window {window} tokens) on the eager KV cache and the C "
+    "decode kernel has no window",
+    "--cpu-kernels auto/off",
+    feature=CPU_KERNELS,
+)
+CPU_KERNELS_BUILD = Reason(
+    "C kernels build",
+    "build",
+    "no C compiler, or the C kernels (kernels/cpu_paged.c) failed to compile or load on this machine",
+    "the C kernels cannot be built here: {error}",
+    "install a C compiler (gcc) or set CC; or --cpu-kernels auto/off",
+    feature=CPU_KERNELS,
+)
+CPU_KERNELS_BUILT = Reason(
+    "C kernels not built",
+    "cache",
+    "the KV cache the worker built does not run the C kernels the plan chose (the last check, after loading)",
+    "the worker built {built} without the C kernels",
+    "whichever reason the startup log names first",
+    feature=CPU_KERNELS,
+)
+NO_CUDA = Reason(
+    "no CUDA device",
+    "device",
+    "CUDA graphs capture GPU work, and this worker runs on a CPU or Apple MPS",
+    "no CUDA device: CUDA graphs need one and this worker runs on {device}",
+    "--device cuda, or --cuda-graphs auto/off",
+    feature=CUDA_GRAPHS,
+)
+GRAPHS_NOT_BUILT = Reason(
+    "graph capture not built",
+    "build",
+    "a CUDA device, but this kvpact does not capture decode steps in CUDA graphs yet (the capture is not "
+    "written; every step runs eagerly)",
+    "this kvpact does not capture CUDA graphs yet, so every decode step on {device} runs eagerly",
+    "--cuda-graphs auto or off",
+    feature=CUDA_GRAPHS,
+)
 
 REASONS = (
     EAGER_DEFAULT,
@@ -163,26 +271,42 @@ REASONS = (
     KERNEL_SELF_TEST,
     KERNEL_ACCURACY,
     NOT_PAGED_CACHE,
+    OFF_BY_REQUEST,
+    PREFIX_NEEDS_PAGED,
+    CPU_KERNELS_DEVICE,
+    CPU_KERNELS_DTYPE,
+    CPU_KERNELS_WINDOW,
+    CPU_KERNELS_BUILD,
+    CPU_KERNELS_BUILT,
+    NO_CUDA,
+    GRAPHS_NOT_BUILT,
 )
 
 
 def reasons_help(limits: Mapping[str, str], width: int = 100) -> list[str]:
-    """The reasons section of `worker --help`: name, then when it applies and what to change."""
+    """The reasons section of `worker --help`: per feature, each reason's name, then when it applies and
+    what to change."""
     name_width = max(len(r.name) for r in REASONS)
     indent = " " * (name_width + 4)
     lines = []
-    for r in REASONS:
-        text = f"{r.condition.format_map(limits)} [{r.component}; change: {r.flag}]"
-        lines += textwrap.wrap(
-            text, width, initial_indent=f"  {r.name.ljust(name_width)}  ", subsequent_indent=indent
-        )
+    for feature in dict.fromkeys(r.feature for r in REASONS):
+        lines.append(f" {feature}:")
+        for r in (r for r in REASONS if r.feature == feature):
+            text = f"{r.condition.format_map(limits)} [{r.component}; code {r.code}; change: {r.flag}]"
+            lines += textwrap.wrap(
+                text, width, initial_indent=f"  {r.name.ljust(name_width)}  ", subsequent_indent=indent
+            )
     return lines
 
 
 def reasons_markdown(limits: Mapping[str, str]) -> str:
     """The table in docs/contract.md."""
-    rows = ["| reason | component | when | message | change |", "|---|---|---|---|---|"]
+    rows = [
+        "| feature | reason | code | component | when | message | change |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in REASONS:
         condition = r.condition.format_map(limits).replace("|", "\\|")
-        rows.append(f"| {r.name} | `{r.component}` | {condition} | {r.template} | {r.flag} |")
+        cells = (f"`{r.feature}`", r.name, f"`{r.code}`", f"`{r.component}`", condition, r.template, r.flag)
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from kvpact.shared.features import FeatureIntents
 from kvpact.shared.intent import CacheIntent
 from kvpact.shared.options import check_options, option, whole_number
 
@@ -42,7 +43,8 @@ def _max_model_len(value: str) -> tuple[int, bool]:
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     """What the worker is asked to run: one field per `worker` option (shared/options.py); the cache
-    intent's own options are CacheIntent's and PagedAttentionConfig's (shared/intent.py)."""
+    intent's own options are CacheIntent's and PagedAttentionConfig's (shared/intent.py), the other
+    features' FeatureIntents' (shared/features.py)."""
 
     model: str = option(
         "",
@@ -94,6 +96,7 @@ class WorkerSpec:
         group=MODEL,
     )
     cache: CacheIntent = field(default_factory=CacheIntent)
+    features: FeatureIntents = field(default_factory=FeatureIntents)  # every feature but paged-attn
     # --max-model-len auto (and the CUDA default): the longest sequence the realized cache can hold, up to
     # the model's positions; max_model_len is then 0
     max_model_len_auto: bool = False

@@ -1,6 +1,8 @@
 """kvpact.client: protobuf conversions, the status table, and the blocking Client against an in-process
 router (hosted in a background loop) with a real loopback Worker server behind it."""
 
+from dataclasses import replace
+
 import grpc
 import pytest
 
@@ -17,9 +19,10 @@ from kvpact.client import (
 from kvpact.router.cluster_state import ClusterState
 from kvpact.router.registry import WorkerEntry, WorkerState
 from kvpact.router.status import cluster_status_to_pb
+from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.shared.handshake import StartupFailure, StartupFailureCode
 from kvpact.shared.intent import Fallback, PagedAttentionMode
-from kvpact.v1 import generation_pb2, router_pb2
+from kvpact.v1 import cache_pb2, generation_pb2, router_pb2
 from tests.factories.eventually import eventually
 from tests.router.background import BackgroundLoop
 from tests.router.doubles import (
@@ -116,7 +119,10 @@ def test_the_status_table_shows_realized_kinds_reasons_and_failures():
     table = render_cluster_status(status)
     lines = table.splitlines()
     assert lines[0] == "cluster SERVING  policy --paged-attn on  workers 1/1 admitted"
-    header = ["WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "LOAD", "HEARTBEAT"]
+    header = [
+        "WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "FEATURES", "LOAD",
+        "HEARTBEAT",
+    ]  # fmt: skip
     assert lines[1].split() == header
     assert "PAGED torch 64x16" in lines[2] and "1024 tok" in lines[2] and "0.5s ago" in lines[2]
     assert "EAGER 4 slots" in lines[3] and "REFUSED" in lines[3]
@@ -130,6 +136,27 @@ def test_the_status_table_shows_realized_kinds_reasons_and_failures():
     lines = render_cluster_status(status).splitlines()
     assert lines[1].split() == [*header, "LABELS"]
     assert lines[2].endswith("ray.bundle=0 ray.node=4b1c0e")
+
+
+def test_the_status_table_shows_each_features_state_and_the_feature_policies():
+    no_cuda = FeatureState(
+        "cuda-graphs", FeatureMode.AUTO, False, "no-cuda-device", "no CUDA device", "device"
+    )
+    realized = replace(paged_realized(), features=(FeatureState("paged-attn", FeatureMode.ON, True), no_cuda))
+    entry = WorkerEntry("w0", "127.0.0.1:7001", "tiny", spec("on"), router_pb2.WorkerStatus().capabilities,
+                        realized, None, WorkerState.ADMITTED, "admitted", last_heartbeat=9.5)  # fmt: skip
+    policies = {"cpu-kernels": FeatureMode.OFF}
+    status = cluster_status_to_pb(
+        ClusterState.SERVING, PagedAttentionMode.ON, 1, [entry], now=10.0, policies=policies
+    )
+    on, off = cache_pb2.FEATURE_MODE_ON, cache_pb2.FEATURE_MODE_OFF
+    assert dict(status.policies) == {"paged-attn": on, "cpu-kernels": off}
+    lines = render_cluster_status(status).splitlines()
+    assert (
+        lines[0] == "cluster SERVING  policy --paged-attn on  --policy cpu-kernels=off  workers 1/1 admitted"
+    )
+    assert " +paged-attn !cuda-graphs " in lines[2]
+    assert "  w0: cuda-graphs off [device] no-cuda-device: no CUDA device" in lines
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpact.shared.describe import realized_table
+from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
 from kvpact.shared.handshake import LoadingPlan
 from kvpact.shared.handshake_pb import (
     intent_from_pb,
@@ -40,14 +41,16 @@ budgets = st.one_of(
     st.integers(min_value=1, max_value=2**40).map(lambda t: {"context_tokens": t}),
 )
 settings = st.builds(
-    lambda budget, block, dtype, backend, prefix: PagedAttentionConfig(
-        block_size=block, cache_dtype=dtype, backend=backend, prefix_caching=prefix, **budget
+    lambda budget, block, dtype, backend: PagedAttentionConfig(
+        block_size=block, cache_dtype=dtype, backend=backend, **budget
     ),
     budgets,
     st.sampled_from([1, 8, 16, 32, 128]),
     st.sampled_from(list(CacheDtype)),
     st.sampled_from(list(PagedBackend)),
-    st.booleans(),
+)
+feature_intents = st.builds(
+    FeatureIntents, *(st.sampled_from(list(FeatureMode)) for _ in FeatureIntents.names())
 )
 intents = st.builds(
     cache_intent,
@@ -61,8 +64,8 @@ def test_intent_round_trip_for_every_mode_and_budget(intent: CacheIntent):
     assert intent_from_pb(intent_to_pb(intent)) == intent
 
 
-@given(intents, st.text(max_size=20), st.sampled_from(["auto", "cpu", "cuda:1"]))
-def test_worker_spec_round_trip(intent, model, device):
+@given(intents, st.text(max_size=20), st.sampled_from(["auto", "cpu", "cuda:1"]), feature_intents)
+def test_worker_spec_round_trip(intent, model, device, features):
     spec = WorkerSpec(
         model=model,
         device=device,
@@ -72,6 +75,7 @@ def test_worker_spec_round_trip(intent, model, device):
         max_num_seqs=8,
         max_num_batched_tokens=512,
         cache=intent,
+        features=features,
     )
     assert spec_from_pb(spec_to_pb(spec)) == spec
 
@@ -89,6 +93,7 @@ def test_every_worker_spec_field_travels():
         "threads": 1,
         "cache": cache_intent(PagedAttentionMode.ON),
         "max_model_len_auto": True,
+        "features": FeatureIntents(prefix_caching=FeatureMode.OFF),
     }
     names = {f.name for f in dataclasses.fields(WorkerSpec)}
     assert names == set(off_default), "give the new field a value off its default here"
@@ -138,7 +143,11 @@ def test_realized_cache_round_trip(kind, scheduler, fallbacks):
         backend=PagedBackend.TORCH if kind is CacheKind.PAGED else None,
         block_size=16 if kind is CacheKind.PAGED else 0,
         prefix_caching=kind is CacheKind.PAGED,
-        fallbacks=tuple(Fallback(c, r) for c, r in fallbacks),
+        fallbacks=tuple(Fallback(c, r, "dtype") for c, r in fallbacks),
+        features=(
+            FeatureState("paged-attn", FeatureMode.AUTO, kind is CacheKind.PAGED),
+            FeatureState("cuda-graphs", FeatureMode.ON, False, "no-cuda-device", "no CUDA device", "device"),
+        ),
     )
     assert realized_from_pb(realized_to_pb(realized)) == realized
 
@@ -178,5 +187,6 @@ def test_loading_plan_round_trip(kind, backend, fallbacks, seconds):
         backend=backend if kind is CacheKind.PAGED else None,
         fallbacks=tuple(Fallback(c, r) for c, r in fallbacks),
         verdict_seconds=seconds,
+        features=(FeatureState("prefix-caching", FeatureMode.OFF, False, "off-by-request", "off", "intent"),),
     )
     assert plan_from_pb(plan_to_pb(plan)) == plan

@@ -46,7 +46,7 @@ def test_cli_mapping_of_auto_on_off():
 
 def test_default_and_required_config_construction():
     default = PagedAttentionConfig()
-    assert (default.required, default.block_size, default.prefix_caching) == (False, 16, True)
+    assert (default.required, default.block_size) == (False, 16)
     assert default.backend is PagedBackend.AUTO
     required = paged_config_for_mode(
         PagedAttentionMode.ON, PagedAttentionConfig(block_size=32, context_tokens=4096)

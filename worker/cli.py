@@ -23,7 +23,9 @@ from kvpact.kernels.support import (
 from kvpact.shared.cli import add_log_args
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.exit_codes import exit_codes_help
+from kvpact.shared.features import FeatureIntents
 from kvpact.shared.intent import GPU_DEFAULT_MEMORY_FRACTION, CacheIntent, PagedAttentionConfig, cache_intent
+from kvpact.shared.log import configure_logging
 from kvpact.shared.options import add_options, option_values
 from kvpact.shared.reasons import reasons_help
 from kvpact.shared.spec import WorkerSpec
@@ -78,7 +80,7 @@ def epilog() -> str:
         f"{CPU_PAGED_BUDGET_RAM_FRACTION:.0%} of system RAM), at most max-num-seqs x max-model-len tokens",
     ]
     lines = [
-        "Why PagedAttention is not used (auto: recorded as a fallback; on: startup fails with exit 78).",
+        "Why a feature is realized off (auto: recorded as a fallback; on: startup fails with exit 78).",
         "Each reason is logged at startup, sent in the handshake and shown in the router's ClusterStatus:",
         *reasons_help(kernel_limits()),
         "",
@@ -101,10 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_options(parser, WorkerSpec, CacheIntent, PagedAttentionConfig, WorkerOptions)
+    add_options(parser, WorkerSpec, CacheIntent, PagedAttentionConfig, FeatureIntents, WorkerOptions)
+    parser.add_argument(
+        "--no-prefix-caching", action=_Replaced, nargs=0, help=argparse.SUPPRESS, default=argparse.SUPPRESS
+    )
     add_tls_args(parser, "worker")
     add_log_args(parser)
     return parser
+
+
+class _Replaced(argparse.Action):
+    """A removed flag: exit 2 naming the one that replaced it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.error("--no-prefix-caching was replaced: use --prefix-caching off")
 
 
 def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
@@ -112,7 +124,8 @@ def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
     shared.intent.cache_intent (the mode decides `required` and whether a paged config exists)."""
     settings = PagedAttentionConfig(**option_values(PagedAttentionConfig, args))
     cache = cache_intent(option_values(CacheIntent, args)["mode"], settings)
-    return WorkerSpec(**option_values(WorkerSpec, args), cache=cache)
+    features = FeatureIntents(**option_values(FeatureIntents, args))
+    return WorkerSpec(**option_values(WorkerSpec, args), cache=cache, features=features)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
@@ -122,6 +135,8 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
     try:
         values = option_values(WorkerOptions, args)
         values["worker_id"] = values["worker_id"] or f"{socket.gethostname()}-{os.getpid()}"
+        if values["plan_json"] and not values["plan_only"]:
+            raise ConfigError("--json goes with --plan-only (it prints the plan as JSON); add --plan-only")
         return WorkerOptions(
             spec=spec_from_args(args),
             tls=tls_from_args(args),
@@ -135,6 +150,11 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_args(argv)
+    if options.plan_only:
+        from kvpact.worker.plan_only import run_plan_only
+
+        configure_logging(options.log_format, options.log_level, fields={"worker_id": options.worker_id})
+        exit_now(run_plan_only(options.spec, options.plan_json))
     try:
         code = asyncio.run(run_worker(options))
     except KeyboardInterrupt:  # Ctrl-C before the worker's own handlers were installed: a requested stop

@@ -123,6 +123,16 @@ class WorkerOptions:
         metavar="SECONDS",
         group=SERVING,
     )
+    plan_only: bool = option(  # worker/plan_only.py: print the plan and exit, no router, no weights
+        False,
+        "--plan-only",
+        "print the pre-load plan for every feature (what it will realize and why) and exit: 0 when the "
+        "intent can be met, 78 when not; no router, no weight read (the config and file headers only)",
+        action="store_true",
+    )
+    plan_json: bool = option(
+        False, "--json", "with --plan-only: print the plan as one JSON object", action="store_true"
+    )
     log_prompts: bool = option(  # prompt text in the request log line (never otherwise)
         False,
         "--log-prompts",

@@ -27,6 +27,7 @@ from kvpact.shared.errors import (
     EXIT_POLICY,
     BindError,
     ConfigError,
+    FeatureRequiredError,
     KvpactError,
     ModelLoadError,
     PagedAttentionRequiredError,
@@ -83,7 +84,11 @@ def classify_failure(exc: BaseException) -> tuple[StartupFailure, int]:
     """A startup exception -> what the router is told, and the exit code."""
     if isinstance(exc, PagedAttentionRequiredError):
         return StartupFailure(
-            StartupFailureCode.PAGED_ATTENTION_REQUIRED, exc.reason, exc.component
+            StartupFailureCode.PAGED_ATTENTION_REQUIRED, exc.reason, exc.component, exc.feature
+        ), EXIT_POLICY
+    if isinstance(exc, FeatureRequiredError):
+        return StartupFailure(
+            StartupFailureCode.FEATURE_REQUIRED, exc.reason, exc.component, exc.feature
         ), EXIT_POLICY
     if isinstance(exc, ConfigError):
         return StartupFailure(StartupFailureCode.INVALID_CONFIG, str(exc), "config"), EXIT_POLICY
@@ -299,6 +304,7 @@ class WorkerProcess:
             backend=plan.backend,
             fallbacks=tuple(plan.state.fallbacks),
             verdict_seconds=plan.verdict_seconds,
+            features=plan.features,
         )
         self.handshake.loading.CopyFrom(plan_to_pb(announced))
         admission = await self.link.announce(self.handshake)

@@ -24,7 +24,7 @@ every step.
    held / (slots x max_model_len).
 2. Prefix cache. The shared_prefix workload (one 768-token system prompt + a 32-128 token question;
    4 requests. --quick: a 128-token system prompt, 2 requests, outputs cut to 16 tokens) on two
-   paged engines that differ only in `--no-prefix-caching`, default budget. One request with the
+   paged engines that differ only in `--prefix-caching off`, default budget. One request with the
    system prompt runs first on each (the prompt a server has already seen), then the requests
    arrive at once. Hit rate = cached prompt tokens / prompt tokens (from each request's usage);
    throughput = (prompt + output tokens) / wall time of the timed phase.
@@ -51,6 +51,7 @@ from benchmarks.kv_memory_report import (
 )
 from benchmarks.kv_steps import StepLog
 from benchmarks.kvpact_systems import greedy_request
+from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.request import GenerationOutput, GenerationRequest, GenerationResult
@@ -210,7 +211,8 @@ def _spec(
     prefix_caching: bool = True,
     block_size: int | None = None,
 ) -> WorkerSpec:
-    settings = PagedAttentionConfig(memory_bytes=memory_bytes, prefix_caching=prefix_caching)
+    settings = PagedAttentionConfig(memory_bytes=memory_bytes)
+    prefix = FeatureMode.AUTO if prefix_caching else FeatureMode.OFF
     if block_size is not None:
         settings = replace(settings, block_size=block_size)
     return WorkerSpec(
@@ -219,6 +221,7 @@ def _spec(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         cache=cache_intent(mode, settings),
+        features=FeatureIntents(prefix_caching=prefix),
     )
 
 

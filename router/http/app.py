@@ -235,6 +235,7 @@ def model_list(cluster: Cluster) -> list[dict[str, Any]]:
                 "owned_by": "kvpact",
                 "kvpact": {
                     "policy": cluster.config.policy.value,
+                    "policies": {name: mode.value for name, mode in cluster.config.all_policies().items()},
                     "max_model_len": min(lens, default=0),
                     "num_serving_workers": sum(e.serving for e in entries),
                     "workers": [_worker(e) for e in sorted(entries, key=lambda e: e.worker_id)],
@@ -262,6 +263,17 @@ def _worker(entry: WorkerEntry) -> dict[str, Any]:
             "cache_dtype": realized.cache_dtype.value,
             "max_model_len": realized.max_model_len,
             "fallbacks": [{"component": f.component, "reason": f.reason} for f in realized.fallbacks],
+            "features": [
+                {
+                    "name": f.name,
+                    "requested": f.requested.value,
+                    "realized": f.realized,
+                    "reason": f.code or None,
+                    "message": f.message or None,
+                    "component": f.component or None,
+                }
+                for f in realized.features
+            ],
         },
     }
 

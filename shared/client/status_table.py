@@ -1,9 +1,9 @@
 """ClusterStatus as a readable table (re-exported by kvpact.client; `make serve` prints it).
 
-One row per worker (state, model, address, what it was asked, what it realized, capacity, load,
-heartbeat age, and its labels when any worker has some, e.g. its Ray node and bundle), then every
-fallback reason, failure and refusal. The cells are kvpact.shared.describe's (the renderer the router and
-worker use), over the messages as kvpact.shared.handshake_pb converts them.
+One row per worker (state, model, address, what it was asked, what it realized, capacity, each feature's
+realized state, load, heartbeat age, and its labels when any worker has some, e.g. its Ray node and
+bundle), then every fallback reason, failure and refusal. The cells are kvpact.shared.describe's (the
+renderer the router and worker use), over the messages as kvpact.shared.handshake_pb converts them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from kvpact.shared import handshake_pb
 from kvpact.shared.describe import describe_asked, describe_compact, describe_labels
+from kvpact.shared.features import FeatureState, describe_features
 from kvpact.v1 import cache_pb2, router_pb2, worker_pb2
 
 
@@ -36,17 +37,29 @@ def _asked_cell(w: router_pb2.WorkerStatus) -> str:
         return "?"
 
 
+def worker_features(w: router_pb2.WorkerStatus) -> tuple[FeatureState, ...]:
+    """What it built of each feature, else what it planned (a LOADING worker), else nothing."""
+    msgs = w.realized.features if w.HasField("realized") else w.planned.features
+    return tuple(handshake_pb.feature_from_pb(f) for f in msgs)
+
+
 def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
     """ClusterStatus as a readable table: one row per worker, then its fallback reasons and failures."""
     state = _enum_name(router_pb2.ClusterState, status.state, "CLUSTER_STATE_")
     policy = cache_pb2.PagedAttentionMode.Name(status.policy).removeprefix("PAGED_ATTENTION_MODE_").lower()
+    others = " ".join(
+        f"--policy {name}={handshake_pb.feature_mode_from_pb(mode).value}"
+        for name, mode in sorted(status.policies.items())
+        if name != "paged-attn" and handshake_pb.feature_mode_from_pb(mode).value != "auto"
+    )
     num_admitted = sum(1 for w in status.workers if w.state == router_pb2.WORKER_STATE_ADMITTED)
     head = (
-        f"cluster {state}  policy --paged-attn {policy}  "
+        f"cluster {state}  policy --paged-attn {policy}{'  ' + others if others else ''}  "
         f"workers {num_admitted}/{status.expected_workers} admitted"
     )
     columns: tuple[str, ...] = (
-        "WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "LOAD", "HEARTBEAT",
+        "WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "FEATURES", "LOAD",
+        "HEARTBEAT",
     )  # fmt: skip
     with_labels = any(w.labels for w in status.workers)
     if with_labels:
@@ -55,6 +68,7 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
     notes = []
     for w in status.workers:
         kind, capacity = _realized_cells(w)
+        features = worker_features(w)
         load = (
             f"{w.load.num_running} run {w.load.num_waiting} wait "
             f"{w.load.num_free_blocks}/{w.load.num_total_blocks} free {w.num_outstanding} out"
@@ -68,6 +82,7 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
                 _asked_cell(w),
                 kind,
                 capacity,
+                describe_features(features) or "-",
                 load,
                 f"{w.seconds_since_heartbeat:.1f}s ago",
             )
@@ -75,6 +90,9 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
         )
         for f in w.realized.fallbacks:
             notes.append(f"  {w.worker_id}: fallback [{f.component}] {f.reason}")
+        for s in features:
+            if s.fell_back and s.name != "paged-attn":  # paged-attn's are the fallback lines above
+                notes.append(f"  {w.worker_id}: {s.name} off [{s.component}] {s.code}: {s.message}")
         if w.HasField("failure"):
             code = _enum_name(worker_pb2.StartupFailureCode, w.failure.code, "STARTUP_FAILURE_CODE_")
             notes.append(f"  {w.worker_id}: failed ({code}) [{w.failure.component}] {w.failure.reason}")

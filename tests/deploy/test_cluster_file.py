@@ -81,14 +81,18 @@ def test_defaults_and_the_policy_reaches_workers_that_do_not_say():
 def test_yaml_booleans_are_the_modes_on_and_off_never_something_else(tmp_path: Path):
     path = tmp_path / "c.yaml"
     path.write_text(
-        "router: {paged_attn: on}\n"
+        "router: {paged_attn: on, policies: {cuda-graphs: off, prefix-caching: on, cpu-kernels: auto}}\n"
         "workers:\n"
-        "  - {name: a, replicas: 1, flags: {paged-attn: off, no-prefix-caching: true}}\n"
+        "  - {name: a, replicas: 1, flags: {paged-attn: off, prefix-caching: off, log-prompts: true}}\n"
         "  - {name: b, replicas: 1, flags: {paged-attn: yes}}\n"
     )
     cluster = load_cluster_file(path)
     assert cluster.router.paged_attn is PagedAttentionMode.ON
-    assert cluster.workers[0].flags == ("--paged-attn", "off", "--no-prefix-caching")
+    assert cluster.router_argv()[:10] == [
+        "--listen", "0.0.0.0:50051", "--paged-attn", "on", "--policy", "cuda-graphs=off",
+        "--policy", "prefix-caching=on", "--policy", "cpu-kernels=auto",
+    ]  # fmt: skip
+    assert cluster.workers[0].flags == ("--paged-attn", "off", "--prefix-caching", "off", "--log-prompts")
     assert cluster.workers[1].flags == ("--paged-attn", "on")
     path.write_text("workers:\n  - {name: a, replicas: 1, flags: {model: yes}}\n")
     with pytest.raises(ClusterFileError, match=r"workers\[0\]\.flags\.model: .*quote the value"):
@@ -201,6 +205,22 @@ def test_yaml_booleans_are_the_modes_on_and_off_never_something_else(tmp_path: P
         (
             {"router": {"paged_attn": "maybe"}, **MINIMAL},
             "c.yaml: router.paged_attn: expected auto, on or off",
+        ),
+        (
+            {"router": {"policies": {"graphs": True}}, **MINIMAL},
+            "c.yaml: router.policies.graphs: expected a feature name: paged-attn, prefix-caching",
+        ),
+        (
+            {"router": {"policies": {"cuda-graphs": "maybe"}}, **MINIMAL},
+            "c.yaml: router.policies.cuda-graphs: expected auto, on or off",
+        ),
+        (
+            {"router": {"paged_attn": "on", "policies": {"paged-attn": False}}, **MINIMAL},
+            "c.yaml: router.policies.paged-attn: expected the same mode as router.paged_attn (on)",
+        ),
+        (
+            {"workers": [{"name": "a", "replicas": 1, "flags": {"no-prefix-caching": True}}]},
+            "c.yaml: workers[0].flags: --no-prefix-caching was replaced: use --prefix-caching off",
         ),
         ({"workers": []}, "c.yaml: workers: expected a list of one or more worker groups"),
         ({"ray": {}}, "c.yaml: workers: required"),

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 from kvpact.router.admission import admit, admit_plan
+from kvpact.shared.features import FeatureState
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import Fallback, PagedAttentionMode, PagedBackend, cache_intent
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
@@ -136,3 +137,64 @@ def test_a_plan_is_judged_by_the_same_rules_as_a_realized_cache(policy, intent, 
     decision = admit_plan(policy, cache_intent(intent), plan)
     assert decision.pending is pending and not decision.admitted
     assert decision.policy_failure is (not pending)
+
+
+# ---- every other feature: router --policy NAME=MODE over the worker's reported feature states ----
+
+NO_CUDA = FeatureState("cuda-graphs", AUTO, False, "no-cuda-device", "no CUDA device: ...", "device")
+GRAPHS = FeatureState("cuda-graphs", ON, True)
+GRAPHS_OFF = FeatureState(
+    "cuda-graphs", OFF, False, "off-by-request", "it was started with --cuda-graphs off"
+)
+GRAPHS_AUTO_ON = FeatureState("cuda-graphs", AUTO, True)
+
+# (the cuda-graphs policy, the worker's cuda-graphs state or None) -> admitted?, words
+FEATURE_MATRIX = [
+    (ON, GRAPHS, True, ["realized a PAGED KV cache"]),
+    (ON, GRAPHS_AUTO_ON, True, ["realized a PAGED KV cache"]),
+    (ON, NO_CUDA, False, ["--policy cuda-graphs=on", "realized cuda-graphs off under --cuda-graphs auto",
+                          "[device] no-cuda-device: no CUDA device"]),
+    (ON, GRAPHS_OFF, False, ["started with --cuda-graphs off", "start it with --cuda-graphs on"]),
+    (ON, None, False, ["reported no cuda-graphs state", "drop --policy cuda-graphs=on"]),
+    (OFF, GRAPHS, False, ["started with --cuda-graphs on", "--policy cuda-graphs=off"]),
+    (OFF, GRAPHS_AUTO_ON, False, ["realized cuda-graphs on under --cuda-graphs auto", "--cuda-graphs off"]),
+    (OFF, NO_CUDA, True, []),
+    (AUTO, NO_CUDA, True, []),
+    (AUTO, None, True, []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mode", "state", "admitted", "words"),
+    FEATURE_MATRIX,
+    ids=[f"policy-{m.value}-{s.requested.value + '-' + str(s.realized) if s else 'unreported'}"
+         for m, s, *_ in FEATURE_MATRIX],
+)  # fmt: skip
+def test_feature_policy_matrix(mode, state, admitted, words):
+    realized = replace(PAGED, features=(FeatureState("paged-attn", AUTO, True), *([state] if state else [])))
+    decision = admit(AUTO, cache_intent(AUTO), realized, {"cuda-graphs": mode, "cpu-kernels": AUTO})
+    assert decision.admitted is admitted, decision.reason
+    for w in words:
+        assert w in decision.reason
+    if not admitted:
+        assert decision.policy_failure and decision.feature == "cuda-graphs"
+
+
+def test_a_plan_that_cannot_meet_a_feature_policy_is_refused_before_loading():
+    plan = LoadingPlan(kind=CacheKind.PAGED, backend=PagedBackend.TORCH, features=(NO_CUDA,))
+    decision = admit_plan(AUTO, cache_intent(AUTO), plan, {"cuda-graphs": ON})
+    assert (decision.admitted, decision.pending, decision.feature) == (False, False, "cuda-graphs")
+    assert "plans cuda-graphs off" in decision.reason
+    assert admit_plan(AUTO, cache_intent(AUTO), plan, {"cuda-graphs": AUTO}).pending
+
+
+def test_a_worker_that_failed_its_own_feature_on_is_a_policy_failure_naming_the_feature():
+    failure = StartupFailure(
+        StartupFailureCode.FEATURE_REQUIRED, "no CUDA device: ...", "device", "cuda-graphs"
+    )
+    decision = admit(AUTO, cache_intent(AUTO), failure)
+    assert decision.policy_failure and decision.feature == "cuda-graphs"
+    assert (
+        decision.reason
+        == "its startup failed (feature-required) [device]: --cuda-graphs on: no CUDA device: ..."
+    )

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from kvpact.client import Client
 from kvpact.router.cli import build_parser
+from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.v1 import worker_pb2_grpc
 from tests.factories.processes import (
     free_port,
@@ -25,7 +27,7 @@ from tests.factories.processes import (
     wait_for_line,
 )
 from tests.router.background import BackgroundLoop
-from tests.router.doubles import WorkerDouble, failed, ready, serving_double
+from tests.router.doubles import WorkerDouble, failed, paged_realized, ready, serving_double
 
 ROUTER_LISTENING = r"^router listening on (\S+)$"
 TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
@@ -196,3 +198,41 @@ def test_the_console_script_is_installed():
     script = re.sub(r"python[0-9.]*$", "router", sys.executable)
     out = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "--expect-workers" in out.stdout and "78" in out.stdout
+
+
+def test_a_late_worker_failing_a_feature_policy_is_refused_and_metrics_show_every_feature(tmp_path):
+    """`router --policy cuda-graphs=on`: "a" realized graphs and is admitted; "b" (no CUDA) joins after the
+    start and is refused alone, the cluster keeps serving; /metrics counts features and fallbacks."""
+    port = free_port()
+    argv = router_argv("--policy", "cuda-graphs=on", "--metrics-port", str(port))
+    graphs = FeatureState("cuda-graphs", FeatureMode.AUTO, True)
+    no_cuda = FeatureState(
+        "cuda-graphs", FeatureMode.AUTO, False, "no-cuda-device", "no CUDA device", "device"
+    )
+    with (
+        BackgroundLoop() as bg,
+        running(argv, name="router", log_dir=tmp_path) as router,
+    ):
+        address = started(router)
+        a = bg.enter(serving_double(WorkerDouble("a")))
+        b = bg.enter(serving_double(WorkerDouble("b")))
+        with grpc.insecure_channel(address) as channel:
+            registry = worker_pb2_grpc.RegistryStub(channel)
+            assert registry.Register(
+                ready("a", a.address, replace(paged_realized(), features=(graphs,))), timeout=5
+            ).admitted
+            refused = registry.Register(
+                ready("b", b.address, replace(paged_realized(), features=(no_cuda,))), timeout=5
+            )
+        assert not refused.admitted
+        assert refused.reason == (
+            "the cluster policy is --policy cuda-graphs=on and it realized cuda-graphs off under "
+            "--cuda-graphs auto because [device] no-cuda-device: no CUDA device"
+        )
+        with Client(address, timeout=10) as client:
+            assert client.complete("abc", max_tokens=4).token_ids == (3, 4, 5, 6)  # still serving
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvpact_worker_feature_realized{feature="cuda-graphs",realized="on",requested="auto"} 1.0' in text
+    assert 'kvpact_worker_feature_realized{feature="cuda-graphs",realized="off",requested="auto"} 1.0' in text
+    assert 'kvpact_worker_fallbacks_total{feature="cuda-graphs",reason="no-cuda-device"} 1.0' in text
+    assert "late_worker_refused" in router.stderr()

@@ -1,8 +1,11 @@
 """The failure report: one block naming each worker, what it was asked, what it realized and why."""
 
+from dataclasses import replace
+
 from kvpact.router.registry import WorkerEntry, WorkerState
 from kvpact.router.report import FailedStartup, render_failure_report
 from kvpact.shared.describe import describe_intent, describe_realized
+from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
 from kvpact.shared.handshake import StartupFailure, StartupFailureCode
 from kvpact.shared.intent import (
     Fallback,
@@ -115,4 +118,30 @@ def test_report_says_where_a_labelled_worker_runs():
     assert (
         'worker "b" at 127.0.0.1:5001, model tiny: ADMITTED\n'
         "  placed:    ray.bundle=1 ray.node=4b1c0e\n  asked:" in report
+    )
+
+
+def test_report_names_each_workers_feature_that_a_policy_constrains_and_a_failed_feature_on():
+    no_cuda = FeatureState(
+        "cuda-graphs", FeatureMode.AUTO, False, "no-cuda-device", "no CUDA device", "device"
+    )
+    a = entry("a", realized=replace(paged_realized(), features=(no_cuda,)), state=WorkerState.REFUSED,
+              reason="the cluster policy is --policy cuda-graphs=on and ...")  # fmt: skip
+    a.spec = replace(a.spec, features=FeatureIntents(prefix_caching=FeatureMode.OFF))
+    failed = StartupFailure(StartupFailureCode.FEATURE_REQUIRED, "no CUDA device", "device", "cuda-graphs")
+    b = entry("b", failure=failed, state=WorkerState.FAILED, reason="its startup failed")
+    report = render_failure_report(
+        FailedStartup(PagedAttentionMode.AUTO, 2, 'worker "a" was refused', 78, workers=[a, b],
+                      shutdown={}, policies={"cuda-graphs": FeatureMode.ON}, feature="cuda-graphs")
+    )  # fmt: skip
+    lines = report.splitlines()
+    assert lines[0].startswith(
+        "kvpact router: the cluster FAILED to start (--paged-attn auto, --policy cuda-graphs=on,"
+    )
+    assert "  asked:     --paged-attn on --pa-block-size 16 --prefix-caching off" in lines
+    assert "  feature:   cuda-graphs off [device] no-cuda-device: no CUDA device" in lines
+    assert "  failed:    (feature-required) [device] --cuda-graphs on: no CUDA device" in lines
+    assert lines[-1] == (
+        "exit code 78: the cuda-graphs policy (--policy cuda-graphs, or a worker's --cuda-graphs on) "
+        "cannot be honored by every worker"
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpact.shared.features import FeatureIntents
 from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
@@ -36,9 +37,11 @@ def worker_spec(
     max_model_len: int = 256,
     max_num_seqs: int = 0,
     max_num_batched_tokens: int = 0,
+    features: FeatureIntents | None = None,
     **paged: object,
 ) -> WorkerSpec:
-    """A CPU WorkerSpec; `paged` are PagedAttentionConfig fields (context_tokens=..., block_size=...)."""
+    """A CPU WorkerSpec; `paged` are PagedAttentionConfig fields (context_tokens=..., block_size=...),
+    `features` the other features' modes (default: every one auto)."""
     settings = PagedAttentionConfig(**paged)  # type: ignore[arg-type]
     return WorkerSpec(
         model=str(model),
@@ -47,6 +50,7 @@ def worker_spec(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         cache=cache_intent(PagedAttentionMode(mode), settings),
+        features=features or FeatureIntents(),
     )
 
 

@@ -142,10 +142,16 @@ def test_stop_string_across_a_token_boundary_cuts_the_text_before_it(engine):
 
 
 def stream_pieces(engine: Engine, request: GenerationRequest) -> tuple[list[str], list[int]]:
-    async def main():
-        return [p async for p in engine.generate(request)]
+    """The pieces as the step thread emits them, one per token (`submit`'s sink: nothing merged)."""
+    outputs, done = [], threading.Event()
 
-    outputs = asyncio.run(main())
+    def sink(piece) -> None:  # noqa: ANN001 - a GenerationOutput or the error
+        outputs.append(piece)
+        if isinstance(piece, BaseException) or piece.usage is not None:
+            done.set()
+
+    engine.submit(request, sink)
+    assert done.wait(60) and not isinstance(outputs[-1], BaseException), outputs[-1:]
     assert all(len(o.token_ids) == 1 for o in outputs)
     return [o.text for o in outputs], [o.token_ids[0] for o in outputs]
 
@@ -346,3 +352,28 @@ def test_past_max_waiting_a_new_request_is_refused_at_once_naming_the_flag(make_
 
     asyncio.run(main())
     assert all_blocks_free(engine)
+
+
+def test_a_caller_that_falls_behind_gets_the_queued_tokens_merged_and_the_first_alone(engine):
+    """The pieces queued while the caller was busy go out as one (fewer messages), in order, with their
+    logprobs; the first token never waits for company; the stream says what an unhurried one says."""
+    request = GenerationRequest(
+        "slow", TEXT, SamplingParams(temperature=0, logprobs=True), max_tokens=24, ignore_eos=True
+    )
+
+    async def slow_reader() -> list:
+        pieces = []
+        async for piece in engine.generate(request):
+            pieces.append(piece)
+            if len(pieces) == 1:  # the step thread keeps going while this caller is away
+                assert await eventually_async(lambda: engine.stats().num_running == 0, timeout=60)
+        return pieces
+
+    pieces = asyncio.run(slow_reader())
+    [whole] = engine.run([request])
+    assert len(pieces[0].token_ids) == 1
+    assert [len(p.token_ids) for p in pieces[1:]] == [23]  # the other 23 were queued: one piece
+    assert [t for p in pieces for t in p.token_ids] == list(whole.token_ids)
+    assert [lp for p in pieces for lp in p.logprobs] == pytest.approx(list(whole.logprobs))
+    assert "".join(p.text for p in pieces) == whole.text
+    assert (pieces[-1].finish_reason, pieces[-1].usage.completion_tokens) == (FinishReason.LENGTH, 24)

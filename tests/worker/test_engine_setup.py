@@ -11,10 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvpact.shared import reasons
 from kvpact.shared.capability import DeviceInfo
 from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
+from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.shared.intent import PagedBackend
+from kvpact.shared.reasons import Finding
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from kvpact.shared.spec import LayerPlacement
 from kvpact.v1 import cache_pb2
@@ -22,7 +25,7 @@ from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.kv import sizing
 from kvpact.worker.scheduler.eager import EagerScheduler
 from kvpact.worker.scheduler.paged import PagedScheduler
-from kvpact.worker.startup import engine_setup
+from kvpact.worker.startup import checks, engine_setup
 from kvpact.worker.startup.device import KERNEL_SUPPORT, DeviceProbe
 from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import greedy, worker_spec
@@ -178,7 +181,7 @@ def test_sliding_window_longer_than_max_model_len_is_no_obstacle(windowed_llama,
 def described_gpus_pass_the_kernel_self_test(monkeypatch):
     """A described CUDA device has no GPU to run the Triton self-test on: it passes unless a test
     says otherwise (tests/worker/test_kernel_check.py tests the self-test itself)."""
-    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *args, **kwargs: "")
+    monkeypatch.setattr(checks, "triton_self_test", lambda *args, **kwargs: "")
 
 
 def cuda_probe(cc=(9, 0), triton="3.9.0", free=70 * GiB) -> DeviceProbe:  # type: ignore[no-untyped-def]
@@ -256,7 +259,7 @@ def test_a_described_h200_plans_bf16_triton_and_the_cuda_default_budget(
     head64_llama, no_loading, monkeypatch
 ):
     tested = []
-    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: tested.append((a, k)) or "")
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: tested.append((a, k)) or "")
     free = 320 * 2**20  # small enough that the budget, not max_num_seqs x max_model_len, sets the size
     plan = engine_setup.plan_startup(
         worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(free)
@@ -315,7 +318,8 @@ def test_a_failing_kernel_self_test_falls_back_under_auto_and_fails_under_on(
     head64_llama, no_loading, monkeypatch
 ):
     reason = "the Triton paged kernels failed a startup self-test on Described H200 (cuda:0): RuntimeError: x"
-    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: reason)
+    found = Finding(reasons.KERNEL_SELF_TEST, reason)
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: found)
     plan = engine_setup.plan_startup(
         worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(GiB)
     )
@@ -328,7 +332,7 @@ def test_a_failing_kernel_self_test_falls_back_under_auto_and_fails_under_on(
 
 
 def test_the_torch_backend_on_a_gpu_runs_no_triton_self_test(head64_llama, no_loading, monkeypatch):
-    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: pytest.fail("self-test ran"))
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: pytest.fail("self-test ran"))
     spec = worker_spec(head64_llama, "on", max_model_len=512, backend=PagedBackend.TORCH)
     plan = engine_setup.plan_startup(spec, probe=h200_probe(GiB))
     assert (plan.cache_kind, plan.backend) == (CacheKind.PAGED, PagedBackend.TORCH)
@@ -347,3 +351,10 @@ def test_build_engine_loads_weights_only_after_a_passing_verdict(tiny_llama, mon
         assert len(loaded) == 1 and engine.realized.kind is CacheKind.PAGED
     finally:
         engine.close()
+
+
+def test_cpu_kernels_off_builds_the_torch_path(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama, "on", features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
+    assert engine.step_loop.runner.cache.kernels == "pure-torch reference kernels (cpu-kernels realized off)"
+    built = {f.name: f for f in engine.realized.features}
+    assert not built["cpu-kernels"].realized and built["prefix-caching"].realized

@@ -11,7 +11,7 @@ from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
 from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.worker.cli import parse_args
 from kvpact.worker.kv import sizing
-from kvpact.worker.startup import engine_setup
+from kvpact.worker.startup import checks, engine_setup
 from tests.worker.conftest import worker_spec
 from tests.worker.test_engine_setup import h200_probe, head64_llama, no_loading  # noqa: F401 - fixtures
 
@@ -51,7 +51,7 @@ def test_an_explicit_length_that_cannot_fit_fails_under_on_naming_the_largest_th
     assert "or lower --max-model-len (the largest that fits is 208)" in str(info.value)
     # under auto (on a GPU, where auto would use PagedAttention): it falls back to the eager cache and
     # says why, with the same kind of figure
-    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: "")
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: "")
     spec = worker_spec(head64_llama, "auto", max_model_len=512, context_tokens=100)
     plan = engine_setup.plan_startup(replace(spec, device="cuda"), probe=h200_probe(2**30))
     assert plan.cache_kind is CacheKind.EAGER
@@ -93,7 +93,7 @@ def test_eager_auto_fits_the_slots_into_free_memory(head64_llama, no_loading):  
 
 
 def test_on_cuda_the_default_is_auto(head64_llama, no_loading, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(engine_setup, "triton_self_test", lambda *a, **k: "")
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: "")
     spec = replace(worker_spec(head64_llama, "on", context_tokens=100), max_model_len=0)
     plan = engine_setup.plan_startup(spec, probe=h200_probe(2**30))
     assert plan.max_model_len == 112  # 7 blocks of 16: what one pool holds, not the model's 512

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpact import kernels
+from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.shared.intent import PagedBackend
 from kvpact.worker.engine.request import SamplingParams
 from kvpact.worker.engine.sequence import ScheduledChunk, Sequence
@@ -15,6 +16,8 @@ from tests.factories.tiny_models import ContiguousAttention
 from tests.worker.conftest import greedy, run_staggered
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 4
+
+NO_PREFIX = FeatureIntents(prefix_caching=FeatureMode.OFF)
 
 
 def fake_seq(name: str, num_tokens: int, block_ids: list[int]) -> Sequence:
@@ -151,7 +154,7 @@ def test_prefix_cache_hit_computes_only_the_rest_and_gives_the_same_output(make_
     assert two.usage.cached_prompt_tokens == 3 * 16
     assert chunks["second"][0] == (48, len(second) - 48)  # the prefill skipped the 3 cached blocks
 
-    cold = make_engine(tiny_llama, "on", max_model_len=128, context_tokens=1024, prefix_caching=False)
+    cold = make_engine(tiny_llama, "on", max_model_len=128, context_tokens=1024, features=NO_PREFIX)
     [reference] = cold.run([greedy("second", second, 20)])
     assert reference.usage.cached_prompt_tokens == 0
     assert two.token_ids == reference.token_ids and two.text == reference.text

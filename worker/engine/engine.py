@@ -40,6 +40,7 @@ from kvpact.worker.engine.request import (
     GenerationOutput,
     GenerationRequest,
     GenerationResult,
+    merge_pieces,
 )
 from kvpact.worker.engine.sequence import Sequence
 from kvpact.worker.engine.step_loop import StepLoop
@@ -139,12 +140,21 @@ class Engine:
             self._rejected()
             raise
         finished = False
+        held: GenerationOutput | BaseException | None = None  # taken from the queue, not yet merged
         try:
             while not finished:
-                item = await pieces.get()
+                item = held if held is not None else await pieces.get()
+                held = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                # Pieces the step thread queued while the caller was writing go out as one: fewer
+                # messages when the writes fall behind, and never a wait (the first token goes alone).
+                while item.finish_reason is None and not pieces.empty():
+                    held = pieces.get_nowait()
+                    if isinstance(held, BaseException) or held.index != item.index:
+                        break
+                    item, held = merge_pieces(item, held), None
                 finished = item.usage is not None  # the request's last piece (all n completions ended)
                 yield item
         finally:

@@ -184,6 +184,20 @@ class GenerationOutput:
     index: int = 0
 
 
+def merge_pieces(first: GenerationOutput, then: GenerationOutput) -> GenerationOutput:
+    """One piece saying what `first` then `then` (of the same completion, `first` not its last) say."""
+    return GenerationOutput(
+        request_id=first.request_id,
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=first.logprobs + then.logprobs,
+        finish_reason=then.finish_reason,
+        usage=then.usage,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        index=first.index,
+    )
+
+
 class GenerationError(KvpactError):
     """The engine failed while serving a request (a step raised); the message says what failed."""
 

@@ -37,6 +37,7 @@ class EagerCache:
         dtype: torch.dtype,
         device: torch.device,
         sliding_window: int | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         shape = (num_slots, max_model_len, num_kv_heads, head_dim)
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -47,10 +48,12 @@ class EagerCache:
         self.device = device
         self.sliding_window = sliding_window
         # Decodes read their slot in place with the C decode kernel (a slot is one block of
-        # max_model_len tokens); else (no compiler, not float32 on a CPU, a sliding window) the
-        # decodes' histories are gathered and attended with torch's SDPA.
+        # max_model_len tokens); else (no compiler, not float32 on a CPU, a sliding window, or
+        # --cpu-kernels realized off) the decodes' histories are gathered and attended with torch's SDPA.
         native = (
-            cpu_paged.load(dtype, device)
+            "cpu-kernels realized off"
+            if not cpu_kernels
+            else cpu_paged.load(dtype, device)
             if sliding_window is None
             else "the C decode kernel has no sliding window"
         )
@@ -60,6 +63,11 @@ class EagerCache:
             if not isinstance(native, str)
             else f"torch SDPA on gathered histories ({native})"
         )
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether decodes run the C kernel (what --cpu-kernels realized)."""
+        return self.native is not None
 
     def visible(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
         """[num_queries, num_keys] bool: which keys each query attends to (causal, windowed if set)."""

@@ -89,12 +89,18 @@ def reference_ops() -> PagedOps:
 
 
 def paged_ops(
-    backend: PagedBackend, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+    backend: PagedBackend,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    cpu_kernels: bool = True,
 ) -> tuple[PagedOps, str]:
     """The backend's kernels and a line saying which they are (logged at startup). TORCH on a CPU
-    float32 cache: the C kernels of kernels/cpu_paged.py (decode reads blocks in place); where those
-    cannot run, the references, and the line says why."""
+    float32 cache: the C kernels of kernels/cpu_paged.py (decode reads blocks in place) unless
+    `cpu_kernels` is False (the plan realized --cpu-kernels off); where those cannot run, the references,
+    and the line says why."""
     if backend is PagedBackend.TORCH:
+        if not cpu_kernels:
+            return reference_ops(), "pure-torch reference kernels (cpu-kernels realized off)"
         native = cpu_paged.load(dtype, device or torch.device("cpu"))
         if isinstance(native, str):
             return reference_ops(), f"pure-torch reference kernels ({native})"
@@ -123,6 +129,7 @@ class PagedCache:
         backend: PagedBackend,
         *,
         max_model_len: int | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Unused slots may hold anything: the kernels never read past a sequence's context.
@@ -133,7 +140,8 @@ class PagedCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.backend = backend
-        self.ops, self.kernels = paged_ops(backend, dtype, device)
+        self.ops, self.kernels = paged_ops(backend, dtype, device, cpu_kernels)
+        self.cpu_kernels = isinstance(getattr(self.ops.write, "__self__", None), cpu_paged.CpuPagedOps)
         self.scale = head_dim**-0.5
         self.device = device
         self.num_sms = device_num_sms(device)

@@ -1,9 +1,10 @@
-"""Start a worker's engine, honoring --paged-attn as a policy, in two halves: `plan_startup` finds every
-reason knowable before loading (fast, no weights read), `build_engine` loads and builds what was planned.
+"""Start a worker's engine, honoring each feature's intent (--paged-attn, --prefix-caching, --cpu-kernels,
+--cuda-graphs), in two halves: `plan_startup` runs every check knowable before loading (startup/checks.py;
+fast, no weights read), `build_engine` loads and builds what was planned.
 
-NOTE: every "cannot" goes through `disable_paged_attention` (recorded under `auto`, raised under `on`),
-and `select_scheduler` checks the built cache once more, so `on` never ends with an eager cache. The
-checks in order, and which component each names: docs/worker-startup.md.
+NOTE: every "cannot" goes through its feature's door (recorded under `auto`, raised under `on`), and
+the build is checked once more (`select_scheduler`, `built_features`), so `on` never ends without the
+feature. The checks in order, and which component each names: docs/worker-startup.md.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import structlog
 import torch
 
 from kvpact.shared import reasons
-from kvpact.shared.capability import ModelTraits, PagedDecision, decide_paged_attention
 from kvpact.shared.describe import realized_table
-from kvpact.shared.errors import ConfigError
-from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend, disable_paged_attention
+from kvpact.shared.errors import ConfigError, FeatureRequiredError
+from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState, Ledger, describe_features
+from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
 from kvpact.shared.realized import RealizedCache
+from kvpact.shared.reasons import CPU_KERNELS, PREFIX_CACHING
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.cpu_share import CpuShare
@@ -42,8 +44,8 @@ from kvpact.worker.scheduler.base import Scheduler
 from kvpact.worker.scheduler.block_manager import BlockManager
 from kvpact.worker.scheduler.eager import EagerScheduler
 from kvpact.worker.scheduler.paged import PagedScheduler
+from kvpact.worker.startup.checks import Planning, run_checks
 from kvpact.worker.startup.device import DeviceProbe, probe_device
-from kvpact.worker.startup.kernel_check import triton_self_test
 from kvpact.worker.startup.kernel_warmup import warm_up_paged_kernels
 
 _CACHE_DTYPES = {
@@ -55,14 +57,16 @@ _CACHE_DTYPES = {
 
 @dataclass(slots=True)
 class WorkerPlan:
-    """Everything decided before a weight is read. `state.paged_config` None = the eager cache."""
+    """Everything decided before a weight is read. `state.paged_config` None = the eager cache;
+    `features` is what each feature will realize (what was built, before the build confirms it)."""
 
     spec: WorkerSpec
     probe: DeviceProbe
     model_path: Path
     model_config: ModelConfig
     state: PagedAttentionState
-    decision: PagedDecision
+    backend: PagedBackend | None  # PAGED only
+    features: tuple[FeatureState, ...]
     dtype: torch.dtype
     cache_dtype: torch.dtype
     max_model_len: int
@@ -79,9 +83,8 @@ class WorkerPlan:
     def cache_kind(self) -> CacheKind:
         return CacheKind.PAGED if self.state.enabled else CacheKind.EAGER
 
-    @property
-    def backend(self) -> PagedBackend | None:
-        return self.decision.backend if self.state.enabled else None
+    def realizes(self, feature: str) -> bool:
+        return any(f.name == feature and f.realized for f in self.features)
 
     def log_fields(self) -> dict[str, Any]:
         return {
@@ -93,118 +96,120 @@ class WorkerPlan:
             "max_model_len_source": self.max_model_len_source,
             "max_num_seqs": self.max_num_seqs,
             "weight_bytes": self.weight_bytes,
+            "features": describe_features(self.features),
             "fallbacks": [f"{f.component}: {f.reason}" for f in self.state.fallbacks],
         }
 
 
 def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any = None) -> WorkerPlan:
     """`probe`: the device as already probed (the worker process probes first, so a failed plan can still
-    report the device's capabilities); None probes `spec.device` here."""
+    report the device's capabilities); None probes `spec.device` here. The feature checks are
+    startup/checks.py's, run in order; every fallback is logged once, here, with its reason."""
     log = log or structlog.get_logger("worker.engine_setup")
     started = time.monotonic()
     if probe is None:
         probe = probe_device(spec.device, spec.device_map)
-    state = PagedAttentionState.from_intent(spec.cache)
-    path = resolve_model_path(spec.model or None)
-    config = read_model_config(path)
-    dtype = resolve_dtype(probe.device, spec.dtype, probe.info.compute_capability)
-    cache_dtype = _cache_dtype(spec, dtype)
-    traits = ModelTraits(head_size=config.head_dim, dtype=str(cache_dtype).removeprefix("torch."))
-    decision = decide_paged_attention(probe.info, state, traits)
-
-    defaults = sizing.device_defaults(probe.info.kind)
-    max_model_len, fit_to_cache, max_model_len_source = _max_model_len(spec, config, defaults)
-    for reason in loader_findings(config, max_model_len):
-        disable_paged_attention(state, reason, component=reasons.SLIDING_WINDOW.component)
-    _check_device_map(spec, config)
-
-    max_num_batched_tokens = spec.max_num_batched_tokens or defaults.max_num_batched_tokens
-    weight_bytes = estimate_weight_bytes(path, dtype=dtype)
-    itemsize = torch.empty((), dtype=cache_dtype).element_size()
-    bytes_per_token = sizing.kv_bytes_per_token(
-        config.num_layers, config.num_kv_heads, config.head_dim, itemsize
-    )
-    paged_size = None
-    if state.paged_config is not None:
-        max_num_seqs = spec.max_num_seqs or defaults.paged_max_num_seqs
-        activations = sizing.activation_headroom_bytes(
-            device_kind=probe.info.kind,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-        )
-        paged_size = sizing.size_paged_cache(
-            state.paged_config,
-            device_kind=probe.info.kind,
-            memory_total_bytes=probe.memory_total_bytes,
-            memory_free_bytes=probe.memory_free_bytes,
-            weight_bytes=weight_bytes,
-            activation_bytes=activations,
-            bytes_per_token=bytes_per_token,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-        )
-        if fit_to_cache and paged_size.capacity_tokens:
-            max_model_len, max_model_len_source = sizing.fit_paged(paged_size, max_model_len)
-        reason = sizing.shortfall(paged_size, max_model_len)
-        if reason:
-            disable_paged_attention(state, reason, component=reasons.KV_BUDGET.component)
-            paged_size = None
-    if state.paged_config is not None and decision.backend is PagedBackend.TRITON:
-        reason = triton_self_test(
-            probe.device,
-            cache_dtype,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            block_size=state.paged_config.block_size,
-        )
-        if reason:
-            disable_paged_attention(state, reason, component=reasons.KERNEL_SELF_TEST.component)
-            paged_size = None
-    if state.paged_config is None:
-        max_num_seqs = spec.max_num_seqs or defaults.eager_max_num_seqs
-        if fit_to_cache:
-            fit, how = sizing.fit_eager(
-                model_limit=config.max_position_embeddings,
-                num_slots=max_num_seqs,
-                bytes_per_token=bytes_per_token,
-                weight_bytes=weight_bytes,
-                memory_free_bytes=probe.memory_free_bytes,
-            )
-            if fit:  # 0: nothing fits; check_eager_fits says so with the numbers
-                max_model_len, max_model_len_source = fit, how
-        sizing.check_eager_fits(
-            num_slots=max_num_seqs,
-            max_model_len=max_model_len,
-            bytes_per_token=bytes_per_token,
-            weight_bytes=weight_bytes,
-            memory_free_bytes=probe.memory_free_bytes,
-            device_kind=probe.info.kind,
-        )
+    p = _begin(spec, probe)
+    run_checks(p)
+    _check_device_map(spec, p.config)
+    if p.paged:
+        max_num_seqs = spec.max_num_seqs or p.defaults.paged_max_num_seqs
+    else:
+        max_num_seqs = _size_eager(p)
+    features = (p.state.feature_state(), *p.ledger.states())
     plan = WorkerPlan(
         spec=spec,
         probe=probe,
-        model_path=path,
-        model_config=config,
-        state=state,
-        decision=decision,
-        dtype=dtype,
-        cache_dtype=cache_dtype,
-        max_model_len=max_model_len,
+        model_path=_model_path(spec),
+        model_config=p.config,
+        state=p.state,
+        backend=p.backend if p.paged else None,
+        features=features,
+        dtype=p.dtype,
+        cache_dtype=p.cache_dtype,
+        max_model_len=p.max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        weight_bytes=weight_bytes,
-        bytes_per_token=bytes_per_token,
-        paged_size=paged_size,
+        max_num_batched_tokens=p.max_num_batched_tokens,
+        weight_bytes=p.weight_bytes,
+        bytes_per_token=p.bytes_per_token,
+        paged_size=p.paged_size if p.paged else None,
         verdict_seconds=time.monotonic() - started,
-        max_model_len_source=max_model_len_source,
+        max_model_len_source=p.max_model_len_source,
     )
+    log_fallbacks(features, log)
     log.info("pre-load verdict", seconds=round(plan.verdict_seconds, 3), **plan.log_fields())
     return plan
+
+
+def log_fallbacks(features: tuple[FeatureState, ...], log: Any) -> None:
+    """One line per feature that fell back (asked auto, realized off), with its reason."""
+    for f in features:
+        if f.fell_back:
+            log.warning(
+                "feature fallback",
+                feature=f.name,
+                requested=f.requested.value,
+                reason=f.code,
+                component=f.component,
+                message=f.message,
+            )
+
+
+def _model_path(spec: WorkerSpec) -> Path:
+    return resolve_model_path(spec.model or None)
+
+
+def _begin(spec: WorkerSpec, probe: DeviceProbe) -> Planning:
+    """What the checks start from: the model's config (no weights), dtypes, sizing inputs, every intent."""
+    config = read_model_config(_model_path(spec))
+    dtype = resolve_dtype(probe.device, spec.dtype, probe.info.compute_capability)
+    cache_dtype = _cache_dtype(spec, dtype)
+    defaults = sizing.device_defaults(probe.info.kind)
+    max_model_len, fit_to_cache, source = _max_model_len(spec, config, defaults)
+    itemsize = torch.empty((), dtype=cache_dtype).element_size()
+    modes = {name: spec.features.mode(name) for name in FeatureIntents.names()}
+    return Planning(
+        spec=spec,
+        probe=probe,
+        config=config,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        defaults=defaults,
+        state=PagedAttentionState.from_intent(spec.cache),
+        ledger=Ledger(modes),
+        max_model_len=max_model_len,
+        fit_to_cache=fit_to_cache,
+        max_model_len_source=source,
+        max_num_batched_tokens=spec.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        weight_bytes=estimate_weight_bytes(_model_path(spec), dtype=dtype),
+        bytes_per_token=sizing.kv_bytes_per_token(
+            config.num_layers, config.num_kv_heads, config.head_dim, itemsize
+        ),
+    )
+
+
+def _size_eager(p: Planning) -> int:
+    """The eager cache's slots (and --max-model-len auto's fit to them); raises when they cannot fit."""
+    max_num_seqs = p.spec.max_num_seqs or p.defaults.eager_max_num_seqs
+    if p.fit_to_cache:
+        fit, how = sizing.fit_eager(
+            model_limit=p.config.max_position_embeddings,
+            num_slots=max_num_seqs,
+            bytes_per_token=p.bytes_per_token,
+            weight_bytes=p.weight_bytes,
+            memory_free_bytes=p.probe.memory_free_bytes,
+        )
+        if fit:  # 0: nothing fits; check_eager_fits says so with the numbers
+            p.max_model_len, p.max_model_len_source = fit, how
+    sizing.check_eager_fits(
+        num_slots=max_num_seqs,
+        max_model_len=p.max_model_len,
+        bytes_per_token=p.bytes_per_token,
+        weight_bytes=p.weight_bytes,
+        memory_free_bytes=p.probe.memory_free_bytes,
+        device_kind=p.probe.info.kind,
+    )
+    return max_num_seqs
 
 
 def build_engine(
@@ -233,6 +238,7 @@ def build_engine(
             plan.probe.device,
             plan.backend,
             max_model_len=plan.max_model_len,
+            cpu_kernels=plan.realizes(CPU_KERNELS),
         )
         log.info("paged attention kernels", backend=cache.backend.value, kernels=cache.kernels)
         if cache.backend is PagedBackend.TRITON:
@@ -253,17 +259,20 @@ def build_engine(
             plan.cache_dtype,
             plan.probe.device,
             sliding_window=config.sliding_window,
+            cpu_kernels=plan.realizes(CPU_KERNELS),
         )
         log.info("eager attention kernels", kernels=cache.kernels)
     scheduler_kind = select_scheduler(plan.spec.cache, cache.kind)  # the backstop: from what was built
     scheduler: Scheduler
     if scheduler_kind is SchedulerKind.PAGED:
         assert isinstance(cache, PagedCache) and plan.state.paged_config is not None
-        manager = BlockManager(cache.num_blocks, cache.block_size, plan.state.paged_config.prefix_caching)
+        manager = BlockManager(cache.num_blocks, cache.block_size, plan.realizes(PREFIX_CACHING))
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
         scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
-    realized = realized_cache(plan, cache, scheduler_kind)
+    features = built_features(plan, cache)
+    log_fallbacks(tuple(f for f in features if f not in plan.features), log)
+    realized = realized_cache(plan, cache, scheduler_kind, features)
     log.info(
         "realized KV cache\n" + realized_table(realized),
         model=loaded.name,
@@ -283,14 +292,32 @@ def build_engine(
     )
 
 
+def built_features(plan: WorkerPlan, cache: PagedCache | EagerCache) -> tuple[FeatureState, ...]:
+    """The backstop: the plan's feature states, checked against what was built. The C kernels chosen
+    but not running: under on, the error; under auto, a fallback naming what was built."""
+    features = []
+    for f in plan.features:
+        if f.name == CPU_KERNELS and f.realized and not cache.cpu_kernels:
+            finding = reasons.CPU_KERNELS_BUILT.found(built=f"{cache.kind.value} KV cache ({cache.kernels})")
+            if f.requested is FeatureMode.ON:
+                raise FeatureRequiredError(
+                    finding.message, finding.component, feature=CPU_KERNELS, code=finding.code
+                )
+            f = FeatureState(f.name, f.requested, False, finding.code, finding.message, finding.component)
+        features.append(f)
+    return tuple(features)
+
+
 def realized_cache(
-    plan: WorkerPlan, cache: PagedCache | EagerCache, scheduler: SchedulerKind
+    plan: WorkerPlan,
+    cache: PagedCache | EagerCache,
+    scheduler: SchedulerKind,
+    features: tuple[FeatureState, ...] = (),
 ) -> RealizedCache:
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
     fallbacks = tuple(plan.state.fallbacks)
     if isinstance(cache, PagedCache):
         capacity = cache.num_blocks * cache.block_size
-        config = plan.state.paged_config
         return RealizedCache(
             kind=CacheKind.PAGED,
             scheduler=scheduler,
@@ -302,8 +329,9 @@ def realized_cache(
             cache_dtype=cache_dtype,
             backend=cache.backend,
             block_size=cache.block_size,
-            prefix_caching=config is not None and config.prefix_caching,
+            prefix_caching=plan.realizes(PREFIX_CACHING),
             fallbacks=fallbacks,
+            features=features or plan.features,
         )
     return RealizedCache(
         kind=CacheKind.EAGER,
@@ -315,16 +343,8 @@ def realized_cache(
         memory_bytes=cache.memory_bytes,
         cache_dtype=cache_dtype,
         fallbacks=fallbacks,
+        features=features or plan.features,
     )
-
-
-def loader_findings(config: ModelConfig, max_model_len: int) -> list[str]:
-    """Model properties the paged kernels cannot honor (each becomes a fallback or, under `on`, the error)."""
-    findings = []
-    window = config.sliding_window
-    if window is not None and window < max_model_len:
-        findings.append(reasons.SLIDING_WINDOW.message(window=window, max_model_len=max_model_len))
-    return findings
 
 
 def _cache_dtype(spec: WorkerSpec, dtype: torch.dtype) -> torch.dtype:

@@ -12,7 +12,7 @@ two short sequences in scattered blocks:
                                          cached prefix                       torch reference
     paged_decode_attention (1, 2 splits) the same two contexts               likewise
 
-It returns "" when all agree and otherwise the reason for the fallback door (component "kernels").
+It returns None when all agree and otherwise the Finding for the fallback door (component "kernels").
 It also compiles the kernel variants the first requests use, so they do not pay for it.
 """
 
@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from kvpact.kernels import reference
-from kvpact.shared.reasons import KERNEL_ACCURACY, KERNEL_SELF_TEST
+from kvpact.shared.reasons import KERNEL_ACCURACY, KERNEL_SELF_TEST, Finding
 from kvpact.worker.kv.paged import PagedOps
 
 CONTEXT_LENS = (5, 37)
@@ -41,8 +41,8 @@ def triton_self_test(
     head_dim: int,
     block_size: int,
     ops: PagedOps | None = None,
-) -> str:
-    """ "" when the Triton kernels (or `ops`, for tests) match the torch references on `device`,
+) -> Finding | None:
+    """None when the Triton kernels (or `ops`, for tests) match the torch references on `device`,
     else why not, naming --pa-backend torch as the way to keep PagedAttention without them."""
     where = _device_name(device)
     try:
@@ -55,18 +55,18 @@ def triton_self_test(
             errors = _compare(ops, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
     except Exception as e:  # noqa: BLE001 - any failure to compile or launch is the finding
         message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return KERNEL_SELF_TEST.message(where=where, error=f"{type(e).__name__}: {message[:300]}")
+        return KERNEL_SELF_TEST.found(where=where, error=f"{type(e).__name__}: {message[:300]}")
     tolerance = TOLERANCES[dtype]
     for name, error in errors.items():
         if not error <= tolerance:  # NaN fails too
-            return KERNEL_ACCURACY.message(
+            return KERNEL_ACCURACY.found(
                 kernel=name,
                 error=f"{error:.3g}",
                 tolerance=f"{tolerance:g}",
                 dtype=str(dtype).removeprefix("torch."),
                 where=where,
             )
-    return ""
+    return None
 
 
 def _compare(

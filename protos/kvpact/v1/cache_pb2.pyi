@@ -123,6 +123,28 @@ SCHEDULER_KIND_PAGED: SchedulerKind.ValueType  # 1
 SCHEDULER_KIND_DEFAULT: SchedulerKind.ValueType  # 2
 Global___SchedulerKind: _TypeAlias = SchedulerKind  # noqa: Y015
 
+class _FeatureMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FeatureModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FeatureMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FEATURE_MODE_UNSPECIFIED: _FeatureMode.ValueType  # 0
+    FEATURE_MODE_AUTO: _FeatureMode.ValueType  # 1
+    FEATURE_MODE_ON: _FeatureMode.ValueType  # 2
+    FEATURE_MODE_OFF: _FeatureMode.ValueType  # 3
+
+class FeatureMode(_FeatureMode, metaclass=_FeatureModeEnumTypeWrapper):
+    """Any optional feature's intent (--paged-attn, --prefix-caching, --cpu-kernels, --cuda-graphs).
+    UNSPECIFIED is read as AUTO and reported back as AUTO.
+    """
+
+FEATURE_MODE_UNSPECIFIED: FeatureMode.ValueType  # 0
+FEATURE_MODE_AUTO: FeatureMode.ValueType  # 1
+FEATURE_MODE_ON: FeatureMode.ValueType  # 2
+FEATURE_MODE_OFF: FeatureMode.ValueType  # 3
+Global___FeatureMode: _TypeAlias = FeatureMode  # noqa: Y015
+
 @_typing.final
 class PagedAttentionConfig(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -134,7 +156,6 @@ class PagedAttentionConfig(_message.Message):
     CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
-    DISABLE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     required: _builtins.bool
     """the bit that survives: true only for --paged-attn on"""
     block_size: _builtins.int
@@ -144,7 +165,6 @@ class PagedAttentionConfig(_message.Message):
     context_tokens: _builtins.int
     cache_dtype: Global___CacheDtype.ValueType
     backend: Global___PagedBackend.ValueType
-    disable_prefix_caching: _builtins.bool
     def __init__(
         self,
         *,
@@ -155,11 +175,10 @@ class PagedAttentionConfig(_message.Message):
         context_tokens: _builtins.int = ...,
         cache_dtype: Global___CacheDtype.ValueType = ...,
         backend: Global___PagedBackend.ValueType = ...,
-        disable_prefix_caching: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "context_tokens", b"context_tokens", "memory_bytes", b"memory_bytes", "memory_fraction", b"memory_fraction"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "budget", b"budget", "cache_dtype", b"cache_dtype", "context_tokens", b"context_tokens", "disable_prefix_caching", b"disable_prefix_caching", "memory_bytes", b"memory_bytes", "memory_fraction", b"memory_fraction", "required", b"required"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "budget", b"budget", "cache_dtype", b"cache_dtype", "context_tokens", b"context_tokens", "memory_bytes", b"memory_bytes", "memory_fraction", b"memory_fraction", "required", b"required"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_budget: _TypeAlias = _typing.Literal["memory_fraction", "memory_bytes", "context_tokens"]  # noqa: Y015
     _WhichOneofArgType_budget: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
@@ -200,22 +219,66 @@ class Fallback(_message.Message):
 
     COMPONENT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
     component: _builtins.str
     """e.g. "device", "loader", "cache-budget" """
     reason: _builtins.str
+    code: _builtins.str
+    """the reason's code (shared/reasons.py), e.g. "cpu-mps-default" """
     def __init__(
         self,
         *,
         component: _builtins.str = ...,
         reason: _builtins.str = ...,
+        code: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "component", b"component", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Fallback: _TypeAlias = Fallback  # noqa: Y015
+
+@_typing.final
+class FeatureState(_message.Message):
+    """One feature: what was asked, what was built (or planned), and why it is off."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REQUESTED_FIELD_NUMBER: _builtins.int
+    REALIZED_FIELD_NUMBER: _builtins.int
+    REASON_CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    COMPONENT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"paged-attn", "prefix-caching", "cpu-kernels", "cuda-graphs" """
+    requested: Global___FeatureMode.ValueType
+    realized: _builtins.bool
+    reason_code: _builtins.str
+    """shared/reasons.py's code; empty when realized"""
+    message: _builtins.str
+    """the reason, for an operator"""
+    component: _builtins.str
+    """who found it: "device", "cache", "build", ..."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        requested: Global___FeatureMode.ValueType = ...,
+        realized: _builtins.bool = ...,
+        reason_code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        component: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["component", b"component", "message", b"message", "name", b"name", "realized", b"realized", "reason_code", b"reason_code", "requested", b"requested"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FeatureState: _TypeAlias = FeatureState  # noqa: Y015
 
 @_typing.final
 class RealizedCache(_message.Message):
@@ -235,6 +298,7 @@ class RealizedCache(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     PREFIX_CACHING_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     kind: Global___CacheKind.ValueType
     backend: Global___PagedBackend.ValueType
     """PAGED only"""
@@ -252,6 +316,10 @@ class RealizedCache(_message.Message):
     prefix_caching: _builtins.bool
     @_builtins.property
     def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Fallback]: ...
+    @_builtins.property
+    def features(self) -> _containers.RepeatedCompositeFieldContainer[Global___FeatureState]:
+        """every feature as built, paged-attn included"""
+
     def __init__(
         self,
         *,
@@ -267,10 +335,11 @@ class RealizedCache(_message.Message):
         max_model_len: _builtins.int = ...,
         memory_bytes: _builtins.int = ...,
         prefix_caching: _builtins.bool = ...,
+        features: _abc.Iterable[Global___FeatureState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "capacity_tokens", b"capacity_tokens", "fallbacks", b"fallbacks", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "memory_bytes", b"memory_bytes", "num_blocks", b"num_blocks", "prefix_caching", b"prefix_caching", "scheduler", b"scheduler"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "capacity_tokens", b"capacity_tokens", "fallbacks", b"fallbacks", "features", b"features", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "memory_bytes", b"memory_bytes", "num_blocks", b"num_blocks", "prefix_caching", b"prefix_caching", "scheduler", b"scheduler"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -247,12 +247,33 @@ Global___ClusterStatusRequest: _TypeAlias = ClusterStatusRequest  # noqa: Y015
 class ClusterStatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class PoliciesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _cache_pb2.FeatureMode.ValueType
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _cache_pb2.FeatureMode.ValueType = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     STATE_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
     EXPECTED_WORKERS_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     FAILURE_REPORT_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    POLICIES_FIELD_NUMBER: _builtins.int
     state: Global___ClusterState.ValueType
     policy: _cache_pb2.PagedAttentionMode.ValueType
     expected_workers: _builtins.int
@@ -263,6 +284,10 @@ class ClusterStatusResponse(_message.Message):
     """
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]: ...
+    @_builtins.property
+    def policies(self) -> _containers.ScalarMap[_builtins.str, _cache_pb2.FeatureMode.ValueType]:
+        """The cluster's policy per feature (router --policy NAME=MODE; --paged-attn is `policy` above too)."""
+
     def __init__(
         self,
         *,
@@ -272,10 +297,11 @@ class ClusterStatusResponse(_message.Message):
         workers: _abc.Iterable[Global___WorkerStatus] | None = ...,
         failure_report: _builtins.str = ...,
         health: _builtins.str = ...,
+        policies: _abc.Mapping[_builtins.str, _cache_pb2.FeatureMode.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_workers", b"expected_workers", "failure_report", b"failure_report", "health", b"health", "policy", b"policy", "state", b"state", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_workers", b"expected_workers", "failure_report", b"failure_report", "health", b"health", "policies", b"policies", "policy", b"policy", "state", b"state", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,6 +35,8 @@ class _StartupFailureCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_St
     """missing, corrupt or unsupported model"""
     STARTUP_FAILURE_CODE_OUT_OF_MEMORY: _StartupFailureCode.ValueType  # 4
     STARTUP_FAILURE_CODE_INTERNAL: _StartupFailureCode.ValueType  # 5
+    STARTUP_FAILURE_CODE_FEATURE_REQUIRED: _StartupFailureCode.ValueType  # 6
+    """another --FEATURE on cannot be honored"""
 
 class StartupFailureCode(_StartupFailureCode, metaclass=_StartupFailureCodeEnumTypeWrapper): ...
 
@@ -47,6 +49,8 @@ STARTUP_FAILURE_CODE_MODEL_LOAD: StartupFailureCode.ValueType  # 3
 """missing, corrupt or unsupported model"""
 STARTUP_FAILURE_CODE_OUT_OF_MEMORY: StartupFailureCode.ValueType  # 4
 STARTUP_FAILURE_CODE_INTERNAL: StartupFailureCode.ValueType  # 5
+STARTUP_FAILURE_CODE_FEATURE_REQUIRED: StartupFailureCode.ValueType  # 6
+"""another --FEATURE on cannot be honored"""
 Global___StartupFailureCode: _TypeAlias = StartupFailureCode  # noqa: Y015
 
 @_typing.final
@@ -80,6 +84,26 @@ class WorkerSpec(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class FeaturesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _cache_pb2.FeatureMode.ValueType
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _cache_pb2.FeatureMode.ValueType = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     DEVICE_MAP_FIELD_NUMBER: _builtins.int
@@ -90,6 +114,7 @@ class WorkerSpec(_message.Message):
     CACHE_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_AUTO_FIELD_NUMBER: _builtins.int
     THREADS_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """path to an HF directory or .gguf file"""
     device: _builtins.str
@@ -112,6 +137,10 @@ class WorkerSpec(_message.Message):
 
     @_builtins.property
     def cache(self) -> _cache_pb2.CacheIntent: ...
+    @_builtins.property
+    def features(self) -> _containers.ScalarMap[_builtins.str, _cache_pb2.FeatureMode.ValueType]:
+        """--prefix-caching etc. by feature name; absent = AUTO"""
+
     def __init__(
         self,
         *,
@@ -125,10 +154,11 @@ class WorkerSpec(_message.Message):
         cache: _cache_pb2.CacheIntent | None = ...,
         max_model_len_auto: _builtins.bool = ...,
         threads: _builtins.int | None = ...,
+        features: _abc.Mapping[_builtins.str, _cache_pb2.FeatureMode.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_threads", b"_threads", "cache", b"cache", "threads", b"threads"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_threads", b"_threads", "cache", b"cache", "device", b"device", "device_map", b"device_map", "dtype", b"dtype", "max_model_len", b"max_model_len", "max_model_len_auto", b"max_model_len_auto", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model", b"model", "threads", b"threads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_threads", b"_threads", "cache", b"cache", "device", b"device", "device_map", b"device_map", "dtype", b"dtype", "features", b"features", "max_model_len", b"max_model_len", "max_model_len_auto", b"max_model_len_auto", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model", b"model", "threads", b"threads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__threads: _TypeAlias = _typing.Literal["threads"]  # noqa: Y015
     _WhichOneofArgType__threads: _TypeAlias = _typing.Literal["_threads", b"_threads"]  # noqa: Y015
@@ -192,19 +222,23 @@ class StartupFailure(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     COMPONENT_FIELD_NUMBER: _builtins.int
+    FEATURE_FIELD_NUMBER: _builtins.int
     code: Global___StartupFailureCode.ValueType
     reason: _builtins.str
     component: _builtins.str
+    feature: _builtins.str
+    """the feature whose `on` could not be honored (a *_REQUIRED code)"""
     def __init__(
         self,
         *,
         code: Global___StartupFailureCode.ValueType = ...,
         reason: _builtins.str = ...,
         component: _builtins.str = ...,
+        feature: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "component", b"component", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "component", b"component", "feature", b"feature", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -220,6 +254,7 @@ class LoadingPlan(_message.Message):
     PLANNED_BACKEND_FIELD_NUMBER: _builtins.int
     FALLBACKS_FIELD_NUMBER: _builtins.int
     VERDICT_SECONDS_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     planned_kind: _cache_pb2.CacheKind.ValueType
     planned_backend: _cache_pb2.PagedBackend.ValueType
     """PAGED only"""
@@ -229,6 +264,10 @@ class LoadingPlan(_message.Message):
     def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[_cache_pb2.Fallback]:
         """every fallback the plan took (under auto)"""
 
+    @_builtins.property
+    def features(self) -> _containers.RepeatedCompositeFieldContainer[_cache_pb2.FeatureState]:
+        """every feature as planned"""
+
     def __init__(
         self,
         *,
@@ -236,10 +275,11 @@ class LoadingPlan(_message.Message):
         planned_backend: _cache_pb2.PagedBackend.ValueType = ...,
         fallbacks: _abc.Iterable[_cache_pb2.Fallback] | None = ...,
         verdict_seconds: _builtins.float = ...,
+        features: _abc.Iterable[_cache_pb2.FeatureState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fallbacks", b"fallbacks", "planned_backend", b"planned_backend", "planned_kind", b"planned_kind", "verdict_seconds", b"verdict_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fallbacks", b"fallbacks", "features", b"features", "planned_backend", b"planned_backend", "planned_kind", b"planned_kind", "verdict_seconds", b"verdict_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

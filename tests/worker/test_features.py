@@ -1,0 +1,135 @@
+"""Each optional feature's intent, through the real pre-load checks (startup/checks.py) and, where the
+build decides, the real build: auto realizes off naming the reason, on fails naming it, off never."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpact.shared.errors import FeatureRequiredError
+from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
+from kvpact.worker.startup import checks, engine_setup
+from tests.factories.tiny_models import make_tiny_llama
+from tests.worker.conftest import worker_spec
+from tests.worker.test_engine_setup import h200_probe, no_loading  # noqa: F401 - a fixture
+
+AUTO, ON, OFF = FeatureMode.AUTO, FeatureMode.ON, FeatureMode.OFF
+GiB = 2**30
+pytestmark = pytest.mark.usefixtures("no_loading")  # no check here may read a weight
+
+
+@pytest.fixture(scope="module")
+def head64(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A model the Triton kernels take (head size 64), for the described GPU."""
+    return make_tiny_llama(tmp_path_factory.mktemp("head64"), hidden_size=128, num_heads=2, num_kv_heads=1)
+
+
+def plan(model, mode="auto", probe=None, **features):  # type: ignore[no-untyped-def]
+    spec = worker_spec(model, mode, features=FeatureIntents(**features))
+    return engine_setup.plan_startup(spec, probe=probe)
+
+
+def state(p, name: str) -> FeatureState:  # type: ignore[no-untyped-def]
+    (found,) = [f for f in p.features if f.name == name]
+    return found
+
+
+def test_every_feature_is_planned_in_order_and_defaults_to_auto(tiny_llama):
+    p = plan(tiny_llama)
+    assert [f.name for f in p.features] == ["paged-attn", "prefix-caching", "cpu-kernels", "cuda-graphs"]
+    assert all(f.requested is AUTO for f in p.features)
+
+
+# ---- prefix-caching ----
+
+
+def test_prefix_caching_auto_on_the_eager_cache_realizes_off_naming_why(tiny_llama):
+    s = state(plan(tiny_llama, "auto"), "prefix-caching")
+    assert (s.realized, s.code, s.component) == (False, "prefix-cache-needs-paged", "cache")
+    assert s.message.startswith("prefix caching needs the paged KV cache and this worker plans an eager one")
+    assert "eager is the CPU default" in s.message
+
+
+def test_prefix_caching_on_never_turns_paged_attention_on(tiny_llama):
+    with pytest.raises(FeatureRequiredError) as info:
+        plan(tiny_llama, "auto", prefix_caching=ON)
+    assert info.value.feature == "prefix-caching" and info.value.component == "cache"
+    assert str(info.value).startswith(
+        "Prefix caching was explicitly requested (--prefix-caching on), but prefix caching needs the paged KV"
+    )
+    with pytest.raises(FeatureRequiredError, match=r"\(--paged-attn off\)"):
+        plan(tiny_llama, "off", prefix_caching=ON)
+
+
+def test_prefix_caching_on_with_the_paged_cache_is_realized_and_off_is_off(tiny_llama):
+    assert state(plan(tiny_llama, "on", prefix_caching=ON), "prefix-caching").realized
+    off = state(plan(tiny_llama, "on", prefix_caching=OFF), "prefix-caching")
+    assert (off.realized, off.code, off.message) == (
+        False,
+        "off-by-request",
+        "it was started with --prefix-caching off",
+    )
+
+
+# ---- cpu-kernels ----
+
+
+def test_cpu_kernels_auto_on_a_float32_cpu_cache_is_realized(tiny_llama):
+    assert state(plan(tiny_llama, "auto", cpu_kernels=ON), "cpu-kernels").realized
+
+
+def test_cpu_kernels_need_a_float32_cache(tiny_llama):
+    spec = worker_spec(tiny_llama, "on", cache_dtype=engine_setup.CacheDtype.BFLOAT16)
+    s = state(engine_setup.plan_startup(spec), "cpu-kernels")
+    assert (s.realized, s.code) == (False, "c-kernels-need-float32")
+    assert s.message == "the C kernels are float32 only and the KV cache is bfloat16"
+    on = worker_spec(
+        tiny_llama,
+        "on",
+        cache_dtype=engine_setup.CacheDtype.BFLOAT16,
+        features=FeatureIntents(cpu_kernels=ON),
+    )
+    with pytest.raises(FeatureRequiredError, match=r"--cpu-kernels on\), but the C kernels are float32 only"):
+        engine_setup.plan_startup(on)
+
+
+def test_cpu_kernels_without_a_c_compiler_fall_back_under_auto_and_fail_under_on(
+    tiny_llama, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVPACT_CACHE_DIR", str(tmp_path / "cache"))
+    s = state(plan(tiny_llama), "cpu-kernels")
+    assert (s.realized, s.code, s.component) == (False, "c-kernels-build", "build")
+    assert s.message.startswith("the C kernels cannot be built here: could not build cpu_paged.c")
+    with pytest.raises(FeatureRequiredError, match="the C kernels cannot be built here") as info:
+        plan(tiny_llama, cpu_kernels=ON)
+    assert info.value.feature == "cpu-kernels"
+
+
+def test_cpu_kernels_on_a_gpu_cache_name_the_device(head64, monkeypatch):
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: None)
+    s = state(plan(head64, probe=h200_probe(8 * GiB)), "cpu-kernels")
+    assert (s.realized, s.code, s.message) == (
+        False,
+        "c-kernels-need-cpu",
+        "the C kernels run on CPU tensors and this worker's KV cache is on cuda",
+    )
+
+
+# ---- cuda-graphs ----
+
+
+def test_cuda_graphs_on_cpu_realize_off_under_auto_and_fail_under_on(tiny_llama):
+    s = state(plan(tiny_llama), "cuda-graphs")
+    assert (s.realized, s.code, s.component) == (False, "no-cuda-device", "device")
+    with pytest.raises(FeatureRequiredError) as info:
+        plan(tiny_llama, cuda_graphs=ON)
+    assert str(info.value) == (
+        "CUDA graphs were explicitly requested (--cuda-graphs on), but no CUDA device: CUDA graphs need one "
+        "and this worker runs on cpu. [device]"
+    )
+
+
+def test_cuda_graphs_on_a_gpu_say_the_capture_is_not_built(head64, monkeypatch):
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: None)
+    s = state(plan(head64, probe=h200_probe(8 * GiB)), "cuda-graphs")
+    assert (s.realized, s.code) == (False, "graph-capture-not-built")

@@ -1,0 +1,190 @@
+"""The pre-load checks: one small function per condition. Each reads the plan being made (`Planning`) and
+returns a Finding (why its feature cannot be realized here, shared/reasons.py) or None; `run_checks`
+runs them in `CHECKS` order and sends each finding through its feature's door (recorded under auto,
+raised under on).
+
+NOTE: a check runs only while its feature is in force, and later features read earlier outcomes
+(prefix caching reads whether the paged cache survived; it never turns it on). The sizing check also
+refines the plan: the paged pool's size and --max-model-len auto's fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpact.kernels import cpu_paged
+from kvpact.shared import reasons
+from kvpact.shared.capability import ModelTraits, choose_backend
+from kvpact.shared.features import Ledger
+from kvpact.shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
+from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING, Finding
+from kvpact.shared.spec import WorkerSpec
+from kvpact.worker.kv import sizing
+from kvpact.worker.model import ModelConfig
+from kvpact.worker.startup.device import DeviceProbe
+from kvpact.worker.startup.kernel_check import triton_self_test
+
+
+@dataclass(slots=True)
+class Planning:
+    """The plan being made: what the checks read, and what the sizing check refines."""
+
+    spec: WorkerSpec
+    probe: DeviceProbe
+    config: ModelConfig
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    defaults: sizing.DeviceDefaults
+    state: PagedAttentionState  # paged-attn's door and fallbacks
+    ledger: Ledger  # every other feature's
+    max_model_len: int
+    fit_to_cache: bool  # --max-model-len auto: still to be fitted to the cache
+    max_model_len_source: str
+    max_num_batched_tokens: int
+    weight_bytes: int
+    bytes_per_token: int
+    backend: PagedBackend | None = None  # set by the device check
+    paged_size: sizing.PagedSize | None = None  # set by the KV budget check
+
+    @property
+    def paged(self) -> bool:
+        return self.state.paged_config is not None
+
+    def in_force(self, feature: str) -> bool:
+        return self.paged if feature == PAGED_ATTN else self.ledger.in_force(feature)
+
+    def fall_back(self, feature: str, finding: Finding) -> None:
+        if feature == PAGED_ATTN:
+            message, component, code = finding.message, finding.component, finding.code
+            disable_paged_attention(self.state, message, component=component, code=code)
+            self.backend, self.paged_size = None, None
+        else:
+            self.ledger.fall_back(feature, finding)
+
+
+Check = Callable[[Planning], Finding | None]
+
+
+def paged_device(p: Planning) -> Finding | None:
+    """Device, build and model traits: the backend, or why PagedAttention cannot run (capability.py)."""
+    traits = ModelTraits(head_size=p.config.head_dim, dtype=str(p.cache_dtype).removeprefix("torch."))
+    p.backend, finding = choose_backend(p.probe.info, p.state, traits)
+    return finding
+
+
+def paged_sliding_window(p: Planning) -> Finding | None:
+    window = p.config.sliding_window
+    if window is not None and window < p.max_model_len:
+        return reasons.SLIDING_WINDOW.found(window=window, max_model_len=p.max_model_len)
+    return None
+
+
+def paged_kv_budget(p: Planning) -> Finding | None:
+    """Size the pool (and fit --max-model-len auto to it); a pool short of one sequence is the finding."""
+    assert p.state.paged_config is not None
+    max_num_seqs = p.spec.max_num_seqs or p.defaults.paged_max_num_seqs
+    activations = sizing.activation_headroom_bytes(
+        device_kind=p.probe.info.kind,
+        hidden_size=p.config.hidden_size,
+        intermediate_size=p.config.intermediate_size,
+        vocab_size=p.config.vocab_size,
+        max_num_batched_tokens=p.max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        dtype_bytes=torch.empty((), dtype=p.dtype).element_size(),
+    )
+    p.paged_size = sizing.size_paged_cache(
+        p.state.paged_config,
+        device_kind=p.probe.info.kind,
+        memory_total_bytes=p.probe.memory_total_bytes,
+        memory_free_bytes=p.probe.memory_free_bytes,
+        weight_bytes=p.weight_bytes,
+        activation_bytes=activations,
+        bytes_per_token=p.bytes_per_token,
+        max_model_len=p.max_model_len,
+        max_num_seqs=max_num_seqs,
+    )
+    if p.fit_to_cache and p.paged_size.capacity_tokens:
+        p.max_model_len, p.max_model_len_source = sizing.fit_paged(p.paged_size, p.max_model_len)
+    message = sizing.shortfall(p.paged_size, p.max_model_len)
+    return Finding(reasons.KV_BUDGET, message) if message else None
+
+
+def paged_kernel_self_test(p: Planning) -> Finding | None:
+    if p.backend is not PagedBackend.TRITON:
+        return None
+    assert p.state.paged_config is not None
+    return triton_self_test(
+        p.probe.device,
+        p.cache_dtype,
+        num_heads=p.config.num_heads,
+        num_kv_heads=p.config.num_kv_heads,
+        head_dim=p.config.head_dim,
+        block_size=p.state.paged_config.block_size,
+    )
+
+
+def prefix_needs_paged(p: Planning) -> Finding | None:
+    if p.paged:
+        return None
+    why = p.state.fallbacks[-1].reason if p.state.fallbacks else "--paged-attn off"
+    return reasons.PREFIX_NEEDS_PAGED.found(why=why)
+
+
+def cpu_kernels_device(p: Planning) -> Finding | None:
+    if p.probe.device.type != "cpu":
+        return reasons.CPU_KERNELS_DEVICE.found(device=p.probe.device.type)
+    return None
+
+
+def cpu_kernels_dtype(p: Planning) -> Finding | None:
+    if p.cache_dtype != torch.float32:
+        return reasons.CPU_KERNELS_DTYPE.found(dtype=str(p.cache_dtype).removeprefix("torch."))
+    return None
+
+
+def cpu_kernels_window(p: Planning) -> Finding | None:
+    if not p.paged and p.config.sliding_window is not None:  # the eager cache windows; the C decode cannot
+        return reasons.CPU_KERNELS_WINDOW.found(window=p.config.sliding_window)
+    return None
+
+
+def cpu_kernels_build(p: Planning) -> Finding | None:
+    """Compile (once per machine, about a second; cached) and load the C kernels, before any weight."""
+    loaded = cpu_paged.load(p.cache_dtype, p.probe.device)
+    return reasons.CPU_KERNELS_BUILD.found(error=loaded) if isinstance(loaded, str) else None
+
+
+def cuda_graphs_device(p: Planning) -> Finding | None:
+    if p.probe.info.kind != "cuda":
+        return reasons.NO_CUDA.found(device=p.probe.info.kind)
+    return None
+
+
+def cuda_graphs_capture(p: Planning) -> Finding | None:
+    """The capture is not written yet (docs/contract.md): on a GPU, auto realizes off and on refuses."""
+    return reasons.GRAPHS_NOT_BUILT.found(device=str(p.probe.device))
+
+
+CHECKS: tuple[tuple[str, Check], ...] = (
+    (PAGED_ATTN, paged_device),
+    (PAGED_ATTN, paged_sliding_window),
+    (PAGED_ATTN, paged_kv_budget),
+    (PAGED_ATTN, paged_kernel_self_test),
+    (PREFIX_CACHING, prefix_needs_paged),
+    (CPU_KERNELS, cpu_kernels_device),
+    (CPU_KERNELS, cpu_kernels_dtype),
+    (CPU_KERNELS, cpu_kernels_window),
+    (CPU_KERNELS, cpu_kernels_build),
+    (CUDA_GRAPHS, cuda_graphs_device),
+    (CUDA_GRAPHS, cuda_graphs_capture),
+)
+
+
+def run_checks(p: Planning, checks: tuple[tuple[str, Check], ...] = CHECKS) -> None:
+    """Each check whose feature is still in force, in order; each finding through that feature's door."""
+    for feature, check in checks:
+        if p.in_force(feature) and (finding := check(p)):
+            p.fall_back(feature, finding)
