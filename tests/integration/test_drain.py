@@ -112,7 +112,9 @@ def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_dr
         with Client(address, timeout=60) as client, grpc.insecure_channel(address) as channel:
             streams = [client.generate(f"s{i}", max_tokens=200, ignore_eos=True) for i in range(2)]
             firsts = [next(stream) for stream in streams]  # least outstanding: one on each worker
-            [on_w2] = [s for s, first in zip(streams, firsts, strict=True) if first.worker_id == "w-2"]
+            [(on_w2, first_w2)] = [
+                (s, f) for s, f in zip(streams, firsts, strict=True) if f.worker_id == "w-2"
+            ]
             registry = worker_pb2_grpc.RegistryStub(channel)
             reply = registry.Drain(worker_pb2.DrainRequest(worker_id="w-2", reason="scale-down"), timeout=5)
             assert (reply.known, reply.state) == (True, "draining")
@@ -120,7 +122,8 @@ def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_dr
             assert states(client)["w-2"] == router_pb2.WORKER_STATE_DRAINING
             assert [client.complete(f"n{i}", max_tokens=1).worker_id for i in range(3)] == ["w-1"] * 3
             rest = list(on_w2)
-            assert rest[-1].finish_reason == "length" and 1 + len(rest) == 200  # its stream finished
+            num_tokens = len(first_w2.token_ids) + sum(len(c.token_ids) for c in rest)
+            assert rest[-1].finish_reason == "length" and num_tokens == 200  # its stream finished
             assert wait_for_exit(handles["w-2"], 30) == 0, handles["w-2"].output()
             assert "the router asked it to drain (scale-down)" in handles["w-2"].stdout()
             assert set(states(client)) == {"w-1"}  # it deregistered
