@@ -447,10 +447,10 @@ class Launch:
         self.stopping.set()  # restarts and adds in flight give up
         for thread in list(self.restarting.values()):
             thread.join(timeout=placement.STOP_MARGIN_S)
-        self.scaler.stop()
         if self.router is not None and self.router.returncode is None:
             self.router.popen.send_signal(signal.SIGTERM)  # again after Ray's is harmless: it drains once
             say("teardown: router told to stop (SIGTERM: new calls refused, in-flight streams go on)")
+        self.scaler.stop()  # adds in flight give up; the control actor goes
         if self.router is not None:  # first: a call it took just before the stop still reaches a worker
             code = stop(self.router, grace_s=self.cluster.router.drain_timeout_s + placement.STOP_MARGIN_S)
             say(f"teardown: router stopped (exit code {code})")

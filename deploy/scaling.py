@@ -52,7 +52,7 @@ class LaunchView(Protocol):
     def start_worker(self, worker: PlacedWorker) -> None: ...
 
 
-EXCHANGE_WAIT_S = 0.5
+EXCHANGE_WAIT_S = 0.0  # never wait in the round: an answer not there yet is taken next round (0.5 s)
 DRAIN_CALL_TIMEOUT_S = 5.0
 LEAVE_MARGIN_S = 10.0  # beyond a leaver's drain timeout (and a heartbeat or two) before it is stopped
 
@@ -104,8 +104,7 @@ class Scaler:
                 ray.remote(LauncherControl)
                 .options(name=CONTROL_NAME, namespace=CONTROL_NAMESPACE, num_cpus=0, max_restarts=0)
                 .remote(bounds, self.launch.cluster.ray.placement_timeout_s)
-            )
-            ray.get(self.control.group_status.remote(next(iter(self.groups))), timeout=60)
+            )  # not waited for: a stop meanwhile is answered at once; a failed start shows in _trade
         except Exception as exc:  # the name is held by another launch, or the actor did not start
             self.control = None
             self.launch.say_error(
