@@ -15,7 +15,13 @@ it implies. Pure: nothing here touches Ray, a socket or a process.
       flags: {}                  # any other router flag, by its CLI name without the dashes
     workers:                     # one or more groups; replicas get worker ids NAME-0, NAME-1, ...
       - name: gpu
-        replicas: 2
+        replicas: 2              # the starting size (all-or-nothing: one placement group for them all)
+        min_replicas: 2          # the bounds of `kvpact-launch scale` (both default to replicas;
+        max_replicas: 2          # 1 <= min_replicas <= replicas <= max_replicas); a worker added later
+                                 # gets a one-bundle placement group of its own
+        autoscale: null          # {metric: waiting | kv_usage, target: X, up_after_s: 30, down_after_s: 300}:
+                                 # one worker more (fewer) when the group's mean load stays above (below)
+                                 # X that long, within the bounds (deploy/autoscale.py)
         resources: {num_gpus: 1, num_cpus: 4}   # one placement-group bundle per replica; any Ray resource
         max_restarts: 0          # restarts of a replica that dies after the cluster serves, within any
                                  # 10 minutes (deploy/restarts.py: exponential backoff from 1 s)
@@ -45,6 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvpact.deploy.autoscale import METRICS, AutoscalePolicy
 from kvpact.shared.address import join_host_port
 from kvpact.shared.errors import ConfigError, KvpactError
 from kvpact.shared.features import FEATURES
@@ -105,9 +112,25 @@ class WorkerGroup:
     max_restarts: int = 0
     port_range: tuple[int, int] | None = None
     drain_timeout_s: float = 30.0  # its --drain-timeout, as the worker's parser read it
+    min_replicas: int = 0  # 0: replicas (the bounds `kvpact-launch scale` keeps to)
+    max_replicas: int = 0
+    autoscale: AutoscalePolicy | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "min_replicas", self.min_replicas or self.replicas)
+        object.__setattr__(self, "max_replicas", self.max_replicas or self.replicas)
 
     def worker_ids(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.replicas)]
+
+    def bounds_error(self, num: int) -> str:
+        """Why `num` replicas is outside this group's bounds, or ""."""
+        if self.min_replicas <= num <= self.max_replicas:
+            return ""
+        return (
+            f"group {self.name!r}: {num} replicas is outside its bounds [{self.min_replicas}, "
+            f"{self.max_replicas}] (workers[].min_replicas, workers[].max_replicas in the cluster file)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,30 +333,69 @@ def _policies(raw: object, where: str) -> dict[str, PagedAttentionMode]:
 
 
 def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> WorkerGroup:
-    allowed = {"name", "replicas", "resources", "flags", "max_restarts", "port_range"}
+    allowed = {"name", "replicas", "min_replicas", "max_replicas", "resources", "flags", "max_restarts"}
+    allowed |= {"port_range", "autoscale"}
     group = _mapping(raw, where, key, allowed, required={"name", "replicas"})
     name = group["name"]
     if not isinstance(name, str) or not _NAME.match(name):
         _fail(where, f"{key}.name", "expected lowercase letters, digits and '-' (at most 40)", name)
     replicas = _whole(group["replicas"], where, f"{key}.replicas", minimum=1)
+    min_replicas = _whole(group.get("min_replicas", replicas), where, f"{key}.min_replicas", minimum=1)
+    if min_replicas > replicas:
+        _fail(where, f"{key}.min_replicas", f"expected at most replicas ({replicas})", min_replicas)
+    max_replicas = _whole(group.get("max_replicas", replicas), where, f"{key}.max_replicas", minimum=1)
+    if max_replicas < replicas:
+        _fail(where, f"{key}.max_replicas", f"expected at least replicas ({replicas})", max_replicas)
     max_restarts = _whole(group.get("max_restarts", 0), where, f"{key}.max_restarts", minimum=0)
     resources = _resources(group.get("resources", {"num_cpus": 1}), where, f"{key}.resources")
-    port_range = _port_range(group.get("port_range"), replicas, where, f"{key}.port_range")
+    port_range = _port_range(group.get("port_range"), max_replicas, where, f"{key}.port_range")
+    autoscale = _autoscale(group.get("autoscale"), min_replicas, max_replicas, where, f"{key}.autoscale")
     from kvpact.worker.cli import build_parser
 
     parser = build_parser()
     flags = _flags_argv(group.get("flags", {}), where, f"{key}.flags", parser, LAUNCHER_WORKER_FLAGS)
     if "--paged-attn" not in flags:
         flags = ["--paged-attn", policy.value, *flags]
-    worker = WorkerGroup(name, replicas, resources, tuple(flags), max_restarts, port_range)
+    worker = WorkerGroup(
+        name, replicas, resources, tuple(flags), max_restarts, port_range,
+        min_replicas=min_replicas, max_replicas=max_replicas, autoscale=autoscale,
+    )  # fmt: skip
     slot = WorkerSlot(f"{name}-0", worker, 0)
     argv = worker_argv(slot, router="127.0.0.1:1", host="127.0.0.1")
     args = _check_with(parser, argv, where, f"{key}.flags")
     return replace(worker, drain_timeout_s=args.drain_timeout_s)
 
 
+def _autoscale(raw: object, low: int, high: int, where: str, key: str) -> AutoscalePolicy | None:
+    """{metric, target, up_after_s, down_after_s}, for a group whose bounds leave room to move."""
+    if raw is None:
+        return None
+    section = _mapping(
+        raw, where, key, {"metric", "target", "up_after_s", "down_after_s"}, {"metric", "target"}
+    )
+    metric = section["metric"]
+    if metric not in METRICS:
+        _fail(where, f"{key}.metric", f"expected one of {', '.join(METRICS)}", metric)
+    target = section["target"]
+    top = 1.0 if metric == "kv_usage" else math.inf
+    if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target < top:
+        what = "a fraction between 0 and 1 (exclusive)" if metric == "kv_usage" else "a number > 0"
+        _fail(where, f"{key}.target", f"expected {what} for metric {metric}", target)
+    if low == high:
+        _fail(
+            where,
+            key,
+            f"expected min_replicas < max_replicas (both {low}): autoscaling needs room to add or remove",
+            raw,
+        )
+    up = _seconds(section.get("up_after_s", 30), where, f"{key}.up_after_s")
+    down = _seconds(section.get("down_after_s", 300), where, f"{key}.down_after_s")
+    return AutoscalePolicy(metric, float(target), up, down)
+
+
 def _port_range(raw: object, replicas: int, where: str, key: str) -> tuple[int, int] | None:
-    """[LOW, HIGH], 1024 <= LOW <= HIGH <= 65535, with a port for every replica (all may share a node)."""
+    """[LOW, HIGH], 1024 <= LOW <= HIGH <= 65535, with a port for each of up to `replicas` workers (its
+    max_replicas: all may share a node)."""
     if raw is None:
         return None
     ports = raw if isinstance(raw, list) and len(raw) == 2 and all(type(p) is int for p in raw) else None
@@ -345,7 +407,7 @@ def _port_range(raw: object, replicas: int, where: str, key: str) -> tuple[int, 
         _fail(
             where,
             key,
-            f"expected at least {replicas} ports (replicas: {replicas}, who may all share one node); "
+            f"expected at least {replicas} ports (max_replicas: {replicas}, who may all share one node); "
             "widen the range",
             raw,
         )

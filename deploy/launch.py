@@ -11,6 +11,8 @@
        until SIGINT/SIGTERM. Every worker is asked at once each round; one whose process exits, or whose
        actor Ray reports dead, is restarted beside supervision (deploy/restarts.py: backoff, at most
        workers[].max_restarts per window), else the router marks it DEAD. A slow answer is never a death.
+       Each round also moves every group toward its target size (`kvpact-launch scale`, through the named
+       actor kvpact-launcher: deploy/scaling.py, deploy/control.py, deploy/scale.py)
     -> the stop, in order (always): the router refuses new work (SIGTERM) and exits once its streams are
        done; then the workers drain what is left (SIGTERM, each up to its --drain-timeout, SIGKILL only
        after that and a margin); then actors killed and the placement group removed
@@ -44,6 +46,7 @@ from kvpact.deploy.placement import LaunchFailure, PlacedWorker
 from kvpact.deploy.ports import node_shares, port_candidates
 from kvpact.deploy.processes import ProcessHandle, start_process, stop
 from kvpact.deploy.restarts import RestartBudget
+from kvpact.deploy.scaling import Scaler
 from kvpact.deploy.stop import stop_wait_warning
 from kvpact.deploy.supervision import Health, Observation, Poller
 from kvpact.shared.address import join_host_port
@@ -67,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="the cluster file (YAML)")
+    scale = "scale --group NAME --replicas N [--address A] [--timeout S]"
+    parser.usage = f"{PROG} --config FILE\n       {PROG} {scale}"
+
     return parser
 
 
@@ -75,6 +81,11 @@ def say(message: str, *, error: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["scale"]:
+        from kvpact.deploy.scale import main as scale_main
+
+        return scale_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         cluster = load_cluster_file(args.config)
@@ -95,6 +106,12 @@ def _reachable(bound: str) -> str:
     if host in _WILDCARD_HOSTS:
         host = placement.node_ip()  # what other nodes can reach, never a hostname
     return join_host_port(host, int(port))
+
+
+def _what(obs: Observation) -> str:
+    if obs.health is Health.DEAD:
+        return f"its Ray actor is dead ({obs.detail})"
+    return f"exited with code {obs.exit_code}"
 
 
 def read_report(path: Path) -> dict[str, Any]:
@@ -127,6 +144,18 @@ class Launch:
         self.slow_since: dict[str, float] = {}
         self.exited: dict[str, int] = {}  # worker id -> exit code, for workers that exited while starting
         self.auth_token = auth_token
+        self.scaler = Scaler(self)  # groups that grow and shrink while serving (deploy/scaling.py)
+
+    def say(self, message: str) -> None:
+        say(message)
+
+    def say_error(self, message: str) -> None:
+        say(message, error=True)
+
+    def report_status(self) -> dict[str, Any]:
+        """The ClusterStatus in the router's latest report (JSON mapping), {} before it has one."""
+        status = read_report(self.report_path).get("cluster_status", {})
+        return status if isinstance(status, dict) else {}
 
     def run(self) -> int:
         try:
@@ -166,10 +195,11 @@ class Launch:
         if not placement.locate(self.placed, cancelled=self.stopping.is_set, progress=say):
             return EXIT_OK, "stopped while starting"
         for worker in self.placed:
-            self._start_worker(worker)
+            self.start_worker(worker)
         code = self._until_serving()
         if code is not None:
             return code, self._failure_verdict(code)
+        self.scaler.start()  # before "SERVING": whoever reads it can run `kvpact-launch scale` at once
         table = self._cluster_table()  # first: whoever reads "SERVING" finds the table with it
         http = f"\nOpenAI API: http://{self.http_address}/v1" if self.http_address else ""
         say(f"the cluster is SERVING on {self.router_address}{http}\n{table}")
@@ -202,7 +232,7 @@ class Launch:
 
     # -- workers ---------------------------------------------------------------------------------------
 
-    def _start_worker(self, worker: PlacedWorker) -> None:
+    def start_worker(self, worker: PlacedWorker) -> None:
         import ray
 
         try:
@@ -234,6 +264,9 @@ class Launch:
         mates = [w for w in self.placed if w.slot.group is worker.slot.group]
         index, num = node_shares([w.node_id for w in mates])[mates.index(worker)]
         candidates = port_candidates(port_range, index, num)
+        if worker.added:  # shares shift as workers come and go: then any free port of the range
+            low, high = port_range
+            candidates += [p for p in range(low, high + 1) if p not in candidates]
         port = int(ray.get(worker.actor.free_port.remote(candidates), timeout=30))
         if not port:
             raise LaunchFailure(
@@ -299,7 +332,8 @@ class Launch:
             self.stopping.wait(POLL_INTERVAL_S)
 
     def _serve(self) -> tuple[int, str]:
-        """Serve until a signal or the router's exit; restart workers that die, beside this loop."""
+        """Serve until a signal or the router's exit; restart workers that die, beside this loop; move
+        each group toward its target size (kvpact-launch scale, deploy/scaling.py)."""
         while not self.stopping.wait(POLL_INTERVAL_S):
             code = self._router_code()
             if code == EXIT_OK:  # stopped by a signal of its own (the stop below finishes the job)
@@ -308,18 +342,23 @@ class Launch:
                 return EXIT_FATAL, f"FAILED (exit code 1): the router exited with code {code} while serving"
             for worker_id, obs in self._observe().items():
                 if obs.health in (Health.EXITED, Health.DEAD) and not self.stopping.is_set():
-                    self._worker_down(next(w for w in self.placed if w.slot.worker_id == worker_id), obs)
+                    worker = next((w for w in self.placed if w.slot.worker_id == worker_id), None)
+                    if worker is None:  # released meanwhile (a failed add)
+                        continue
+                    if not self.scaler.on_exit(worker, obs.exit_code, _what(obs)):
+                        self._worker_down(worker, obs)
+            if not self.stopping.is_set():
+                try:
+                    self.scaler.round()
+                except Exception as exc:  # scaling never stops supervision; the next round tries again
+                    say(f"warning: scaling round failed: {type(exc).__name__}: {exc}", error=True)
         return EXIT_OK, "stopped"
 
     def _worker_down(self, worker: PlacedWorker, obs: Observation) -> None:
         """A worker that exited (or whose actor Ray reports dead) after the cluster served: restart it in
         a thread of its own (supervision goes on), after its backoff, within its budget."""
         worker_id = worker.slot.worker_id
-        what = (
-            f"its Ray actor is dead ({obs.detail})"
-            if obs.health is Health.DEAD
-            else f"exited with code {obs.exit_code}"
-        )
+        what = _what(obs)
         now = time.monotonic()
         budget = worker.budget
         if not budget.can_restart(now):
@@ -330,6 +369,7 @@ class Launch:
             )
             self.placed.remove(worker)
             self.retired.append(worker)
+            self.scaler.retired(worker, f"worker {worker_id} {what} and is not restarted (max_restarts)")
             return
         delay = budget.delay(now)
         number = budget.record(now)
@@ -351,12 +391,12 @@ class Launch:
                 return
             if actor_dead:
                 placement.kill_actor(worker.actor)  # never two actors for one worker
-                worker.actor = placement.start_actor(worker.slot, self.group)
+                worker.actor = placement.start_actor(worker.slot, worker.own_group or self.group)
                 timeout_s = self.cluster.ray.placement_timeout_s
                 if not placement.locate([worker], timeout_s, self.stopping.is_set, say):
                     return
             if not self.stopping.is_set():
-                self._start_worker(worker)
+                self.start_worker(worker)
         except LaunchFailure as exc:
             say(f"restart of worker {worker.slot.worker_id} failed: {exc}", error=True)
         except Exception as exc:  # a Ray error in the restart: supervision sees the worker again next round
@@ -404,12 +444,13 @@ class Launch:
 
         if not ray.is_initialized():
             return
-        self.stopping.set()  # restarts in flight give up
+        self.stopping.set()  # restarts and adds in flight give up
         for thread in list(self.restarting.values()):
             thread.join(timeout=placement.STOP_MARGIN_S)
         if self.router is not None and self.router.returncode is None:
             self.router.popen.send_signal(signal.SIGTERM)  # again after Ray's is harmless: it drains once
             say("teardown: router told to stop (SIGTERM: new calls refused, in-flight streams go on)")
+        self.scaler.stop()  # adds in flight give up; the control actor goes
         if self.router is not None:  # first: a call it took just before the stop still reaches a worker
             code = stop(self.router, grace_s=self.cluster.router.drain_timeout_s + placement.STOP_MARGIN_S)
             say(f"teardown: router stopped (exit code {code})")

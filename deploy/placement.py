@@ -40,6 +40,8 @@ class PlacedWorker:
     pid: int = 0  # its worker process, on its node
     argv: list[str] = field(default_factory=list)
     budget: RestartBudget = field(default_factory=lambda: RestartBudget(0))
+    own_group: Any = None  # its own one-bundle placement group (added by scaling); None: the launch's
+    added: bool = False  # added while serving (kvpact-launch scale), not one of the starting workers
 
     @property
     def labels(self) -> dict[str, str]:
@@ -103,19 +105,56 @@ def reserve(cluster: ClusterFile, name: str, cancelled: Any) -> Any:
     raise LaunchFailure(
         f"placement: {len(bundles)} bundles {describe_bundles(cluster)} "
         f"(strategy {cluster.ray.placement_strategy}) were not granted within ray.placement_timeout_s "
-        f"{cluster.ray.placement_timeout_s:g} s; the cluster has {_describe(ray.cluster_resources())} in "
-        f"all, {_describe(ray.available_resources())} free; add nodes with these resources, lower "
+        f"{cluster.ray.placement_timeout_s:g} s; the cluster has "
+        f"{describe_resources(ray.cluster_resources())} in all, "
+        f"{describe_resources(ray.available_resources())} free; add nodes with these resources, lower "
         "workers[].resources or replicas, or choose another ray.placement_strategy"
+    )
+
+
+def reserve_one(
+    resources: dict[str, float],
+    name: str,
+    timeout_s: float,
+    cancelled: Callable[[], bool],
+    waiting: Callable[[str], None],
+) -> tuple[Any, str]:
+    """A one-bundle placement group (a worker added while serving), once granted: (group, ""). Until then
+    `waiting(what it waits for)` every half second; (None, "") if `cancelled()`, (None, why) after
+    `timeout_s` (the group removed either way). A pending bundle is what makes an autoscaler add a node."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([resources], name=name)
+    wanted = describe_resources(resources)
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        ready, _ = ray.wait([pg.ready()], timeout=0.5)
+        if ready:
+            return pg, ""
+        if cancelled():
+            remove_group(pg)
+            return None, ""
+        free = describe_resources(ray.available_resources())
+        waiting(
+            f"its placement group {wanted} is pending ({time.monotonic() - started:.0f} s of "
+            f"ray.placement_timeout_s {timeout_s:g}; free now: {free})"
+        )
+    remove_group(pg)
+    return None, (
+        f"its placement group {wanted} was not granted within ray.placement_timeout_s {timeout_s:g} s "
+        f"(free: {describe_resources(ray.available_resources())}); add nodes or lower the group's resources"
     )
 
 
 def describe_bundles(cluster: ClusterFile) -> str:
     """e.g. `gpu x2 {GPU: 1, CPU: 4}, cpu x1 {CPU: 1}`."""
-    return ", ".join(f"{g.name} x{g.replicas} {_describe(g.resources)}" for g in cluster.workers)
+    return ", ".join(f"{g.name} x{g.replicas} {describe_resources(g.resources)}" for g in cluster.workers)
 
 
-def _describe(resources: dict[str, float] | Any) -> str:
-    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "object_store_memory"))}
+def describe_resources(resources: dict[str, float] | Any) -> str:
+    hidden = ("node:", "object_store_memory", "bundle_group_")  # Ray's own bookkeeping, not what to add
+    shown = {k: v for k, v in resources.items() if not k.startswith(hidden)}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
 
 
@@ -243,10 +282,21 @@ def output_tails(workers: list[PlacedWorker]) -> str:
 
 
 def kill_actor(actor: Any) -> None:
+    if actor is None:  # never started
+        return
     import ray
 
     try:
         ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
+def remove_group(group: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(group)
     except Exception:  # already gone
         pass
 
@@ -258,8 +308,13 @@ def release(placed: list[PlacedWorker], group: Any) -> list[str]:
     lines = []
     for worker in placed:
         kill_actor(worker.actor)
+        if worker.own_group is not None:
+            remove_group(worker.own_group)
     if placed:
         lines.append(f"{len(placed)} Ray actors killed")
+    num_own = sum(w.own_group is not None for w in placed)
+    if num_own:
+        lines.append(f"{num_own} placement groups of added workers removed")
     if group is not None:
         try:
             remove_placement_group(group)

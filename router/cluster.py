@@ -213,6 +213,8 @@ class Cluster:
             self._tasks.append(asyncio.create_task(self._fail(), name="fail-startup"))
         elif before is ClusterState.SERVING and not decision.admitted:
             log.warning("late_worker_refused", worker_id=entry.worker_id, detail="the cluster keeps serving")
+        if before is ClusterState.SERVING:
+            self.write_report()  # a joiner while serving: kvpact-launch counts a group's admitted workers
         return self._admission(decision.admitted, decision.reason, registration_id=entry.registration_id)
 
     def _note_fallbacks(self, entry: WorkerEntry) -> None:
@@ -249,17 +251,43 @@ class Cluster:
         if entry.state is WorkerState.DRAINING and not was_draining:
             log.info("worker_draining", worker_id=entry.worker_id, num_outstanding=entry.num_outstanding)
             await self.refresh_health()
+            self.write_report()
         if was_dead:
             log.info("worker_revived", worker_id=entry.worker_id)
             await self.refresh_health()
+            self.write_report()
         stop = entry.state in (WorkerState.REFUSED, WorkerState.FAILED) or self.state is ClusterState.FAILED
-        return worker_pb2.HeartbeatReply(known=True, shutdown=stop, router_stopping=self.stopping)
+        return worker_pb2.HeartbeatReply(
+            known=True,
+            shutdown=stop,
+            router_stopping=self.stopping,
+            drain=bool(entry.drain_reason),
+            drain_reason=entry.drain_reason,
+        )
+
+    async def drain(self, request: worker_pb2.DrainRequest) -> worker_pb2.DrainReply:
+        """Registry.Drain (kvpact-launch scaling down): nothing new is routed to the worker from now on; its
+        next heartbeat reply tells it to drain, and it leaves once its in-flight streams are done."""
+        entry = self.registry.drain(request.worker_id, request.reason)
+        if entry is None:
+            return worker_pb2.DrainReply(known=False)
+        log.info(
+            "worker_drain_requested",
+            worker_id=entry.worker_id,
+            reason=entry.drain_reason,
+            state=entry.state.value,
+            num_outstanding=entry.num_outstanding,
+        )
+        await self.refresh_health()
+        self.write_report()
+        return worker_pb2.DrainReply(known=True, state=entry.state.value)
 
     async def deregister(self, request: worker_pb2.DeregisterRequest) -> worker_pb2.DeregisterReply:
         entry = self.registry.remove(request.worker_id, request.registration_id)
         if entry is not None:
             log.info("worker_left", worker_id=entry.worker_id, address=entry.address, reason=request.reason)
             await self.refresh_health()
+            self.write_report()
         return worker_pb2.DeregisterReply(known=entry is not None)
 
     def on_stop_signal(self, name: str = "SIGTERM") -> None:
@@ -445,6 +473,9 @@ class Cluster:
         period = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s) / 2
         while True:
             await asyncio.sleep(period)
-            for entry in self.registry.mark_dead(self.clock(), self.config.heartbeat_timeout_s):
+            dead = self.registry.mark_dead(self.clock(), self.config.heartbeat_timeout_s)
+            for entry in dead:
                 log.warning("worker_dead", worker_id=entry.worker_id, reason=entry.state_reason)
             await self.refresh_health()  # a worker died or came back
+            if dead or self.state is ClusterState.SERVING:  # serving: the loads, for autoscaling
+                self.write_report()

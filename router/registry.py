@@ -3,8 +3,9 @@
 No I/O here: the Registry servicer and the heartbeat monitor update it; routing (router/balancing/) and
 the status page read it. Times are `time.monotonic()` seconds passed in by the caller.
 
-States (DRAINING: the worker said it is stopping; it gets no new requests, its in-flight ones finish,
-then it deregisters and its entry is removed; silent, it becomes DEAD like any other):
+States (DRAINING: the worker said it is stopping, or the router asked it to (`drain_reason`, sent in
+every heartbeat reply until it leaves); it gets no new requests, its in-flight ones finish, then it
+deregisters and its entry is removed; silent, it becomes DEAD like any other):
 LOADING (announced a pre-load plan that meets the policy; not admitted, gets no requests, sends
 no heartbeats yet, so it is never marked DEAD; its `ready` registration replaces it) -> ADMITTED (serving)
 <-> DEAD (missed heartbeats for --heartbeat-timeout; a later heartbeat
@@ -58,6 +59,7 @@ class WorkerEntry:
     metrics_address: str = ""  # where its Prometheus /metrics is served (Handshake.metrics_address)
     registration_id: str = ""  # names this registration; its heartbeats must carry it
     labels: dict[str, str] = field(default_factory=dict)  # Handshake.labels: where it runs, relayed as-is
+    drain_reason: str = ""  # set: the router asked it to drain (HeartbeatReply.drain), and why
 
     @property
     def serving(self) -> bool:
@@ -105,12 +107,25 @@ class Registry:
             return None
         entry.load = load
         entry.last_heartbeat = now
-        if draining and entry.state in (WorkerState.ADMITTED, WorkerState.DEAD):
+        if (draining or entry.drain_reason) and entry.state in (WorkerState.ADMITTED, WorkerState.DEAD):
             entry.state = WorkerState.DRAINING
-            entry.state_reason = "draining: it finishes its in-flight requests, then leaves"
+            why = entry.drain_reason or "it finishes its in-flight requests, then leaves"
+            entry.state_reason = f"draining: {why}"
         elif entry.state is WorkerState.DEAD:
             entry.state = WorkerState.ADMITTED
             entry.state_reason = "heartbeats resumed"
+        return entry
+
+    def drain(self, worker_id: str, reason: str) -> WorkerEntry | None:
+        """The router asks this worker to drain: DRAINING at once (nothing new is routed to it) if it
+        serves; its heartbeat replies say `drain` until it deregisters. None when it is not registered."""
+        entry = self._entries.get(worker_id)
+        if entry is None:
+            return None
+        entry.drain_reason = reason or "the router asked it to drain"
+        if entry.state in (WorkerState.ADMITTED, WorkerState.DEAD):
+            entry.state = WorkerState.DRAINING
+            entry.state_reason = f"draining: {entry.drain_reason}"
         return entry
 
     def mark_unreachable(self, entry: WorkerEntry, reason: str) -> bool:

@@ -1,6 +1,7 @@
-"""The worker-facing Registry service: Register (handshake -> admission) and Heartbeat.
+"""The worker-facing Registry service: Register (handshake -> admission), Heartbeat, Deregister, and
+Drain (kvpact-launch retiring a worker when it scales down).
 
-With --auth-token-file both require the shared secret (compared in constant time, never logged);
+With --auth-token-file all of them require the shared secret (compared in constant time, never logged);
 a worker without it gets UNAUTHENTICATED and is not admitted. With TLS, a worker that announces an
 address is dialed back there over (mutual) TLS first (router/tls_probe.py): a certificate the router's
 --tls-ca did not sign gets UNAUTHENTICATED too, and the router logs why.
@@ -43,6 +44,12 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
     ) -> worker_pb2.DeregisterReply:
         self._authenticate(request.auth_token, request.worker_id, "Deregister")
         return await self.cluster.deregister(request)
+
+    async def Drain(
+        self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DrainReply:
+        self._authenticate(request.auth_token, request.worker_id, "Drain")
+        return await self.cluster.drain(request)
 
     def _authenticate(self, given: str, worker_id: str, method: str) -> None:
         if self.tokens.matches(given):

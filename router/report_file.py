@@ -1,8 +1,10 @@
 """`router --report-file PATH`: what the router says about itself, for the program that started it.
 
 One JSON object, replaced whole (written beside PATH, then renamed over it) at each change of state (bound,
-serving, failed, stopping), so a reader never sees half of one. `cluster_status` is the snapshot taken at
-that change; ask ClusterStatus for the live one.
+serving, failed, stopping) and, while serving, at each change of a worker's (joined, draining, left, dead,
+revived: kvpact-launch scale counts a group's admitted workers from it) and at every heartbeat check (half
+the heartbeat interval: the workers' loads, which kvpact-launch's autoscaling reads), so a reader never
+sees half of one. `cluster_status` is the snapshot taken at that change; ask ClusterStatus for the live one.
 
     {"address": "HOST:PORT",            # where it listens (the bound port when --listen asked for 0)
      "http_address": "" | "HOST:PORT",  # the OpenAI-compatible front (--http-listen), "" when off

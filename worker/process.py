@@ -346,7 +346,9 @@ class WorkerProcess:
                 self.stop.request("the router refused this worker when it registered again", code)
 
         try:
-            reason = await self.link.heartbeats(self.heartbeat_interval_s, engine.stats, reregister)
+            reason = await self.link.heartbeats(
+                self.heartbeat_interval_s, engine.stats, reregister, on_drain=self._router_drain
+            )
         except RegistrationError as exc:  # the token was rejected, or re-registering failed
             _say(f"worker {self.worker_id}: {exc}", error=True)
             self.stop.request(str(exc), EXIT_FATAL)
@@ -373,6 +375,14 @@ class WorkerProcess:
             self.stop.request(f"signal {name}")
             return
         self._drain_task = asyncio.get_running_loop().create_task(self._drain(f"signal {name}"))
+
+    def _router_drain(self, reason: str) -> None:
+        """A heartbeat reply with `drain` (e.g. kvpact-launch scaling down): exactly the SIGTERM drain,
+        then exit 0. Ignored once a drain or a stop is under way."""
+        if self._drain_task is not None or self.stop.event.is_set():
+            return
+        _say(f"worker {self.worker_id}: the router asked it to drain ({reason}); draining, then exiting 0")
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(f"router drain: {reason}"))
 
     async def _drain(self, why: str) -> None:
         assert self.engine is not None and self.server is not None

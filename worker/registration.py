@@ -13,7 +13,9 @@
   every heartbeat. ALREADY_EXISTS (a live worker holds this --worker-id) raises RegistrationError at once,
   from `announce` too, so such a worker never loads its weights.
 - `heartbeats` calls Registry.Heartbeat every interval with the worker's load until the router asks
-  the worker to stop. A reply `known=false` (the router restarted or forgot us) re-registers. A router
+  the worker to stop. A reply with `drain` (the router retires this worker: a scale-down) calls
+  `on_drain(reason)`, and the beats go on (saying `draining`) until the worker leaves. A reply
+  `known=false` (the router restarted or forgot us) re-registers. A router
   that cannot be reached is logged (once when the outage passes the timeout) and retried: the worker
   keeps serving, since its router may come back.
 """
@@ -195,9 +197,11 @@ class RouterLink:
         interval_s: float,
         load: Callable[[], WorkerLoad],
         reregister: Callable[[], Awaitable[None]],
+        on_drain: Callable[[str], None] = lambda reason: None,
     ) -> str:
-        """Beat until the router asks this worker to stop; return that reason. Raises RouterAuthError
-        if the router starts rejecting the token, and whatever `reregister` raises."""
+        """Beat until the router asks this worker to stop; return that reason. A reply asking it to drain
+        calls `on_drain(reason)` (once: it then beats as draining). Raises RouterAuthError if the router
+        starts rejecting the token, and whatever `reregister` raises."""
         last_ok = time.monotonic()
         outage_logged = False
         while True:
@@ -224,6 +228,8 @@ class RouterLink:
             last_ok, outage_logged = time.monotonic(), False
             if reply.shutdown:
                 return "the router asked this worker to stop (heartbeat reply)"
+            if reply.drain and not self.draining:
+                on_drain(reply.drain_reason or "the router asked this worker to drain")
             if reply.router_stopping and not outage_logged:
                 log.info("the router is stopping; this worker registers again when a router answers")
             if not reply.known and not self.draining:  # draining, it is leaving: never register again

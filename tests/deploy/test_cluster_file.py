@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvpact.deploy.autoscale import AutoscalePolicy
 from kvpact.deploy.cluster_file import (
     ClusterFileError,
     WorkerSlot,
@@ -119,6 +120,58 @@ def test_yaml_booleans_are_the_modes_on_and_off_never_something_else(tmp_path: P
             "c.yaml: workers[0].replicas: expected a whole number >= 1, got -1",
         ),
         (
+            {"workers": [{"name": "cpu", "replicas": 2, "min_replicas": 3}]},
+            "c.yaml: workers[0].min_replicas: expected at most replicas (2), got 3",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": 2, "max_replicas": 1}]},
+            "c.yaml: workers[0].max_replicas: expected at least replicas (2), got 1",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": 1, "min_replicas": 0}]},
+            "c.yaml: workers[0].min_replicas: expected a whole number >= 1, got 0",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": 1, "max_replicas": 3, "port_range": [2000, 2001]}]},
+            "c.yaml: workers[0].port_range: expected at least 3 ports (max_replicas: 3",
+        ),
+        (
+            {"workers": [{"name": "cpu", "replicas": 1, "autoscale": {"metric": "waiting", "target": 1}}]},
+            "c.yaml: workers[0].autoscale: expected min_replicas < max_replicas (both 1): autoscaling needs "
+            "room to add or remove",
+        ),
+        (
+            {"workers": [{"name": "c", "replicas": 1, "max_replicas": 2, "autoscale": {"metric": "queue"}}]},
+            "c.yaml: workers[0].autoscale.target: required",
+        ),
+        (
+            {
+                "workers": [
+                    {
+                        "name": "c",
+                        "replicas": 1,
+                        "max_replicas": 2,
+                        "autoscale": {"metric": "rps", "target": 1},
+                    }
+                ]
+            },
+            "c.yaml: workers[0].autoscale.metric: expected one of waiting, kv_usage, got 'rps'",
+        ),
+        (
+            {
+                "workers": [
+                    {
+                        "name": "c",
+                        "replicas": 1,
+                        "max_replicas": 2,
+                        "autoscale": {"metric": "kv_usage", "target": 1.5},
+                    }
+                ]
+            },
+            "c.yaml: workers[0].autoscale.target: expected a fraction between 0 and 1 (exclusive) for metric "
+            "kv_usage, got 1.5",
+        ),
+        (
             {"workers": [{"name": "cpu", "replicas": 1, "flags": {"pa-backend": "cuda"}}]},
             "c.yaml: workers[0].flags: argument --pa-backend: invalid choice: 'cuda'",
         ),
@@ -187,6 +240,25 @@ def test_yaml_booleans_are_the_modes_on_and_off_never_something_else(tmp_path: P
 )
 def test_each_error_is_one_line_naming_the_key_and_what_is_allowed(doc: dict, expected: str):
     assert error_of(doc).startswith(expected)
+
+
+def test_the_replica_bounds_default_to_replicas_and_say_what_is_outside_them():
+    fixed, scalable = parse_cluster_file(
+        {"workers": [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1, "max_replicas": 3}]}, "c.yaml"
+    ).workers
+    assert (fixed.min_replicas, fixed.replicas, fixed.max_replicas) == (2, 2, 2)
+    assert (scalable.min_replicas, scalable.replicas, scalable.max_replicas) == (1, 1, 3)
+    assert scalable.bounds_error(3) == ""
+    assert scalable.bounds_error(4) == (
+        "group 'b': 4 replicas is outside its bounds [1, 3] (workers[].min_replicas, workers[].max_replicas "
+        "in the cluster file)"
+    )
+    assert fixed.bounds_error(1).startswith("group 'a': 1 replicas is outside its bounds [2, 2]")
+    auto = {"metric": "kv_usage", "target": 0.8, "up_after_s": 5}
+    [group] = parse_cluster_file(
+        {"workers": [{"name": "a", "replicas": 1, "max_replicas": 2, "autoscale": auto}]}, "c.yaml"
+    ).workers
+    assert group.autoscale == AutoscalePolicy("kv_usage", 0.8, up_after_s=5, down_after_s=300)
 
 
 def test_a_key_given_twice_is_refused(tmp_path: Path):

@@ -264,3 +264,33 @@ def test_ray_job_stop_with_streams_in_flight_finishes_every_stream_then_leaves_n
     assert health_status(router) == "UNREACHABLE"
     for worker in status.workers:
         assert health_status(worker.address) == "UNREACHABLE"
+
+
+@pytest.mark.slow  # ~90 s: a second worker's cold start, a job per scale
+def test_kvpact_launch_scale_runs_as_a_ray_job_up_and_down(head: Head, model: Path, tmp_path: Path):
+    """`ray job submit -- kvpact-launch scale ...`: the command, as a job of its own on the head, finds the
+    launcher's control actor and exits 0 once the group has its new size; the launch then stops cleanly."""
+    from ray.job_submission import JobStatus
+
+    router = f"127.0.0.1:{free_port()}"
+    group = {**worker_group(model, "cpu", 1, resources={"num_cpus": 0.5}), "max_replicas": 2}
+    config = cluster_file(tmp_path, workers=[group], listen=router, router_flags={"heartbeat-interval": 0.3})
+    client = head.jobs()
+    launch_id = client.submit_job(entrypoint=f"{LAUNCH} --config {config}")
+    deadline = time.monotonic() + JOB_END_S
+    while health_status(router) != "SERVING":
+        assert not client.get_job_status(launch_id).is_terminal(), client.get_job_logs(launch_id)[-3000:]
+        assert time.monotonic() < deadline, client.get_job_logs(launch_id)[-3000:]
+        time.sleep(0.5)
+    for num, admitted in ((2, "cpu-0, cpu-1"), (1, "cpu-0")):
+        scale_id = client.submit_job(entrypoint=f"{LAUNCH} scale --group cpu --replicas {num} --timeout 150")
+        assert wait_job(client, scale_id) == JobStatus.SUCCEEDED, client.get_job_logs(scale_id)[-3000:]
+        assert f"group cpu: {num} admitted workers ({admitted})" in client.get_job_logs(scale_id)
+        with Client(router, timeout=30) as kvpact:
+            status = kvpact.cluster_status()
+        print(render_cluster_status(status))
+        assert [w.state for w in status.workers] == [router_pb2.WORKER_STATE_ADMITTED] * num
+    client.stop_job(launch_id)
+    assert wait_job(client, launch_id, STOP_WAIT_S + 30) == JobStatus.STOPPED
+    assert "scale: worker cpu-1 left (exited with code 0)" in client.get_job_logs(launch_id)
+    assert_nothing_left(head)

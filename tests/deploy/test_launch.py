@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,12 +22,13 @@ import grpc
 import httpx
 import pytest
 
-from kvpact.client import Client, KvpactRpcError
+from kvpact.client import Client, KvpactRpcError, render_cluster_status
 from kvpact.deploy.processes import free_port, health_status, wait_for_exit, wait_for_line
 from kvpact.v1 import cache_pb2, router_pb2
 from tests.factories.certs import CertificateAuthority
 from tests.factories.eventually import eventually
 from tests.factories.ray_launch import (
+    RAY_AUTH,
     cluster_file,
     launched,
     placement_group_name,
@@ -297,3 +301,230 @@ def test_a_killed_actor_is_restarted_after_its_backoff_and_a_sigterm_meanwhile_s
     assert out.rstrip().endswith("kvpact-launch: stopped"), out[-2000:]
     assert len(re.findall(r"^kvpact-launch: worker cpu-0 \(pid \d+\) started", out, re.M)) == 1, out[-3000:]
     assert_nothing_left(ray_cluster, group_name)
+
+
+# -- kvpact-launch scale -------------------------------------------------------------------------------
+
+SCALE = [sys.executable, "-m", "kvpact.deploy.launch", "scale"]
+NUM_LOADERS, STREAM_TOKENS = 4, 200  # one sequence at a time per worker: each has a queue to finish
+ADMITTED = router_pb2.WORKER_STATE_ADMITTED
+
+
+def scale_env(ray_cluster: RayCluster) -> dict[str, str]:
+    return {**os.environ, **RAY_AUTH, "RAY_ADDRESS": ray_cluster.address}
+
+
+def scale(ray_cluster: RayCluster, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    """`kvpact-launch scale ARGS` as its own process, joining the cluster through $RAY_ADDRESS."""
+    env = scale_env(ray_cluster)
+    return subprocess.run([*SCALE, *args], capture_output=True, text=True, env=env, timeout=timeout_s)
+
+
+def live(cluster: RayCluster, prefix: str) -> tuple[list[str], list[str]]:
+    """Actors not DEAD (CLASS:NAME) and the placement groups named PREFIX... not REMOVED."""
+    from ray.util import state
+
+    actors = state.list_actors(address=cluster.dashboard, filters=[("state", "!=", "DEAD")])
+    groups = state.list_placement_groups(address=cluster.dashboard)
+    return (
+        sorted(f"{a.class_name}:{a.name}" for a in actors),
+        sorted(g.name for g in groups if g.name.startswith(prefix) and g.state != "REMOVED"),
+    )
+
+
+def eventually_live(cluster: RayCluster, prefix: str, expected: tuple[list[str], list[str]]) -> None:
+    deadline = time.monotonic() + 30
+    while (seen := live(cluster, prefix)) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert seen == expected
+
+
+@dataclass
+class Stream:
+    worker_id: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str = ""
+
+
+def _load(router: str, streams: list[Stream], stop: threading.Event) -> None:
+    """Streams one after another until `stop`: a steady load."""
+    with Client(router, timeout=120) as kvpact:
+        while not stop.is_set():
+            stream = Stream()
+            streams.append(stream)
+            try:
+                for chunk in kvpact.generate("hi", max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True):
+                    stream.worker_id = stream.worker_id or chunk.worker_id
+                    stream.num_tokens += len(chunk.token_ids)
+                    stream.finish_reason = chunk.finish_reason or stream.finish_reason
+            except Exception as exc:  # the assertion shows it
+                stream.error = f"{type(exc).__name__}: {exc}"
+
+
+def test_scale_up_to_2_then_down_to_1_drains_the_leaver_with_its_streams_and_leaves_nothing(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    group = {
+        **worker_group(model, "cpu", 1, max_num_seqs=1, drain_timeout=30),
+        "min_replicas": 1,
+        "max_replicas": 2,
+    }
+    config = cluster_file(tmp_path, workers=[group], router_flags={"heartbeat-interval": 0.3})
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        name = placement_group_name(launch)
+        router = wait_serving(launch)
+
+        up = scale(ray_cluster, "--group", "cpu", "--replicas", "2", "--timeout", "150")
+        assert up.returncode == 0, up.stdout + up.stderr + launch.output()[-3000:]
+        assert "kvpact-launch scale: group cpu: 2 admitted workers (cpu-0, cpu-1)" in up.stdout
+        with Client(router, timeout=30) as kvpact:
+            status = kvpact.cluster_status()
+        print(render_cluster_status(status))
+        by_id = {w.worker_id: w for w in status.workers}
+        assert {i: w.state for i, w in by_id.items()} == {"cpu-0": ADMITTED, "cpu-1": ADMITTED}
+        assert by_id["cpu-1"].labels["ray.bundle"] == "0"  # the only bundle of its own placement group
+        wait_for_line(launch, r"scale: adding worker cpu-1 in a placement group of its own", 5)
+        assert live(ray_cluster, name)[1] == sorted([name, f"{name}-cpu-1"])
+
+        streams: list[Stream] = []
+        stop_load = threading.Event()
+        loaders = [
+            threading.Thread(target=_load, args=(router, streams, stop_load)) for _ in range(NUM_LOADERS)
+        ]
+        for thread in loaders:
+            thread.start()
+        with Client(router, timeout=30) as kvpact:  # both workers busy before the scale-down
+            deadline = time.monotonic() + 30
+            while not all(w.num_outstanding for w in kvpact.cluster_status().workers):
+                assert time.monotonic() < deadline, [s.error for s in streams]
+                time.sleep(0.02)
+            down = subprocess.Popen(
+                [*SCALE, "--group", "cpu", "--replicas", "1", "--timeout", "150"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=scale_env(ray_cluster),
+            )
+            leaving = None
+            deadline = time.monotonic() + 60
+            while leaving is None or leaving.state != router_pb2.WORKER_STATE_DRAINING:
+                assert time.monotonic() < deadline and down.poll() is None, launch.output()[-3000:]
+                leaving = next(w for w in kvpact.cluster_status().workers if w.worker_id == "cpu-1")
+                time.sleep(0.02)
+            in_flight_at_drain = leaving.num_outstanding
+        output, _ = down.communicate(timeout=150)
+        stop_load.set()
+        for thread in loaders:
+            thread.join(120)
+        assert down.returncode == 0, output + launch.output()[-3000:]
+        assert "kvpact-launch scale: group cpu: 1 admitted workers (cpu-0)" in output
+        assert in_flight_at_drain > 0, "cpu-1 had no stream in flight when the router drained it"
+        assert {s.worker_id for s in streams} == {"cpu-0", "cpu-1"}
+        assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [
+            ("", "length", STREAM_TOKENS)
+        ] * len(streams)  # no request lost, the leaver's included
+        print(f"scale-down under load: {len(streams)} streams OK, {in_flight_at_drain} on cpu-1 at its drain")
+        with Client(router, timeout=30) as kvpact:
+            status = kvpact.cluster_status()
+        print(render_cluster_status(status))
+        assert [(w.worker_id, w.state) for w in status.workers] == [("cpu-0", ADMITTED)]
+        wait_for_line(launch, r"scale: worker cpu-1 left \(exited with code 0\); its actor killed, its "
+                      r"placement group removed", 30)  # fmt: skip
+        assert "restarting it" not in launch.stdout()
+        assert "the router asked it to drain (kvpact-launch scale-down)" in launch.output()
+        eventually_live(ray_cluster, name, (["LauncherControl:kvpact-launcher", "WorkerActor:"], [name]))
+
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()[-3000:]
+    print(up.stdout + output)
+    print("\n".join(line for line in launch.stdout().splitlines() if line.startswith("kvpact-launch: ")))
+    eventually_live(ray_cluster, name, ([], []))
+
+
+@pytest.mark.slow  # ~45 s: a second worker's cold start, then its drain
+def test_autoscaling_adds_a_worker_under_a_burst_and_removes_it_when_idle(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    """A CPU group of fractional CPUs (0.5, so it grows on a small Ray) autoscaled on `waiting`: a burst on
+    its one worker (one sequence at a time, the rest queued) adds a second; idle again, one leaves (drained,
+    exit 0). Every decision is one launcher line and is recorded by the control actor."""
+    autoscale = {"metric": "waiting", "target": 0.5, "up_after_s": 2, "down_after_s": 4}
+    group = {
+        **worker_group(model, "cpu", 1, resources={"num_cpus": 0.5}, max_num_seqs=1),
+        "max_replicas": 2,
+        "autoscale": autoscale,
+    }
+    config = cluster_file(tmp_path, workers=[group], router_flags={"heartbeat-interval": 0.3})
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        router = wait_serving(launch)
+        streams: list[Stream] = []
+        stop_load = threading.Event()
+        loaders = [threading.Thread(target=_load, args=(router, streams, stop_load)) for _ in range(6)]
+        for thread in loaders:
+            thread.start()
+        wait_for_line(launch, r"^kvpact-launch: autoscale: group cpu from 1 to 2 workers: waiting \S+ above "
+                      r"its target 0.5 for 2 s$", 60)  # fmt: skip
+        with Client(router, timeout=30) as kvpact:
+            deadline = time.monotonic() + 120
+            while [w.state for w in kvpact.cluster_status().workers] != [ADMITTED, ADMITTED]:
+                assert time.monotonic() < deadline, launch.output()[-3000:]
+                time.sleep(0.2)
+        while not any(s.worker_id == "cpu-1" for s in streams):  # the burst reaches the new worker
+            assert time.monotonic() < deadline, launch.output()[-3000:]
+            time.sleep(0.05)
+        stop_load.set()
+        for thread in loaders:
+            thread.join(120)
+        wait_for_line(launch, r"^kvpact-launch: autoscale: group cpu from 2 to 1 workers: waiting 0.00 below "
+                      r"its target 0.5 for 4 s$", 60)  # fmt: skip
+        wait_for_line(launch, r"scale: worker cpu-1 left \(exited with code 0\)", 60)
+        control = ray.get_actor("kvpact-launcher", namespace="kvpact")
+        decisions = ray.get(control.decisions.remote(), timeout=30)
+        assert [(d["cause"], d["from"], d["to"]) for d in decisions] == [
+            ("autoscale", 1, 2),
+            ("autoscale", 2, 1),
+        ]
+        assert [(s.error, s.finish_reason) for s in streams] == [("", "length")] * len(streams)
+        assert {s.worker_id for s in streams} == {"cpu-0", "cpu-1"}
+        print("\n".join(line for line in launch.stdout().splitlines() if "scale" in line))
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()[-3000:]
+
+
+@pytest.mark.slow  # ~30 s: three runs of the command against one launch
+def test_scale_refuses_by_name_and_says_what_blocks_a_placement(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    """With no launcher, exit 1 saying so; an unknown group or a size outside the bounds, exit 2; a worker
+    whose placement group cannot be granted (3 CPUs each on a 4-CPU cluster), exit 1 naming it; the launcher
+    then gives up after ray.placement_timeout_s, and the cluster serves on at its size."""
+    nobody = scale(ray_cluster, "--group", "big", "--replicas", "2")
+    assert nobody.returncode == 1 and "no kvpact launcher runs on the Ray cluster" in nobody.stderr
+    group = {**worker_group(model, "big", 1, resources={"num_cpus": 3}), "max_replicas": 3}
+    config = cluster_file(tmp_path, workers=[group], placement_timeout_s=15)
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        name = placement_group_name(launch)
+        router = wait_serving(launch)
+        unknown = scale(ray_cluster, "--group", "small", "--replicas", "2")
+        assert unknown.returncode == 2, unknown.stderr
+        assert "no worker group 'small' in this cluster (its groups: big); pass --group" in unknown.stderr
+        outside = scale(ray_cluster, "--group", "big", "--replicas", "4")
+        assert outside.returncode == 2, outside.stderr
+        assert "--replicas 4 is outside group 'big''s bounds [1, 3]" in outside.stderr
+        pending = scale(ray_cluster, "--group", "big", "--replicas", "2", "--timeout", "5")
+        assert pending.returncode == 1, pending.stderr
+        assert re.search(
+            r"group big: FAILED: 1 of 2 workers admitted after 5 s \(big-0\); blocked by: worker big-1: its "
+            r"placement group \{CPU: 3\} is pending \(\d+ s of ray.placement_timeout_s 15; free now: ",
+            pending.stderr,
+        ), pending.stderr
+        wait_for_line(launch, r"scale: group big stays at 1 workers: worker big-1: its placement group "
+                      r"\{CPU: 3\} was not granted within ray.placement_timeout_s 15 s", 60,
+                      stream="stderr")  # fmt: skip
+        eventually_live(ray_cluster, name, (["LauncherControl:kvpact-launcher", "WorkerActor:"], [name]))
+        with Client(router, timeout=30) as kvpact:
+            assert [w.state for w in kvpact.cluster_status().workers] == [ADMITTED]
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()[-3000:]
+    eventually_live(ray_cluster, name, ([], []))

@@ -39,7 +39,7 @@ BOUNDS = "expected [LOW, HIGH], whole numbers with 1024 <= LOW <= HIGH <= 65535"
         ([80, 90], f"{BOUNDS}, got [80, 90]"),
         ([7000], f"{BOUNDS}, got [7000]"),
         ("7000-7010", f"{BOUNDS}, got '7000-7010'"),
-        ([7000, 7000], "expected at least 2 ports (replicas: 2, who may all share one node)"),
+        ([7000, 7000], "expected at least 2 ports (max_replicas: 2, who may all share one node)"),
     ],
 )
 def test_a_bad_port_range_names_the_key_and_what_is_allowed(port_range: object, message: str):

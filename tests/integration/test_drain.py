@@ -1,8 +1,9 @@
-"""Graceful drain with real processes (issue 11, items 3 and 7 "drain").
+"""Graceful drain with real processes (issue 11, items 3 and 7 "drain"; issue 23, the `drain` field).
 
 A rolling restart of both workers of a cluster under steady load loses no request: each worker, sent
 SIGTERM, tells the router it is draining (the router shows DRAINING and routes nothing new to it),
-finishes what it has, deregisters and exits 0; restarted with the same id, it is admitted again. Then
+finishes what it has, deregisters and exits 0; restarted with the same id, it is admitted again. Then one
+worker is drained by the router (the `drain` field of its heartbeat reply) the same way. Then
 the router, sent SIGTERM with a stream in flight: health NOT_SERVING and new calls UNAVAILABLE at once,
 the stream finishes, and it exits 0.
 """
@@ -20,7 +21,7 @@ import grpc
 import pytest
 
 from kvpact.client import Client, KvpactRpcError
-from kvpact.v1 import router_pb2
+from kvpact.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 from tests.factories.processes import (
     free_port,
     health_status,
@@ -104,6 +105,30 @@ def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_dr
         assert outcomes and all(o == "OK" for o in outcomes), [o for o in outcomes if o != "OK"][:5]
         assert {e["worker_id"] for e in log_events(r, "worker_draining")} == {"w-1", "w-2"}
         assert {e["worker_id"] for e in log_events(r, "worker_left")} == {"w-1", "w-2"}
+
+        # The router tells w-2 to drain (Registry.Drain, what kvpact-launch calls to scale a group down):
+        # nothing new is routed to it, its next heartbeat reply says `drain`, it runs its SIGTERM drain
+        # (its in-flight stream finishes), deregisters and exits 0.
+        with Client(address, timeout=60) as client, grpc.insecure_channel(address) as channel:
+            streams = [client.generate(f"s{i}", max_tokens=200, ignore_eos=True) for i in range(2)]
+            firsts = [next(stream) for stream in streams]  # least outstanding: one on each worker
+            [(on_w2, first_w2)] = [
+                (s, f) for s, f in zip(streams, firsts, strict=True) if f.worker_id == "w-2"
+            ]
+            registry = worker_pb2_grpc.RegistryStub(channel)
+            reply = registry.Drain(worker_pb2.DrainRequest(worker_id="w-2", reason="scale-down"), timeout=5)
+            assert (reply.known, reply.state) == (True, "draining")
+            assert not registry.Drain(worker_pb2.DrainRequest(worker_id="w-9"), timeout=5).known
+            assert states(client)["w-2"] == router_pb2.WORKER_STATE_DRAINING
+            assert [client.complete(f"n{i}", max_tokens=1).worker_id for i in range(3)] == ["w-1"] * 3
+            rest = list(on_w2)
+            num_tokens = len(first_w2.token_ids) + sum(len(c.token_ids) for c in rest)
+            assert rest[-1].finish_reason == "length" and num_tokens == 200  # its stream finished
+            assert wait_for_exit(handles["w-2"], 30) == 0, handles["w-2"].output()
+            assert "the router asked it to drain (scale-down)" in handles["w-2"].stdout()
+            assert set(states(client)) == {"w-1"}  # it deregistered
+            assert [e["worker_id"] for e in log_events(r, "worker_drain_requested")] == ["w-2"]
+            list(streams[1 - streams.index(on_w2)])
 
         # The router, SIGTERM with a stream in flight.
         with Client(address, timeout=60) as client:

@@ -9,6 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpact.client import AsyncClient, KvpactRpcError
+from kvpact.router.registry import WorkerState
 from kvpact.v1 import router_pb2, worker_pb2
 from tests.router.doubles import WorkerDouble, ready, registry_stub, run_async, running_router, serving_double
 
@@ -70,3 +71,34 @@ async def test_a_stopping_router_is_not_serving_refuses_new_calls_and_lets_in_fl
         assert len([c async for c in stream]) == 39  # the in-flight stream finishes
         await asyncio.wait_for(drain, 5)
         assert router.cluster.finished.is_set() and router.cluster.exit_code == 0
+
+
+@run_async
+async def test_registry_drain_routes_nothing_new_and_says_drain_in_every_heartbeat_reply_until_it_leaves():
+    """Registry.Drain (kvpact-launch scaling down): DRAINING at once, `drain` with its reason in each
+    heartbeat reply (a worker that was DEAD and beats again stays DRAINING), gone once it deregisters."""
+    async with (
+        running_router() as router,
+        serving_double(WorkerDouble("a")) as a,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+        AsyncClient(f"127.0.0.1:{router.port}", timeout=30) as client,
+    ):
+        rid = (await registry.Register(ready("a", a.address))).registration_id
+        await registry.Register(ready("b", b.address))
+        beat = worker_pb2.HeartbeatRequest(worker_id="a", registration_id=rid)
+        assert not (await registry.Heartbeat(beat)).drain
+        reply = await registry.Drain(worker_pb2.DrainRequest(worker_id="a", reason="scale-down"))
+        assert (reply.known, reply.state) == (True, "draining")
+        assert not (await registry.Drain(worker_pb2.DrainRequest(worker_id="zz"))).known
+        by_id = {w.worker_id: w for w in (await client.cluster_status()).workers}
+        assert by_id["a"].state == router_pb2.WORKER_STATE_DRAINING
+        assert by_id["a"].state_reason == "draining: scale-down"
+        assert [(await client.complete(f"n{i}", max_tokens=1)).worker_id for i in range(3)] == ["b"] * 3
+        told = await registry.Heartbeat(beat)
+        assert (told.known, told.drain, told.drain_reason, told.shutdown) == (True, True, "scale-down", False)
+        router.cluster.registry.get("a").state = WorkerState.DEAD  # missed beats meanwhile
+        assert (await registry.Heartbeat(beat)).drain
+        assert router.cluster.registry.get("a").state is WorkerState.DRAINING  # not revived to ADMITTED
+        await registry.Deregister(worker_pb2.DeregisterRequest(worker_id="a", registration_id=rid))
+        assert [w.worker_id for w in (await client.cluster_status()).workers] == ["b"]

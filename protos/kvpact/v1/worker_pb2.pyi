@@ -498,26 +498,92 @@ class HeartbeatReply(_message.Message):
     KNOWN_FIELD_NUMBER: _builtins.int
     SHUTDOWN_FIELD_NUMBER: _builtins.int
     ROUTER_STOPPING_FIELD_NUMBER: _builtins.int
+    DRAIN_FIELD_NUMBER: _builtins.int
+    DRAIN_REASON_FIELD_NUMBER: _builtins.int
     known: _builtins.bool
     """false: the router does not know this registration (it should register again)"""
     shutdown: _builtins.bool
     """true: the router asks the worker to stop"""
     router_stopping: _builtins.bool
     """the router is shutting down: register again when a router answers"""
+    drain: _builtins.bool
+    """true: the router asks the worker to drain and leave: it runs exactly its SIGTERM drain (routes
+    nothing new, finishes its in-flight streams up to --drain-timeout, deregisters) and exits 0. Set
+    for a worker the launcher scales down (Registry.Drain); meant for any router-side reason to retire
+    a healthy worker (e.g. drift). Set in every reply until it leaves; the worker acts on the first.
+    """
+    drain_reason: _builtins.str
+    """why, for the worker's log"""
     def __init__(
         self,
         *,
         known: _builtins.bool = ...,
         shutdown: _builtins.bool = ...,
         router_stopping: _builtins.bool = ...,
+        drain: _builtins.bool = ...,
+        drain_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "router_stopping", b"router_stopping", "shutdown", b"shutdown"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "drain_reason", b"drain_reason", "known", b"known", "router_stopping", b"router_stopping", "shutdown", b"shutdown"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatReply: _TypeAlias = HeartbeatReply  # noqa: Y015
+
+@_typing.final
+class DrainRequest(_message.Message):
+    """Ask the router to drain one worker (kvpact-launch scale-down): the router routes nothing new to it at
+    once and sets `drain` in its next heartbeat reply.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    AUTH_TOKEN_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    auth_token: _builtins.str
+    """the cluster's shared secret (--auth-token-file), as for Register"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        auth_token: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_token", b"auth_token", "reason", b"reason", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
+
+@_typing.final
+class DrainReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KNOWN_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    known: _builtins.bool
+    """false: no worker with this id is registered (nothing to drain)"""
+    state: _builtins.str
+    """the worker's state now (e.g. "draining")"""
+    def __init__(
+        self,
+        *,
+        known: _builtins.bool = ...,
+        state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainReply: _TypeAlias = DrainReply  # noqa: Y015
 
 @_typing.final
 class DeregisterRequest(_message.Message):

@@ -231,7 +231,7 @@ class Worker:
 
 
 class RegistryStub:
-    """Served by the router; called by workers.
+    """Served by the router; called by workers (Drain: by kvpact-launch, with the same secret).
     """
 
     def __init__(self, channel):
@@ -255,10 +255,15 @@ class RegistryStub:
                 request_serializer=kvpact_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=kvpact_dot_v1_dot_worker__pb2.DeregisterReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvpact.v1.Registry/Drain',
+                request_serializer=kvpact_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvpact_dot_v1_dot_worker__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
-    """Served by the router; called by workers.
+    """Served by the router; called by workers (Drain: by kvpact-launch, with the same secret).
     """
 
     def Register(self, request, context):
@@ -274,6 +279,12 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Deregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -297,6 +308,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     request_deserializer=kvpact_dot_v1_dot_worker__pb2.DeregisterRequest.FromString,
                     response_serializer=kvpact_dot_v1_dot_worker__pb2.DeregisterReply.SerializeToString,
             ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvpact_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=kvpact_dot_v1_dot_worker__pb2.DrainReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvpact.v1.Registry', rpc_method_handlers)
@@ -306,7 +322,7 @@ def add_RegistryServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Registry:
-    """Served by the router; called by workers.
+    """Served by the router; called by workers (Drain: by kvpact-launch, with the same secret).
     """
 
     @staticmethod
@@ -380,6 +396,33 @@ class Registry:
             '/kvpact.v1.Registry/Deregister',
             kvpact_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
             kvpact_dot_v1_dot_worker__pb2.DeregisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpact.v1.Registry/Drain',
+            kvpact_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            kvpact_dot_v1_dot_worker__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,7 +83,7 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class RegistryStub:
-    """Served by the router; called by workers."""
+    """Served by the router; called by workers (Drain: by kvpact-launch, with the same secret)."""
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -92,18 +92,20 @@ class RegistryStub:
     Register: _grpc.UnaryUnaryMultiCallable[_worker_pb2.Handshake, _worker_pb2.Admission]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_worker_pb2.HeartbeatRequest, _worker_pb2.HeartbeatReply]
     Deregister: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DeregisterRequest, _worker_pb2.DeregisterReply]
+    Drain: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DrainRequest, _worker_pb2.DrainReply]
 
 @_typing.type_check_only
 class RegistryAsyncStub(RegistryStub):
-    """Served by the router; called by workers."""
+    """Served by the router; called by workers (Drain: by kvpact-launch, with the same secret)."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Register: _aio.UnaryUnaryMultiCallable[_worker_pb2.Handshake, _worker_pb2.Admission]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_worker_pb2.HeartbeatRequest, _worker_pb2.HeartbeatReply]  # type: ignore[assignment]
     Deregister: _aio.UnaryUnaryMultiCallable[_worker_pb2.DeregisterRequest, _worker_pb2.DeregisterReply]  # type: ignore[assignment]
+    Drain: _aio.UnaryUnaryMultiCallable[_worker_pb2.DrainRequest, _worker_pb2.DrainReply]  # type: ignore[assignment]
 
 class RegistryServicer(metaclass=_abc_1.ABCMeta):
-    """Served by the router; called by workers."""
+    """Served by the router; called by workers (Drain: by kvpact-launch, with the same secret)."""
 
     @_abc_1.abstractmethod
     def Register(
@@ -125,5 +127,12 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.DeregisterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.DeregisterReply, _abc.Awaitable[_worker_pb2.DeregisterReply]]: ...
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _worker_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.DrainReply, _abc.Awaitable[_worker_pb2.DrainReply]]: ...
 
 def add_RegistryServicer_to_server(servicer: RegistryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
