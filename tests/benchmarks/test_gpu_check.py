@@ -47,5 +47,6 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
         "d_engine.txt",
         "e_e2e.txt",
         "f_host.txt",
+        "g_device_map.txt",
         "summary.txt",
     ]

@@ -150,6 +150,7 @@ def test_two_cpu_workers_serve_through_ray_then_sigterm_releases_everything(
         assert health_status(worker_address) == "UNREACHABLE"
 
 
+@pytest.mark.slow  # TLS and keys are judged by tests/integration/test_security.py without Ray
 def test_router_tls_and_api_keys_in_the_cluster_file_reach_router_and_workers(
     ray_cluster: RayCluster, model: Path, tmp_path: Path
 ):
@@ -182,6 +183,7 @@ def test_router_tls_and_api_keys_in_the_cluster_file_reach_router_and_workers(
         assert wait_for_exit(launch, 60) == 0, launch.output()
 
 
+@pytest.mark.slow  # the Ray job test gives the same 78 report by default (test_job_submission.py)
 def test_on_with_a_worker_that_cannot_honor_it_fails_78_naming_it(
     ray_cluster: RayCluster, model: Path, tmp_path: Path
 ):
