@@ -292,8 +292,13 @@ class WorkerProcess:
         spec = self.options.spec
         probe = await _in_daemon_thread(probe_device, spec.device, spec.device_map)
         self.handshake.capabilities.CopyFrom(capabilities_to_pb(probe))
-        plan = await _in_daemon_thread(plan_startup, spec, probe=probe)
-        await self._announce(plan)
+        plan = await _in_daemon_thread(plan_startup, spec, probe=probe, with_ranks=True)
+        try:
+            await self._announce(plan)
+        except BaseException:
+            if plan.ranks is not None:  # refused before loading: the other ranks stop too
+                plan.ranks.close()
+            raise
         engine = await _in_daemon_thread(build_engine, plan, cpu_share=self.cpu_share)
         log.info("engine ready", seconds=round(time.monotonic() - started, 3))
         return engine
@@ -327,7 +332,9 @@ class WorkerProcess:
             log.error(
                 "startup failed", code=failure.code.value, component=failure.component, reason=failure.reason
             )
-        _say(f"worker {self.worker_id}: startup failed: {exc}", error=True)
+        rank = getattr(exc, "rank", None)  # a tensor-parallel rank's refusal or failure (worker/parallel/)
+        who = f"worker {self.worker_id}" + (f" rank {rank}" if rank is not None else "")
+        _say(f"{who}: startup failed: {exc}", error=True)
         if self.link is not None:
             self.handshake.failed.CopyFrom(failure_to_pb(failure))
             try:
