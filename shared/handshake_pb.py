@@ -175,6 +175,8 @@ def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
         memory_bytes=realized.memory_bytes,
         prefix_caching=realized.prefix_caching,
         features=[feature_to_pb(f) for f in realized.features],
+        tensor_parallel_size=realized.tensor_parallel_size,
+        rank_devices=list(realized.rank_devices),
     )
 
 
@@ -194,6 +196,8 @@ def realized_from_pb(msg: cache_pb2.RealizedCache) -> RealizedCache:
         prefix_caching=msg.prefix_caching,
         fallbacks=_fallbacks_from_pb(msg.fallbacks),
         features=tuple(feature_from_pb(f) for f in msg.features),
+        tensor_parallel_size=msg.tensor_parallel_size or 1,
+        rank_devices=tuple(msg.rank_devices),
     )
 
 

@@ -110,7 +110,13 @@ def test_the_tp_worker_is_admitted_with_what_it_was_asked(cluster: Cluster):
         status = client.cluster_status()
     by_id = {w.worker_id: w for w in status.workers}
     rows = {line.split()[0]: line for line in render_cluster_status(status).splitlines()[2:] if line.strip()}
-    assert " tp 2" in rows["tp2"] and " tp " not in rows["one"]
+    assert " tp 2" in rows["tp2"] and " tp " not in rows["one"]  # asked
+    assert " tp2 cpu,cpu " in rows["tp2"] and " cpu " in rows["one"]  # realized: each rank's device
+    assert (by_id["tp2"].realized.tensor_parallel_size, list(by_id["tp2"].realized.rank_devices)) == (
+        2,
+        ["cpu", "cpu"],
+    )
+    assert by_id["one"].realized.tensor_parallel_size == 1
     assert sorted(by_id) == ["one", "tp2"]
     assert all(w.state == router_pb2.WORKER_STATE_ADMITTED for w in by_id.values())
     assert by_id["one"].realized.kind == cache_pb2.CACHE_KIND_EAGER  # the CPU default under auto

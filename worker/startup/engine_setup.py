@@ -423,6 +423,10 @@ def realized_cache(
 ) -> RealizedCache:
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
     fallbacks = tuple(plan.state.fallbacks)
+    ranks = {
+        "tensor_parallel_size": plan.spec.tensor_parallel_size,
+        "rank_devices": plan.rank_devices or (str(plan.probe.device),),
+    }
     if isinstance(cache, PagedCache):
         capacity = cache.num_blocks * cache.block_size
         return RealizedCache(
@@ -439,6 +443,7 @@ def realized_cache(
             prefix_caching=plan.realizes(PREFIX_CACHING),
             fallbacks=fallbacks,
             features=features or plan.features,
+            **ranks,  # type: ignore[arg-type]
         )
     return RealizedCache(
         kind=CacheKind.EAGER,
@@ -451,6 +456,7 @@ def realized_cache(
         cache_dtype=cache_dtype,
         fallbacks=fallbacks,
         features=features or plan.features,
+        **ranks,  # type: ignore[arg-type]
     )
 
 
