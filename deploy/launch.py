@@ -252,7 +252,9 @@ class Launch:
         except ray.exceptions.RayError as exc:
             raise LaunchFailure(placement.lost(worker, "while starting", exc)) from None
         where = f"{worker.where()} (logs in {worker.log_dir})"
-        say(f"worker {worker.slot.worker_id} (pid {worker.pid}) started in {where}")
+        size = worker.slot.group.tensor_parallel_size
+        ranks = f"; it starts its {size - 1} other tensor-parallel ranks in this bundle" if size > 1 else ""
+        say(f"worker {worker.slot.worker_id} (pid {worker.pid}) started in {where}{ranks}")
 
     def _port_for(self, worker: PlacedWorker) -> int:
         """0 (any free port), or a free port of its group's port_range on its node (deploy/ports.py)."""

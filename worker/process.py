@@ -43,6 +43,7 @@ from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.loader import model_name, resolve_model_path
 from kvpact.worker.metrics import WorkerMetrics
 from kvpact.worker.options import WorkerOptions
+from kvpact.worker.parallel.ranks import claim_gpus
 from kvpact.worker.registration import RegistrationError, RouterLink
 from kvpact.worker.service import WorkerServer, WorkerService
 from kvpact.worker.startup.device import probe_device
@@ -141,6 +142,7 @@ class WorkerProcess:
         ):  # the worker's threads are split between its ranks; rank 0 takes its part (worker/parallel/)
             threads = max(1, (threads or len(allowed_cpus())) // size)
         self.cpu_share = CpuShare.acquire(threads)  # released in _close
+        self.visible_gpus = claim_gpus(size)  # before CUDA is touched: one GPU per rank, rank 0's here
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -292,7 +294,9 @@ class WorkerProcess:
         spec = self.options.spec
         probe = await _in_daemon_thread(probe_device, spec.device, spec.device_map)
         self.handshake.capabilities.CopyFrom(capabilities_to_pb(probe))
-        plan = await _in_daemon_thread(plan_startup, spec, probe=probe, with_ranks=True)
+        plan = await _in_daemon_thread(
+            plan_startup, spec, probe=probe, with_ranks=True, visible_gpus=self.visible_gpus
+        )
         try:
             await self._announce(plan)
         except BaseException:

@@ -64,14 +64,13 @@ class RankGroup:
         self.last = time.monotonic()
 
     @classmethod
-    def start(cls, world: int, threads: int | None = None) -> RankGroup:
+    def start(cls, world: int, threads: int | None = None, visible: str | None = None) -> RankGroup:
         """Spawn ranks 1..world-1 (`python -m kvpact.worker.startup.follower`), each with `threads` // world
-        torch threads (None: the CPUs this process may use), and join them; raises RuntimeError when they
-        do not join."""
+        torch threads (None: the CPUs this process may use), and join them; raises ModelLoadError naming a
+        rank that exits first. `visible`: the worker's CUDA_VISIBLE_DEVICES as it started (claim_gpus)."""
         address = f"127.0.0.1:{_free_port()}"
         threads = max(1, (threads or len(os.sched_getaffinity(0))) // world)
         group = cls(world)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for rank in range(1, world):
             argv = [sys.executable, "-m", "kvpact.worker.startup.follower", "--rank", str(rank),
                     "--world", str(world), "--address", address, "--parent", str(os.getpid()),
@@ -260,6 +259,16 @@ def rank_visible_devices(visible: str | None, world: int, rank: int) -> str | No
     Ray bundle of `world` GPUs), so each rank sees exactly its own; otherwise the worker's, unchanged."""
     ids = [i for i in (visible or "").split(",") if i.strip()]
     return ids[rank] if len(ids) == world else visible
+
+
+def claim_gpus(world: int) -> str | None:
+    """At the worker's start, before CUDA is touched: its CUDA_VISIBLE_DEVICES (for RankGroup.start), and,
+    when it lists one GPU per rank (a Ray bundle of `world` GPUs), this process keeps only rank 0's."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    own = rank_visible_devices(visible, world, 0) if world > 1 else visible
+    if own is not None and own != visible:
+        os.environ["CUDA_VISIBLE_DEVICES"] = own
+    return visible
 
 
 def _free_port() -> int:

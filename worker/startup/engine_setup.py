@@ -109,13 +109,19 @@ class WorkerPlan:
 
 
 def plan_startup(
-    spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any = None, with_ranks: bool = False
+    spec: WorkerSpec,
+    *,
+    probe: DeviceProbe | None = None,
+    log: Any = None,
+    with_ranks: bool = False,
+    visible_gpus: str | None = None,
 ) -> WorkerPlan:
     """`probe`: the device as already probed (the worker process probes first, so a failed plan can still
     report the device's capabilities); None probes `spec.device` here. The feature checks are
     startup/checks.py's, run in order; every fallback is logged once, here, with its reason.
     `with_ranks` (--tensor-parallel-size above 1): spawn the other ranks, have each plan on its own device,
-    and decide from every verdict (the plan's `ranks` then lead them; a failed plan stops them)."""
+    and decide from every verdict (the plan's `ranks` then lead them; a failed plan stops them);
+    `visible_gpus`: the worker's CUDA_VISIBLE_DEVICES as it started (ranks.claim_gpus), split per rank."""
     log = log or structlog.get_logger("worker.engine_setup")
     started = time.monotonic()
     if probe is None:
@@ -124,7 +130,7 @@ def plan_startup(
     ranks = None
     if with_ranks and spec.tensor_parallel_size > 1:
         _check_tensor_parallel(spec, p.config, probe)
-        ranks = start_ranks(spec)
+        ranks = start_ranks(spec, visible_gpus)
     try:
         plan = _plan(spec, probe, p, ranks, started)
     except BaseException:
@@ -376,9 +382,9 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     )
 
 
-def start_ranks(spec: WorkerSpec) -> RankGroup:
+def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:
     """Spawn and join ranks 1..N-1 (each then plans on its own device: RankGroup.verdicts)."""
-    return RankGroup.start(spec.tensor_parallel_size, spec.threads)
+    return RankGroup.start(spec.tensor_parallel_size, spec.threads, visible_gpus)
 
 
 def rank_build(plan: WorkerPlan) -> RankBuild:
