@@ -4,6 +4,7 @@ what each rank holds, that the row-parallel partial outputs sum to the full laye
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ from kvpact.shared.spec import LayerPlacement
 from kvpact.worker.loader import load_model, read_model_config
 from kvpact.worker.model.tensor_parallel import rank_shard, shard_model, tp_problem
 from kvpact.worker.parallel.rank_verdict import PagedFallback, RankProblem, RankVerdict
-from kvpact.worker.parallel.ranks import rank_visible_devices
+from kvpact.worker.parallel.ranks import claim_gpus, rank_visible_devices
 from kvpact.worker.startup import checks, engine_setup
 from kvpact.worker.startup.device import probe_device
 from tests.factories.tiny_models import make_tiny_llama
@@ -136,9 +137,13 @@ def test_a_ranks_failure_is_raised_on_rank_0_naming_the_rank():
     assert str(error) == "rank 1 (cpu): cannot read model.safetensors"
 
 
-def test_each_rank_sees_only_its_own_gpu_when_the_worker_has_one_per_rank():
+def test_each_rank_sees_only_its_own_gpu_when_the_worker_has_one_per_rank(monkeypatch):
     assert [rank_visible_devices("4,5", 2, r) for r in range(2)] == ["4", "5"]
     assert rank_visible_devices("0", 2, 1) == "0" and rank_visible_devices(None, 2, 1) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # a Ray bundle of 2 GPUs
+    assert claim_gpus(2) == "4,5" and os.environ["CUDA_VISIBLE_DEVICES"] == "4"  # rank 0 keeps its own
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a bundle without GPUs: unchanged
+    assert claim_gpus(2) == "" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_tensor_parallel_with_a_device_map_is_refused(tiny_llama, no_loading):
