@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     threading.Thread(target=_watch_parent, args=(a.parent,), daemon=True).start()
     torch.set_num_threads(a.threads)
-    configure_logging("json", "WARNING", fields={"rank": str(a.rank)})  # rank 0 logs the plan
+    configure_logging("json", "ERROR", fields={"rank": str(a.rank)})  # rank 0 logs the plan, fallbacks
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://{a.address}", rank=a.rank, world_size=a.world,
