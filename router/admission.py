@@ -126,6 +126,12 @@ def _judge(
     return Decision(admitted=True, reason=reason)
 
 
+def judge_planned_features(policies: Policies, states: tuple[FeatureState, ...]) -> Decision | None:
+    """`policies` (paged-attn's included) against a plan's feature states, as admission judges them: the
+    first refusal, or None (kvpact-launch --plan, on each worker's `--plan-only --json`)."""
+    return _judge_features(policies, states, "plans")
+
+
 def _judge_features(policies: Policies, states: tuple[FeatureState, ...], verb: str) -> Decision | None:
     """The first feature whose policy the worker's states do not meet, as a refusal; None when all do."""
     by_name = {s.name: s for s in states}

@@ -369,7 +369,9 @@ class Cluster:
             plan=plan,
             metrics_address=hs.metrics_address,
             labels=dict(hs.labels),
-            fingerprint=handshake_pb.fingerprint_from_pb(hs.fingerprint) if hs.HasField("fingerprint") else None,
+            fingerprint=handshake_pb.fingerprint_from_pb(hs.fingerprint)
+            if hs.HasField("fingerprint")
+            else None,
             state=WorkerState.REFUSED,
             state_reason="",
             last_heartbeat=self.clock(),

@@ -61,7 +61,9 @@ class Fingerprint:
     def from_json(document: dict[str, Any]) -> Fingerprint:
         """From `to_json`'s mapping (worker --plan-only --json); a missing key keeps its default."""
         known = {f.name for f in fields(Fingerprint)}
-        return Fingerprint(**{k.replace("-", "_"): v for k, v in document.items() if k.replace("-", "_") in known})
+        return Fingerprint(
+            **{k.replace("-", "_"): v for k, v in document.items() if k.replace("-", "_") in known}
+        )
 
 
 def differences(own: Fingerprint, other: Fingerprint, names: Iterable[str]) -> list[str]:

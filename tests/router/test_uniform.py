@@ -50,7 +50,9 @@ def test_the_list_replaces_the_default_and_an_unknown_name_exits_2_naming_it(cap
 @run_async
 async def test_a_mismatch_while_starting_fails_the_cluster_78_with_both_values_in_one_report():
     async with (
-        running_router(num_expected_workers=2, uniform=("model", "max-model-len"), failed_linger_s=0.3) as router,
+        running_router(
+            num_expected_workers=2, uniform=("model", "max-model-len"), failed_linger_s=0.3
+        ) as router,
         serving_double(WorkerDouble("a")) as a,
         serving_double(WorkerDouble("b")) as b,
         registry_stub(router) as registry,
@@ -84,7 +86,9 @@ async def test_the_same_difference_is_admitted_when_the_list_leaves_it_out_and_o
         assert (await registry.Register(ready("b", b.address, fingerprint=LONGER))).admitted
         other_model = replace(TINY_FINGERPRINT, model="sha256:" + "8" * 64)
         # another model name is not compared with "tiny"
-        assert (await registry.Register(ready("c", c.address, model="other", fingerprint=other_model))).admitted
+        assert (
+            await registry.Register(ready("c", c.address, model="other", fingerprint=other_model))
+        ).admitted
         status = router.cluster.status()
     assert status.state == router_pb2.CLUSTER_STATE_SERVING
     (b_status,) = [w for w in status.workers if w.worker_id == "b"]

@@ -75,7 +75,9 @@ def test_the_tokenizer_and_the_template_are_their_own_fields(tiny_llama, tmp_pat
     assert (other.model, other.tokenizer) == (base.model, base.tokenizer)
     assert other.chat_template != base.chat_template
     reason = mismatch(other, "w-0", base, ["model", "chat-template"])
-    assert f"chat-template {other.chat_template[:19]} here, {base.chat_template[:19]} on worker 'w-0'" in reason
+    assert (
+        f"chat-template {other.chat_template[:19]} here, {base.chat_template[:19]} on worker 'w-0'" in reason
+    )
     assert "model sha256" not in reason  # only the field that differs is named
     assert mismatch(other, "w-0", base, ["model", "tokenizer"]) == ""
 

@@ -92,9 +92,13 @@ def _gguf_digests(file: Path) -> tuple[str, str, str]:
     metadata = contents.metadata
     template = metadata.get("tokenizer.chat_template")
     config = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.")}
-    vocabulary = {k: v for k, v in metadata.items() if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    vocabulary = {
+        k: v for k, v in metadata.items() if k.startswith("tokenizer.") and k != "tokenizer.chat_template"
+    }
     tensors = [(t.name, list(t.shape), t.qtype.name, t.offset) for t in contents.tensors]
-    model = _digest(_canonical(config), file.name.encode(), str(file.stat().st_size).encode(), _canonical(tensors))
+    model = _digest(
+        _canonical(config), file.name.encode(), str(file.stat().st_size).encode(), _canonical(tensors)
+    )
     return (
         model,
         _digest(_canonical(vocabulary)),
