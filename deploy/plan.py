@@ -30,9 +30,12 @@ from kvpact.deploy.cluster_file import ClusterFile, WorkerSlot
 from kvpact.deploy.placement import LaunchFailure, PlacedWorker
 from kvpact.deploy.worker_actor import PLAN_TIMEOUT_S
 from kvpact.router.admission import admit_uniform, judge_planned_features
+from kvpact.router.cli import build_parser
+from kvpact.router.config import RouterConfig, resolve_policies
 from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY
 from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.shared.fingerprint import Fingerprint
+from kvpact.shared.options import option_values
 
 OK, REFUSED, ERROR = "ok", "refused", "error"
 _PROG = "kvpact-launch"
@@ -125,8 +128,12 @@ def judge(
         elif (refusal := judge_planned_features(policies, features)) is not None:
             verdict, reason = REFUSED, refusal.reason
         else:
-            peers = [(j.worker_id, j.fingerprint) for j in judged if j.model_name == name and j.fingerprint]
-            refusal = admit_uniform(fingerprint, peers, uniform)  # type: ignore[arg-type]
+            peers = [
+                (j.worker_id, j.fingerprint)
+                for j in judged
+                if j.model_name == name and j.fingerprint is not None
+            ]
+            refusal = admit_uniform(fingerprint, peers, uniform)
             if refusal is not None:
                 verdict, reason = REFUSED, refusal.reason
         judged.append(Judged(run.worker_id, run.where, name, features, fingerprint, verdict, reason))
@@ -162,7 +169,7 @@ def render(judged: Sequence[Judged], uniform: Sequence[str]) -> str:
         agrees = "-" if j.fingerprint is None else "no" if mismatched else "yes"
         shown = j.fingerprint.describe(uniform or ()) if j.fingerprint is not None else "(none)"
         prints.append((j.worker_id, j.model_name or "?", agrees, shown))
-    verdicts = [("WORKER", "VERDICT", "WHERE / WHY")]
+    verdicts: list[tuple[str, ...]] = [("WORKER", "VERDICT", "WHERE / WHY")]
     verdicts += [(j.worker_id, j.verdict, j.reason or j.where) for j in judged]
     return "\n".join([*_table(rows), "", *_table(prints), "", *_table(verdicts)])
 
@@ -189,10 +196,6 @@ def plan_argv(slot: WorkerSlot) -> list[str]:
 
 def _router_rules(cluster: ClusterFile) -> tuple[dict[str, FeatureMode], tuple[str, ...]]:
     """The router's policies (paged-attn's included) and --uniform, as its own parser reads the file."""
-    from kvpact.router.cli import build_parser
-    from kvpact.router.config import RouterConfig, resolve_policies
-    from kvpact.shared.options import option_values
-
     values = option_values(RouterConfig, build_parser().parse_args(cluster.router_argv()))
     policy, others = resolve_policies(values["policy"], values["policies"])
     return {"paged-attn": policy, **dict(others)}, tuple(values["uniform"])

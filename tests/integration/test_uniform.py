@@ -1,6 +1,6 @@
 """Interchangeable workers through real processes: two workers serving one model name with different
---max-model-len under `router --uniform max-model-len` fail the start (78) before either reads a weight,
-the report naming both values; under `--uniform model` the same two are admitted and serve."""
+--max-model-len under `router --uniform max-model-len` fail the start (78; the one refused never reads a
+weight), the report naming both values; under `--uniform model` the same two are admitted and serve."""
 
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ def test_a_different_max_model_len_under_uniform_fails_the_start_naming_both_val
         ):
             assert wait_for_exit(router, START_S) == 78, router.output()
             codes = {h.name: wait_for_exit(h, START_S) for h in (a, b)}
-    assert codes == {"w-a": 78, "w-b": 78}, (a.output(), b.output())
-    assert not loaded_weights(a) and not loaded_weights(b)
+    # whichever announced its plan second is refused before it loads (78); the first was pending (loading)
+    # and is told to stop by the failed router (0)
+    refused = [h for h in (a, b) if codes[h.name] == 78]
+    assert refused and set(codes.values()) <= {0, 78}, (a.output(), b.output())
+    assert not any(loaded_weights(h) for h in refused)
     report = router.stderr()
-    # whichever announced its plan second is the one refused; both values are named either way
     assert (
         "max-model-len 1024 here, 2048 on worker 'w-a'" in report
         or "max-model-len 2048 here, 1024 on worker 'w-b'" in report
