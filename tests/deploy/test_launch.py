@@ -566,8 +566,10 @@ def test_plan_judges_each_worker_on_its_node_and_says_78_then_1_without_resource
     assert any(r.startswith("long-0 tiny no model sha256:") and r.endswith("max-model-len 128") for r in rows)
     assert any(r.startswith("cpu-0 ok bundle 0 on node") for r in rows), out
     assert any(r.startswith("triton-0 refused it was started with --paged-attn on") for r in rows), out
-    assert err.rstrip().splitlines()[-1].startswith(
-        "kvpact-launch: plan: REFUSED (exit code 78): worker long-0: it is not interchangeable"
+    assert (
+        err.rstrip()
+        .splitlines()[-1]
+        .startswith("kvpact-launch: plan: REFUSED (exit code 78): worker long-0: it is not interchangeable")
     ), err
     assert "max-model-len 128 here, 256 on worker 'cpu-0'" in err
     assert "SERVING" not in out and "router started" not in out  # no router, no worker served
@@ -578,6 +580,9 @@ def test_plan_judges_each_worker_on_its_node_and_says_78_then_1_without_resource
     with launched(unplaceable, ray_cluster.address, log_dir=tmp_path, name="big", args=("--plan",)) as launch:
         code = wait_for_exit(launch, 90)
     assert code == 1, launch.output()
-    assert launch.stderr().rstrip().splitlines()[-1].startswith(
-        "kvpact-launch: plan: FAILED (exit code 1): placement: 1 bundles big x1 {CPU: 1, GPU: 3}"
+    assert (
+        launch.stderr()
+        .rstrip()
+        .splitlines()[-1]
+        .startswith("kvpact-launch: plan: FAILED (exit code 1): placement: 1 bundles big x1 {CPU: 1, GPU: 3}")
     )
