@@ -33,7 +33,14 @@ from kvpact.shared.errors import (
     PagedAttentionRequiredError,
 )
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
-from kvpact.shared.handshake_pb import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
+from kvpact.shared.handshake_pb import (
+    failure_to_pb,
+    fingerprint_to_pb,
+    mode_from_pb,
+    plan_to_pb,
+    realized_to_pb,
+    spec_to_pb,
+)
 from kvpact.shared.log import configure_logging
 from kvpact.shared.tls import describe_tls, plaintext_warning
 from kvpact.v1 import worker_pb2
@@ -297,6 +304,7 @@ class WorkerProcess:
         plan = await _in_daemon_thread(
             plan_startup, spec, probe=probe, with_ranks=True, visible_gpus=self.visible_gpus
         )
+        self.handshake.fingerprint.CopyFrom(fingerprint_to_pb(plan.fingerprint))  # every handshake from now
         try:
             await self._announce(plan)
         except BaseException:

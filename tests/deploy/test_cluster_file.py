@@ -356,3 +356,11 @@ def test_a_tensor_parallel_group_reserves_one_bundle_per_worker_with_a_gpu_per_r
         "c.yaml: workers[0].resources.num_gpus: expected 2: a group's resources are per worker, and each of "
         "the 2 ranks of --tensor-parallel-size 2 takes one GPU (or no num_gpus: ranks on CPU), got 1"
     )
+
+
+def test_router_uniform_is_a_router_flag_a_list_adds_up_and_an_unknown_name_is_refused():
+    router = {"flags": {"uniform": ["model", "max-model-len"]}}
+    cluster = parse_cluster_file({**MINIMAL, "router": router}, "c.yaml")
+    assert cluster.router_argv()[-4:] == ["--uniform", "model", "--uniform", "max-model-len"]
+    bad = error_of({**MINIMAL, "router": {"flags": {"uniform": "model,max-len"}}})
+    assert bad.startswith("c.yaml: router: argument --uniform: unknown name 'max-len'"), bad

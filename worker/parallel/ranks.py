@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -33,6 +32,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from kvpact.shared.child_process import parent_death_signal
 from kvpact.shared.errors import ModelLoadError
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.sequence import ScheduledChunk
@@ -47,7 +47,6 @@ log = structlog.get_logger(__name__)
 GROUP_TIMEOUT = timedelta(minutes=30)
 KEEPALIVE_S = 10.0
 T = TypeVar("T")
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class RankGroup:
@@ -221,7 +220,7 @@ class RankGroup:
 
     def _watch(self, rank: int, argv: list[str], env: dict[str, str], started: threading.Event) -> None:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, preexec_fn=_parent_death_signal()
+            argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, preexec_fn=parent_death_signal()
         )
         self.procs.append(proc)
         tail = self.tails[rank] = deque(maxlen=3)
@@ -275,22 +274,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A preexec_fn: the kernel SIGKILLs the child when its spawning thread dies (None off Linux). libc is
-    loaded before the fork, so the child makes only the one system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def set_signal() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the call: the signal will never come
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return set_signal
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -297,7 +297,6 @@ class RealizedCache(_message.Message):
     CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
-    PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     RANK_DEVICES_FIELD_NUMBER: _builtins.int
@@ -315,7 +314,6 @@ class RealizedCache(_message.Message):
     cache_dtype: Global___CacheDtype.ValueType
     max_model_len: _builtins.int
     memory_bytes: _builtins.int
-    prefix_caching: _builtins.bool
     tensor_parallel_size: _builtins.int
     """Tensor parallel: the ranks that each hold the KV of their own heads (0 from an older worker: one),
     and each rank's device in rank order. 20 and up: other issues add fields below.
@@ -342,14 +340,13 @@ class RealizedCache(_message.Message):
         cache_dtype: Global___CacheDtype.ValueType = ...,
         max_model_len: _builtins.int = ...,
         memory_bytes: _builtins.int = ...,
-        prefix_caching: _builtins.bool = ...,
         features: _abc.Iterable[Global___FeatureState] | None = ...,
         tensor_parallel_size: _builtins.int = ...,
         rank_devices: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "capacity_tokens", b"capacity_tokens", "fallbacks", b"fallbacks", "features", b"features", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "memory_bytes", b"memory_bytes", "num_blocks", b"num_blocks", "prefix_caching", b"prefix_caching", "rank_devices", b"rank_devices", "scheduler", b"scheduler", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "capacity_tokens", b"capacity_tokens", "fallbacks", b"fallbacks", "features", b"features", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "memory_bytes", b"memory_bytes", "num_blocks", b"num_blocks", "rank_devices", b"rank_devices", "scheduler", b"scheduler", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
