@@ -179,6 +179,22 @@ def test_a_rank_killed_while_starting_fails_the_start_and_the_report_names_it(mo
             assert 'worker "tpx"' in r.output() and f"rank 1 (pid {pid}) exited with code -9" in r.output()
 
 
+def test_a_rank_that_cannot_honor_on_fails_the_worker_78_naming_the_rank_and_stops_the_others(
+    model: Path, tmp_path: Path
+):
+    argv = ["--model", str(model), "--worker-id", "a", "--tensor-parallel-size", "2", "--paged-attn", "on",
+            "--pa-context-tokens", "100", "--max-model-len", "256"]  # fmt: skip
+    with running(worker_argv(*argv), name="tp-on", log_dir=tmp_path) as w:
+        assert wait_for_exit(w, 120) == 78
+    assert (
+        "worker a rank 0: startup failed: PagedAttention was explicitly requested (--paged-attn on), but "
+        "rank 0 (cpu) cannot realize it: the KV cache budget (--pa-context-tokens 100) holds only"
+    ) in w.output()
+    (pid,) = log_events(w, "tensor-parallel ranks started")[0]["pids"]
+    assert not log_events(w, "model_loaded")  # refused before any weight was read
+    eventually(lambda: not _alive(pid), 10, f"rank 1 (pid {pid}) to be gone")
+
+
 def assert_greedy_parity(address: str, prompt: str, want_model: str, got_model: str) -> int:
     """Exact tokens; where a near-tie flips one, say so and compare logprobs up to it. The first index
     that differs (NEW_TOKENS: none)."""
