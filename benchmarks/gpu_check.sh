@@ -29,8 +29,8 @@
 #                   on is refused before loading (dry run: cpu=N-1,cpu=1)
 #   h_tp.txt        benchmarks/gpu_check.py tp, only with 2 or more GPUs (else a SKIP line saying so; the
 #                   dry run runs it on the CPU): `--tensor-parallel-size 3 --device cuda:0` refused before
-#                   loading (this build has gloo, not NCCL), TP=3 on CPU ranks with a paged pool per rank
-#                   gives TP=1's greedy tokens (2 minutes at most)
+#                   loading (this build has gloo, not NCCL), TP=3 on CPU ranks (eager) gives the greedy
+#                   tokens of TP=1 (paged) (2 minutes at most)
 #   summary.txt     one line a step (PASS / WARN / FAIL / SKIP, exit code, seconds); also printed last
 # The model is a tiny Llama with SmolLM2's attention shapes built on the fly (the SmolLM2 GGUF is 98 MB,
 # more than a run can carry); KVPACT_GPU_CHECK_MODEL=PATH uses another.
@@ -189,7 +189,7 @@ NUM_GPUS=$(timeout 60 "$PY" -c "import torch; print(torch.cuda.device_count())" 
 if [ $DRY = 0 ] && [ "${NUM_GPUS:-0}" -lt 2 ]; then
     note "SKIP  h) tensor parallel: this machine has ${NUM_GPUS:-0} GPU; the TP section needs 2 or more"
 elif needs "h) tensor parallel" "${SERVING[@]}"; then
-    step "h) tensor parallel: cuda refused (gloo only), TP=3 paged == TP=1" h_tp.txt 120 \
+    step "h) tensor parallel: cuda refused (gloo only), TP=3 == TP=1" h_tp.txt 120 \
         "$PY" benchmarks/gpu_check.py tp --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
 fi
 
