@@ -385,7 +385,8 @@ def cmd_tp(args: argparse.Namespace) -> int:
     This build runs the ranks on CPU over gloo: on a GPU machine `--tensor-parallel-size 3 --device cuda:0`
     must be refused by name before loading (NCCL is not built), and TP=3 on CPU ranks, each with an eager
     cache of its own heads (`auto`, the CPU default), must give the greedy tokens of one rank with a paged
-    cache (`on`). The paged pool per rank runs through the router in tests/integration/test_multi_device.py."""
+    cache (`on`). tests/integration/test_multi_device.py serves the paged pool per rank through the router.
+    """
     from dataclasses import replace
 
     from kvpact.shared.errors import ConfigError
