@@ -197,15 +197,15 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         num_tokens = 0
         entry.num_outstanding += 1
         started = last = time.monotonic()
+        timings = self.metrics.stream(request.model, api) if self.metrics is not None else None
         call = generate(request, timeout=timeout)
         try:
             async for data in call:
                 chunk = RelayedChunk.parse(data, entry.worker_id)
                 num_chunk_tokens = len(chunk.message.token_ids)
-                if num_chunk_tokens and self.metrics is not None:
+                if num_chunk_tokens and timings is not None:
                     now = time.monotonic()
-                    first = num_tokens == 0
-                    self.metrics.observe_chunk(request.model, now - last, num_chunk_tokens, first, api)
+                    timings.chunk(now - last, num_chunk_tokens, num_tokens == 0)
                     last = now
                 num_tokens += num_chunk_tokens
                 yield chunk
