@@ -25,11 +25,11 @@ class RelayedChunk:
 
     @classmethod
     def parse(cls, data: bytes, worker_id: str) -> RelayedChunk:
-        """The worker's serialized chunk `data`; `worker_id` filled in when the worker left it empty."""
+        """The worker's serialized chunk `data`; `worker_id` filled in when the worker left it empty.
+        (The relay's loop, router/service.py, does the same inline.)"""
         message = generation_pb2.GenerateChunk.FromString(data)
         if not message.worker_id:
-            message.worker_id = worker_id
-            data += generation_pb2.GenerateChunk(worker_id=worker_id).SerializeToString()
+            data = fill_worker_id(data, message, worker_id)
         return cls(data, message)
 
     @classmethod
@@ -42,6 +42,13 @@ class RelayedChunk:
         if name in RelayedChunk.__slots__ or name.startswith("__"):  # unset slot, copy/pickle probes
             raise AttributeError(name)
         return getattr(self.message, name)
+
+
+def fill_worker_id(data: bytes, message: generation_pb2.GenerateChunk, worker_id: str) -> bytes:
+    """`data` (the bytes of `message`, which has no worker id) with `worker_id` appended, and set in
+    `message` too."""
+    message.worker_id = worker_id
+    return data + generation_pb2.GenerateChunk(worker_id=worker_id).SerializeToString()
 
 
 def relayed_bytes(chunk: RelayedChunk) -> bytes:

@@ -35,7 +35,7 @@ from kvpact.router.coalesce import coalesced
 from kvpact.router.errors import NoLiveWorker, NotServing, Overloaded, WorkerCallFailed
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
-from kvpact.router.relayed import RelayedChunk
+from kvpact.router.relayed import RelayedChunk, fill_worker_id
 from kvpact.shared.errors import RequestError
 from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
@@ -57,6 +57,7 @@ REQUEST_CODES = frozenset(
     }
 )
 _ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.]+\]|\d{1,3}(?:\.\d{1,3}){3}|[\w.-]+\.[A-Za-z]\w*):\d+")
+parse_chunk = generation_pb2.GenerateChunk.FromString
 MAX_RETRIES_GONE = 1  # a request whose worker was gone before it produced anything is retried once
 
 
@@ -201,8 +202,11 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         call = generate(request, timeout=timeout)
         try:
             async for data in call:
-                chunk = RelayedChunk.parse(data, entry.worker_id)
-                num_chunk_tokens = len(chunk.message.token_ids)
+                message = parse_chunk(data)  # inline, not RelayedChunk.parse: this runs once per message
+                if not message.worker_id:
+                    data = fill_worker_id(data, message, entry.worker_id)
+                chunk = RelayedChunk(data, message)
+                num_chunk_tokens = len(message.token_ids)
                 if num_chunk_tokens and timings is not None:
                     now = time.monotonic()
                     timings.chunk(now - last, num_chunk_tokens, num_tokens == 0)
