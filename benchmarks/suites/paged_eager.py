@@ -221,5 +221,5 @@ def _report(ctx: BenchContext, cases: Sequence[Case], runs: dict[tuple[str, str]
             "workloads": {case.name: workloads.summary(case.items) for case in cases},
         },
         figure=fig,
-        notes=[__doc__.split("\n\n")[1]],
+        notes=[__doc__.split("\n\n")[0].replace("\n", " ")],
     )
