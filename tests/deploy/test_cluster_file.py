@@ -338,3 +338,11 @@ def test_the_routers_http_listen_is_a_router_flag_like_any_other():
     assert cluster.router_argv()[-2:] == ["--http-listen", "0.0.0.0:8000"]
     bad = error_of({**MINIMAL, "router": {"flags": {"http-listen": "nowhere"}}})
     assert "router" in bad and "--http-listen" in bad and "HOST:PORT" in bad
+
+
+def test_router_uniform_is_a_router_flag_a_list_adds_up_and_an_unknown_name_is_refused():
+    router = {"flags": {"uniform": ["model", "max-model-len"]}}
+    cluster = parse_cluster_file({**MINIMAL, "router": router}, "c.yaml")
+    assert cluster.router_argv()[-4:] == ["--uniform", "model", "--uniform", "max-model-len"]
+    bad = error_of({**MINIMAL, "router": {"flags": {"uniform": "model,max-len"}}})
+    assert bad.startswith("c.yaml: router: argument --uniform: unknown name 'max-len'"), bad
