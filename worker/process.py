@@ -9,6 +9,7 @@ stop), never a stack trace. The steps, drain and exit codes: docs/worker-startup
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import socket
 import sys
@@ -265,6 +266,11 @@ class WorkerProcess:
         assert self.server is not None
         if self.stop.event.is_set():
             return
+        # What startup left (the model, the cache, the servers) lives as long as the process: collect the
+        # loader's garbage once, then keep the rest out of the collector's generations, so a collection
+        # while serving walks only what requests allocate.
+        gc.collect()
+        gc.freeze()
         self.metrics.set_state("serving")
         await self.server.set_ready(True)
 
