@@ -227,9 +227,11 @@ class RankGroup:
         started.set()
         assert proc.stderr is not None
         for raw in proc.stderr:  # the rank's stderr, passed on, its last lines kept for a failure report
-            sys.stderr.buffer.write(raw)
-            sys.stderr.flush()
-            if line := raw.decode(errors="replace").strip():
+            text = raw.decode(errors="replace")
+            with contextlib.suppress(Exception):  # a closed or replaced stderr never stops the watch
+                sys.stderr.write(text)
+                sys.stderr.flush()
+            if line := text.strip():
                 tail.append(line[-300:])
         code = proc.wait()
         if self.closing:
