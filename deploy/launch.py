@@ -376,6 +376,8 @@ class Launch:
         a thread of its own (supervision goes on), after its backoff, within its budget."""
         worker_id = worker.slot.worker_id
         what = _what(obs)
+        if obs.health is Health.EXITED:  # its actor lives: what the worker printed last, from any node
+            say(f"worker {worker_id} {what}; {placement.output_tails([worker])}")
         now = time.monotonic()
         budget = worker.budget
         if not budget.can_restart(now):

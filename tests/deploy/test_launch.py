@@ -260,6 +260,9 @@ def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitte
             r"\(restart 1 of 1 within 600 s\)",
             30,
         )
+        # Its own last lines came first, fetched through its actor (its node's files may be elsewhere).
+        crash = launch.output().split("exited with code -9; worker cpu-0 in ", 1)[1]
+        assert "its last output lines" in crash and "worker cpu-0 serving" in crash, crash[:3000]
         wait_for_line(launch, rf"^kvpact-launch: worker cpu-0 \(pid (?!{pid}\))\d+\) started in bundle 0", 30)
 
         def admitted_again() -> bool:
