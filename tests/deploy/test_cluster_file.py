@@ -338,3 +338,13 @@ def test_the_routers_http_listen_is_a_router_flag_like_any_other():
     assert cluster.router_argv()[-2:] == ["--http-listen", "0.0.0.0:8000"]
     bad = error_of({**MINIMAL, "router": {"flags": {"http-listen": "nowhere"}}})
     assert "router" in bad and "--http-listen" in bad and "HOST:PORT" in bad
+
+
+def test_a_workers_pa_flag_with_paged_attn_off_is_refused_naming_it():
+    worker = {"name": "a", "replicas": 1, "flags": {"paged-attn": "off", "pa-cache-dtype": "float32"}}
+    message = error_of({"workers": [worker]})
+    assert (
+        "workers[0].flags: --pa-cache-dtype sets the paged KV cache, and --paged-attn off builds none"
+        in message
+    )
+    assert "drop --pa-cache-dtype, or use --paged-attn auto or on" in message
