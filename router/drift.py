@@ -60,11 +60,11 @@ def judge(
     eager = load_now.eager_steps_under_graphs - load_before.eager_steps_under_graphs
     if eager > 0:
         mode = policies.get(CUDA_GRAPHS, FeatureMode.AUTO)
-        r = reasons.EAGER_STEPS_WHILE_SERVING
-        message = f"{r.message(count=eager)} (under --policy {CUDA_GRAPHS}={mode.value})"
-        drifts.append(Drift(CUDA_GRAPHS, r.code, message, mode is FeatureMode.ON))
+        found = reasons.EAGER_STEPS_WHILE_SERVING.found(count=eager)
+        message = f"{found.message} (under --policy {CUDA_GRAPHS}={mode.value})"
+        drifts.append(Drift(CUDA_GRAPHS, found.code, message, mode is FeatureMode.ON))
     compiles = load_now.kernel_compiles_after_ready - load_before.kernel_compiles_after_ready
     if compiles > 0:
-        r = reasons.KERNEL_COMPILE_AFTER_READY
-        drifts.append(Drift(PAGED_ATTN, r.code, r.message(count=compiles), False))
+        found = reasons.KERNEL_COMPILE_AFTER_READY.found(count=compiles)
+        drifts.append(Drift(PAGED_ATTN, found.code, found.message, False))
     return drifts
