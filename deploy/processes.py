@@ -9,23 +9,23 @@ with what it printed, and a chatty one can never block on a full pipe.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpact.shared.child_process import parent_death_signal
 
 POLL_INTERVAL_S = 0.05
 
@@ -114,28 +114,9 @@ def start_process(
             env={**os.environ, **(env or {})},
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_parent_death_signal() if die_with_parent else None,
+            preexec_fn=parent_death_signal() if die_with_parent else None,
         )
     return ProcessHandle(name, list(argv), popen, stdout_path, stderr_path)
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A preexec_fn asking the kernel to SIGKILL the child when its parent dies (None off Linux). libc is
-    loaded here, before the fork, so the child only makes the one system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def set_signal() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the call: the signal will never come
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return set_signal
 
 
 def stop(handle: ProcessHandle, *, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> int:

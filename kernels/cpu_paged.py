@@ -247,6 +247,15 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     return CpuPagedOps(library, path, torch.get_num_threads())
 
 
+def required(dtype: torch.dtype, device: torch.device) -> CpuPagedOps:
+    """The kernels for a cache whose plan realized --cpu-kernels: its checks (worker/startup/checks.py)
+    ran `load` before any weight, so here they load, or the plan and the build disagree (a bug)."""
+    loaded = load(dtype, device)
+    if isinstance(loaded, str):
+        raise RuntimeError(f"the plan realized --cpu-kernels, but the cache cannot run them: {loaded}")
+    return loaded
+
+
 def cache_dir() -> Path:
     if os.environ.get("KVPACT_CACHE_DIR"):
         return Path(os.environ["KVPACT_CACHE_DIR"])

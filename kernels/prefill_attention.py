@@ -135,6 +135,8 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,  # the step's own K/V: PagedOps's signature; this reads the cache
+    value: torch.Tensor | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_tokens, q_heads, head_dim]
     """Triton twin of reference.paged_prefill_attention_torch. `max_query_len`, the longest

@@ -173,7 +173,6 @@ def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
         cache_dtype=_DTYPE_TO_PB[realized.cache_dtype],
         max_model_len=realized.max_model_len,
         memory_bytes=realized.memory_bytes,
-        prefix_caching=realized.prefix_caching,
         features=[feature_to_pb(f) for f in realized.features],
     )
 
@@ -191,7 +190,6 @@ def realized_from_pb(msg: cache_pb2.RealizedCache) -> RealizedCache:
         cache_dtype=_DTYPE_FROM_PB[msg.cache_dtype],
         backend=_BACKEND_FROM_PB[msg.backend] if kind is CacheKind.PAGED else None,
         block_size=msg.block_size,
-        prefix_caching=msg.prefix_caching,
         fallbacks=_fallbacks_from_pb(msg.fallbacks),
         features=tuple(feature_from_pb(f) for f in msg.features),
     )

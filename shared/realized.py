@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvpact.shared.features import FeatureState
 from kvpact.shared.intent import CacheDtype, Fallback, PagedBackend
+from kvpact.shared.reasons import PREFIX_CACHING
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 
 
@@ -22,6 +23,10 @@ class RealizedCache:
     cache_dtype: CacheDtype
     backend: PagedBackend | None = None  # PAGED only
     block_size: int = 0  # PAGED only
-    prefix_caching: bool = False
     fallbacks: tuple[Fallback, ...] = field(default_factory=tuple)  # paged-attn's, in the order taken
     features: tuple[FeatureState, ...] = field(default_factory=tuple)  # every feature, as built
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the worker serves from a prefix cache: derived from `features`, never stored."""
+        return any(f.name == PREFIX_CACHING and f.realized for f in self.features)

@@ -246,14 +246,6 @@ CPU_KERNELS_BUILD = Reason(
     "install a C compiler (gcc) or set CC; or --cpu-kernels auto/off",
     feature=CPU_KERNELS,
 )
-CPU_KERNELS_BUILT = Reason(
-    "C kernels not built",
-    "cache",
-    "the KV cache the worker built does not run the C kernels the plan chose (the last check, after loading)",
-    "the worker built {built} without the C kernels",
-    "whichever reason the startup log names first",
-    feature=CPU_KERNELS,
-)
 NO_CUDA = Reason(
     "no CUDA device",
     "device",
@@ -317,7 +309,6 @@ REASONS = (
     CPU_KERNELS_DTYPE,
     CPU_KERNELS_WINDOW,
     CPU_KERNELS_BUILD,
-    CPU_KERNELS_BUILT,
     NO_CUDA,
     GRAPHS_NOT_BUILT,
     EAGER_STEPS_WHILE_SERVING,

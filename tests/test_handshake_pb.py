@@ -143,7 +143,6 @@ def test_realized_cache_round_trip(kind, scheduler, fallbacks):
         cache_dtype=CacheDtype.FLOAT32,
         backend=PagedBackend.TORCH if kind is CacheKind.PAGED else None,
         block_size=16 if kind is CacheKind.PAGED else 0,
-        prefix_caching=kind is CacheKind.PAGED,
         fallbacks=tuple(Fallback(c, r, "dtype") for c, r in fallbacks),
         features=(
             FeatureState("paged-attn", FeatureMode.AUTO, kind is CacheKind.PAGED),

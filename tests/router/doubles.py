@@ -23,6 +23,7 @@ from kvpact.client import AsyncClient
 from kvpact.router.config import RouterConfig
 from kvpact.router.server import RouterServer
 from kvpact.shared import handshake_pb
+from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import (
     CacheDtype,
@@ -168,7 +169,7 @@ def paged_realized(
         cache_dtype=CacheDtype.FLOAT32,
         backend=backend,
         block_size=block_size,
-        prefix_caching=True,
+        features=(FeatureState("prefix-caching", FeatureMode.AUTO, True),),
     )
 
 

@@ -58,7 +58,9 @@ def test_eager_step_equals_contiguous_attention(native):
 @torch.inference_mode()
 def test_sliding_window_sees_only_the_last_window_positions():
     window = 4
-    cache = EagerCache(1, 4, 64, KV_HEADS, DIM, torch.float32, torch.device("cpu"), sliding_window=window)
+    cache = EagerCache(
+        1, 4, 64, KV_HEADS, DIM, torch.float32, torch.device("cpu"), sliding_window=window, cpu_kernels=False
+    )
     history: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def windowed(step, q, k, v):  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.shared.intent import CacheDtype, PagedBackend
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
@@ -55,7 +56,7 @@ def engine_for(model_dir: Path, backend: PagedBackend) -> Engine:
         cache_dtype=CacheDtype.FLOAT32,
         backend=backend,
         block_size=BLOCK_SIZE,
-        prefix_caching=True,
+        features=(FeatureState("prefix-caching", FeatureMode.AUTO, True),),
     )
     # max_num_batched_tokens 8 forces chunked prefill, so the prefill kernel also extends a cached prefix.
     scheduler = PagedScheduler(BlockManager(NUM_BLOCKS, BLOCK_SIZE), max_num_seqs=4, max_num_batched_tokens=8)

@@ -48,20 +48,17 @@ class EagerCache:
         self.device = device
         self.sliding_window = sliding_window
         # Decodes read their slot in place with the C decode kernel (a slot is one block of
-        # max_model_len tokens); else (no compiler, not float32 on a CPU, a sliding window, or
-        # --cpu-kernels realized off) the decodes' histories are gathered and attended with torch's SDPA.
-        native = (
-            "cpu-kernels realized off"
-            if not cpu_kernels
-            else cpu_paged.load(dtype, device)
-            if sliding_window is None
-            else "the C decode kernel has no sliding window"
-        )
-        self.native = None if isinstance(native, str) else native
+        # max_model_len tokens) where the plan realized --cpu-kernels; else the decodes' histories are
+        # gathered and attended with torch's SDPA. The plan decides (worker/startup/checks.py).
+        if cpu_kernels and sliding_window is not None:
+            raise ValueError(
+                "the C decode kernel has no sliding window: build this cache with cpu_kernels=False"
+            )
+        self.native = cpu_paged.required(dtype, device) if cpu_kernels else None
         self.kernels = (
-            f"CPU C decode kernel ({native.path.name})"
-            if not isinstance(native, str)
-            else f"torch SDPA on gathered histories ({native})"
+            f"CPU C decode kernel ({self.native.path.name})"
+            if self.native is not None
+            else "torch SDPA on gathered histories (cpu-kernels realized off)"
         )
 
     @property

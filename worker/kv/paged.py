@@ -43,7 +43,11 @@ class PagedOps:
     decode(query, key_cache, value_cache, block_tables, context_lens, scale, num_splits=None,
            *, out=None, workspace=None, check=True) -> out
     prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-            max_query_len=None, *, out=None, check=True) -> out
+            max_query_len=None, *, out=None, key=None, value=None, check=True) -> out
+
+    `key`/`value` in prefill are the step's own new K/V (laid out like query, already written): a
+    backend may attend a sequence with no cached prefix on them instead of gathering its blocks (the C
+    kernels' prefill does); the others read the cache.
     """
 
     write: Callable[..., None]
@@ -94,16 +98,13 @@ def paged_ops(
     device: torch.device | None = None,
     cpu_kernels: bool = True,
 ) -> tuple[PagedOps, str]:
-    """The backend's kernels and a line saying which they are (logged at startup). TORCH on a CPU
-    float32 cache: the C kernels of kernels/cpu_paged.py (decode reads blocks in place) unless
-    `cpu_kernels` is False (the plan realized --cpu-kernels off); where those cannot run, the references,
-    and the line says why."""
+    """The backend's kernels and a line saying which they are (logged at startup). TORCH: the C kernels
+    of kernels/cpu_paged.py (decode reads blocks in place) where the plan realized --cpu-kernels, else
+    the references. The plan decides; this only builds what it decided."""
     if backend is PagedBackend.TORCH:
         if not cpu_kernels:
             return reference_ops(), "pure-torch reference kernels (cpu-kernels realized off)"
-        native = cpu_paged.load(dtype, device or torch.device("cpu"))
-        if isinstance(native, str):
-            return reference_ops(), f"pure-torch reference kernels ({native})"
+        native = cpu_paged.required(dtype, device or torch.device("cpu"))
         return PagedOps(native.write, native.decode, native.prefill), f"CPU C kernels ({native.path.name})"
     if backend is PagedBackend.TRITON:  # imports triton: only on a worker whose decision chose it
         from kvpact.kernels.cache_write import reshape_and_cache
@@ -291,8 +292,6 @@ class PagedAttentionStep:
                 check=check,
             )
         if self.has_prefills:
-            # The CPU kernels attend a chunk with no cached prefix on its own K/V (no block gather).
-            own = {"key": key[d:], "value": value[d:]} if cache.backend is PagedBackend.TORCH else {}
             cache.ops.prefill(
                 query[d:],
                 key_cache,
@@ -303,8 +302,9 @@ class PagedAttentionStep:
                 cache.scale,
                 self.max_prefill_len,
                 out=out[d:],
+                key=key[d:],
+                value=value[d:],
                 check=check,
-                **own,
             )
         return out.to(q.dtype)
 

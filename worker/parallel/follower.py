@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(name, type=int, required=True)
     for name in ("--address", "--model", "--dtype", "--cache-dtype"):
         p.add_argument(name, required=True)
+    p.add_argument("--cpu-kernels", choices=("on", "off"), required=True)  # what rank 0's plan realized
     a = p.parse_args(argv)
     threading.Thread(target=_watch_parent, args=(a.parent,), daemon=True).start()
     torch.set_num_threads(a.threads)
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         cache = EagerCache(
             c.num_layers, a.max_num_seqs, a.max_model_len, c.num_kv_heads, c.head_dim,
             getattr(torch, a.cache_dtype), torch.device("cpu"), sliding_window=c.sliding_window,
+            cpu_kernels=a.cpu_kernels == "on",
         )  # fmt: skip
         dist.barrier()  # ready: rank 0 waits for every rank here
         with torch.inference_mode():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -20,13 +19,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 
 import structlog
 import torch
 import torch.distributed as dist
 
+from kvpact.shared.child_process import parent_death_signal
 from kvpact.worker.engine.sequence import ScheduledChunk
 from kvpact.worker.parallel import step_message
 from kvpact.worker.parallel.step_message import KEEPALIVE, StepMessage
@@ -37,7 +37,6 @@ log = structlog.get_logger(__name__)
 # A rank that exits is seen at once by its watcher, whatever this says.
 GROUP_TIMEOUT = timedelta(minutes=30)
 KEEPALIVE_S = 10.0
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class RankGroup:
@@ -136,7 +135,7 @@ class RankGroup:
         started.wait()
 
     def _watch(self, rank: int, argv: list[str], started: threading.Event) -> None:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_parent_death_signal())
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=parent_death_signal())
         self.procs.append(proc)
         started.set()
         code = proc.wait()
@@ -157,22 +156,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A preexec_fn: the kernel SIGKILLs the child when its spawning thread dies (None off Linux). libc is
-    loaded before the fork, so the child makes only the one system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def set_signal() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the call: the signal will never come
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return set_signal
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -2,8 +2,9 @@
 --cuda-graphs), in two halves: `plan_startup` runs every check knowable before loading (startup/checks.py;
 fast, no weights read), `build_engine` loads and builds what was planned.
 
-NOTE: every "cannot" goes through its feature's door (recorded under `auto`, raised under `on`), and
-the build is checked once more (`select_scheduler`, `built_features`), so `on` never ends without the
+NOTE: every "cannot" goes through its feature's door (recorded under `auto`, raised under `on`); the
+build only builds what the plan decided (a cache told to run the C kernels raises if it cannot), and the
+scheduler is chosen once more from what was built (`select_scheduler`), so `on` never ends without the
 feature. The checks in order, and which component each names: docs/worker-startup.md.
 """
 
@@ -17,10 +18,9 @@ from typing import Any
 import structlog
 import torch
 
-from kvpact.shared import reasons
 from kvpact.shared.describe import realized_table
-from kvpact.shared.errors import ConfigError, FeatureRequiredError
-from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState, Ledger, describe_features
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.reasons import CPU_KERNELS, PREFIX_CACHING
@@ -285,9 +285,7 @@ def build_engine(
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
         scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
-    features = built_features(plan, cache)
-    log_fallbacks(tuple(f for f in features if f not in plan.features), log)
-    realized = realized_cache(plan, cache, scheduler_kind, features)
+    realized = realized_cache(plan, cache, scheduler_kind, plan.features)
     log.info(
         "realized KV cache\n" + realized_table(realized),
         model=loaded.name,
@@ -315,26 +313,9 @@ def start_ranks(plan: WorkerPlan) -> RankGroup:
     dtype = str(plan.dtype).removeprefix("torch.")
     cache_dtype = str(plan.cache_dtype).removeprefix("torch.")
     args = ["--model", str(plan.model_path), "--dtype", dtype, "--cache-dtype", cache_dtype,
-            "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs)]  # fmt: skip
+            "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs),
+            "--cpu-kernels", "on" if plan.realizes(CPU_KERNELS) else "off"]  # fmt: skip
     return RankGroup.start(plan.spec.tensor_parallel_size, args, plan.spec.threads)
-
-
-def built_features(
-    plan: WorkerPlan, cache: PagedCache | EagerCache | StagedCache
-) -> tuple[FeatureState, ...]:
-    """The backstop: the plan's feature states, checked against what was built. The C kernels chosen
-    but not running: under on, the error; under auto, a fallback naming what was built."""
-    features = []
-    for f in plan.features:
-        if f.name == CPU_KERNELS and f.realized and not cache.cpu_kernels:
-            finding = reasons.CPU_KERNELS_BUILT.found(built=f"{cache.kind.value} KV cache ({cache.kernels})")
-            if f.requested is FeatureMode.ON:
-                raise FeatureRequiredError(
-                    finding.message, finding.component, feature=CPU_KERNELS, code=finding.code
-                )
-            f = FeatureState(f.name, f.requested, False, finding.code, finding.message, finding.component)
-        features.append(f)
-    return tuple(features)
 
 
 def realized_cache(
@@ -358,7 +339,6 @@ def realized_cache(
             cache_dtype=cache_dtype,
             backend=cache.backend,
             block_size=cache.block_size,
-            prefix_caching=plan.realizes(PREFIX_CACHING),
             fallbacks=fallbacks,
             features=features or plan.features,
         )

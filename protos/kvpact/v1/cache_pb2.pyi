@@ -297,7 +297,6 @@ class RealizedCache(_message.Message):
     CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
-    PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     kind: Global___CacheKind.ValueType
     backend: Global___PagedBackend.ValueType
@@ -313,7 +312,6 @@ class RealizedCache(_message.Message):
     cache_dtype: Global___CacheDtype.ValueType
     max_model_len: _builtins.int
     memory_bytes: _builtins.int
-    prefix_caching: _builtins.bool
     @_builtins.property
     def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Fallback]: ...
     @_builtins.property
@@ -334,12 +332,11 @@ class RealizedCache(_message.Message):
         cache_dtype: Global___CacheDtype.ValueType = ...,
         max_model_len: _builtins.int = ...,
         memory_bytes: _builtins.int = ...,
-        prefix_caching: _builtins.bool = ...,
         features: _abc.Iterable[Global___FeatureState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "capacity_tokens", b"capacity_tokens", "fallbacks", b"fallbacks", "features", b"features", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "memory_bytes", b"memory_bytes", "num_blocks", b"num_blocks", "prefix_caching", b"prefix_caching", "scheduler", b"scheduler"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "capacity_tokens", b"capacity_tokens", "fallbacks", b"fallbacks", "features", b"features", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "memory_bytes", b"memory_bytes", "num_blocks", b"num_blocks", "scheduler", b"scheduler"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
