@@ -207,6 +207,12 @@ def test_drift_is_reported_under_auto_and_drains_the_worker_under_on(model, tmp_
                         assert rest[-1].finish_reason == "length" and num_tokens == 200
                         assert wait_for_exit(worker, START_S) == 0, worker.output()
                         assert worker_status(client, "w-1") is None  # it deregistered
+                    for e in log_events(router, "worker_drift"):  # the drift case, as the router logged it
+                        print(
+                            json.dumps(
+                                {k: e[k] for k in ("event", "worker_id", "feature", "reason", "action")}
+                            )
+                        )
                     drained = [e for e in log_events(router, "worker_drift") if e["feature"] == "cpu-kernels"]
                     assert [(e["reason"], e["action"]) for e in drained] == [("c-kernels-build", "drain")]
                     assert (
