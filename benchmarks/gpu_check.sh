@@ -31,7 +31,8 @@
 # The model is a tiny Llama with SmolLM2's attention shapes built on the fly (the SmolLM2 GGUF is 98 MB,
 # more than a run can carry); KVPACT_GPU_CHECK_MODEL=PATH uses another.
 # --dry-run: the same steps on this machine's CPU with CPU expectations (interpreter for the kernels,
-# a subset of the kernel tests, the torch paged backend, auto staying eager).
+# a subset of the kernel tests, float32 only in c), the torch paged backend, auto staying eager), and no
+# run that would repeat another on a CPU (on --pa-backend torch is on; torch vs torch in d).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -151,7 +152,9 @@ fi
 
 # ---- c) kernel benchmark ----
 if needs "c) kernel benchmark" triton; then
-    step "c) benchmarks/kernels.py" c_bench.txt 100 "$PY" benchmarks/kernels.py
+    QUICK=()
+    [ $DRY = 1 ] && QUICK=(--quick)  # the interpreter: float32 only
+    step "c) benchmarks/kernels.py" c_bench.txt 100 "$PY" benchmarks/kernels.py ${QUICK[@]+"${QUICK[@]}"}
 fi
 
 # ---- d) the engine in-process ----

@@ -38,7 +38,7 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
     assert proc.returncode == 0, summary + proc.stdout[-4000:] + proc.stderr[-4000:]
     for step in STEPS:
         assert any(line.startswith(f"PASS  {step}") for line in summary.splitlines()), (step, summary)
-    assert "RESULT e2e: PASS on: paged/torch; on-torch: paged/torch; auto: eager/None" in summary
+    assert "RESULT e2e: PASS on: paged/torch; auto: eager/None" in summary  # on-torch is on, on a CPU
     assert "tokens/s on " in summary and "RESULT host: PASS 0 compiles after the warm-up" in summary
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "a_env.txt",
