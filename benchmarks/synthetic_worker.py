@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvpact.shared import handshake_pb
+from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.intent import CacheDtype, PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
@@ -137,6 +138,10 @@ def ready_handshake(worker_id: str, address: str, model: str) -> worker_pb2.Hand
         capabilities=worker_pb2.Capabilities(device_kind="cpu"),
         labels={"synthetic": "true"},
         ready=handshake_pb.realized_to_pb(realized),
+        # every synthetic worker serves the same "model": one fingerprint (router --uniform admits them all)
+        fingerprint=handshake_pb.fingerprint_to_pb(
+            Fingerprint(model="sha256:synthetic", tokenizer="sha256:synthetic", max_model_len=MAX_MODEL_LEN)
+        ),
     )
 
 

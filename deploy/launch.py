@@ -22,7 +22,11 @@ Exit codes, printed LAST as a short verdict (a failed Ray job keeps only the tai
     1   infrastructure: no Ray cluster, a placement group never granted (naming the resources), an actor
         or node lost while starting, the router's own startup timeout or another router failure
     2   the cluster file is not valid (the key and what is allowed)
-    78  the --paged-attn policy cannot be honored: the router's report, then which worker and why
+    78  a feature policy (--paged-attn, --policy) cannot be honored, or the workers of one model name are not
+        interchangeable (router --uniform): the router's report, then which worker and why
+
+`--plan`: the same placement, then each worker's pre-load plan judged as the router would, a verdict table,
+exit 0 / 78 (1 as above); nothing loads (deploy/plan.py).
 """
 
 from __future__ import annotations
@@ -70,8 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="the cluster file (YAML)")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="place every worker, run its `worker --plan-only` on its bundle's node, judge the plans against "
+        "the router's policies and --uniform, print the verdict table and exit 0 or 78 (1: not placed, or "
+        "a worker cannot plan); no router starts, no weight is loaded (deploy/plan.py)",
+    )
     scale = "scale --group NAME --replicas N [--address A] [--timeout S]"
-    parser.usage = f"{PROG} --config FILE\n       {PROG} {scale}"
+    parser.usage = f"{PROG} --config FILE [--plan]\n       {PROG} {scale}"
 
     return parser
 
@@ -96,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         say(f"{args.config}: router.auth_token_file: {exc}", error=True)
         return EXIT_USAGE
+    if args.plan:
+        from kvpact.deploy.plan import run_plan
+
+        return run_plan(cluster)
     return Launch(cluster, auth_token).run()
 
 

@@ -5,7 +5,10 @@
 
 Starts `router --listen 127.0.0.1:PORT --http-listen 127.0.0.1:HTTP_PORT --expect-workers 1` (gRPC and
 the OpenAI-compatible HTTP API, docs/openai.md) and a worker registering with it (the default model
-unless --model), waits (bounded) until the router's health says SERVING, then prints where to send
+unless --model), and beside them `worker --plan-only` with the worker's flags, whose table (every
+feature's plan and the fingerprint, before any weight loads) is printed as soon as it is made (it takes
+what the worker's own plan takes, so serving is not delayed). It waits (bounded) until the router's health
+says SERVING, then prints where to send
 requests, the cluster status with each worker's realized KV cache, and copy-paste client commands
 (gRPC, curl and the openai SDK). Ctrl-C (or SIGTERM) stops the worker, then the router, each by pid
 with a bounded wait. If either process exits on its own, the other is stopped and this exits non-zero
@@ -31,6 +34,7 @@ from kvpact.deploy.processes import (
     WaitCancelled,
     start_process,
     stop,
+    wait_for_exit,
     wait_for_health,
 )
 from kvpact.shared.cli import add_paged_attn_arg
@@ -97,6 +101,23 @@ def commands(router: str, argv: argparse.Namespace) -> tuple[list[str], list[str
     return router_argv, worker_argv
 
 
+def plan_command(worker_argv: Sequence[str]) -> list[str]:
+    """The worker's own command with --plan-only: its plan, with no router and no weight read."""
+    return [*worker_argv, "--plan-only"]
+
+
+def _print_plan(plan: ProcessHandle, timeout_s: float) -> None:
+    """The plan's table once it is made (bounded; a plan still running then is stopped, never waited on)."""
+    try:
+        code = wait_for_exit(plan, timeout_s)
+    except TimeoutError:
+        stop(plan, grace_s=1.0)
+        print(f"the worker's plan (worker --plan-only) did not finish within {timeout_s:g} s", flush=True)
+        return
+    table = plan.stdout().rstrip() or plan.output(400)
+    print(f"the worker's plan (worker --plan-only, exit {code}; no weight loaded yet):\n{table}", flush=True)
+
+
 def describe(router: str, http: str, processes: Sequence[ProcessHandle], log_dir: str) -> str:
     with Client(router, timeout=10) as client:
         status = client.cluster_status()
@@ -151,12 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: done.set())
 
     print(f"starting a router on {router} and one worker (--paged-attn {args.paged_attn}); logs in {log_dir}")
+    plan = start_process(plan_command(worker_argv), name="plan", log_dir=log_dir)
     processes = [start_process(router_argv, name="router", log_dir=log_dir)]
     processes.append(start_process(worker_argv, name="worker", log_dir=log_dir))
     for handle in processes:
         threading.Thread(target=_watch, args=(handle, done), daemon=True).start()
     failure = ""
     try:
+        _print_plan(plan, args.startup_timeout)
         wait_for_health(router, args.startup_timeout, watch=processes, cancel=done)
         print(describe(router, f"127.0.0.1:{args.http_port}", processes, log_dir), flush=True)
         done.wait()
@@ -168,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(p.returncode is not None for p in processes):
             _let_exit(processes, OWN_EXIT_S)  # e.g. the router exits 1/78 right after the worker's failure
         dead = [p for p in processes if p.returncode is not None]
+        stop(plan, grace_s=1.0)  # exited already, unless a signal cut its wait short
         _stop_all(processes)
     if failure:
         print(f"kvpact.deploy.local: {failure}", file=sys.stderr)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,6 +28,8 @@ from typing import TextIO
 
 from kvpact.deploy.processes import ProcessHandle, start_process, stop
 
+PLAN_TIMEOUT_S = 120.0  # `worker --plan-only` on a busy node: Python, torch's import, the config and headers
+OUTPUT_CHARS = 3000  # of a plan's stderr, kept for the verdict table's notes
 STOP_GRACE_S = 10.0  # when the caller gives none; the launcher gives the worker's --drain-timeout + margin
 FOLLOW_INTERVAL_S = 0.2
 
@@ -37,7 +40,8 @@ def visible_devices(gpu_ids: Sequence[object]) -> str:
 
 
 class WorkerActor:
-    """One worker slot. `start` (re)starts the worker process; `poll`, `output` and `stop` follow it."""
+    """One worker slot. `start` (re)starts the worker process; `poll`, `output` and `stop` follow it;
+    `plan` runs its pre-load plan instead (kvpact-launch --plan)."""
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -94,6 +98,21 @@ class WorkerActor:
         for path, stream in ((self.handle.stdout_path, sys.stdout), (self.handle.stderr_path, sys.stderr)):
             threading.Thread(target=_follow, args=(self.handle, path, stream), daemon=True).start()
         return self.handle.pid
+
+    def plan(self, argv: list[str], timeout_s: float = PLAN_TIMEOUT_S) -> dict[str, object]:
+        """Run `worker ARGV --plan-only --json` here, with this bundle's GPUs, and wait for it (bounded):
+        {"exit_code", "stdout", "stderr"} (exit_code None: it ran past `timeout_s` and was killed). No
+        weight is read; the worker process of `start` is not involved."""
+        import ray
+
+        command = [sys.executable, "-m", "kvpact.worker", *argv, "--plan-only", "--json"]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices(ray.get_gpu_ids())}
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+            return {"exit_code": None, "stdout": "", "stderr": err[-OUTPUT_CHARS:]}
+        return {"exit_code": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-OUTPUT_CHARS:]}
 
     def poll(self) -> int | None:
         """The worker's exit code, or None while it runs (or before it was started)."""

@@ -15,21 +15,27 @@ Every other feature (router --policy NAME=MODE) is judged the same way, on the w
 feature states (`_judge_features`): on -> realized only; off -> not realized only; auto -> either. A
 worker started with --NAME off under policy on (or on under off) is refused for that; a worker that
 reports no state for a feature the policy constrains (an older worker) is refused naming it.
+
+Interchangeable workers (router --uniform, `admit_uniform`): a worker whose realized-config fingerprint
+differs, in a field the list names, from a worker already serving (or loading) its model name is refused,
+both values named; one that reports no fingerprint is refused too, while the list names anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpact.shared.describe import describe_kind, fallback_reasons
 from kvpact.shared.features import FeatureMode, FeatureState
+from kvpact.shared.fingerprint import Fingerprint, mismatch
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import CacheIntent, PagedAttentionMode
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 
 ON, OFF, AUTO = PagedAttentionMode.ON, PagedAttentionMode.OFF, PagedAttentionMode.AUTO
+UNIFORM = "uniform"  # Decision.feature of a refusal by router --uniform (not a feature: the report says so)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +126,12 @@ def _judge(
     return Decision(admitted=True, reason=reason)
 
 
+def judge_planned_features(policies: Policies, states: tuple[FeatureState, ...]) -> Decision | None:
+    """`policies` (paged-attn's included) against a plan's feature states, as admission judges them: the
+    first refusal, or None (kvpact-launch --plan, on each worker's `--plan-only --json`)."""
+    return _judge_features(policies, states, "plans")
+
+
 def _judge_features(policies: Policies, states: tuple[FeatureState, ...], verb: str) -> Decision | None:
     """The first feature whose policy the worker's states do not meet, as a refusal; None when all do."""
     by_name = {s.name: s for s in states}
@@ -158,6 +170,26 @@ def _judge_features(policies: Policies, states: tuple[FeatureState, ...], verb: 
                 f"start it with --{name} off",
                 name,
             )
+    return None
+
+
+def admit_uniform(
+    fingerprint: Fingerprint | None, peers: Sequence[tuple[str, Fingerprint]], names: Sequence[str]
+) -> Decision | None:
+    """A refusal when `fingerprint` differs from a peer's (worker id, fingerprint: the workers already
+    serving or loading the same model name) in a field of `names` (router --uniform); None when it agrees."""
+    if not names:
+        return None
+    if fingerprint is None:
+        return _refuse(
+            f"it reported no realized-config fingerprint (a worker older than this router) and the router "
+            f"checks --uniform {','.join(names)}; upgrade it, or start the router with --uniform none",
+            UNIFORM,
+        )
+    for peer_id, peer in peers:
+        reason = mismatch(fingerprint, peer_id, peer, names)
+        if reason:
+            return _refuse(reason, UNIFORM)
     return None
 
 

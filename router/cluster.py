@@ -17,7 +17,7 @@ from typing import TextIO
 import structlog
 from grpc_health.v1 import health, health_pb2
 
-from kvpact.router.admission import admit, admit_plan
+from kvpact.router.admission import admit, admit_plan, admit_uniform
 from kvpact.router.cluster_state import ClusterState, Startup
 from kvpact.router.config import RouterConfig
 from kvpact.router.connections import WorkerChannels
@@ -168,6 +168,9 @@ class Cluster:
             outcome = entry.realized if entry.realized is not None else entry.failure
             assert outcome is not None
             decision = admit(policy, entry.spec.cache, outcome, policies)
+        if decision.admitted or decision.pending:  # interchangeable with its model name's other workers?
+            peers = self.registry.peers(entry)
+            decision = admit_uniform(entry.fingerprint, peers, self.config.uniform) or decision
         if entry.realized is not None:
             self._note_fallbacks(entry)
         if decision.admitted:
@@ -407,6 +410,9 @@ class Cluster:
             plan=plan,
             metrics_address=hs.metrics_address,
             labels=dict(hs.labels),
+            fingerprint=handshake_pb.fingerprint_from_pb(hs.fingerprint)
+            if hs.HasField("fingerprint")
+            else None,
             state=WorkerState.REFUSED,
             state_reason="",
             last_heartbeat=self.clock(),
@@ -472,6 +478,7 @@ class Cluster:
                 shutdown=shutdown,
                 policies=self.config.feature_policies(),
                 feature=self.startup.feature,
+                uniform=self.config.uniform,
             )
         )
         stream = self._report_stream or sys.stderr

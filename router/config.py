@@ -11,6 +11,7 @@ from kvpact.router.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from kvpact.shared.cli import host_port, seconds, tcp_port
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.features import FEATURES, FeatureMode
+from kvpact.shared.fingerprint import FIELDS, UNIFORM_DEFAULT, merge_uniform, parse_uniform
 from kvpact.shared.intent import PagedAttentionMode
 from kvpact.shared.options import check_options, option
 from kvpact.shared.tls import TlsConfig
@@ -94,6 +95,20 @@ class RouterConfig:
         action="append",
         metavar="NAME=MODE",
         convert=tuple,
+    )
+    uniform: tuple[str, ...] = option(  # the fingerprint fields that must agree (shared/fingerprint.py)
+        UNIFORM_DEFAULT,
+        "--uniform",
+        "what the workers serving one model name must agree on, a comma list of "
+        + ", ".join(FIELDS)
+        + " (or none); replaces the default, "
+        + ",".join(UNIFORM_DEFAULT)
+        + ". A worker that differs from those already serving its model name is refused, both values named; "
+        "while the cluster starts, that fails it (exit 78). Repeatable (the lists add up)",
+        type=parse_uniform,
+        action="append",
+        metavar="LIST",
+        convert=merge_uniform,
     )
     num_expected_workers: int = option(
         1,

@@ -25,6 +25,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvpact.shared.features import FeatureState
+from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, WorkerLoad
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.spec import WorkerSpec
@@ -60,6 +61,7 @@ class WorkerEntry:
     registration_id: str = ""  # names this registration; its heartbeats must carry it
     labels: dict[str, str] = field(default_factory=dict)  # Handshake.labels: where it runs, relayed as-is
     drain_reason: str = ""  # set: the router asked it to drain (HeartbeatReply.drain), and why
+    fingerprint: Fingerprint | None = None  # Handshake.fingerprint (router --uniform); None: not reported
 
     @property
     def serving(self) -> bool:
@@ -92,6 +94,19 @@ class Registry:
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._entries.get(worker_id)
+
+    def peers(self, entry: WorkerEntry) -> list[tuple[str, Fingerprint]]:
+        """(worker id, fingerprint) of the other workers serving or loading `entry`'s model name, in
+        registration order: those a joiner must be interchangeable with (router --uniform)."""
+        live = (WorkerState.LOADING, WorkerState.ADMITTED, WorkerState.DEAD, WorkerState.DRAINING)
+        return [
+            (e.worker_id, e.fingerprint)
+            for e in self._entries.values()
+            if e.worker_id != entry.worker_id
+            and e.model_name == entry.model_name
+            and e.state in live
+            and e.fingerprint is not None
+        ]
 
     def entries(self) -> list[WorkerEntry]:
         """In registration order (a copy: safe to read from another thread, e.g. a metrics scrape)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpact.router.admission import UNIFORM
 from kvpact.router.registry import WorkerEntry
 from kvpact.shared.describe import (
     describe_feature_flags,
@@ -33,6 +34,7 @@ class FailedStartup:
     shutdown: dict[str, str]  # worker id -> "sent" or why not
     policies: dict[str, FeatureMode] = field(default_factory=dict)  # router --policy; absent = auto
     feature: str = ""  # the feature whose policy failed it (Startup.feature); "" = paged-attn or none
+    uniform: tuple[str, ...] = ()  # router --uniform (its fields are shown when a mismatch failed it)
 
 
 def render_failure_report(failed: FailedStartup) -> str:
@@ -65,6 +67,8 @@ def render_failure_report(failed: FailedStartup) -> str:
             lines.append(f"  realized:  {describe_realized(w.realized)}")
         elif w.plan is not None:
             lines.append(f"  planned:   {describe_plan(w.plan)}")
+        if w.fingerprint is not None and failed.feature == UNIFORM:
+            lines.append(f"  config:    {w.fingerprint.describe(failed.uniform)}")
         for f in w.features:
             if not f.realized and failed.policies.get(f.name, FeatureMode.AUTO) is not FeatureMode.AUTO:
                 lines.append(f"  feature:   {f.name} off [{f.component}] {f.code}: {f.message}")
@@ -76,15 +80,19 @@ def render_failure_report(failed: FailedStartup) -> str:
             lines.append(f"  admission: {w.state_reason}")
         lines.append(f"  shutdown:  {failed.shutdown.get(w.worker_id, 'not asked')}")
         lines.append("")
-    meaning = (
-        (
-            "the --paged-attn policy cannot be honored by every worker"
-            if failed.feature in ("", "paged-attn")
-            else f"the {failed.feature} policy (--policy {failed.feature}, or a worker's "
-            f"--{failed.feature} on) cannot be honored by every worker"
+    if failed.exit_code != EXIT_POLICY:
+        meaning = "the cluster did not come up"
+    elif failed.feature == UNIFORM:
+        meaning = (
+            f"the workers serving one model name are not interchangeable (router --uniform "
+            f"{','.join(failed.uniform)})"
         )
-        if failed.exit_code == EXIT_POLICY
-        else "the cluster did not come up"
-    )
+    elif failed.feature in ("", "paged-attn"):
+        meaning = "the --paged-attn policy cannot be honored by every worker"
+    else:
+        meaning = (
+            f"the {failed.feature} policy (--policy {failed.feature}, or a worker's --{failed.feature} on) "
+            "cannot be honored by every worker"
+        )
     lines.append(f"exit code {failed.exit_code}: {meaning}")
     return "\n".join(lines)

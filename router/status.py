@@ -47,6 +47,8 @@ def worker_status_to_pb(entry: WorkerEntry, now: float) -> router_pb2.WorkerStat
         msg.failure.CopyFrom(handshake_pb.failure_to_pb(entry.failure))
     if entry.plan is not None:
         msg.planned.CopyFrom(handshake_pb.plan_to_pb(entry.plan))
+    if entry.fingerprint is not None:
+        msg.fingerprint.CopyFrom(handshake_pb.fingerprint_to_pb(entry.fingerprint))
     return msg
 
 

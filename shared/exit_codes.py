@@ -49,7 +49,8 @@ EXIT_CODES = (
     ),
     ExitCode(
         EXIT_POLICY,
-        router="a worker cannot honor a feature policy (--paged-attn, --policy) while the cluster starts "
+        router="a worker cannot honor a feature policy (--paged-attn, --policy), or is not interchangeable "
+        "with the workers serving its model name (--uniform), while the cluster starts "
         "(one report names each worker, what it was asked, what it realized or planned, and why)",
         worker="configuration cannot be honored: a --FEATURE on (--paged-attn, --prefix-caching, "
         "--cpu-kernels, --cuda-graphs) not realizable here, flags that "

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
+from kvpact.shared.fingerprint import NO_CHAT_TEMPLATE, Fingerprint
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode, WorkerLoad
 from kvpact.shared.intent import (
     DEFAULT_BLOCK_SIZE,
@@ -252,6 +253,29 @@ def features_from_pb(modes: object) -> FeatureIntents:
     known = set(FeatureIntents.names())
     values = {n.replace("-", "_"): feature_mode_from_pb(m) for n, m in modes.items() if n in known}  # type: ignore[attr-defined]
     return FeatureIntents(**values)
+
+
+def fingerprint_to_pb(fingerprint: Fingerprint) -> worker_pb2.Fingerprint:
+    return worker_pb2.Fingerprint(
+        model=fingerprint.model,
+        tokenizer=fingerprint.tokenizer,
+        chat_template=fingerprint.chat_template,
+        max_model_len=fingerprint.max_model_len,
+        block_size=fingerprint.block_size,
+        tensor_parallel_size=fingerprint.tensor_parallel_size,
+    )
+
+
+def fingerprint_from_pb(msg: worker_pb2.Fingerprint) -> Fingerprint:
+    """An empty chat_template reads as "none"; tensor_parallel_size 0 as 1 (as WorkerSpec's)."""
+    return Fingerprint(
+        model=msg.model,
+        tokenizer=msg.tokenizer,
+        chat_template=msg.chat_template or NO_CHAT_TEMPLATE,
+        max_model_len=msg.max_model_len,
+        block_size=msg.block_size,
+        tensor_parallel_size=msg.tensor_parallel_size or 1,
+    )
 
 
 _FAILURE_TO_PB = {

@@ -190,3 +190,14 @@ def test_loading_plan_round_trip(kind, backend, fallbacks, seconds):
         features=(FeatureState("prefix-caching", FeatureMode.OFF, False, "off-by-request", "off", "intent"),),
     )
     assert plan_from_pb(plan_to_pb(plan)) == plan
+
+
+def test_the_fingerprint_round_trips_and_an_unset_one_reads_as_its_defaults():
+    from kvpact.shared.fingerprint import Fingerprint
+    from kvpact.shared.handshake_pb import fingerprint_from_pb, fingerprint_to_pb
+
+    fingerprint = Fingerprint("sha256:" + "a" * 64, "sha256:" + "b" * 64, "none", 4096, 16, 2)
+    assert fingerprint_from_pb(fingerprint_to_pb(fingerprint)) == fingerprint
+    assert Fingerprint.from_json(fingerprint.to_json()) == fingerprint
+    empty = fingerprint_from_pb(worker_pb2.Fingerprint())
+    assert (empty.chat_template, empty.tensor_parallel_size, empty.block_size) == ("none", 1, 0)

@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from kvpact.worker.plan_only import run_plan_only
 
         configure_logging(options.log_format, options.log_level, fields={"worker_id": options.worker_id})
-        exit_now(run_plan_only(options.spec, options.plan_json))
+        exit_now(run_plan_only(options.spec, options.plan_json, options.model_name))
     try:
         code = asyncio.run(run_worker(options))
     except KeyboardInterrupt:  # Ctrl-C before the worker's own handlers were installed: a requested stop

@@ -18,6 +18,7 @@ from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY, ConfigError, FeatureRe
 from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
 from kvpact.shared.intent import cache_intent
 from kvpact.shared.spec import WorkerSpec
+from kvpact.worker.loader import model_name as name_of_model
 from kvpact.worker.startup.device import probe_device
 from kvpact.worker.startup.engine_setup import WorkerPlan, plan_startup
 
@@ -64,11 +65,15 @@ def make_plan(spec: WorkerSpec, log: Any = None) -> PlanVerdict:
     raise AssertionError("plan-only: more failed features than features")  # each round removes one `on`
 
 
-def verdict_json(v: PlanVerdict) -> dict[str, Any]:
+def verdict_json(v: PlanVerdict, model_name: str = "") -> dict[str, Any]:
+    """`model_name`: the name it would serve under (--model-name, else the model's); the fingerprint is
+    what must agree with the other workers serving that name (router --uniform); None when no plan."""
     return {
         "verdict": v.verdict,
         "exit_code": v.exit_code,
         "error": v.error or None,
+        "model_name": model_name or (_default_name(v.plan) if v.plan is not None else None),
+        "fingerprint": v.plan.fingerprint.to_json() if v.plan is not None else None,
         "features": [
             {
                 "name": f.name,
@@ -94,14 +99,20 @@ def verdict_text(v: PlanVerdict) -> str:
     if v.plan is not None:
         p = v.plan
         lines.append(f"cache: {p.cache_kind.value} on {p.probe.device}, max model len {p.max_model_len}")
+        lines.append(f"fingerprint: {p.fingerprint.describe()}")
     if v.error:
         lines.append(f"error: {v.error}")
     lines.append(f"verdict: {v.verdict} (exit {v.exit_code})")
     return "\n".join(lines)
 
 
-def run_plan_only(spec: WorkerSpec, as_json: bool) -> int:
-    """Print the plan (stdout) and return the exit code; logs go to stderr."""
+def _default_name(plan: WorkerPlan) -> str:
+    return name_of_model(plan.model_path)
+
+
+def run_plan_only(spec: WorkerSpec, as_json: bool, model_name: str | None = None) -> int:
+    """Print the plan (stdout) and return the exit code; logs go to stderr. `model_name`: --model-name."""
     v = make_plan(spec)
-    print(json.dumps(verdict_json(v)) if as_json else verdict_text(v), file=sys.stdout, flush=True)
+    out = json.dumps(verdict_json(v, model_name or "")) if as_json else verdict_text(v)
+    print(out, file=sys.stdout, flush=True)
     return v.exit_code

@@ -33,7 +33,14 @@ from kvpact.shared.errors import (
     PagedAttentionRequiredError,
 )
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
-from kvpact.shared.handshake_pb import failure_to_pb, mode_from_pb, plan_to_pb, realized_to_pb, spec_to_pb
+from kvpact.shared.handshake_pb import (
+    failure_to_pb,
+    fingerprint_to_pb,
+    mode_from_pb,
+    plan_to_pb,
+    realized_to_pb,
+    spec_to_pb,
+)
 from kvpact.shared.log import configure_logging
 from kvpact.shared.tls import describe_tls, plaintext_warning
 from kvpact.v1 import worker_pb2
@@ -293,6 +300,7 @@ class WorkerProcess:
         probe = await _in_daemon_thread(probe_device, spec.device, spec.device_map)
         self.handshake.capabilities.CopyFrom(capabilities_to_pb(probe))
         plan = await _in_daemon_thread(plan_startup, spec, probe=probe)
+        self.handshake.fingerprint.CopyFrom(fingerprint_to_pb(plan.fingerprint))  # every handshake from now
         await self._announce(plan)
         engine = await _in_daemon_thread(build_engine, plan, cpu_share=self.cpu_share)
         log.info("engine ready", seconds=round(time.monotonic() - started, 3))

@@ -348,3 +348,11 @@ def test_a_workers_pa_flag_with_paged_attn_off_is_refused_naming_it():
         in message
     )
     assert "drop --pa-cache-dtype, or use --paged-attn auto or on" in message
+
+
+def test_router_uniform_is_a_router_flag_a_list_adds_up_and_an_unknown_name_is_refused():
+    router = {"flags": {"uniform": ["model", "max-model-len"]}}
+    cluster = parse_cluster_file({**MINIMAL, "router": router}, "c.yaml")
+    assert cluster.router_argv()[-4:] == ["--uniform", "model", "--uniform", "max-model-len"]
+    bad = error_of({**MINIMAL, "router": {"flags": {"uniform": "model,max-len"}}})
+    assert bad.startswith("c.yaml: router: argument --uniform: unknown name 'max-len'"), bad

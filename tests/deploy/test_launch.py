@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -530,3 +531,58 @@ def test_scale_refuses_by_name_and_says_what_blocks_a_placement(
         launch.popen.send_signal(signal.SIGTERM)
         assert wait_for_exit(launch, 60) == 0, launch.output()[-3000:]
     eventually_live(ray_cluster, name, ([], []))
+
+
+def test_plan_judges_each_worker_on_its_node_and_says_78_then_1_without_resources(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    """`kvpact-launch --plan`: each worker's `--plan-only` runs in its bundle (the model's weight data is
+    garbage: only headers are read), judged as the router would: cpu-0 meets --paged-attn on; long-0 plans
+    another max-model-len under router --uniform model,max-model-len; triton-0 cannot honor on. Then a file
+    whose bundles the cluster cannot grant exits 1 after ray.placement_timeout_s, as a launch does."""
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    for f in model.iterdir():
+        data = f.read_bytes()
+        if f.suffix == ".safetensors":
+            (header_len,) = struct.unpack("<Q", data[:8])
+            data = data[: 8 + header_len] + b"\xff" * (len(data) - 8 - header_len)
+        (garbage / f.name).write_bytes(data)
+    workers = [
+        worker_group(garbage, "cpu", 1),
+        worker_group(garbage, "long", 1, max_model_len=128),
+        worker_group(garbage, "triton", 1, resources={"num_gpus": 1, "num_cpus": 1}, pa_backend="triton"),
+    ]
+    config = cluster_file(tmp_path, workers=workers, router_flags={"uniform": "model,max-model-len"})
+    with launched(config, ray_cluster.address, log_dir=tmp_path, args=("--plan",)) as launch:
+        group_name = placement_group_name(launch)
+        code = wait_for_exit(launch, 240)
+    out, err = launch.stdout(), launch.stderr()
+    assert code == 78, launch.output()
+    rows = [" ".join(line.split()) for line in out.splitlines()]
+    assert "cpu-0 paged-attn on on" in rows, out
+    assert any(r.startswith("triton-0 paged-attn on off [device]") and "Triton" in r for r in rows), out
+    assert any(r.startswith("cpu-0 tiny yes model sha256:") and r.endswith("max-model-len 256") for r in rows)
+    assert any(r.startswith("long-0 tiny no model sha256:") and r.endswith("max-model-len 128") for r in rows)
+    assert any(r.startswith("cpu-0 ok bundle 0 on node") for r in rows), out
+    assert any(r.startswith("triton-0 refused it was started with --paged-attn on") for r in rows), out
+    assert (
+        err.rstrip()
+        .splitlines()[-1]
+        .startswith("kvpact-launch: plan: REFUSED (exit code 78): worker long-0: it is not interchangeable")
+    ), err
+    assert "max-model-len 128 here, 256 on worker 'cpu-0'" in err
+    assert "SERVING" not in out and "router started" not in out  # no router, no worker served
+    assert_nothing_left(ray_cluster, group_name)
+
+    big = [worker_group(model, "big", 1, resources={"num_gpus": 3, "num_cpus": 1})]
+    unplaceable = cluster_file(tmp_path, workers=big, placement_timeout_s=3, name="big.yaml")
+    with launched(unplaceable, ray_cluster.address, log_dir=tmp_path, name="big", args=("--plan",)) as launch:
+        code = wait_for_exit(launch, 90)
+    assert code == 1, launch.output()
+    assert (
+        launch.stderr()
+        .rstrip()
+        .splitlines()[-1]
+        .startswith("kvpact-launch: plan: FAILED (exit code 1): placement: 1 bundles big x1 {CPU: 1, GPU: 3}")
+    )

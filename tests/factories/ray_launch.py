@@ -126,19 +126,21 @@ def cluster_file(
     return path
 
 
-def launch_argv(config: Path) -> list[str]:
+def launch_argv(config: Path, *args: str) -> list[str]:
     import sys
 
-    return [sys.executable, "-m", "kvpact.deploy.launch", "--config", str(config)]
+    return [sys.executable, "-m", "kvpact.deploy.launch", "--config", str(config), *args]
 
 
 @contextmanager
 def launched(
-    config: Path, ray_address: str, *, log_dir: Path, name: str = "launch"
+    config: Path, ray_address: str, *, log_dir: Path, name: str = "launch", args: tuple[str, ...] = ()
 ) -> Iterator[ProcessHandle]:
-    """The launcher joining the cluster at `ray_address`; stopped (SIGTERM, then SIGKILL) on the way out."""
+    """The launcher joining the cluster at `ray_address` (`args`: e.g. ("--plan",)); stopped (SIGTERM, then
+    SIGKILL) on the way out."""
     env = {**RAY_AUTH, "RAY_ADDRESS": ray_address, "PYTHONUNBUFFERED": "1"}
-    with running(launch_argv(config), name=name, env=env, log_dir=log_dir, grace_s=60) as handle:
+    argv = launch_argv(config, *args)
+    with running(argv, name=name, env=env, log_dir=log_dir, grace_s=60) as handle:
         yield handle
 
 

@@ -24,6 +24,7 @@ from kvpact.router.config import RouterConfig
 from kvpact.router.server import RouterServer
 from kvpact.shared import handshake_pb
 from kvpact.shared.features import FeatureMode, FeatureState
+from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import (
     CacheDtype,
@@ -200,6 +201,12 @@ def spec(
     )
 
 
+TINY_FINGERPRINT = Fingerprint(
+    model="sha256:" + "1" * 64, tokenizer="sha256:" + "2" * 64, chat_template="sha256:" + "3" * 64,
+    max_model_len=256, block_size=16,
+)  # fmt: skip
+
+
 def handshake(
     worker_id: str,
     address: str,
@@ -207,10 +214,12 @@ def handshake(
     *,
     model: str = "tiny",
     token: str = "",
+    fingerprint: Fingerprint | None = TINY_FINGERPRINT,
     **outcome: Any,
 ) -> worker_pb2.Handshake:
-    """The parts every test handshake shares; `outcome` is ready=, loading= or failed=."""
-    return worker_pb2.Handshake(
+    """The parts every test handshake shares; `outcome` is ready=, loading= or failed=. `fingerprint`
+    None: a worker that reports none (an older one, or one that failed before its plan)."""
+    message = worker_pb2.Handshake(
         worker_id=worker_id,
         address=address,
         model_name=model,
@@ -219,6 +228,9 @@ def handshake(
         auth_token=token,
         **outcome,
     )
+    if fingerprint is not None:
+        message.fingerprint.CopyFrom(handshake_pb.fingerprint_to_pb(fingerprint))
+    return message
 
 
 def ready(
@@ -229,9 +241,10 @@ def ready(
     mode: str = "on",
     model: str = "tiny",
     token: str = "",
+    fingerprint: Fingerprint | None = TINY_FINGERPRINT,
 ) -> worker_pb2.Handshake:
     return handshake(
-        worker_id, address, spec(mode), model=model, token=token,
+        worker_id, address, spec(mode), model=model, token=token, fingerprint=fingerprint,
         ready=handshake_pb.realized_to_pb(realized or paged_realized()),
     )  # fmt: skip
 
@@ -243,10 +256,14 @@ def loading(
     *,
     mode: str = "on",
     model: str = "tiny",
+    fingerprint: Fingerprint | None = TINY_FINGERPRINT,
 ) -> worker_pb2.Handshake:
     """A worker announcing its pre-load plan (default: PAGED, torch backend) before it loads weights."""
     plan = plan or LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH, verdict_seconds=0.2)
-    return handshake(worker_id, address, spec(mode), model=model, loading=handshake_pb.plan_to_pb(plan))
+    return handshake(
+        worker_id, address, spec(mode), model=model, fingerprint=fingerprint,
+        loading=handshake_pb.plan_to_pb(plan),
+    )  # fmt: skip
 
 
 def failed(
@@ -260,7 +277,7 @@ def failed(
     code: StartupFailureCode = StartupFailureCode.PAGED_ATTENTION_REQUIRED,
 ) -> worker_pb2.Handshake:
     failure = handshake_pb.failure_to_pb(StartupFailure(code, reason, component))
-    return handshake(worker_id, address, spec(mode, backend=backend), failed=failure)
+    return handshake(worker_id, address, spec(mode, backend=backend), fingerprint=None, failed=failure)
 
 
 @asynccontextmanager

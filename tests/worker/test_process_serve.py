@@ -40,6 +40,11 @@ def test_serve_starts_both_prints_how_to_use_them_and_ctrl_c_stops_both(model_di
         wait_for_line(serve, r"^Ctrl-C stops both\.$", START_TIMEOUT_S)
         out = serve.stdout()
         assert f"kvpact is serving on 127.0.0.1:{port}" in out
+        # the worker's plan, printed before it serves: every feature, the fingerprint, the verdict
+        plan = out[out.index("the worker's plan (worker --plan-only, exit 0; no weight loaded yet):") :]
+        assert plan.index("verdict: ok (exit 0)") < plan.index("kvpact is serving on")
+        assert re.search(r"^paged-attn\s+on\s+on$", plan, re.MULTILINE)
+        assert "fingerprint: model sha256:" in plan
         assert "cluster SERVING  policy --paged-attn on  workers 1/1 admitted" in out
         assert re.search(r"^kind\s+PAGED$", out, re.MULTILINE)
         assert f"Client('127.0.0.1:{port}')" in out

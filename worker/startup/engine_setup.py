@@ -21,6 +21,7 @@ import torch
 from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features
+from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.reasons import CPU_KERNELS, PREFIX_CACHING
@@ -40,6 +41,7 @@ from kvpact.worker.loader import (
     resolve_dtype,
     resolve_model_path,
 )
+from kvpact.worker.loader.fingerprint import model_fingerprint
 from kvpact.worker.model import ModelConfig
 from kvpact.worker.model.stages import plan_stages
 from kvpact.worker.model.tensor_parallel import shard_model, tp_problem
@@ -80,6 +82,7 @@ class WorkerPlan:
     bytes_per_token: int
     paged_size: sizing.PagedSize | None
     verdict_seconds: float
+    fingerprint: Fingerprint  # what must agree with the workers serving its model name (router --uniform)
     notes: list[str] = field(default_factory=list)
     max_model_len_source: str = ""  # how max_model_len was chosen (a flag, a default, or auto's fit)
 
@@ -101,6 +104,7 @@ class WorkerPlan:
             "max_num_seqs": self.max_num_seqs,
             "weight_bytes": self.weight_bytes,
             "features": describe_features(self.features),
+            "fingerprint": self.fingerprint.describe(),
             "fallbacks": [f"{f.component}: {f.reason}" for f in self.state.fallbacks],
         }
 
@@ -122,6 +126,13 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
     else:
         max_num_seqs = _size_eager(p)
     features = (p.state.feature_state(), *p.ledger.states())
+    block_size = p.state.paged_config.block_size if p.state.paged_config is not None else 0
+    fingerprint = model_fingerprint(
+        _model_path(spec),
+        max_model_len=p.max_model_len,
+        block_size=block_size,
+        tensor_parallel_size=spec.tensor_parallel_size,
+    )
     plan = WorkerPlan(
         spec=spec,
         probe=probe,
@@ -139,6 +150,7 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
         bytes_per_token=p.bytes_per_token,
         paged_size=p.paged_size if p.paged else None,
         verdict_seconds=time.monotonic() - started,
+        fingerprint=fingerprint,
         max_model_len_source=p.max_model_len_source,
     )
     log_fallbacks(features, log)

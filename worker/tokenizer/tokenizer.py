@@ -65,7 +65,7 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json")
         return cls(
             backend,
-            chat_template=_chat_template(path, config),
+            chat_template=chat_template_text(path, config),
             bos_token=_token_text(config.get("bos_token")),
             eos_token=_token_text(config.get("eos_token")),
             eos_token_ids=eos_token_ids,
@@ -111,7 +111,7 @@ def _read_json(file: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{file}: not valid JSON: {e}") from e
 
 
-def _chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
+def chat_template_text(path: Path, config: Mapping[str, Any]) -> str | None:
     """chat_template.jinja wins (transformers 5 writes it), else tokenizer_config.json's entry (a string,
     or a list of named templates of which "default" is used)."""
     jinja_file = path / "chat_template.jinja"

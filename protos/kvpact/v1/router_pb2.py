@@ -27,7 +27,7 @@ from kvpact.v1 import generation_pb2 as kvpact_dot_v1_dot_generation__pb2
 from kvpact.v1 import worker_pb2 as kvpact_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpact/v1/router.proto\x12\tkvpact.v1\x1a\x15kvpact/v1/cache.proto\x1a\x1akvpact/v1/generation.proto\x1a\x16kvpact/v1/worker.proto\"\x13\n\x11ListModelsRequest\"E\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvpact.v1.ModelInfo\"\xb9\x04\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12(\n\trequested\x18\x04 \x01(\x0b\x32\x15.kvpact.v1.WorkerSpec\x12-\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x17.kvpact.v1.Capabilities\x12*\n\x08realized\x18\x06 \x01(\x0b\x32\x18.kvpact.v1.RealizedCache\x12*\n\x07\x66\x61ilure\x18\x07 \x01(\x0b\x32\x19.kvpact.v1.StartupFailure\x12%\n\x05state\x18\x08 \x01(\x0e\x32\x16.kvpact.v1.WorkerState\x12\x14\n\x0cstate_reason\x18\t \x01(\t\x12#\n\x04load\x18\n \x01(\x0b\x32\x15.kvpact.v1.WorkerLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x0b \x01(\x01\x12\x17\n\x0fnum_outstanding\x18\x0c \x01(\r\x12\'\n\x07planned\x18\r \x01(\x0b\x32\x16.kvpact.v1.LoadingPlan\x12\x17\n\x0fmetrics_address\x18\x0e \x01(\t\x12\x33\n\x06labels\x18\x0f \x03(\x0b\x32#.kvpact.v1.WorkerStatus.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14\x43lusterStatusRequest\"\xe5\x02\n\x15\x43lusterStatusResponse\x12&\n\x05state\x18\x01 \x01(\x0e\x32\x17.kvpact.v1.ClusterState\x12-\n\x06policy\x18\x02 \x01(\x0e\x32\x1d.kvpact.v1.PagedAttentionMode\x12\x18\n\x10\x65xpected_workers\x18\x03 \x01(\r\x12(\n\x07workers\x18\x04 \x03(\x0b\x32\x17.kvpact.v1.WorkerStatus\x12\x16\n\x0e\x66\x61ilure_report\x18\x05 \x01(\t\x12\x0e\n\x06health\x18\x06 \x01(\t\x12@\n\x08policies\x18\x07 \x03(\x0b\x32..kvpact.v1.ClusterStatusResponse.PoliciesEntry\x1aG\n\rPoliciesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0e\x32\x16.kvpact.v1.FeatureMode:\x02\x38\x01*~\n\x0c\x43lusterState\x12\x1d\n\x19\x43LUSTER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43LUSTER_STATE_STARTING\x10\x01\x12\x19\n\x15\x43LUSTER_STATE_SERVING\x10\x02\x12\x18\n\x14\x43LUSTER_STATE_FAILED\x10\x03*\xc5\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_ADMITTED\x10\x01\x12\x18\n\x14WORKER_STATE_REFUSED\x10\x02\x12\x17\n\x13WORKER_STATE_FAILED\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x12\x18\n\x14WORKER_STATE_LOADING\x10\x05\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x06\x32\xb4\x02\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.kvpact.v1.GenerateRequest\x1a\x18.kvpact.v1.GenerateChunk0\x01\x12\x43\n\x08\x43omplete\x12\x1a.kvpact.v1.GenerateRequest\x1a\x1b.kvpact.v1.CompleteResponse\x12I\n\nListModels\x12\x1c.kvpact.v1.ListModelsRequest\x1a\x1d.kvpact.v1.ListModelsResponse\x12R\n\rClusterStatus\x12\x1f.kvpact.v1.ClusterStatusRequest\x1a .kvpact.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpact/v1/router.proto\x12\tkvpact.v1\x1a\x15kvpact/v1/cache.proto\x1a\x1akvpact/v1/generation.proto\x1a\x16kvpact/v1/worker.proto\"\x13\n\x11ListModelsRequest\"E\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvpact.v1.ModelInfo\"\xe6\x04\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12(\n\trequested\x18\x04 \x01(\x0b\x32\x15.kvpact.v1.WorkerSpec\x12-\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x17.kvpact.v1.Capabilities\x12*\n\x08realized\x18\x06 \x01(\x0b\x32\x18.kvpact.v1.RealizedCache\x12*\n\x07\x66\x61ilure\x18\x07 \x01(\x0b\x32\x19.kvpact.v1.StartupFailure\x12%\n\x05state\x18\x08 \x01(\x0e\x32\x16.kvpact.v1.WorkerState\x12\x14\n\x0cstate_reason\x18\t \x01(\t\x12#\n\x04load\x18\n \x01(\x0b\x32\x15.kvpact.v1.WorkerLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x0b \x01(\x01\x12\x17\n\x0fnum_outstanding\x18\x0c \x01(\r\x12\'\n\x07planned\x18\r \x01(\x0b\x32\x16.kvpact.v1.LoadingPlan\x12\x17\n\x0fmetrics_address\x18\x0e \x01(\t\x12\x33\n\x06labels\x18\x0f \x03(\x0b\x32#.kvpact.v1.WorkerStatus.LabelsEntry\x12+\n\x0b\x66ingerprint\x18\x10 \x01(\x0b\x32\x16.kvpact.v1.Fingerprint\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14\x43lusterStatusRequest\"\xe5\x02\n\x15\x43lusterStatusResponse\x12&\n\x05state\x18\x01 \x01(\x0e\x32\x17.kvpact.v1.ClusterState\x12-\n\x06policy\x18\x02 \x01(\x0e\x32\x1d.kvpact.v1.PagedAttentionMode\x12\x18\n\x10\x65xpected_workers\x18\x03 \x01(\r\x12(\n\x07workers\x18\x04 \x03(\x0b\x32\x17.kvpact.v1.WorkerStatus\x12\x16\n\x0e\x66\x61ilure_report\x18\x05 \x01(\t\x12\x0e\n\x06health\x18\x06 \x01(\t\x12@\n\x08policies\x18\x07 \x03(\x0b\x32..kvpact.v1.ClusterStatusResponse.PoliciesEntry\x1aG\n\rPoliciesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0e\x32\x16.kvpact.v1.FeatureMode:\x02\x38\x01*~\n\x0c\x43lusterState\x12\x1d\n\x19\x43LUSTER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43LUSTER_STATE_STARTING\x10\x01\x12\x19\n\x15\x43LUSTER_STATE_SERVING\x10\x02\x12\x18\n\x14\x43LUSTER_STATE_FAILED\x10\x03*\xc5\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_ADMITTED\x10\x01\x12\x18\n\x14WORKER_STATE_REFUSED\x10\x02\x12\x17\n\x13WORKER_STATE_FAILED\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x12\x18\n\x14WORKER_STATE_LOADING\x10\x05\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x06\x32\xb4\x02\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.kvpact.v1.GenerateRequest\x1a\x18.kvpact.v1.GenerateChunk0\x01\x12\x43\n\x08\x43omplete\x12\x1a.kvpact.v1.GenerateRequest\x1a\x1b.kvpact.v1.CompleteResponse\x12I\n\nListModels\x12\x1c.kvpact.v1.ListModelsRequest\x1a\x1d.kvpact.v1.ListModelsResponse\x12R\n\rClusterStatus\x12\x1f.kvpact.v1.ClusterStatusRequest\x1a .kvpact.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,10 +38,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATUS_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_CLUSTERSTATUSRESPONSE_POLICIESENTRY']._loaded_options = None
   _globals['_CLUSTERSTATUSRESPONSE_POLICIESENTRY']._serialized_options = b'8\001'
-  _globals['_CLUSTERSTATE']._serialized_start=1220
-  _globals['_CLUSTERSTATE']._serialized_end=1346
-  _globals['_WORKERSTATE']._serialized_start=1349
-  _globals['_WORKERSTATE']._serialized_end=1546
+  _globals['_CLUSTERSTATE']._serialized_start=1265
+  _globals['_CLUSTERSTATE']._serialized_end=1391
+  _globals['_WORKERSTATE']._serialized_start=1394
+  _globals['_WORKERSTATE']._serialized_end=1591
   _globals['_LISTMODELSREQUEST']._serialized_start=112
   _globals['_LISTMODELSREQUEST']._serialized_end=131
   _globals['_MODELINFO']._serialized_start=133
@@ -49,15 +49,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSRESPONSE']._serialized_start=204
   _globals['_LISTMODELSRESPONSE']._serialized_end=262
   _globals['_WORKERSTATUS']._serialized_start=265
-  _globals['_WORKERSTATUS']._serialized_end=834
-  _globals['_WORKERSTATUS_LABELSENTRY']._serialized_start=789
-  _globals['_WORKERSTATUS_LABELSENTRY']._serialized_end=834
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=836
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=858
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=861
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1218
-  _globals['_CLUSTERSTATUSRESPONSE_POLICIESENTRY']._serialized_start=1147
-  _globals['_CLUSTERSTATUSRESPONSE_POLICIESENTRY']._serialized_end=1218
-  _globals['_GENERATION']._serialized_start=1549
-  _globals['_GENERATION']._serialized_end=1857
+  _globals['_WORKERSTATUS']._serialized_end=879
+  _globals['_WORKERSTATUS_LABELSENTRY']._serialized_start=834
+  _globals['_WORKERSTATUS_LABELSENTRY']._serialized_end=879
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=881
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=903
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=906
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1263
+  _globals['_CLUSTERSTATUSRESPONSE_POLICIESENTRY']._serialized_start=1192
+  _globals['_CLUSTERSTATUSRESPONSE_POLICIESENTRY']._serialized_end=1263
+  _globals['_GENERATION']._serialized_start=1594
+  _globals['_GENERATION']._serialized_end=1902
 # @@protoc_insertion_point(module_scope)

@@ -174,6 +174,7 @@ class WorkerStatus(_message.Message):
     PLANNED_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
     model_name: _builtins.str
@@ -201,6 +202,10 @@ class WorkerStatus(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """from its Handshake (e.g. its Ray node and bundle)"""
 
+    @_builtins.property
+    def fingerprint(self) -> _worker_pb2.Fingerprint:
+        """from its Handshake (router --uniform); unset: none reported"""
+
     def __init__(
         self,
         *,
@@ -219,10 +224,11 @@ class WorkerStatus(_message.Message):
         planned: _worker_pb2.LoadingPlan | None = ...,
         metrics_address: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        fingerprint: _worker_pb2.Fingerprint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failure", b"failure", "load", b"load", "planned", b"planned", "realized", b"realized", "requested", b"requested"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failure", b"failure", "fingerprint", b"fingerprint", "load", b"load", "planned", b"planned", "realized", b"realized", "requested", b"requested"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capabilities", b"capabilities", "failure", b"failure", "labels", b"labels", "load", b"load", "metrics_address", b"metrics_address", "model_name", b"model_name", "num_outstanding", b"num_outstanding", "planned", b"planned", "realized", b"realized", "requested", b"requested", "seconds_since_heartbeat", b"seconds_since_heartbeat", "state", b"state", "state_reason", b"state_reason", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capabilities", b"capabilities", "failure", b"failure", "fingerprint", b"fingerprint", "labels", b"labels", "load", b"load", "metrics_address", b"metrics_address", "model_name", b"model_name", "num_outstanding", b"num_outstanding", "planned", b"planned", "realized", b"realized", "requested", b"requested", "seconds_since_heartbeat", b"seconds_since_heartbeat", "state", b"state", "state_reason", b"state_reason", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

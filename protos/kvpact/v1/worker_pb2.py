@@ -26,7 +26,7 @@ from kvpact.v1 import cache_pb2 as kvpact_dot_v1_dot_cache__pb2
 from kvpact.v1 import generation_pb2 as kvpact_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpact/v1/worker.proto\x12\tkvpact.v1\x1a\x15kvpact/v1/cache.proto\x1a\x1akvpact/v1/generation.proto\"4\n\x0eLayerPlacement\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\"\xb9\x03\n\nWorkerSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12-\n\ndevice_map\x18\x03 \x03(\x0b\x32\x19.kvpact.v1.LayerPlacement\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12%\n\x05\x63\x61\x63he\x18\x08 \x01(\x0b\x32\x16.kvpact.v1.CacheIntent\x12\x1a\n\x12max_model_len_auto\x18\t \x01(\x08\x12\x14\n\x07threads\x18\n \x01(\rH\x00\x88\x01\x01\x12\x35\n\x08\x66\x65\x61tures\x18\x0b \x03(\x0b\x32#.kvpact.v1.WorkerSpec.FeaturesEntry\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x1aG\n\rFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0e\x32\x16.kvpact.v1.FeatureMode:\x02\x38\x01\x42\n\n\x08_threads\"\x97\x02\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x04 \x01(\x04\x12 \n\x18\x63ompute_capability_major\x18\x05 \x01(\r\x12 \n\x18\x63ompute_capability_minor\x18\x06 \x01(\r\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x16\n\x0etriton_version\x18\x08 \x01(\t\x12\x33\n\x12supported_backends\x18\t \x03(\x0e\x32\x17.kvpact.v1.PagedBackend\"q\n\x0eStartupFailure\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.kvpact.v1.StartupFailureCode\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tcomponent\x18\x03 \x01(\t\x12\x0f\n\x07\x66\x65\x61ture\x18\x04 \x01(\t\"\xd7\x01\n\x0bLoadingPlan\x12*\n\x0cplanned_kind\x18\x01 \x01(\x0e\x32\x14.kvpact.v1.CacheKind\x12\x30\n\x0fplanned_backend\x18\x02 \x01(\x0e\x32\x17.kvpact.v1.PagedBackend\x12&\n\tfallbacks\x18\x03 \x03(\x0b\x32\x13.kvpact.v1.Fallback\x12\x17\n\x0fverdict_seconds\x18\x04 \x01(\x01\x12)\n\x08\x66\x65\x61tures\x18\x05 \x03(\x0b\x32\x17.kvpact.v1.FeatureState\"\xb3\x03\n\tHandshake\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12#\n\x04spec\x18\x04 \x01(\x0b\x32\x15.kvpact.v1.WorkerSpec\x12-\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x17.kvpact.v1.Capabilities\x12)\n\x05ready\x18\x06 \x01(\x0b\x32\x18.kvpact.v1.RealizedCacheH\x00\x12+\n\x06\x66\x61iled\x18\x07 \x01(\x0b\x32\x19.kvpact.v1.StartupFailureH\x00\x12)\n\x07loading\x18\t \x01(\x0b\x32\x16.kvpact.v1.LoadingPlanH\x00\x12\x12\n\nauth_token\x18\x08 \x01(\t\x12\x17\n\x0fmetrics_address\x18\n \x01(\t\x12\x30\n\x06labels\x18\x0b \x03(\x0b\x32 .kvpact.v1.Handshake.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07outcome\"\xad\x01\n\tAdmission\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x35\n\x0e\x63luster_policy\x18\x03 \x01(\x0e\x32\x1d.kvpact.v1.PagedAttentionMode\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x0f\n\x07pending\x18\x05 \x01(\x08\x12\x17\n\x0fregistration_id\x18\x06 \x01(\t\"\x9d\x02\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12#\n\x1bkernel_compiles_after_ready\x18\x07 \x01(\x04\x12 \n\x18\x65\x61ger_steps_under_graphs\x18\x08 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"\xb4\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvpact.v1.WorkerLoad\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12\x17\n\x0fregistration_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12)\n\x08\x66\x65\x61tures\x18\x06 \x03(\x0b\x32\x17.kvpact.v1.FeatureState\"o\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x10\n\x08shutdown\x18\x02 \x01(\x08\x12\x17\n\x0frouter_stopping\x18\x03 \x01(\x08\x12\r\n\x05\x64rain\x18\x04 \x01(\x08\x12\x14\n\x0c\x64rain_reason\x18\x05 \x01(\t\"E\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"*\n\nDrainReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05state\x18\x02 \x01(\t\"c\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rShutdownReply*\xb1\x02\n\x12StartupFailureCode\x12$\n STARTUP_FAILURE_CODE_UNSPECIFIED\x10\x00\x12\x31\n-STARTUP_FAILURE_CODE_PAGED_ATTENTION_REQUIRED\x10\x01\x12\'\n#STARTUP_FAILURE_CODE_INVALID_CONFIG\x10\x02\x12#\n\x1fSTARTUP_FAILURE_CODE_MODEL_LOAD\x10\x03\x12&\n\"STARTUP_FAILURE_CODE_OUT_OF_MEMORY\x10\x04\x12!\n\x1dSTARTUP_FAILURE_CODE_INTERNAL\x10\x05\x12)\n%STARTUP_FAILURE_CODE_FEATURE_REQUIRED\x10\x06\x32\x80\x02\n\x06Worker\x12\x42\n\x08Generate\x12\x1a.kvpact.v1.GenerateRequest\x1a\x18.kvpact.v1.GenerateChunk0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.kvpact.v1.AbortRequest\x1a\x15.kvpact.v1.AbortReply\x12\x37\n\x05Stats\x12\x17.kvpact.v1.StatsRequest\x1a\x15.kvpact.v1.WorkerLoad\x12@\n\x08Shutdown\x12\x1a.kvpact.v1.ShutdownRequest\x1a\x18.kvpact.v1.ShutdownReply2\x88\x02\n\x08Registry\x12\x36\n\x08Register\x12\x14.kvpact.v1.Handshake\x1a\x14.kvpact.v1.Admission\x12\x43\n\tHeartbeat\x12\x1b.kvpact.v1.HeartbeatRequest\x1a\x19.kvpact.v1.HeartbeatReply\x12\x46\n\nDeregister\x12\x1c.kvpact.v1.DeregisterRequest\x1a\x1a.kvpact.v1.DeregisterReply\x12\x37\n\x05\x44rain\x12\x17.kvpact.v1.DrainRequest\x1a\x15.kvpact.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpact/v1/worker.proto\x12\tkvpact.v1\x1a\x15kvpact/v1/cache.proto\x1a\x1akvpact/v1/generation.proto\"4\n\x0eLayerPlacement\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\"\xb9\x03\n\nWorkerSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12-\n\ndevice_map\x18\x03 \x03(\x0b\x32\x19.kvpact.v1.LayerPlacement\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12%\n\x05\x63\x61\x63he\x18\x08 \x01(\x0b\x32\x16.kvpact.v1.CacheIntent\x12\x1a\n\x12max_model_len_auto\x18\t \x01(\x08\x12\x14\n\x07threads\x18\n \x01(\rH\x00\x88\x01\x01\x12\x35\n\x08\x66\x65\x61tures\x18\x0b \x03(\x0b\x32#.kvpact.v1.WorkerSpec.FeaturesEntry\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x1aG\n\rFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0e\x32\x16.kvpact.v1.FeatureMode:\x02\x38\x01\x42\n\n\x08_threads\"\x97\x02\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x04 \x01(\x04\x12 \n\x18\x63ompute_capability_major\x18\x05 \x01(\r\x12 \n\x18\x63ompute_capability_minor\x18\x06 \x01(\r\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x16\n\x0etriton_version\x18\x08 \x01(\t\x12\x33\n\x12supported_backends\x18\t \x03(\x0e\x32\x17.kvpact.v1.PagedBackend\"q\n\x0eStartupFailure\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.kvpact.v1.StartupFailureCode\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tcomponent\x18\x03 \x01(\t\x12\x0f\n\x07\x66\x65\x61ture\x18\x04 \x01(\t\"\xd7\x01\n\x0bLoadingPlan\x12*\n\x0cplanned_kind\x18\x01 \x01(\x0e\x32\x14.kvpact.v1.CacheKind\x12\x30\n\x0fplanned_backend\x18\x02 \x01(\x0e\x32\x17.kvpact.v1.PagedBackend\x12&\n\tfallbacks\x18\x03 \x03(\x0b\x32\x13.kvpact.v1.Fallback\x12\x17\n\x0fverdict_seconds\x18\x04 \x01(\x01\x12)\n\x08\x66\x65\x61tures\x18\x05 \x03(\x0b\x32\x17.kvpact.v1.FeatureState\"\x8f\x01\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\"\xe0\x03\n\tHandshake\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12#\n\x04spec\x18\x04 \x01(\x0b\x32\x15.kvpact.v1.WorkerSpec\x12-\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x17.kvpact.v1.Capabilities\x12)\n\x05ready\x18\x06 \x01(\x0b\x32\x18.kvpact.v1.RealizedCacheH\x00\x12+\n\x06\x66\x61iled\x18\x07 \x01(\x0b\x32\x19.kvpact.v1.StartupFailureH\x00\x12)\n\x07loading\x18\t \x01(\x0b\x32\x16.kvpact.v1.LoadingPlanH\x00\x12\x12\n\nauth_token\x18\x08 \x01(\t\x12\x17\n\x0fmetrics_address\x18\n \x01(\t\x12\x30\n\x06labels\x18\x0b \x03(\x0b\x32 .kvpact.v1.Handshake.LabelsEntry\x12+\n\x0b\x66ingerprint\x18\x0c \x01(\x0b\x32\x16.kvpact.v1.Fingerprint\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07outcome\"\xad\x01\n\tAdmission\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x35\n\x0e\x63luster_policy\x18\x03 \x01(\x0e\x32\x1d.kvpact.v1.PagedAttentionMode\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x0f\n\x07pending\x18\x05 \x01(\x08\x12\x17\n\x0fregistration_id\x18\x06 \x01(\t\"\x9d\x02\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12#\n\x1bkernel_compiles_after_ready\x18\x07 \x01(\x04\x12 \n\x18\x65\x61ger_steps_under_graphs\x18\x08 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"\xb4\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvpact.v1.WorkerLoad\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12\x17\n\x0fregistration_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12)\n\x08\x66\x65\x61tures\x18\x06 \x03(\x0b\x32\x17.kvpact.v1.FeatureState\"o\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x10\n\x08shutdown\x18\x02 \x01(\x08\x12\x17\n\x0frouter_stopping\x18\x03 \x01(\x08\x12\r\n\x05\x64rain\x18\x04 \x01(\x08\x12\x14\n\x0c\x64rain_reason\x18\x05 \x01(\t\"E\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"*\n\nDrainReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05state\x18\x02 \x01(\t\"c\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rShutdownReply*\xb1\x02\n\x12StartupFailureCode\x12$\n STARTUP_FAILURE_CODE_UNSPECIFIED\x10\x00\x12\x31\n-STARTUP_FAILURE_CODE_PAGED_ATTENTION_REQUIRED\x10\x01\x12\'\n#STARTUP_FAILURE_CODE_INVALID_CONFIG\x10\x02\x12#\n\x1fSTARTUP_FAILURE_CODE_MODEL_LOAD\x10\x03\x12&\n\"STARTUP_FAILURE_CODE_OUT_OF_MEMORY\x10\x04\x12!\n\x1dSTARTUP_FAILURE_CODE_INTERNAL\x10\x05\x12)\n%STARTUP_FAILURE_CODE_FEATURE_REQUIRED\x10\x06\x32\x80\x02\n\x06Worker\x12\x42\n\x08Generate\x12\x1a.kvpact.v1.GenerateRequest\x1a\x18.kvpact.v1.GenerateChunk0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.kvpact.v1.AbortRequest\x1a\x15.kvpact.v1.AbortReply\x12\x37\n\x05Stats\x12\x17.kvpact.v1.StatsRequest\x1a\x15.kvpact.v1.WorkerLoad\x12@\n\x08Shutdown\x12\x1a.kvpact.v1.ShutdownRequest\x1a\x18.kvpact.v1.ShutdownReply2\x88\x02\n\x08Registry\x12\x36\n\x08Register\x12\x14.kvpact.v1.Handshake\x1a\x14.kvpact.v1.Admission\x12\x43\n\tHeartbeat\x12\x1b.kvpact.v1.HeartbeatRequest\x1a\x19.kvpact.v1.HeartbeatReply\x12\x46\n\nDeregister\x12\x1c.kvpact.v1.DeregisterRequest\x1a\x1a.kvpact.v1.DeregisterReply\x12\x37\n\x05\x44rain\x12\x17.kvpact.v1.DrainRequest\x1a\x15.kvpact.v1.DrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSPEC_FEATURESENTRY']._serialized_options = b'8\001'
   _globals['_HANDSHAKE_LABELSENTRY']._loaded_options = None
   _globals['_HANDSHAKE_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_STARTUPFAILURECODE']._serialized_start=2783
-  _globals['_STARTUPFAILURECODE']._serialized_end=3088
+  _globals['_STARTUPFAILURECODE']._serialized_start=2974
+  _globals['_STARTUPFAILURECODE']._serialized_end=3279
   _globals['_LAYERPLACEMENT']._serialized_start=88
   _globals['_LAYERPLACEMENT']._serialized_end=140
   _globals['_WORKERSPEC']._serialized_start=143
@@ -51,38 +51,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTUPFAILURE']._serialized_end=981
   _globals['_LOADINGPLAN']._serialized_start=984
   _globals['_LOADINGPLAN']._serialized_end=1199
-  _globals['_HANDSHAKE']._serialized_start=1202
-  _globals['_HANDSHAKE']._serialized_end=1637
-  _globals['_HANDSHAKE_LABELSENTRY']._serialized_start=1581
-  _globals['_HANDSHAKE_LABELSENTRY']._serialized_end=1626
-  _globals['_ADMISSION']._serialized_start=1640
-  _globals['_ADMISSION']._serialized_end=1813
-  _globals['_WORKERLOAD']._serialized_start=1816
-  _globals['_WORKERLOAD']._serialized_end=2101
-  _globals['_HEARTBEATREQUEST']._serialized_start=2104
-  _globals['_HEARTBEATREQUEST']._serialized_end=2284
-  _globals['_HEARTBEATREPLY']._serialized_start=2286
-  _globals['_HEARTBEATREPLY']._serialized_end=2397
-  _globals['_DRAINREQUEST']._serialized_start=2399
-  _globals['_DRAINREQUEST']._serialized_end=2468
-  _globals['_DRAINREPLY']._serialized_start=2470
-  _globals['_DRAINREPLY']._serialized_end=2512
-  _globals['_DEREGISTERREQUEST']._serialized_start=2514
-  _globals['_DEREGISTERREQUEST']._serialized_end=2613
-  _globals['_DEREGISTERREPLY']._serialized_start=2615
-  _globals['_DEREGISTERREPLY']._serialized_end=2647
-  _globals['_ABORTREQUEST']._serialized_start=2649
-  _globals['_ABORTREQUEST']._serialized_end=2683
-  _globals['_ABORTREPLY']._serialized_start=2685
-  _globals['_ABORTREPLY']._serialized_end=2712
-  _globals['_STATSREQUEST']._serialized_start=2714
-  _globals['_STATSREQUEST']._serialized_end=2728
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2730
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2763
-  _globals['_SHUTDOWNREPLY']._serialized_start=2765
-  _globals['_SHUTDOWNREPLY']._serialized_end=2780
-  _globals['_WORKER']._serialized_start=3091
-  _globals['_WORKER']._serialized_end=3347
-  _globals['_REGISTRY']._serialized_start=3350
-  _globals['_REGISTRY']._serialized_end=3614
+  _globals['_FINGERPRINT']._serialized_start=1202
+  _globals['_FINGERPRINT']._serialized_end=1345
+  _globals['_HANDSHAKE']._serialized_start=1348
+  _globals['_HANDSHAKE']._serialized_end=1828
+  _globals['_HANDSHAKE_LABELSENTRY']._serialized_start=1772
+  _globals['_HANDSHAKE_LABELSENTRY']._serialized_end=1817
+  _globals['_ADMISSION']._serialized_start=1831
+  _globals['_ADMISSION']._serialized_end=2004
+  _globals['_WORKERLOAD']._serialized_start=2007
+  _globals['_WORKERLOAD']._serialized_end=2292
+  _globals['_HEARTBEATREQUEST']._serialized_start=2295
+  _globals['_HEARTBEATREQUEST']._serialized_end=2475
+  _globals['_HEARTBEATREPLY']._serialized_start=2477
+  _globals['_HEARTBEATREPLY']._serialized_end=2588
+  _globals['_DRAINREQUEST']._serialized_start=2590
+  _globals['_DRAINREQUEST']._serialized_end=2659
+  _globals['_DRAINREPLY']._serialized_start=2661
+  _globals['_DRAINREPLY']._serialized_end=2703
+  _globals['_DEREGISTERREQUEST']._serialized_start=2705
+  _globals['_DEREGISTERREQUEST']._serialized_end=2804
+  _globals['_DEREGISTERREPLY']._serialized_start=2806
+  _globals['_DEREGISTERREPLY']._serialized_end=2838
+  _globals['_ABORTREQUEST']._serialized_start=2840
+  _globals['_ABORTREQUEST']._serialized_end=2874
+  _globals['_ABORTREPLY']._serialized_start=2876
+  _globals['_ABORTREPLY']._serialized_end=2903
+  _globals['_STATSREQUEST']._serialized_start=2905
+  _globals['_STATSREQUEST']._serialized_end=2919
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2921
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2954
+  _globals['_SHUTDOWNREPLY']._serialized_start=2956
+  _globals['_SHUTDOWNREPLY']._serialized_end=2971
+  _globals['_WORKER']._serialized_start=3282
+  _globals['_WORKER']._serialized_end=3538
+  _globals['_REGISTRY']._serialized_start=3541
+  _globals['_REGISTRY']._serialized_end=3805
 # @@protoc_insertion_point(module_scope)

@@ -290,6 +290,48 @@ class LoadingPlan(_message.Message):
 Global___LoadingPlan: _TypeAlias = LoadingPlan  # noqa: Y015
 
 @_typing.final
+class Fingerprint(_message.Message):
+    """The realized-config fingerprint (shared/fingerprint.py): what the workers serving one model name must
+    agree on (router --uniform). Computed before any weight is read, so a `loading` handshake carries it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """"sha256:<hex>" over the config and each weight file's name, size, tensor header"""
+    tokenizer: _builtins.str
+    """"sha256:<hex>" over the tokenizer files (or the GGUF vocabulary)"""
+    chat_template: _builtins.str
+    """"sha256:<hex>" of the template; "none": the model has none"""
+    max_model_len: _builtins.int
+    block_size: _builtins.int
+    """0: the eager cache (no blocks)"""
+    tensor_parallel_size: _builtins.int
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        tokenizer: _builtins.str = ...,
+        chat_template: _builtins.str = ...,
+        max_model_len: _builtins.int = ...,
+        block_size: _builtins.int = ...,
+        tensor_parallel_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "chat_template", b"chat_template", "max_model_len", b"max_model_len", "model", b"model", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Fingerprint: _TypeAlias = Fingerprint  # noqa: Y015
+
+@_typing.final
 class Handshake(_message.Message):
     """Sent by a worker to the router when its plan is known (`loading`, before it loads weights), once it
     is ready, or once its startup failed.
@@ -328,6 +370,7 @@ class Handshake(_message.Message):
     AUTH_TOKEN_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
     """where its Worker service listens (host:port)"""
@@ -355,6 +398,12 @@ class Handshake(_message.Message):
         ray.node_ip, ray.bundle). Shown in ClusterStatus and the failure report; never used to decide.
         """
 
+    @_builtins.property
+    def fingerprint(self) -> Global___Fingerprint:
+        """What must agree with the workers serving the same model_name (router --uniform); set from the plan on,
+        in `loading` and `ready` alike. Unset: a worker that failed before its plan, or one older than this.
+        """
+
     def __init__(
         self,
         *,
@@ -369,10 +418,11 @@ class Handshake(_message.Message):
         auth_token: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        fingerprint: Global___Fingerprint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failed", b"failed", "loading", b"loading", "outcome", b"outcome", "ready", b"ready", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "failed", b"failed", "fingerprint", b"fingerprint", "loading", b"loading", "outcome", b"outcome", "ready", b"ready", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "auth_token", b"auth_token", "capabilities", b"capabilities", "failed", b"failed", "labels", b"labels", "loading", b"loading", "metrics_address", b"metrics_address", "model_name", b"model_name", "outcome", b"outcome", "ready", b"ready", "spec", b"spec", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "auth_token", b"auth_token", "capabilities", b"capabilities", "failed", b"failed", "fingerprint", b"fingerprint", "labels", b"labels", "loading", b"loading", "metrics_address", b"metrics_address", "model_name", b"model_name", "outcome", b"outcome", "ready", b"ready", "spec", b"spec", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["ready", "failed", "loading"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015

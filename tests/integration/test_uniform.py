@@ -1,0 +1,70 @@
+"""Interchangeable workers through real processes: two workers serving one model name with different
+--max-model-len under `router --uniform max-model-len` fail the start (78; the one refused never reads a
+weight), the report naming both values; under `--uniform model` the same two are admitted and serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpact.client import Client
+from kvpact.v1 import router_pb2
+from tests.factories.processes import module_argv, running, wait_for_exit, wait_for_health
+from tests.factories.tiny_models import make_tiny_llama
+from tests.integration.test_cluster import MAX_MODEL_LEN, START_S, router_address, router_argv, worker_args
+from tests.integration.test_features import loaded_weights
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=int(MAX_MODEL_LEN))
+
+
+def two_workers(model: Path, address: str) -> tuple[list[str], list[str]]:
+    a = module_argv("kvpact.worker", *worker_args(model, address, "w-a"), "--log-format", "json")
+    b = module_argv("kvpact.worker", *worker_args(model, address, "w-b", "--max-model-len", "1024"),
+                    "--log-format", "json")  # fmt: skip
+    return a, b
+
+
+def test_a_different_max_model_len_under_uniform_fails_the_start_naming_both_values(model, tmp_path):
+    argv = router_argv("--uniform", "model,max-model-len", "--expect-workers", "2", "--failed-linger", "5")
+    with running(argv, name="router", log_dir=tmp_path) as router:
+        a_argv, b_argv = two_workers(model, router_address(router))
+        with (
+            running(a_argv, name="w-a", log_dir=tmp_path) as a,
+            running(b_argv, name="w-b", log_dir=tmp_path) as b,
+        ):
+            assert wait_for_exit(router, START_S) == 78, router.output()
+            codes = {h.name: wait_for_exit(h, START_S) for h in (a, b)}
+    # whichever announced its plan second is refused before it loads (78); the first was pending (loading)
+    # and is told to stop by the failed router (0)
+    refused = [h for h in (a, b) if codes[h.name] == 78]
+    assert refused and set(codes.values()) <= {0, 78}, (a.output(), b.output())
+    assert not any(loaded_weights(h) for h in refused)
+    report = router.stderr()
+    assert (
+        "max-model-len 1024 here, 2048 on worker 'w-a'" in report
+        or "max-model-len 2048 here, 1024 on worker 'w-b'" in report
+    ), report
+    assert "exit code 78: the workers serving one model name are not interchangeable" in report
+
+
+@pytest.mark.slow  # two loaded workers (~40 s); tests/router/test_uniform.py admits the same with doubles
+def test_the_same_two_are_admitted_under_uniform_model(model, tmp_path):
+    argv = router_argv("--uniform", "model", "--expect-workers", "2")
+    with running(argv, name="router", log_dir=tmp_path) as router:
+        address = router_address(router)
+        a_argv, b_argv = two_workers(model, address)
+        with (
+            running(a_argv, name="w-a", log_dir=tmp_path) as a,
+            running(b_argv, name="w-b", log_dir=tmp_path) as b,
+        ):
+            wait_for_health(address, START_S * 2, watch=[router, a, b])
+            with Client(address, timeout=30) as client:
+                status = client.cluster_status()
+    assert status.state == router_pb2.CLUSTER_STATE_SERVING
+    lengths = sorted(w.fingerprint.max_model_len for w in status.workers)
+    assert lengths == [1024, 2048]
+    assert len({w.fingerprint.model for w in status.workers}) == 1
