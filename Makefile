@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The suite on 2 pytest-xdist workers, whole files each (a file's module fixtures, a Ray head or a built
+# model, stay in one process). Half the default suite's wall time is waits (processes starting, Ray, drains),
+# so 2 workers fill 2 cores. `make test PYTEST_PARALLEL=` runs it serially (docs/testing.md).
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 # Every shell script in the repository (shellcheck); pre-commit finds them by their shebang instead.
 SHELL_SCRIPTS := .ci/run $(wildcard benchmarks/*.sh tools/*.sh)
 
@@ -26,10 +30,10 @@ serve: $(STAMP)
 
 # The gates first (they take seconds once mypy's cache is warm), then the suite.
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -m '' $(PYTEST_ARGS)
+	$(PY) -m pytest -m '' $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # The benchmark suites (benchmarks/run.py): tables on stdout, results under benchmarks/results/.
 bench: $(STAMP)

@@ -3,6 +3,8 @@
     python benchmarks/gpu_check.py env                       what this Python can run; exit 2 without torch
     python benchmarks/gpu_check.py engine --device cuda      in-process: Triton vs torch backend, sync audit
     python benchmarks/gpu_check.py e2e --device cuda         router + worker processes, three policies
+    python benchmarks/gpu_check.py device-map --device cuda  the cuda:0 + cpu map as stages
+    python benchmarks/gpu_check.py tp --device cuda          tensor parallel: cuda refused, TP=3 == TP=1
 
 Each prints a report and ends with one line `RESULT <step>: PASS|WARN|FAIL <why>`; the exit code is
 0 for PASS and WARN, 1 for FAIL. The model is built on the fly (no network): a Llama with SmolLM2's
@@ -378,6 +380,55 @@ def cmd_device_map(args: argparse.Namespace) -> int:
     return result("device-map", worst, "; ".join(why for v, why in verdicts if v == worst))
 
 
+def cmd_tp(args: argparse.Namespace) -> int:
+    """Tensor parallel (gpu_check.sh runs it where there are two or more GPUs; the dry run on the CPU).
+    This build runs the ranks on CPU over gloo: on a GPU machine `--tensor-parallel-size 3 --device cuda:0`
+    must be refused by name before loading (NCCL is not built), and TP=3 on CPU ranks, each with an eager
+    cache of its own heads (`auto`, the CPU default), must give the greedy tokens of one rank with a paged
+    cache (`on`). tests/integration/test_multi_device.py serves the paged pool per rank through the router.
+    """
+    from dataclasses import replace
+
+    from kvpact.shared.errors import ConfigError
+    from kvpact.shared.intent import PagedAttentionMode, cache_intent
+    from kvpact.shared.spec import WorkerSpec
+    from kvpact.worker.engine.request import GenerationRequest, SamplingParams
+    from kvpact.worker.startup.engine_setup import build_engine, plan_startup
+
+    spec = WorkerSpec(model=args.model, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4)
+    greedy = SamplingParams(temperature=0.0)
+    dry = args.device == "cpu"  # the dry run stays fast: two prompts, 8 tokens
+    requests = [
+        GenerationRequest(f"r{i}", tuple(p), greedy, max_tokens=8 if dry else NEW_TOKENS, ignore_eos=True)
+        for i, p in enumerate(PROMPTS[:2] if dry else PROMPTS)
+    ]
+    verdicts: list[tuple[str, str]] = []
+    if not dry:
+        try:
+            plan_startup(replace(spec, device="cuda:0", tensor_parallel_size=3))
+            verdicts.append(("FAIL", "--tensor-parallel-size 3 --device cuda:0 planned (NCCL is not built)"))
+        except ConfigError as e:
+            verdicts.append(("PASS", f"cuda refused before loading: {e}"))
+    tokens, cache = {}, {}
+    for size, mode in ((1, PagedAttentionMode.ON), (3, PagedAttentionMode.AUTO)):
+        started = time.monotonic()
+        asked = replace(spec, tensor_parallel_size=size, cache=cache_intent(mode))
+        with build_engine(asked) as engine:
+            tokens[size] = [r.token_ids for r in engine.run(requests, timeout=300)]
+            cache[size] = engine.realized.kind.value
+            devices = engine.realized.rank_devices
+        print(f"TP={size} ({mode.value}): {cache[size]} on {devices}, {time.monotonic() - started:.1f}s")
+    same = tokens[1] == tokens[3]
+    verdicts.append(("PASS" if cache[3] == "eager" else "FAIL", f"TP=3 under auto realized {cache[3]}"))
+    verdicts.append(
+        ("PASS" if same else "FAIL", f"TP=3 greedy tokens {'equal' if same else 'DIFFER from'} TP=1's")
+    )
+    for verdict, why in verdicts:
+        print(f"  {verdict}  {why}")
+    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
+    return result("tp", worst, "; ".join(why for v, why in verdicts if v == worst))
+
+
 def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
     """Synchronizing CUDA calls while the engine decodes one request (the engine thread included:
     the warnings machinery is process-wide). Expected: one a step, reading the sampled ids back.
@@ -546,7 +597,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("step", choices=["env", "engine", "e2e", "device-map"])
+    parser.add_argument("step", choices=["env", "engine", "e2e", "device-map", "tp"])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
         "--model",
@@ -569,7 +620,8 @@ def main() -> int:
         else:
             args.model = str(write_model(tiny))
     print(f"model: {args.model or 'the bundled SmolLM2-135M-Instruct'}", flush=True)
-    return {"engine": cmd_engine, "e2e": cmd_e2e, "device-map": cmd_device_map}[args.step](args)
+    steps = {"engine": cmd_engine, "e2e": cmd_e2e, "device-map": cmd_device_map, "tp": cmd_tp}
+    return steps[args.step](args)
 
 
 if __name__ == "__main__":

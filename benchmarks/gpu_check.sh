@@ -27,6 +27,10 @@
 #   g_device_map.txt  benchmarks/gpu_check.py device-map: `--device-map cuda:0=N-1,cpu=1` in-process (fp32):
 #                   auto realizes EAGER with the mixed-map reason, greedy tokens equal a one-device run's,
 #                   on is refused before loading (dry run: cpu=N-1,cpu=1)
+#   h_tp.txt        benchmarks/gpu_check.py tp, only with 2 or more GPUs (else a SKIP line saying so; the
+#                   dry run runs it on the CPU): `--tensor-parallel-size 3 --device cuda:0` refused before
+#                   loading (this build has gloo, not NCCL), TP=3 on CPU ranks (eager) gives the greedy
+#                   tokens of TP=1 (paged) (2 minutes at most)
 #   summary.txt     one line a step (PASS / WARN / FAIL / SKIP, exit code, seconds); also printed last
 # The model is a tiny Llama with SmolLM2's attention shapes built on the fly (the SmolLM2 GGUF is 98 MB,
 # more than a run can carry); KVPACT_GPU_CHECK_MODEL=PATH uses another.
@@ -178,6 +182,15 @@ fi
 if needs "g) device map" "${SERVING[@]}"; then
     step "g) --device-map cuda:0=N-1,cpu=1: auto eager + same tokens, on refused" g_device_map.txt 100 \
         "$PY" benchmarks/gpu_check.py device-map --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
+fi
+
+# ---- h) tensor parallel: two or more GPUs (the dry run: the CPU) ----
+NUM_GPUS=$(timeout 60 "$PY" -c "import torch; print(torch.cuda.device_count())" 2> /dev/null || echo 0)
+if [ $DRY = 0 ] && [ "${NUM_GPUS:-0}" -lt 2 ]; then
+    note "SKIP  h) tensor parallel: this machine has ${NUM_GPUS:-0} GPU; the TP section needs 2 or more"
+elif needs "h) tensor parallel" "${SERVING[@]}"; then
+    step "h) tensor parallel: cuda refused (gloo only), TP=3 == TP=1" h_tp.txt 120 \
+        "$PY" benchmarks/gpu_check.py tp --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
 fi
 
 # ---- e) router + worker processes ----

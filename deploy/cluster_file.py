@@ -23,6 +23,8 @@ it implies. Pure: nothing here touches Ray, a socket or a process.
                                  # one worker more (fewer) when the group's mean load stays above (below)
                                  # X that long, within the bounds (deploy/autoscale.py)
         resources: {num_gpus: 1, num_cpus: 4}   # one placement-group bundle per replica; any Ray resource
+                                 # (per worker: with flags tensor-parallel-size N, num_gpus is N, one
+                                 # GPU per rank, all in the worker's bundle, so on one node)
         max_restarts: 0          # restarts of a replica that dies after the cluster serves, within any
                                  # 10 minutes (deploy/restarts.py: exponential backoff from 1 s)
         port_range: null         # [LOW, HIGH]: each worker listens on a free port of it (firewalls);
@@ -115,6 +117,7 @@ class WorkerGroup:
     min_replicas: int = 0  # 0: replicas (the bounds `kvpact-launch scale` keeps to)
     max_replicas: int = 0
     autoscale: AutoscalePolicy | None = None
+    tensor_parallel_size: int = 1  # its flags' --tensor-parallel-size: ranks per worker, in its one bundle
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "min_replicas", self.min_replicas or self.replicas)
@@ -363,7 +366,17 @@ def _group(raw: object, where: str, key: str, policy: PagedAttentionMode) -> Wor
     slot = WorkerSlot(f"{name}-0", worker, 0)
     argv = worker_argv(slot, router="127.0.0.1:1", host="127.0.0.1")
     args = _check_with(parser, argv, where, f"{key}.flags")
-    return replace(worker, drain_timeout_s=args.drain_timeout_s)
+    size = args.tensor_parallel_size
+    gpus = resources.get("GPU", 0)
+    if size > 1 and gpus and gpus != size:  # a bundle is one node's: all of a worker's ranks are there
+        _fail(
+            where,
+            f"{key}.resources.num_gpus",
+            f"expected {size}: a group's resources are per worker, and each of the {size} ranks of "
+            f"--tensor-parallel-size {size} takes one GPU (or no num_gpus: ranks on CPU)",
+            gpus,
+        )
+    return replace(worker, drain_timeout_s=args.drain_timeout_s, tensor_parallel_size=size)
 
 
 def _autoscale(raw: object, low: int, high: int, where: str, key: str) -> AutoscalePolicy | None:

@@ -267,7 +267,9 @@ class Launch:
         except ray.exceptions.RayError as exc:
             raise LaunchFailure(placement.lost(worker, "while starting", exc)) from None
         where = f"{worker.where()} (logs in {worker.log_dir})"
-        say(f"worker {worker.slot.worker_id} (pid {worker.pid}) started in {where}")
+        size = worker.slot.group.tensor_parallel_size
+        ranks = f"; it starts its {size - 1} other tensor-parallel ranks in this bundle" if size > 1 else ""
+        say(f"worker {worker.slot.worker_id} (pid {worker.pid}) started in {where}{ranks}")
 
     def _port_for(self, worker: PlacedWorker) -> int:
         """0 (any free port), or a free port of its group's port_range on its node (deploy/ports.py)."""
@@ -374,6 +376,8 @@ class Launch:
         a thread of its own (supervision goes on), after its backoff, within its budget."""
         worker_id = worker.slot.worker_id
         what = _what(obs)
+        if obs.health is Health.EXITED:  # its actor lives: what the worker printed last, from any node
+            say(f"worker {worker_id} {what}; {placement.output_tails([worker])}")
         now = time.monotonic()
         budget = worker.budget
         if not budget.can_restart(now):

@@ -148,8 +148,13 @@ def reserve_one(
 
 
 def describe_bundles(cluster: ClusterFile) -> str:
-    """e.g. `gpu x2 {GPU: 1, CPU: 4}, cpu x1 {CPU: 1}`."""
-    return ", ".join(f"{g.name} x{g.replicas} {describe_resources(g.resources)}" for g in cluster.workers)
+    """e.g. `gpu x2 {GPU: 1, CPU: 4}, cpu x1 {CPU: 1}`; a tensor-parallel group's: `tp x1 {GPU: 2} tp 2`
+    (one bundle per worker, holding all of its ranks)."""
+    return ", ".join(
+        f"{g.name} x{g.replicas} {describe_resources(g.resources)}"
+        + (f" tp {g.tensor_parallel_size}" if g.tensor_parallel_size > 1 else "")
+        for g in cluster.workers
+    )
 
 
 def describe_resources(resources: dict[str, float] | Any) -> str:

@@ -5,7 +5,8 @@ and reports on it: the same code, flags, handshake and exit codes as the CLI, an
 (its signal handlers, its os._exit). Invariants:
 - GPUs are Ray's: the child's CUDA_VISIBLE_DEVICES is exactly the GPU ids Ray assigned this actor, and ""
   (no GPU at all) for a bundle without GPUs. Ray 2.60 no longer sets it for an actor with num_gpus=0,
-  which would otherwise see every GPU of its node.
+  which would otherwise see every GPU of its node. A tensor-parallel worker's bundle holds one GPU per
+  rank: the worker keeps the first for rank 0 and gives rank r the r-th (worker/parallel/ranks.py).
 - Nothing outlives the actor: the child gets a parent-death signal (SIGKILL) from the actor's main thread.
 - Its output is kept in files on this node (`output()` returns their tail, for the launcher's failure
   report) and copied, line by line, to the actor's own stdout/stderr, which Ray streams to the driver

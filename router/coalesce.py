@@ -25,6 +25,9 @@ Why not read ahead always: measured at 256 full-speed streams (docs/performance.
 that always reads in a second task merged nothing (the router's reads, not its writes, are the slow
 side when it is busy) and spent about a quarter more CPU per token on the extra task switch.
 
+The chunks are GenerateChunks, or RelayedChunks (router/relayed.py: the worker's bytes with their parse)
+on the gRPC front, which writes the worker's bytes as they came; a merge there is encoded once.
+
 Chunk boundaries are not part of the contract: a client that needs per-token timing reads the token
 ids. Closing the coalesced stream (the client went away) closes the source, and cancels and waits for
 the reader, so the worker call is over when `aclose()` returns.
@@ -34,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Generic, TypeVar
 
+from kvpact.router.relayed import RelayedChunk
 from kvpact.v1 import generation_pb2
 
 MAX_TOKENS_PER_MESSAGE = 1024
@@ -42,11 +47,19 @@ MAX_TEXT_PER_MESSAGE = 64 * 1024  # characters; far below the gRPC message cap (
 MAX_READY = 4 * MAX_TOKENS_PER_MESSAGE  # chunks read ahead of the writer before the reader waits
 BEHIND_AFTER_S = 0.05  # a write that took longer: the client's side is behind; read ahead from then on
 
+Chunk = TypeVar("Chunk", generation_pb2.GenerateChunk, RelayedChunk)
 
-def merge_chunks(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.GenerateChunk:
+
+def merge_chunks(chunks: list[Chunk]) -> Chunk:
     """One chunk carrying `chunks` (consecutive, of one stream and one index) in order."""
     if len(chunks) == 1:
         return chunks[0]
+    if isinstance(chunks[0], RelayedChunk):
+        return RelayedChunk.of(_merged([chunk.message for chunk in chunks]))
+    return _merged(chunks)
+
+
+def _merged(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.GenerateChunk:
     merged = generation_pb2.GenerateChunk()
     for chunk in chunks:
         merged.MergeFrom(chunk)  # repeated fields concatenate; set scalars/messages: the last one wins
@@ -54,7 +67,7 @@ def merge_chunks(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.G
     return merged
 
 
-def take_batch(ready: list[generation_pb2.GenerateChunk]) -> list[generation_pb2.GenerateChunk]:
+def take_batch(ready: list[Chunk]) -> list[Chunk]:
     """Remove and return the longest prefix of `ready` that fits one message and continues one
     completion (at least one chunk)."""
     num_tokens = num_chars = 0
@@ -71,13 +84,13 @@ def take_batch(ready: list[generation_pb2.GenerateChunk]) -> list[generation_pb2
     return batch
 
 
-class _Reader:
+class _Reader(Generic[Chunk]):
     """Reads `source` into `ready` until it ends; wakes the writer when something arrives, and waits for
     the writer while MAX_READY chunks are ready."""
 
-    def __init__(self, source: AsyncIterator[generation_pb2.GenerateChunk]) -> None:
-        self.source = source
-        self.ready: list[generation_pb2.GenerateChunk] = []
+    def __init__(self, source: AsyncIterator[Chunk]) -> None:
+        self.source: AsyncIterator[Chunk] = source
+        self.ready: list[Chunk] = []
         self.done = False
         self.error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None  # the writer, waiting for a chunk
@@ -107,7 +120,7 @@ class _Reader:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def take(self) -> list[generation_pb2.GenerateChunk]:
+    def take(self) -> list[Chunk]:
         batch = take_batch(self.ready)
         space = self._space
         if space is not None and not space.done():
@@ -124,9 +137,9 @@ class _Reader:
 
 
 async def coalesced(
-    source: AsyncGenerator[generation_pb2.GenerateChunk, None],
+    source: AsyncGenerator[Chunk, None],
     behind_after_s: float = BEHIND_AFTER_S,
-) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
+) -> AsyncGenerator[Chunk, None]:
     """`source`'s chunks; once a write took longer than `behind_after_s`, the ones ready together are
     merged into one (see the module docstring)."""
     clock = asyncio.get_running_loop().time

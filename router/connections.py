@@ -8,6 +8,7 @@ run stalls the streams past it. Backpressure is the worker's scheduler's job, no
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,27 +16,49 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpact.router.registry import WorkerEntry, WorkerState
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.shared.tls import TlsConfig, aio_channel
-from kvpact.v1 import worker_pb2, worker_pb2_grpc
+from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 CHANNEL_OPTIONS = GRPC_MESSAGE_OPTIONS  # as the router's and the workers' servers (shared/limits.py)
+GENERATE_METHOD = "/kvpact.v1.Worker/Generate"
+
+
+@dataclass(frozen=True, slots=True)
+class _Open:
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    generate: grpc.aio.UnaryStreamMultiCallable  # GenerateRequest -> the chunks' bytes
 
 
 class WorkerChannels:
     def __init__(self, tls: TlsConfig | None = None) -> None:
         self._tls = tls
-        self._open: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._open: dict[str, _Open] = {}
 
     def stub(self, entry: WorkerEntry) -> worker_pb2_grpc.WorkerStub:
         """The stub for `entry`'s current address (re-registered elsewhere -> a new channel)."""
+        return self._channel(entry).stub
+
+    def generate(self, entry: WorkerEntry) -> grpc.aio.UnaryStreamMultiCallable:
+        """Worker.Generate on `entry`'s channel, streaming each chunk as the bytes the worker sent."""
+        return self._channel(entry).generate
+
+    def _channel(self, entry: WorkerEntry) -> _Open:
         current = self._open.get(entry.worker_id)
-        if current is not None and current[0] == entry.address:
-            return current[2]
+        if current is not None and current.address == entry.address:
+            return current
         if current is not None:
-            asyncio.get_running_loop().create_task(current[1].close(grace=None))
+            asyncio.get_running_loop().create_task(current.channel.close(grace=None))
         channel = aio_channel(entry.address, self._tls, CHANNEL_OPTIONS)
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        self._open[entry.worker_id] = (entry.address, channel, stub)
-        return stub
+        generate = channel.unary_stream(
+            GENERATE_METHOD,
+            request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=None,  # bytes, as they came
+            _registered_method=True,
+        )
+        opened = _Open(entry.address, channel, worker_pb2_grpc.WorkerStub(channel), generate)
+        self._open[entry.worker_id] = opened
+        return opened
 
     async def answers(self, address: str, timeout_s: float) -> bool:
         """Whether a process answers gRPC at `address` within `timeout_s` (any reply to a health check,
@@ -72,6 +95,6 @@ class WorkerChannels:
         return {e.worker_id: r for e, r in zip(entries, results, strict=True)}
 
     async def close_all(self) -> None:
-        channels = [channel for _, channel, _ in self._open.values()]
+        channels = [opened.channel for opened in self._open.values()]
         self._open.clear()
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)

@@ -95,17 +95,9 @@ class RouterMetrics:
             registry=self.prometheus,
         )
 
-    def observe_chunk(
-        self, model: str, seconds_since_previous: float, num_tokens: int, first: bool, api: str = "grpc"
-    ) -> None:
-        """A relayed chunk with tokens: its gap from the request's start (first) or from the previous one."""
-        if first:
-            self.ttft.labels(model=model, api=api).observe(seconds_since_previous)
-        elif num_tokens:
-            per_token = seconds_since_previous / num_tokens
-            itl = self.itl.labels(model=model, api=api)
-            for _ in range(num_tokens):
-                itl.observe(per_token)
+    def stream(self, model: str, api: str = "grpc") -> StreamObserver:
+        """One relayed request's chunk timings (its histogram children looked up once, not per chunk)."""
+        return StreamObserver(self, model, api)
 
     def observe_duration(self, model: str, seconds: float, api: str = "grpc") -> None:
         self.duration.labels(model=model, api=api).observe(seconds)
@@ -126,6 +118,26 @@ class RouterMetrics:
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.prometheus)
+
+
+class StreamObserver:
+    __slots__ = ("_metrics", "_model", "_api", "_itl")
+
+    def __init__(self, metrics: RouterMetrics, model: str, api: str) -> None:
+        self._metrics, self._model, self._api = metrics, model, api
+        self._itl: Histogram | None = None
+
+    def chunk(self, seconds_since_previous: float, num_tokens: int, first: bool) -> None:
+        """A relayed chunk with tokens: its gap from the request's start (first) or from the previous one."""
+        if first:
+            self._metrics.ttft.labels(model=self._model, api=self._api).observe(seconds_since_previous)
+        elif num_tokens:
+            itl = self._itl
+            if itl is None:
+                itl = self._itl = self._metrics.itl.labels(model=self._model, api=self._api)
+            per_token = seconds_since_previous / num_tokens
+            for _ in range(num_tokens):
+                itl.observe(per_token)
 
 
 class _ClusterCollector(Collector):

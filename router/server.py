@@ -23,6 +23,7 @@ from kvpact.router.cluster import Cluster
 from kvpact.router.config import RouterConfig
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry_service import RegistryService
+from kvpact.router.relayed import relayed_bytes
 from kvpact.router.service import GenerationService
 from kvpact.shared.address import join_host_port
 from kvpact.shared.auth import SecretFile
@@ -30,7 +31,7 @@ from kvpact.shared.errors import BindError, ConfigError, RequestError
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.shared.rpc_errors import ErrorInterceptor
 from kvpact.shared.tls import add_port, describe_tls, plaintext_warning
-from kvpact.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvpact.v1 import generation_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from kvpact.router.http.server import HttpFront
@@ -48,6 +49,35 @@ SERVICE_NAMES = (
 STATUS_FOR_ERROR: dict[type[BaseException], grpc.StatusCode] = {
     RequestError: grpc.StatusCode.INVALID_ARGUMENT
 }
+
+
+def add_generation_service(service: GenerationService, server: grpc.aio.Server) -> None:
+    """kvpact.v1.Generation, as router_pb2_grpc.add_GenerationServicer_to_server registers it but for
+    Generate's response serializer: `relayed_bytes` writes the worker's chunk bytes as they came."""
+    request = generation_pb2.GenerateRequest.FromString
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=request, response_serializer=relayed_bytes
+        ),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            service.Complete,
+            request_deserializer=request,
+            response_serializer=generation_pb2.CompleteResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels,
+            request_deserializer=router_pb2.ListModelsRequest.FromString,
+            response_serializer=router_pb2.ListModelsResponse.SerializeToString,
+        ),
+        "ClusterStatus": grpc.unary_unary_rpc_method_handler(
+            service.ClusterStatus,
+            request_deserializer=router_pb2.ClusterStatusRequest.FromString,
+            response_serializer=router_pb2.ClusterStatusResponse.SerializeToString,
+        ),
+    }
+    name = router_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 class RouterServer:
@@ -70,7 +100,7 @@ class RouterServer:
             options=[("grpc.so_reuseport", 0), *GRPC_MESSAGE_OPTIONS],
         )
         self.generation = GenerationService(self.cluster, self.metrics)
-        router_pb2_grpc.add_GenerationServicer_to_server(self.generation, self._server)
+        add_generation_service(self.generation, self._server)
         worker_pb2_grpc.add_RegistryServicer_to_server(
             RegistryService(self.cluster, self.tokens), self._server
         )

@@ -7,6 +7,11 @@ that cancels cancels the worker call (the worker aborts the request and frees it
 is closed with `aclosing`, so the worker call ends when the client's call does, not whenever the
 garbage collector finalizes an abandoned generator.
 
+The relay is a byte relay where it can be (router/relayed.py): the worker's chunks arrive as bytes,
+are parsed once (token counts for the metrics, what coalescing and Complete read), and Generate writes the
+worker's bytes to the client as they came, never re-encoded (its serializer is `relayed_bytes`,
+router/server.py); only a merged chunk is encoded, once.
+
 A worker's error reaches the client naming the worker id only: its address, and whatever transport detail
 the call failed with, go to the router's log with the request id the client can quote (`_worker_error`).
 """
@@ -30,6 +35,7 @@ from kvpact.router.coalesce import coalesced
 from kvpact.router.errors import NoLiveWorker, NotServing, Overloaded, WorkerCallFailed
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
+from kvpact.router.relayed import RelayedChunk, fill_worker_id
 from kvpact.shared.errors import RequestError
 from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
@@ -51,6 +57,7 @@ REQUEST_CODES = frozenset(
     }
 )
 _ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.]+\]|\d{1,3}(?:\.\d{1,3}){3}|[\w.-]+\.[A-Za-z]\w*):\d+")
+parse_chunk = generation_pb2.GenerateChunk.FromString
 MAX_RETRIES_GONE = 1  # a request whose worker was gone before it produced anything is retried once
 
 
@@ -60,9 +67,9 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         self.metrics = metrics
         self.balance = make_balance(cluster.config.balance)
 
-    async def Generate(
+    async def Generate(  # type: ignore[override]  # RelayedChunks: the server writes their bytes
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+    ) -> AsyncIterator[RelayedChunk]:
         async with aclosing(coalesced(self.relay(request, context.time_remaining()))) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -77,7 +84,8 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             )
         response = generation_pb2.CompleteResponse()
         async with aclosing(self.relay(request, context.time_remaining())) as chunks:
-            async for chunk in chunks:
+            async for relayed in chunks:
+                chunk = relayed.message
                 response.text += chunk.text
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
@@ -133,10 +141,10 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
 
     async def relay(
         self, request: generation_pb2.GenerateRequest, timeout: float | None, api: str = "grpc"
-    ) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
-        """The request's chunks, from the worker that serves it; `timeout`: what is left of the client's
-        deadline (None: none); `api`: the front it came in on ("grpc", "http"), a metrics label and a log
-        field. Both fronts call this (the HTTP front in router/http/).
+    ) -> AsyncGenerator[RelayedChunk, None]:
+        """The request's chunks (the worker's bytes and their parse), from the worker that serves it;
+        `timeout`: what is left of the client's deadline (None: none); `api`: the front it came in on
+        ("grpc", "http"), a metrics label and a log field. Both fronts call this (router/http/).
 
         Forward to a worker with room and relay its chunks. A worker that fails the call before it
         produced anything is not the client's problem: when it is gone (UNAVAILABLE: killed, unreachable,
@@ -184,24 +192,26 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
 
     async def _forward(
         self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, timeout: float | None, api: str
-    ) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
-        stub = self.cluster.channels.stub(entry)
+    ) -> AsyncGenerator[RelayedChunk, None]:
+        generate = self.cluster.channels.generate(entry)
         code = grpc.StatusCode.OK
         num_tokens = 0
         entry.num_outstanding += 1
         started = last = time.monotonic()
-        call = stub.Generate(request, timeout=timeout)
+        timings = self.metrics.stream(request.model, api) if self.metrics is not None else None
+        call = generate(request, timeout=timeout)
         try:
-            async for chunk in call:
-                if not chunk.worker_id:
-                    chunk.worker_id = entry.worker_id
-                if chunk.token_ids and self.metrics is not None:
+            async for data in call:
+                message = parse_chunk(data)  # inline, not RelayedChunk.parse: this runs once per message
+                if not message.worker_id:
+                    data = fill_worker_id(data, message, entry.worker_id)
+                chunk = RelayedChunk(data, message)
+                num_chunk_tokens = len(message.token_ids)
+                if num_chunk_tokens and timings is not None:
                     now = time.monotonic()
-                    self.metrics.observe_chunk(
-                        request.model, now - last, len(chunk.token_ids), num_tokens == 0, api
-                    )
+                    timings.chunk(now - last, num_chunk_tokens, num_tokens == 0)
                     last = now
-                num_tokens += len(chunk.token_ids)
+                num_tokens += num_chunk_tokens
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             code = exc.code()

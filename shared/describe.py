@@ -125,6 +125,8 @@ def realized_table(realized: RealizedCache, title: str = "realized KV cache") ->
         ("max concurrency", f"{realized.max_concurrency} x {realized.max_model_len} tokens"),
         ("memory", f"{realized.memory_bytes / 2**20:.1f} MiB"),
     ]
+    if realized.tensor_parallel_size > 1:  # memory above is rank 0's: each rank holds its own heads' KV
+        rows.append(("ranks", f"{realized.tensor_parallel_size} ({', '.join(realized.rank_devices)})"))
     rows += [(f"fallback ({f.component})", f.reason) for f in realized.fallbacks]
     # paged-attn is the kind and fallback rows above; every other feature gets its own row
     rows += [(f.name, describe_feature(f)) for f in realized.features if f.name != "paged-attn"]

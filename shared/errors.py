@@ -5,7 +5,10 @@ EXIT_FATAL = 1
 
 
 class KvpactError(Exception):
-    """Base class of every error kvpact raises on purpose."""
+    """Base class of every error kvpact raises on purpose. `rank`: the tensor-parallel rank it happened
+    on, when a rank other than the worker's own process found it (worker/parallel/rank_verdict.py)."""
+
+    rank: int | None = None
 
 
 FEATURE_TITLES = {  # how a message names each feature, with its verb

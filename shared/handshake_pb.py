@@ -175,6 +175,8 @@ def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
         max_model_len=realized.max_model_len,
         memory_bytes=realized.memory_bytes,
         features=[feature_to_pb(f) for f in realized.features],
+        tensor_parallel_size=realized.tensor_parallel_size,
+        rank_devices=list(realized.rank_devices),
     )
 
 
@@ -193,6 +195,8 @@ def realized_from_pb(msg: cache_pb2.RealizedCache) -> RealizedCache:
         block_size=msg.block_size,
         fallbacks=_fallbacks_from_pb(msg.fallbacks),
         features=tuple(feature_from_pb(f) for f in msg.features),
+        tensor_parallel_size=msg.tensor_parallel_size or 1,
+        rank_devices=tuple(msg.rank_devices),
     )
 
 

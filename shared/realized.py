@@ -25,6 +25,8 @@ class RealizedCache:
     block_size: int = 0  # PAGED only
     fallbacks: tuple[Fallback, ...] = field(default_factory=tuple)  # paged-attn's, in the order taken
     features: tuple[FeatureState, ...] = field(default_factory=tuple)  # every feature, as built
+    tensor_parallel_size: int = 1  # ranks, each holding the KV of its own heads (the same kind on all)
+    rank_devices: tuple[str, ...] = ()  # each rank's device, rank order (empty: not reported)
 
     @property
     def prefix_caching(self) -> bool:

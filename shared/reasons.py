@@ -79,13 +79,13 @@ STAGED_DEVICE_MAP = Reason(
     "span stages",
     "--device-map with one entry, or --device",
 )
-TENSOR_PARALLEL = Reason(
-    "tensor parallel",
+TENSOR_PARALLEL_RANK = Reason(
+    "tensor-parallel rank",
     "device",
-    "--tensor-parallel-size above 1 (the ranks keep eager caches of their own heads in this build)",
-    "--tensor-parallel-size {size} shards the KV cache over {size} ranks and the paged cache is not "
-    "sharded across ranks yet",
-    "--tensor-parallel-size 1",
+    "a tensor-parallel rank's own check on its own device finds the paged cache impossible there (the "
+    "ranks' caches are one kind: under auto they all fall back together)",
+    "rank {rank} ({device}) cannot realize it: {why}",
+    "--tensor-parallel-size 1, or ranks on devices that all can",
 )
 EAGER_DEFAULT = Reason(
     "CPU/MPS default",
@@ -297,7 +297,7 @@ REASONS = (
     SHARED_MEMORY,
     MIXED_DEVICE_MAP,
     STAGED_DEVICE_MAP,
-    TENSOR_PARALLEL,
+    TENSOR_PARALLEL_RANK,
     SLIDING_WINDOW,
     KV_BUDGET,
     KERNEL_SELF_TEST,

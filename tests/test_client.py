@@ -120,7 +120,7 @@ def test_the_status_table_shows_realized_kinds_reasons_and_failures():
     lines = table.splitlines()
     assert lines[0] == "cluster SERVING  policy --paged-attn on  workers 1/1 admitted"
     header = [
-        "WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "FEATURES", "LOAD",
+        "WORKER", "STATE", "MODEL", "ADDRESS", "DEVICE", "ASKED", "REALIZED", "CAPACITY", "FEATURES", "LOAD",
         "HEARTBEAT",
     ]  # fmt: skip
     assert lines[1].split() == header

@@ -148,8 +148,17 @@ def test_realized_cache_round_trip(kind, scheduler, fallbacks):
             FeatureState("paged-attn", FeatureMode.AUTO, kind is CacheKind.PAGED),
             FeatureState("cuda-graphs", FeatureMode.ON, False, "no-cuda-device", "no CUDA device", "device"),
         ),
+        tensor_parallel_size=2,
+        rank_devices=("cuda:0", "cuda:1"),
     )
     assert realized_from_pb(realized_to_pb(realized)) == realized
+
+
+def test_a_realized_cache_from_an_older_worker_has_one_rank():
+    msg = realized_to_pb(RealizedCache(CacheKind.EAGER, SchedulerKind.DEFAULT, 256, 256, 1, 1, 0,
+                                       CacheDtype.FLOAT32))  # fmt: skip
+    msg.ClearField("tensor_parallel_size")
+    assert realized_from_pb(msg).tensor_parallel_size == 1
 
 
 def test_realized_table_names_kind_and_fallback():

@@ -9,6 +9,7 @@ stop), never a stack trace. The steps, drain and exit codes: docs/worker-startup
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import socket
 import sys
@@ -50,6 +51,7 @@ from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.loader import model_name, resolve_model_path
 from kvpact.worker.metrics import WorkerMetrics
 from kvpact.worker.options import WorkerOptions
+from kvpact.worker.parallel.ranks import claim_gpus
 from kvpact.worker.registration import RegistrationError, RouterLink
 from kvpact.worker.service import WorkerServer, WorkerService
 from kvpact.worker.startup.device import probe_device
@@ -148,6 +150,7 @@ class WorkerProcess:
         ):  # the worker's threads are split between its ranks; rank 0 takes its part (worker/parallel/)
             threads = max(1, (threads or len(allowed_cpus())) // size)
         self.cpu_share = CpuShare.acquire(threads)  # released in _close
+        self.visible_gpus = claim_gpus(size)  # before CUDA is touched: one GPU per rank, rank 0's here
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -263,6 +266,11 @@ class WorkerProcess:
         assert self.server is not None
         if self.stop.event.is_set():
             return
+        # What startup left (the model, the cache, the servers) lives as long as the process: collect the
+        # loader's garbage once, then keep the rest out of the collector's generations, so a collection
+        # while serving walks only what requests allocate.
+        gc.collect()
+        gc.freeze()
         self.metrics.set_state("serving")
         await self.server.set_ready(True)
 
@@ -299,9 +307,16 @@ class WorkerProcess:
         spec = self.options.spec
         probe = await _in_daemon_thread(probe_device, spec.device, spec.device_map)
         self.handshake.capabilities.CopyFrom(capabilities_to_pb(probe))
-        plan = await _in_daemon_thread(plan_startup, spec, probe=probe)
+        plan = await _in_daemon_thread(
+            plan_startup, spec, probe=probe, with_ranks=True, visible_gpus=self.visible_gpus
+        )
         self.handshake.fingerprint.CopyFrom(fingerprint_to_pb(plan.fingerprint))  # every handshake from now
-        await self._announce(plan)
+        try:
+            await self._announce(plan)
+        except BaseException:
+            if plan.ranks is not None:  # refused before loading: the other ranks stop too
+                plan.ranks.close()
+            raise
         engine = await _in_daemon_thread(build_engine, plan, cpu_share=self.cpu_share)
         log.info("engine ready", seconds=round(time.monotonic() - started, 3))
         return engine
@@ -335,7 +350,9 @@ class WorkerProcess:
             log.error(
                 "startup failed", code=failure.code.value, component=failure.component, reason=failure.reason
             )
-        _say(f"worker {self.worker_id}: startup failed: {exc}", error=True)
+        rank = getattr(exc, "rank", None)  # a tensor-parallel rank's refusal or failure (worker/parallel/)
+        who = f"worker {self.worker_id}" + (f" rank {rank}" if rank is not None else "")
+        _say(f"{who}: startup failed: {exc}", error=True)
         if self.link is not None:
             self.handshake.failed.CopyFrom(failure_to_pb(failure))
             try:

@@ -1,7 +1,8 @@
 """The chunks of one HTTP request's GenerateRequests, as (choice index, chunk), from the router's own relay.
 
 The HTTP front calls the same `GenerationService.relay` as the gRPC front (routing, retries, limits,
-overload bounds, metrics with api="http"), coalesced the same way (router/coalesce.py). One request
+overload bounds, metrics with api="http"), coalesced the same way (router/coalesce.py); it renders
+each chunk's parse (RelayedChunk.message) as JSON, so the worker's bytes are not relayed here. One request
 (a chat, a single prompt) is read in the caller's task, so an SSE client that goes away cancels the
 worker call directly. Several prompts (completions with a list of prompts) are read concurrently, one
 task each, into one bounded queue; the first error ends them all. Closing the generator cancels every
@@ -32,7 +33,7 @@ async def choice_chunks(
     if len(requests) == 1:
         async with aclosing(coalesced(service.relay(requests[0], None, API))) as chunks:
             async for chunk in chunks:
-                yield chunk.index, chunk
+                yield chunk.message.index, chunk.message
         return
     queue: asyncio.Queue[Item | BaseException | None] = asyncio.Queue(MAX_QUEUED)
 
@@ -40,7 +41,7 @@ async def choice_chunks(
         try:
             async with aclosing(coalesced(service.relay(request, None, API))) as chunks:
                 async for chunk in chunks:
-                    await queue.put((prompt_index * n + chunk.index, chunk))
+                    await queue.put((prompt_index * n + chunk.message.index, chunk.message))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, raised there

@@ -1,9 +1,10 @@
 """ClusterStatus as a readable table (re-exported by kvpact.client; `make serve` prints it).
 
-One row per worker (state, model, address, what it was asked, what it realized, capacity, each feature's
-realized state, load, heartbeat age, and its labels when any worker has some, e.g. its Ray node and
-bundle), then every fallback reason, failure and refusal. The cells are kvpact.shared.describe's (the
-renderer the router and worker use), over the messages as kvpact.shared.handshake_pb converts them.
+One row per worker (state, model, address, its device (a tensor-parallel worker: `tpN` and each rank's),
+what it was asked, what it realized, capacity, each feature's realized state, load, heartbeat age, and
+its labels when any worker has some, e.g. its Ray node and bundle), then every fallback reason, failure
+and refusal. The cells are kvpact.shared.describe's (the renderer the router and worker use), over the
+messages as kvpact.shared.handshake_pb converts them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ def _asked_cell(w: router_pb2.WorkerStatus) -> str:
     return asked
 
 
+def _device_cell(w: router_pb2.WorkerStatus) -> str:
+    """Where it runs: its rank's device, or `tp N` and each rank's device (what it built); before it built,
+    the kind of device it probed."""
+    devices = list(w.realized.rank_devices) if w.HasField("realized") else []
+    if len(devices) > 1:
+        return f"tp{len(devices)} " + ",".join(devices)
+    if devices:
+        return devices[0]
+    return w.capabilities.device_kind or "-"
+
+
 def worker_features(w: router_pb2.WorkerStatus) -> tuple[FeatureState, ...]:
     """What it built of each feature, else what it planned (a LOADING worker), else nothing."""
     msgs = w.realized.features if w.HasField("realized") else w.planned.features
@@ -64,8 +76,8 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
         f"workers {num_admitted}/{status.expected_workers} admitted"
     )
     columns: tuple[str, ...] = (
-        "WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "FEATURES", "LOAD",
-        "HEARTBEAT",
+        "WORKER", "STATE", "MODEL", "ADDRESS", "DEVICE", "ASKED", "REALIZED", "CAPACITY", "FEATURES",
+        "LOAD", "HEARTBEAT",
     )  # fmt: skip
     with_labels = any(w.labels for w in status.workers)
     if with_labels:
@@ -85,6 +97,7 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
                 _enum_name(router_pb2.WorkerState, w.state, "WORKER_STATE_"),
                 w.model_name,
                 w.address,
+                _device_cell(w),
                 _asked_cell(w),
                 kind,
                 capacity,

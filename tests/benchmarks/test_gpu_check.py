@@ -19,6 +19,7 @@ STEPS = [
     "e) end to end",
     "f) host time",
     "g) --device-map",
+    "h) tensor parallel",
 ]
 
 
@@ -48,5 +49,6 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
         "e_e2e.txt",
         "f_host.txt",
         "g_device_map.txt",
+        "h_tp.txt",
         "summary.txt",
     ]

@@ -350,6 +350,24 @@ def test_a_workers_pa_flag_with_paged_attn_off_is_refused_naming_it():
     assert "drop --pa-cache-dtype, or use --paged-attn auto or on" in message
 
 
+def test_a_tensor_parallel_group_reserves_one_bundle_per_worker_with_a_gpu_per_rank():
+    from kvpact.deploy.placement import describe_bundles
+
+    group = {"name": "tp", "replicas": 2, "resources": {"num_gpus": 2, "num_cpus": 8},
+             "flags": {"model": "/models/llama", "tensor-parallel-size": 2}}  # fmt: skip
+    cluster = parse_cluster_file(document(workers=[group]), "c.yaml")
+    assert cluster.workers[0].tensor_parallel_size == 2
+    assert cluster.bundles() == [{"GPU": 2, "CPU": 8}, {"GPU": 2, "CPU": 8}]  # each worker's ranks: one node
+    assert describe_bundles(cluster) == "tp x2 {CPU: 8, GPU: 2} tp 2"
+    on_cpu = {**group, "resources": {"num_cpus": 0.5}}  # ranks on CPU: a fraction of a core fits
+    assert parse_cluster_file(document(workers=[on_cpu]), "c.yaml").bundles() == [{"CPU": 0.5}] * 2
+    short = {**group, "resources": {"num_gpus": 1}}
+    assert error_of(document(workers=[short])) == (
+        "c.yaml: workers[0].resources.num_gpus: expected 2: a group's resources are per worker, and each of "
+        "the 2 ranks of --tensor-parallel-size 2 takes one GPU (or no num_gpus: ranks on CPU), got 1"
+    )
+
+
 def test_router_uniform_is_a_router_flag_a_list_adds_up_and_an_unknown_name_is_refused():
     router = {"flags": {"uniform": ["model", "max-model-len"]}}
     cluster = parse_cluster_file({**MINIMAL, "router": router}, "c.yaml")

@@ -56,6 +56,18 @@ class Head:
             self.dashboard, headers={"Authorization": f"Bearer {self.auth['RAY_AUTH_TOKEN']}"}
         )
 
+    def submit(self, client, entrypoint: str) -> str:  # noqa: ANN001 - a JobSubmissionClient
+        """submit_job, retried while the head's job agent is still starting: the dashboard answers
+        list_jobs before its agent registers, and a submit then gets 500 "No available agent"."""
+        deadline = time.monotonic() + HEAD_START_S
+        while True:
+            try:
+                return str(client.submit_job(entrypoint=entrypoint))
+            except RuntimeError as e:
+                if "No available agent" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+
     def live(self) -> tuple[list[str], list[str]]:
         """Live WorkerActors and placement groups not REMOVED, asked with ray.util.state in a process of
         its own, with this head's token in its environment."""
@@ -180,7 +192,7 @@ def test_a_job_whose_cluster_cannot_honor_on_fails_78_with_the_worker_and_reason
     ]
     config = cluster_file(tmp_path, workers=workers, listen=f"127.0.0.1:{free_port()}")
     client = head.jobs()
-    job_id = client.submit_job(entrypoint=f"{LAUNCH} --config {config}")
+    job_id = head.submit(client, f"{LAUNCH} --config {config}")
     assert wait_job(client, job_id) == JobStatus.FAILED, client.get_job_logs(job_id)[-3000:]
     info = client.get_job_info(job_id)
     assert info.driver_exit_code == 78
@@ -225,7 +237,7 @@ def test_ray_job_stop_with_streams_in_flight_finishes_every_stream_then_leaves_n
     group = worker_group(model, "cpu", 2, drain_timeout=DRAIN_S, max_num_seqs=2)  # streams queue: long
     config = cluster_file(tmp_path, workers=[group], listen=router, router_flags={"drain-timeout": DRAIN_S})
     client = head.jobs()
-    job_id = client.submit_job(entrypoint=f"{LAUNCH} --config {config}")
+    job_id = head.submit(client, f"{LAUNCH} --config {config}")
     deadline = time.monotonic() + JOB_END_S
     while health_status(router) != "SERVING":
         assert not client.get_job_status(job_id).is_terminal(), client.get_job_logs(job_id)[-3000:]
@@ -276,14 +288,14 @@ def test_kvpact_launch_scale_runs_as_a_ray_job_up_and_down(head: Head, model: Pa
     group = {**worker_group(model, "cpu", 1, resources={"num_cpus": 0.5}), "max_replicas": 2}
     config = cluster_file(tmp_path, workers=[group], listen=router, router_flags={"heartbeat-interval": 0.3})
     client = head.jobs()
-    launch_id = client.submit_job(entrypoint=f"{LAUNCH} --config {config}")
+    launch_id = head.submit(client, f"{LAUNCH} --config {config}")
     deadline = time.monotonic() + JOB_END_S
     while health_status(router) != "SERVING":
         assert not client.get_job_status(launch_id).is_terminal(), client.get_job_logs(launch_id)[-3000:]
         assert time.monotonic() < deadline, client.get_job_logs(launch_id)[-3000:]
         time.sleep(0.5)
     for num, admitted in ((2, "cpu-0, cpu-1"), (1, "cpu-0")):
-        scale_id = client.submit_job(entrypoint=f"{LAUNCH} scale --group cpu --replicas {num} --timeout 150")
+        scale_id = head.submit(client, f"{LAUNCH} scale --group cpu --replicas {num} --timeout 150")
         assert wait_job(client, scale_id) == JobStatus.SUCCEEDED, client.get_job_logs(scale_id)[-3000:]
         assert f"group cpu: {num} admitted workers ({admitted})" in client.get_job_logs(scale_id)
         with Client(router, timeout=30) as kvpact:

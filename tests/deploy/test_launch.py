@@ -260,6 +260,9 @@ def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitte
             r"\(restart 1 of 1 within 600 s\)",
             30,
         )
+        # Its own last lines came first, fetched through its actor (its node's files may be elsewhere).
+        crash = launch.output().split("exited with code -9; worker cpu-0 in ", 1)[1]
+        assert "its last output lines" in crash and "worker cpu-0 serving" in crash, crash[:3000]
         wait_for_line(launch, rf"^kvpact-launch: worker cpu-0 \(pid (?!{pid}\))\d+\) started in bundle 0", 30)
 
         def admitted_again() -> bool:
@@ -304,6 +307,81 @@ def test_a_killed_actor_is_restarted_after_its_backoff_and_a_sigterm_meanwhile_s
     assert out.rstrip().endswith("kvpact-launch: stopped"), out[-2000:]
     assert len(re.findall(r"^kvpact-launch: worker cpu-0 \(pid \d+\) started", out, re.M)) == 1, out[-3000:]
     assert_nothing_left(ray_cluster, group_name)
+
+
+def rank_pids(worker_pid: int) -> list[int]:
+    """The tensor-parallel ranks the worker `worker_pid` spawned (its children running the follower)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == worker_pid and b"kvpact.worker.startup.follower" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+def test_a_tensor_parallel_worker_runs_its_ranks_in_its_bundle_and_a_killed_rank_restarts_it_whole(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path
+):
+    """TP=2 on CPU in one bundle of half a CPU (it fits a 2-CPU local Ray): placed, served, shown per
+    rank; a killed rank takes its worker down (exit 1 naming the rank), the router marks it DEAD, the
+    launcher restarts the whole worker within its budget, and no process of the old worker is left."""
+    group = {
+        **worker_group(model, "tp", 1, resources={"num_cpus": 0.5}, tensor_parallel_size=2),
+        "max_restarts": 1,
+    }
+    config = cluster_file(tmp_path, workers=[group], router_flags={"heartbeat-timeout": 3})
+    with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
+        address = wait_serving(launch)
+        out = launch.stdout()
+        assert "placing 1 workers: tp x1 {CPU: 0.5} tp 2, strategy PACK" in out, out[-3000:]
+        line = r"^kvpact-launch: worker tp-0 \(pid (\d+)\) started in bundle 0 .*; it starts its 1 other "
+        started = wait_for_line(launch, line + "tensor-parallel ranks in this bundle$", 5)
+        pid = int(started.group(1))
+        [rank1] = rank_pids(pid)
+        with Client(address, timeout=30) as client:
+            assert "".join(c.text for c in client.generate("hello", max_tokens=8, temperature=0))
+            status = client.cluster_status()
+        [w] = status.workers
+        assert (w.state, w.realized.kind) == (router_pb2.WORKER_STATE_ADMITTED, cache_pb2.CACHE_KIND_PAGED)
+        assert (w.realized.tensor_parallel_size, list(w.realized.rank_devices)) == (2, ["cpu", "cpu"])
+        assert dict(w.labels)["ray.bundle"] == "0"
+        row = render_cluster_status(status).splitlines()[2]
+        assert " tp2 cpu,cpu " in row and " tp 2" in row, row
+        print(render_cluster_status(status))
+
+        os.kill(rank1, signal.SIGKILL)  # rank 1 of the worker this test's launcher started, by its pid
+        wait_for_line(
+            launch,
+            r"tp-0 .* exited with code 1; restarting it in its bundle in 1 s \(restart 1 of 1 within 600 s\)",
+            30,
+        )
+        said = f"tensor-parallel rank 1 (pid {rank1}) exited with code -9; the worker stops"
+        eventually(lambda: said in launch.output(), 30, "the worker's line naming its rank (via Ray's logs)")
+
+        def dead() -> bool:
+            with Client(address, timeout=10) as client:
+                return client.cluster_status().workers[0].state == router_pb2.WORKER_STATE_DEAD
+
+        eventually(dead, 30, "tp-0 marked DEAD by the router", interval=0.2)
+        again = wait_for_line(launch, rf"^kvpact-launch: worker tp-0 \(pid (?!{pid}\))(\d+)\) started", 30)
+        assert not alive(pid) and not alive(rank1), "a process of the killed worker is left"
+        eventually(lambda: len(rank_pids(int(again.group(1)))) == 1, 60, "the new worker's rank 1")
+        launch.popen.send_signal(signal.SIGTERM)
+        assert wait_for_exit(launch, 60) == 0, launch.output()
 
 
 # -- kvpact-launch scale -------------------------------------------------------------------------------

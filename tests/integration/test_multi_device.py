@@ -28,6 +28,7 @@ from tests.factories.processes import (
     started_worker,
     wait_for_exit,
     wait_for_health,
+    worker_argv,
 )
 from tests.factories.tiny_models import make_tiny_llama
 from tests.integration.test_cluster import START_S, log_events, router_address, router_argv
@@ -55,7 +56,11 @@ class Cluster:
     workers: dict[str, ProcessHandle]
 
 
-EXTRA = {"one": (), "staged": ("--device-map", "cpu=1,cpu=1"), "tp2": ("--tensor-parallel-size", "2")}
+EXTRA = {
+    "one": (),
+    "staged": ("--device-map", "cpu=1,cpu=1"),
+    "tp2": ("--tensor-parallel-size", "2", "--paged-attn", "on"),  # a paged pool on each rank
+}
 
 
 @contextmanager
@@ -105,11 +110,20 @@ def test_the_tp_worker_is_admitted_with_what_it_was_asked(cluster: Cluster):
         status = client.cluster_status()
     by_id = {w.worker_id: w for w in status.workers}
     rows = {line.split()[0]: line for line in render_cluster_status(status).splitlines()[2:] if line.strip()}
-    assert " tp 2" in rows["tp2"] and " tp " not in rows["one"]
+    assert " tp 2" in rows["tp2"] and " tp " not in rows["one"]  # asked
+    assert " tp2 cpu,cpu " in rows["tp2"] and " cpu " in rows["one"]  # realized: each rank's device
+    assert (by_id["tp2"].realized.tensor_parallel_size, list(by_id["tp2"].realized.rank_devices)) == (
+        2,
+        ["cpu", "cpu"],
+    )
+    assert by_id["one"].realized.tensor_parallel_size == 1
     assert sorted(by_id) == ["one", "tp2"]
     assert all(w.state == router_pb2.WORKER_STATE_ADMITTED for w in by_id.values())
-    assert all(w.realized.kind == cache_pb2.CACHE_KIND_EAGER for w in by_id.values())
+    assert by_id["one"].realized.kind == cache_pb2.CACHE_KIND_EAGER  # the CPU default under auto
+    assert by_id["tp2"].realized.kind == cache_pb2.CACHE_KIND_PAGED  # on: every rank realized it
     assert by_id["tp2"].requested.tensor_parallel_size == 2
+    verdicts = log_events(cluster.workers["tp2"], "pre-load verdict")
+    assert [v["cache"] for v in verdicts] == ["paged"]  # rank 0's, decided from both ranks' own plans
 
 
 @pytest.mark.slow  # a third worker; the same staged code runs in-process in tests/worker/test_stages.py
@@ -147,6 +161,37 @@ def test_a_killed_rank_takes_its_worker_down_and_leaves_no_process(cluster: Clus
     os.kill(pid, signal.SIGKILL)
     assert wait_for_exit(worker, 20) == 1
     assert "tensor-parallel rank 1" in worker.output() and "exited with code -9" in worker.output()
+    eventually(lambda: not _alive(pid), 10, f"rank 1 (pid {pid}) to be gone")
+
+
+def test_a_rank_killed_while_starting_fails_the_start_and_the_report_names_it(model: Path, tmp_path: Path):
+    """The worker's startup-failure report (to the router, and its exit 1) names the rank."""
+    with running(router_argv("--expect-workers", "1"), name="router", log_dir=tmp_path) as r:
+        argv = args(model, router_address(r), "tpx", "--tensor-parallel-size", "2")
+        with running(worker_argv(*argv), name="tpx", log_dir=tmp_path) as w:
+            events = eventually(lambda: log_events(w, "tensor-parallel ranks started"), 60, "the ranks")
+            (pid,) = events[0]["pids"]
+            os.kill(pid, signal.SIGKILL)
+            assert wait_for_exit(w, 60) == 1
+            said = f"worker tpx rank 1: startup failed: rank 1 (pid {pid}) exited with code -9"
+            assert said in w.output()
+            wait_for_exit(r, 30)
+            assert 'worker "tpx"' in r.output() and f"rank 1 (pid {pid}) exited with code -9" in r.output()
+
+
+def test_a_rank_that_cannot_honor_on_fails_the_worker_78_naming_the_rank_and_stops_the_others(
+    model: Path, tmp_path: Path
+):
+    argv = ["--model", str(model), "--worker-id", "a", "--tensor-parallel-size", "2", "--paged-attn", "on",
+            "--pa-context-tokens", "100", "--max-model-len", "256"]  # fmt: skip
+    with running(worker_argv(*argv), name="tp-on", log_dir=tmp_path) as w:
+        assert wait_for_exit(w, 120) == 78
+    assert (
+        "worker a rank 0: startup failed: PagedAttention was explicitly requested (--paged-attn on), but "
+        "rank 0 (cpu) cannot realize it: the KV cache budget (--pa-context-tokens 100) holds only"
+    ) in w.output()
+    (pid,) = log_events(w, "tensor-parallel ranks started")[0]["pids"]
+    assert not log_events(w, "model_loaded")  # refused before any weight was read
     eventually(lambda: not _alive(pid), 10, f"rank 1 (pid {pid}) to be gone")
 
 

@@ -35,10 +35,10 @@ def test_exit_1_while_starting_then_0_with_the_table_once_serving(tmp_path):
         lines = out.splitlines()
         assert lines[0] == "cluster SERVING  policy --paged-attn auto  workers 1/1 admitted"
         assert lines[1].split() == [
-            "WORKER", "STATE", "MODEL", "ADDRESS", "ASKED", "REALIZED", "CAPACITY", "FEATURES", "LOAD",
-            "HEARTBEAT"
+            "WORKER", "STATE", "MODEL", "ADDRESS", "DEVICE", "ASKED", "REALIZED", "CAPACITY", "FEATURES",
+            "LOAD", "HEARTBEAT"
         ]  # fmt: skip
-        assert lines[2].split()[:6] == ["a", "ADMITTED", "tiny", a.address, "on", "PAGED"]
+        assert lines[2].split()[:7] == ["a", "ADMITTED", "tiny", a.address, "cpu", "on", "PAGED"]
 
         code, out, _ = status(address, "--json", tmp_path=tmp_path, name="json")
         assert code == 0

@@ -4,17 +4,23 @@ what each rank holds, that the row-parallel partial outputs sum to the full laye
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
 import torch
 
-from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
+from kvpact.shared.errors import ConfigError, ModelLoadError, PagedAttentionRequiredError
 from kvpact.shared.spec import LayerPlacement
 from kvpact.worker.loader import load_model, read_model_config
 from kvpact.worker.model.tensor_parallel import rank_shard, shard_model, tp_problem
-from kvpact.worker.startup import engine_setup
+from kvpact.worker.parallel.rank_verdict import PagedFallback, RankProblem, RankVerdict
+from kvpact.worker.parallel.ranks import claim_gpus, rank_visible_devices
+from kvpact.worker.startup import checks, engine_setup
+from kvpact.worker.startup.device import probe_device
+from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import worker_spec
+from tests.worker.test_engine_setup import h200_probe
 
 
 @pytest.fixture
@@ -75,9 +81,69 @@ def test_a_size_the_heads_do_not_divide_is_refused_before_loading(tiny_llama, no
         engine_setup.plan_startup(replace(worker_spec(tiny_llama), tensor_parallel_size=3))
 
 
-def test_tensor_parallel_under_on_fails_naming_the_reason_before_loading(tiny_llama, no_loading):
-    with pytest.raises(PagedAttentionRequiredError, match="the paged cache is not sharded across ranks"):
-        engine_setup.plan_startup(replace(worker_spec(tiny_llama, "on"), tensor_parallel_size=2))
+def planning(spec, probe, *verdicts: RankVerdict) -> checks.Planning:  # type: ignore[no-untyped-def]
+    """Rank 0's plan being made, with the other ranks' verdicts as they arrived (rank_verdict.py)."""
+    p = engine_setup._begin(spec, probe)
+    p.rank_verdicts = verdicts
+    return p
+
+
+@pytest.fixture(scope="module")
+def head64_llama(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A head size the Triton kernels take (a described H200 then plans paged)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("head64"), hidden_size=128, num_heads=2, num_kv_heads=1,
+                           head_dim=64)  # fmt: skip
+
+
+NO_SM = "the Triton paged kernels need compute capability (8, 0) or newer; cuda:2 has (7, 0)"
+
+
+def test_a_rank_that_cannot_page_fails_on_naming_the_rank_before_loading(tiny_llama, no_loading):
+    spec = replace(worker_spec(tiny_llama, "on"), tensor_parallel_size=3)
+    refused = RankProblem("required", NO_SM, "device", "paged-attn", "compute-capability")
+    p = planning(spec, probe_device("cpu"), RankVerdict(1, "cpu", paged=True, num_blocks=64),
+                 RankVerdict(2, "cuda:2", problem=refused))  # fmt: skip
+    with pytest.raises(PagedAttentionRequiredError) as info:
+        checks.run_checks(p)
+    assert f"but rank 2 (cuda:2) cannot realize it: {NO_SM}." in str(info.value)
+    assert info.value.code == "tensor-parallel-rank"
+
+
+def test_under_auto_every_rank_falls_back_together_with_the_ranks_reason(
+    head64_llama, no_loading, monkeypatch
+):
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: None)
+    spec = replace(worker_spec(head64_llama, "auto", max_model_len=512), tensor_parallel_size=2)
+    fell = PagedFallback("compute-capability", NO_SM, "device")
+    p = planning(spec, h200_probe(2**30), RankVerdict(1, "cuda:1", fallback=fell))
+    checks.run_checks(p)
+    assert not p.paged  # rank 0 could page; it does not, since rank 1 cannot
+    assert [(f.component, f.reason) for f in p.state.fallbacks] == [
+        ("device", f"rank 1 (cuda:1) cannot realize it: {NO_SM}")
+    ]
+    assert not p.in_force("prefix-caching")  # read after the ranks' verdict
+
+
+def test_the_ranks_paged_pools_hold_the_smallest_ranks_blocks(tiny_llama, no_loading):
+    spec = replace(worker_spec(tiny_llama, "on"), tensor_parallel_size=2)
+    p = planning(spec, probe_device("cpu"), RankVerdict(1, "cpu", paged=True, num_blocks=7))
+    checks.run_checks(p)
+    assert p.paged and p.paged_size is not None and p.paged_size.num_blocks == 7
+
+
+def test_a_ranks_failure_is_raised_on_rank_0_naming_the_rank():
+    error = RankProblem.of(ModelLoadError("cannot read model.safetensors")).error(1, "cpu")
+    assert isinstance(error, ModelLoadError) and error.rank == 1
+    assert str(error) == "rank 1 (cpu): cannot read model.safetensors"
+
+
+def test_each_rank_sees_only_its_own_gpu_when_the_worker_has_one_per_rank(monkeypatch):
+    assert [rank_visible_devices("4,5", 2, r) for r in range(2)] == ["4", "5"]
+    assert rank_visible_devices("0", 2, 1) == "0" and rank_visible_devices(None, 2, 1) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # a Ray bundle of 2 GPUs
+    assert claim_gpus(2) == "4,5" and os.environ["CUDA_VISIBLE_DEVICES"] == "4"  # rank 0 keeps its own
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a bundle without GPUs: unchanged
+    assert claim_gpus(2) == "" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_tensor_parallel_with_a_device_map_is_refused(tiny_llama, no_loading):

@@ -242,6 +242,9 @@ class Engine:
         ):  # `closed` first: a prepare the shutdown cuts short raises EngineClosedError
             self._preparer.shutdown(wait=False, cancel_futures=True)
             self.step_loop.join()
+        ranks = self.step_loop.runner.ranks
+        if ranks is not None:  # tensor parallel: the other ranks stop with the engine
+            ranks.close()
 
     def run(
         self, requests: Iterable[GenerationRequest], timeout: float | None = None

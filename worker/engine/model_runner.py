@@ -79,7 +79,19 @@ class ModelRunner:
             self.cache.copy_blocks(block_copies)
         attn = self.cache.attention_step(ordered, len(decodes))
         # Tensor parallel: the other ranks run the same forward on their shards (worker/parallel/).
-        with self.ranks.lead(input_ids, ordered, len(decodes)) if self.ranks else nullcontext():
+        # With a paged cache, rank 0's block tables drive every rank's pool.
+        lead = (
+            self.ranks.lead(
+                input_ids,
+                ordered,
+                len(decodes),
+                paged=isinstance(self.cache, PagedCache),
+                block_copies=block_copies,
+            )  # fmt: skip
+            if self.ranks
+            else nullcontext()
+        )
+        with lead:
             hidden = self.model(ids, pos, attn)  # on the last stage's device (a --device-map's last entry)
         rows = to_device(torch.tensor(sample_rows, dtype=torch.long), hidden.device)
         seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]

@@ -11,7 +11,7 @@ refines the plan: the paged pool's size and --max-model-len auto's fit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_C
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.kv import sizing
 from kvpact.worker.model import ModelConfig
+from kvpact.worker.parallel.rank_verdict import RankVerdict
 from kvpact.worker.startup.device import DeviceProbe
 from kvpact.worker.startup.kernel_check import triton_self_test
 
@@ -48,6 +49,7 @@ class Planning:
     bytes_per_token: int
     backend: PagedBackend | None = None  # set by the device check
     paged_size: sizing.PagedSize | None = None  # set by the KV budget check
+    rank_verdicts: tuple[RankVerdict, ...] = field(default_factory=tuple)  # ranks 1..N-1's own plans
 
     @property
     def paged(self) -> bool:
@@ -92,12 +94,6 @@ def paged_staged_map(p: Planning) -> Finding | None:
     return reasons.STAGED_DEVICE_MAP.found(device_map=text, num_stages=len(placements))
 
 
-def paged_tensor_parallel(p: Planning) -> Finding | None:
-    """Each rank keeps an eager cache of its own heads (worker/parallel/); the paged pool is not sharded."""
-    size = p.spec.tensor_parallel_size
-    return reasons.TENSOR_PARALLEL.found(size=size) if size > 1 else None
-
-
 def paged_kv_budget(p: Planning) -> Finding | None:
     """Size the pool (and fit --max-model-len auto to it); a pool short of one sequence is the finding."""
     assert p.state.paged_config is not None
@@ -140,6 +136,21 @@ def paged_kernel_self_test(p: Planning) -> Finding | None:
         head_dim=p.config.head_dim,
         block_size=p.state.paged_config.block_size,
     )
+
+
+def paged_every_rank(p: Planning) -> Finding | None:
+    """Tensor parallel: the cache is one for all ranks. A rank whose own plan (on its own device) does not
+    realize the paged cache is the finding, naming the rank; the paged pools share one block table, so
+    each holds the smallest rank's number of blocks."""
+    for v in p.rank_verdicts:
+        if v.problem is not None and not (v.problem.kind == "required" and v.problem.feature == PAGED_ATTN):
+            continue  # another feature's refusal or a bad flag: engine_setup raises it, naming the rank
+        why = v.problem.message if v.problem else (v.fallback.message if v.fallback else "")
+        if v.problem is not None or not v.paged:
+            return reasons.TENSOR_PARALLEL_RANK.found(rank=v.rank, device=v.device, why=why or "(no reason)")
+        if p.paged_size is not None and v.num_blocks < p.paged_size.num_blocks:
+            p.paged_size = replace(p.paged_size, num_blocks=v.num_blocks)
+    return None
 
 
 def prefix_needs_paged(p: Planning) -> Finding | None:
@@ -188,9 +199,9 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     (PAGED_ATTN, paged_device),
     (PAGED_ATTN, paged_sliding_window),
     (PAGED_ATTN, paged_staged_map),
-    (PAGED_ATTN, paged_tensor_parallel),
     (PAGED_ATTN, paged_kv_budget),
     (PAGED_ATTN, paged_kernel_self_test),
+    (PAGED_ATTN, paged_every_rank),
     (PREFIX_CACHING, prefix_needs_paged),
     (CPU_KERNELS, cpu_kernels_device),
     (CPU_KERNELS, cpu_kernels_dtype),

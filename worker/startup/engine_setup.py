@@ -18,8 +18,9 @@ from typing import Any
 import structlog
 import torch
 
+from kvpact.shared import reasons
 from kvpact.shared.describe import realized_table
-from kvpact.shared.errors import ConfigError
+from kvpact.shared.errors import ConfigError, FeatureRequiredError, PagedAttentionRequiredError
 from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features
 from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
@@ -45,6 +46,7 @@ from kvpact.worker.loader.fingerprint import model_fingerprint
 from kvpact.worker.model import ModelConfig
 from kvpact.worker.model.stages import plan_stages
 from kvpact.worker.model.tensor_parallel import shard_model, tp_problem
+from kvpact.worker.parallel.rank_verdict import RankBuild
 from kvpact.worker.parallel.ranks import RankGroup
 from kvpact.worker.scheduler.base import Scheduler
 from kvpact.worker.scheduler.block_manager import BlockManager
@@ -85,6 +87,8 @@ class WorkerPlan:
     fingerprint: Fingerprint  # what must agree with the workers serving its model name (router --uniform)
     notes: list[str] = field(default_factory=list)
     max_model_len_source: str = ""  # how max_model_len was chosen (a flag, a default, or auto's fit)
+    ranks: RankGroup | None = None  # tensor parallel, planned with its ranks: they wait for the build
+    rank_devices: tuple[str, ...] = ()  # each rank's device (rank order)
 
     @property
     def cache_kind(self) -> CacheKind:
@@ -109,16 +113,55 @@ class WorkerPlan:
         }
 
 
-def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any = None) -> WorkerPlan:
+def plan_startup(
+    spec: WorkerSpec,
+    *,
+    probe: DeviceProbe | None = None,
+    log: Any = None,
+    with_ranks: bool = False,
+    visible_gpus: str | None = None,
+) -> WorkerPlan:
     """`probe`: the device as already probed (the worker process probes first, so a failed plan can still
     report the device's capabilities); None probes `spec.device` here. The feature checks are
-    startup/checks.py's, run in order; every fallback is logged once, here, with its reason."""
+    startup/checks.py's, run in order; every fallback is logged once, here, with its reason.
+    `with_ranks` (--tensor-parallel-size above 1): spawn the other ranks, have each plan on its own device,
+    and decide from every verdict (the plan's `ranks` then lead them; a failed plan stops them);
+    `visible_gpus`: the worker's CUDA_VISIBLE_DEVICES as it started (ranks.claim_gpus), split per rank."""
     log = log or structlog.get_logger("worker.engine_setup")
     started = time.monotonic()
     if probe is None:
         probe = probe_device(spec.device, spec.device_map)
     p = _begin(spec, probe)
-    run_checks(p)
+    ranks = None
+    if with_ranks and spec.tensor_parallel_size > 1:
+        _check_tensor_parallel(spec, p.config, probe)
+        ranks = start_ranks(spec, visible_gpus)
+    try:
+        plan = _plan(spec, probe, p, ranks, started)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    log_fallbacks(plan.features, log)
+    log.info("pre-load verdict", seconds=round(plan.verdict_seconds, 3), **plan.log_fields())
+    return plan
+
+
+def _plan(
+    spec: WorkerSpec, probe: DeviceProbe, p: Planning, ranks: RankGroup | None, started: float
+) -> WorkerPlan:
+    devices = rank_devices(probe.device, spec.tensor_parallel_size)
+    if ranks is not None:
+        p.rank_verdicts = tuple(ranks.verdicts(spec, devices))
+    try:
+        run_checks(p)
+    except FeatureRequiredError as e:  # rank 0's own refusal: named too, as every rank's is
+        if ranks is None:
+            raise
+        raise _as_rank(e, 0, devices[0]) from e
+    for v in p.rank_verdicts:  # another feature's refusal or a bad flag on a rank (paged-attn's: a check's)
+        if v.problem is not None:
+            raise v.problem.error(v.rank, v.device)
     _check_device_map(spec, p.config)
     _check_tensor_parallel(spec, p.config, probe)
     if p.paged:
@@ -152,10 +195,27 @@ def plan_startup(spec: WorkerSpec, *, probe: DeviceProbe | None = None, log: Any
         verdict_seconds=time.monotonic() - started,
         fingerprint=fingerprint,
         max_model_len_source=p.max_model_len_source,
+        ranks=ranks,
+        rank_devices=tuple(devices),
     )
-    log_fallbacks(features, log)
-    log.info("pre-load verdict", seconds=round(plan.verdict_seconds, 3), **plan.log_fields())
     return plan
+
+
+def rank_devices(device: torch.device, world: int) -> list[str]:
+    """Each rank's device: the CPU for every rank, or `cuda:K+r` for rank r from `--device cuda:K`."""
+    if device.type != "cuda" or world == 1:
+        return [str(device)] * world
+    first = device.index or 0
+    return [f"cuda:{first + r}" for r in range(world)]
+
+
+def _as_rank(e: FeatureRequiredError, rank: int, device: str) -> FeatureRequiredError:
+    finding = reasons.TENSOR_PARALLEL_RANK.found(rank=rank, device=device, why=e.reason)
+    error = FeatureRequiredError(finding.message, e.component, feature=e.feature, code=e.code)
+    if e.feature == reasons.PAGED_ATTN:
+        error = PagedAttentionRequiredError(finding.message, e.component, e.code)
+    error.rank = rank
+    return error
 
 
 def log_fallbacks(features: tuple[FeatureState, ...], log: Any) -> None:
@@ -236,13 +296,26 @@ def build_engine(
     torch's default (tests, benchmarks in-process)."""
     log = log or structlog.get_logger("worker.engine_setup")
     if isinstance(plan, WorkerSpec):
-        plan = plan_startup(plan, log=log)
+        plan = plan_startup(plan, log=log, with_ranks=True)
+    if plan.spec.tensor_parallel_size > 1 and plan.ranks is None:
+        raise ValueError("a tensor-parallel plan is built with its ranks: plan_startup(..., with_ranks=True)")
+    try:
+        return _build(plan, log, cpu_share)
+    except BaseException:
+        if plan.ranks is not None:
+            plan.ranks.close()
+        raise
+
+
+def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     if cpu_share is not None:
         threads = cpu_share.apply()
         log.info("cpu threads", threads=threads, requested=cpu_share.requested, cpus=len(cpu_share.cpus))
     placements = [(p.device, p.num_layers) for p in plan.spec.device_map]
     stages = plan_stages(placements, plan.model_config.num_layers, plan.probe.device)
-    ranks = start_ranks(plan) if plan.spec.tensor_parallel_size > 1 else None
+    ranks = plan.ranks
+    if ranks is not None:  # every rank builds what this plan decided, from every rank's verdict
+        ranks.build(rank_build(plan))
     loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype, stages=stages)
     if ranks is not None:  # rank 0's shard; `config` below then counts this rank's heads
         loaded.model = shard_model(loaded.model, 0, ranks.world, ranks.all_reduce)
@@ -320,14 +393,25 @@ def build_engine(
     )
 
 
-def start_ranks(plan: WorkerPlan) -> RankGroup:
-    """Spawn and join ranks 1..N-1, each told what this plan decided for its shard."""
-    dtype = str(plan.dtype).removeprefix("torch.")
-    cache_dtype = str(plan.cache_dtype).removeprefix("torch.")
-    args = ["--model", str(plan.model_path), "--dtype", dtype, "--cache-dtype", cache_dtype,
-            "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs),
-            "--cpu-kernels", "on" if plan.realizes(CPU_KERNELS) else "off"]  # fmt: skip
-    return RankGroup.start(plan.spec.tensor_parallel_size, args, plan.spec.threads)
+def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:
+    """Spawn and join ranks 1..N-1 (each then plans on its own device: RankGroup.verdicts)."""
+    return RankGroup.start(spec.tensor_parallel_size, spec.threads, visible_gpus)
+
+
+def rank_build(plan: WorkerPlan) -> RankBuild:
+    size = plan.paged_size
+    return RankBuild(
+        model=str(plan.model_path),
+        dtype=str(plan.dtype).removeprefix("torch."),
+        cache_dtype=str(plan.cache_dtype).removeprefix("torch."),
+        max_model_len=plan.max_model_len,
+        max_num_seqs=plan.max_num_seqs,
+        paged=plan.state.paged_config is not None,
+        num_blocks=size.num_blocks if size else 0,
+        block_size=size.block_size if size else 0,
+        backend=plan.backend.value if plan.backend else "",
+        cpu_kernels=plan.realizes(CPU_KERNELS),
+    )
 
 
 def realized_cache(
@@ -338,6 +422,10 @@ def realized_cache(
 ) -> RealizedCache:
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
     fallbacks = tuple(plan.state.fallbacks)
+    ranks = {
+        "tensor_parallel_size": plan.spec.tensor_parallel_size,
+        "rank_devices": plan.rank_devices or (str(plan.probe.device),),
+    }
     if isinstance(cache, PagedCache):
         capacity = cache.num_blocks * cache.block_size
         return RealizedCache(
@@ -353,6 +441,7 @@ def realized_cache(
             block_size=cache.block_size,
             fallbacks=fallbacks,
             features=features or plan.features,
+            **ranks,  # type: ignore[arg-type]
         )
     return RealizedCache(
         kind=CacheKind.EAGER,
@@ -365,6 +454,7 @@ def realized_cache(
         cache_dtype=cache_dtype,
         fallbacks=fallbacks,
         features=features or plan.features,
+        **ranks,  # type: ignore[arg-type]
     )
 
 
@@ -394,7 +484,7 @@ def _max_model_len(
 
 
 def _check_tensor_parallel(spec: WorkerSpec, config: ModelConfig, probe: DeviceProbe) -> None:
-    """The heads split over the ranks (the paged cache's verdict is checks.paged_tensor_parallel's)."""
+    """The heads split over the ranks (the paged cache's verdict on every rank: checks.paged_every_rank)."""
     size = spec.tensor_parallel_size
     if size == 1:
         return

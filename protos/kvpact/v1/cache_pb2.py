@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvpact/v1/cache.proto\x12\tkvpact.v1\"\x87\x02\n\x14PagedAttentionConfig\x12\x10\n\x08required\x18\x01 \x01(\x08\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x0fmemory_fraction\x18\x03 \x01(\x01H\x00\x12\x16\n\x0cmemory_bytes\x18\x04 \x01(\x04H\x00\x12\x18\n\x0e\x63ontext_tokens\x18\x05 \x01(\x04H\x00\x12*\n\x0b\x63\x61\x63he_dtype\x18\x06 \x01(\x0e\x32\x15.kvpact.v1.CacheDtype\x12(\n\x07\x62\x61\x63kend\x18\x07 \x01(\x0e\x32\x17.kvpact.v1.PagedBackendB\x08\n\x06\x62udgetJ\x04\x08\x08\x10\tR\x16\x64isable_prefix_caching\"}\n\x0b\x43\x61\x63heIntent\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.kvpact.v1.PagedAttentionMode\x12.\n\x05paged\x18\x02 \x01(\x0b\x32\x1f.kvpact.v1.PagedAttentionConfigJ\x04\x08\x03\x10\x04R\x0bno_kv_cache\";\n\x08\x46\x61llback\x12\x11\n\tcomponent\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\"\x92\x01\n\x0c\x46\x65\x61tureState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\trequested\x18\x02 \x01(\x0e\x32\x16.kvpact.v1.FeatureMode\x12\x10\n\x08realized\x18\x03 \x01(\x08\x12\x13\n\x0breason_code\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x11\n\tcomponent\x18\x06 \x01(\t\"\xa6\x03\n\rRealizedCache\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kvpact.v1.CacheKind\x12(\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x17.kvpact.v1.PagedBackend\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fmax_concurrency\x18\x06 \x01(\r\x12+\n\tscheduler\x18\x07 \x01(\x0e\x32\x18.kvpact.v1.SchedulerKind\x12&\n\tfallbacks\x18\x08 \x03(\x0b\x32\x13.kvpact.v1.Fallback\x12*\n\x0b\x63\x61\x63he_dtype\x18\t \x01(\x0e\x32\x15.kvpact.v1.CacheDtype\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x14\n\x0cmemory_bytes\x18\x0b \x01(\x04\x12)\n\x08\x66\x65\x61tures\x18\r \x03(\x0b\x32\x17.kvpact.v1.FeatureStateJ\x04\x08\x0c\x10\rR\x0eprefix_caching*\x94\x01\n\x12PagedAttentionMode\x12$\n PAGED_ATTENTION_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19PAGED_ATTENTION_MODE_AUTO\x10\x01\x12\x1b\n\x17PAGED_ATTENTION_MODE_ON\x10\x02\x12\x1c\n\x18PAGED_ATTENTION_MODE_OFF\x10\x03*\x8b\x01\n\nCacheDtype\x12\x1b\n\x17\x43\x41\x43HE_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_DTYPE_AUTO\x10\x01\x12\x17\n\x13\x43\x41\x43HE_DTYPE_FLOAT32\x10\x02\x12\x17\n\x13\x43\x41\x43HE_DTYPE_FLOAT16\x10\x03\x12\x18\n\x14\x43\x41\x43HE_DTYPE_BFLOAT16\x10\x04*x\n\x0cPagedBackend\x12\x1d\n\x19PAGED_BACKEND_UNSPECIFIED\x10\x00\x12\x16\n\x12PAGED_BACKEND_AUTO\x10\x01\x12\x18\n\x14PAGED_BACKEND_TRITON\x10\x02\x12\x17\n\x13PAGED_BACKEND_TORCH\x10\x03*S\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_KIND_PAGED\x10\x01\x12\x14\n\x10\x43\x41\x43HE_KIND_EAGER\x10\x02*e\n\rSchedulerKind\x12\x1e\n\x1aSCHEDULER_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14SCHEDULER_KIND_PAGED\x10\x01\x12\x1a\n\x16SCHEDULER_KIND_DEFAULT\x10\x02*m\n\x0b\x46\x65\x61tureMode\x12\x1c\n\x18\x46\x45\x41TURE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46\x45\x41TURE_MODE_AUTO\x10\x01\x12\x13\n\x0f\x46\x45\x41TURE_MODE_ON\x10\x02\x12\x14\n\x10\x46\x45\x41TURE_MODE_OFF\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvpact/v1/cache.proto\x12\tkvpact.v1\"\x87\x02\n\x14PagedAttentionConfig\x12\x10\n\x08required\x18\x01 \x01(\x08\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x0fmemory_fraction\x18\x03 \x01(\x01H\x00\x12\x16\n\x0cmemory_bytes\x18\x04 \x01(\x04H\x00\x12\x18\n\x0e\x63ontext_tokens\x18\x05 \x01(\x04H\x00\x12*\n\x0b\x63\x61\x63he_dtype\x18\x06 \x01(\x0e\x32\x15.kvpact.v1.CacheDtype\x12(\n\x07\x62\x61\x63kend\x18\x07 \x01(\x0e\x32\x17.kvpact.v1.PagedBackendB\x08\n\x06\x62udgetJ\x04\x08\x08\x10\tR\x16\x64isable_prefix_caching\"}\n\x0b\x43\x61\x63heIntent\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.kvpact.v1.PagedAttentionMode\x12.\n\x05paged\x18\x02 \x01(\x0b\x32\x1f.kvpact.v1.PagedAttentionConfigJ\x04\x08\x03\x10\x04R\x0bno_kv_cache\";\n\x08\x46\x61llback\x12\x11\n\tcomponent\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\"\x92\x01\n\x0c\x46\x65\x61tureState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\trequested\x18\x02 \x01(\x0e\x32\x16.kvpact.v1.FeatureMode\x12\x10\n\x08realized\x18\x03 \x01(\x08\x12\x13\n\x0breason_code\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x11\n\tcomponent\x18\x06 \x01(\t\"\xda\x03\n\rRealizedCache\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kvpact.v1.CacheKind\x12(\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x17.kvpact.v1.PagedBackend\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fmax_concurrency\x18\x06 \x01(\r\x12+\n\tscheduler\x18\x07 \x01(\x0e\x32\x18.kvpact.v1.SchedulerKind\x12&\n\tfallbacks\x18\x08 \x03(\x0b\x32\x13.kvpact.v1.Fallback\x12*\n\x0b\x63\x61\x63he_dtype\x18\t \x01(\x0e\x32\x15.kvpact.v1.CacheDtype\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x14\n\x0cmemory_bytes\x18\x0b \x01(\x04\x12)\n\x08\x66\x65\x61tures\x18\r \x03(\x0b\x32\x17.kvpact.v1.FeatureState\x12\x1c\n\x14tensor_parallel_size\x18\x14 \x01(\r\x12\x14\n\x0crank_devices\x18\x15 \x03(\tJ\x04\x08\x0c\x10\rR\x0eprefix_caching*\x94\x01\n\x12PagedAttentionMode\x12$\n PAGED_ATTENTION_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19PAGED_ATTENTION_MODE_AUTO\x10\x01\x12\x1b\n\x17PAGED_ATTENTION_MODE_ON\x10\x02\x12\x1c\n\x18PAGED_ATTENTION_MODE_OFF\x10\x03*\x8b\x01\n\nCacheDtype\x12\x1b\n\x17\x43\x41\x43HE_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_DTYPE_AUTO\x10\x01\x12\x17\n\x13\x43\x41\x43HE_DTYPE_FLOAT32\x10\x02\x12\x17\n\x13\x43\x41\x43HE_DTYPE_FLOAT16\x10\x03\x12\x18\n\x14\x43\x41\x43HE_DTYPE_BFLOAT16\x10\x04*x\n\x0cPagedBackend\x12\x1d\n\x19PAGED_BACKEND_UNSPECIFIED\x10\x00\x12\x16\n\x12PAGED_BACKEND_AUTO\x10\x01\x12\x18\n\x14PAGED_BACKEND_TRITON\x10\x02\x12\x17\n\x13PAGED_BACKEND_TORCH\x10\x03*S\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_KIND_PAGED\x10\x01\x12\x14\n\x10\x43\x41\x43HE_KIND_EAGER\x10\x02*e\n\rSchedulerKind\x12\x1e\n\x1aSCHEDULER_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14SCHEDULER_KIND_PAGED\x10\x01\x12\x1a\n\x16SCHEDULER_KIND_DEFAULT\x10\x02*m\n\x0b\x46\x65\x61tureMode\x12\x1c\n\x18\x46\x45\x41TURE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46\x45\x41TURE_MODE_AUTO\x10\x01\x12\x13\n\x0f\x46\x45\x41TURE_MODE_ON\x10\x02\x12\x14\n\x10\x46\x45\x41TURE_MODE_OFF\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpact.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAGEDATTENTIONMODE']._serialized_start=1065
-  _globals['_PAGEDATTENTIONMODE']._serialized_end=1213
-  _globals['_CACHEDTYPE']._serialized_start=1216
-  _globals['_CACHEDTYPE']._serialized_end=1355
-  _globals['_PAGEDBACKEND']._serialized_start=1357
-  _globals['_PAGEDBACKEND']._serialized_end=1477
-  _globals['_CACHEKIND']._serialized_start=1479
-  _globals['_CACHEKIND']._serialized_end=1562
-  _globals['_SCHEDULERKIND']._serialized_start=1564
-  _globals['_SCHEDULERKIND']._serialized_end=1665
-  _globals['_FEATUREMODE']._serialized_start=1667
-  _globals['_FEATUREMODE']._serialized_end=1776
+  _globals['_PAGEDATTENTIONMODE']._serialized_start=1117
+  _globals['_PAGEDATTENTIONMODE']._serialized_end=1265
+  _globals['_CACHEDTYPE']._serialized_start=1268
+  _globals['_CACHEDTYPE']._serialized_end=1407
+  _globals['_PAGEDBACKEND']._serialized_start=1409
+  _globals['_PAGEDBACKEND']._serialized_end=1529
+  _globals['_CACHEKIND']._serialized_start=1531
+  _globals['_CACHEKIND']._serialized_end=1614
+  _globals['_SCHEDULERKIND']._serialized_start=1616
+  _globals['_SCHEDULERKIND']._serialized_end=1717
+  _globals['_FEATUREMODE']._serialized_start=1719
+  _globals['_FEATUREMODE']._serialized_end=1828
   _globals['_PAGEDATTENTIONCONFIG']._serialized_start=37
   _globals['_PAGEDATTENTIONCONFIG']._serialized_end=300
   _globals['_CACHEINTENT']._serialized_start=302
@@ -52,5 +52,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FEATURESTATE']._serialized_start=491
   _globals['_FEATURESTATE']._serialized_end=637
   _globals['_REALIZEDCACHE']._serialized_start=640
-  _globals['_REALIZEDCACHE']._serialized_end=1062
+  _globals['_REALIZEDCACHE']._serialized_end=1114
 # @@protoc_insertion_point(module_scope)

@@ -298,6 +298,8 @@ class RealizedCache(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    RANK_DEVICES_FIELD_NUMBER: _builtins.int
     kind: Global___CacheKind.ValueType
     backend: Global___PagedBackend.ValueType
     """PAGED only"""
@@ -312,12 +314,18 @@ class RealizedCache(_message.Message):
     cache_dtype: Global___CacheDtype.ValueType
     max_model_len: _builtins.int
     memory_bytes: _builtins.int
+    tensor_parallel_size: _builtins.int
+    """Tensor parallel: the ranks that each hold the KV of their own heads (0 from an older worker: one),
+    and each rank's device in rank order. 20 and up: other issues add fields below.
+    """
     @_builtins.property
     def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Fallback]: ...
     @_builtins.property
     def features(self) -> _containers.RepeatedCompositeFieldContainer[Global___FeatureState]:
         """every feature as built, paged-attn included"""
 
+    @_builtins.property
+    def rank_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -333,10 +341,12 @@ class RealizedCache(_message.Message):
         max_model_len: _builtins.int = ...,
         memory_bytes: _builtins.int = ...,
         features: _abc.Iterable[Global___FeatureState] | None = ...,
+        tensor_parallel_size: _builtins.int = ...,
+        rank_devices: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "capacity_tokens", b"capacity_tokens", "fallbacks", b"fallbacks", "features", b"features", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "memory_bytes", b"memory_bytes", "num_blocks", b"num_blocks", "scheduler", b"scheduler"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "capacity_tokens", b"capacity_tokens", "fallbacks", b"fallbacks", "features", b"features", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "memory_bytes", b"memory_bytes", "num_blocks", b"num_blocks", "rank_devices", b"rank_devices", "scheduler", b"scheduler", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
