@@ -36,6 +36,7 @@ from kvpact.shared.features import FeatureMode, FeatureState, describe_features
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.v1 import router_pb2, worker_pb2
 
+DRAIN_EXPIRED_GRACE_S = 1.0  # after --drain-timeout: for the streams still relaying to end with their status
 log = structlog.get_logger("router")
 
 HOLDER_PROBE_TIMEOUT_S = 1.0  # a worker id's holder that does not answer within this has gone
@@ -58,6 +59,7 @@ class Cluster:
         self.clock = clock
         self.failure_report = ""
         self.stopping = False  # SIGTERM: draining the in-flight calls before exit
+        self.drain_expired = False  # --drain-timeout ran out: streams still relaying end with a named status
         self.told_after_failure: set[str] = set()  # workers refused while lingering in FAILED
         self.exit_code: int | None = None
         # each registration's feature states, for kvpact_worker_fallbacks_total (router/server.py sets it)
@@ -359,6 +361,11 @@ class Cluster:
         ):
             await asyncio.sleep(0.05)
         left = sum(e.num_outstanding for e in self.registry.entries())
+        if left:  # each stream still relaying ends at its next chunk, saying why (router/service.py)
+            self.drain_expired = True
+            ends = self.clock() + DRAIN_EXPIRED_GRACE_S
+            while sum(e.num_outstanding for e in self.registry.entries()) and self.clock() < ends:
+                await asyncio.sleep(0.05)
         log.info("router_drained", seconds=round(self.clock() - started, 2), unfinished=left)
         self.request_exit(exit_code)
 

@@ -212,6 +212,14 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                     timings.chunk(now - last, num_chunk_tokens, num_tokens == 0)
                     last = now
                 num_tokens += num_chunk_tokens
+                if self.cluster.drain_expired:
+                    code = grpc.StatusCode.UNAVAILABLE
+                    timeout_s = self.cluster.config.drain_timeout_s
+                    raise NotServing(
+                        f"the router is stopping and its --drain-timeout {timeout_s:g} s ran out before this "
+                        f"stream finished ({num_tokens - num_chunk_tokens} tokens sent); send the rest to "
+                        "another router, or give the router a longer --drain-timeout"
+                    )
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -228,6 +236,8 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 f'worker "{entry.worker_id}": the call to it was cut off (request id '
                 f"{request.request_id}); retry",
             ) from None
+        except NotServing:  # the router's drain ran out (above)
+            raise
         except BaseException:  # the client cancelled (or its deadline passed): stop the worker's work too
             code = grpc.StatusCode.CANCELLED
             raise

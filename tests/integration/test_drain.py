@@ -173,3 +173,25 @@ def test_a_restarted_router_admits_its_workers_again(model, tmp_path):
                 assert states(client) == {"w-1": router_pb2.WORKER_STATE_ADMITTED}
                 assert client.complete("again", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
         assert w.returncode is None  # it waited for a router instead of exiting
+
+
+def test_a_stream_the_routers_drain_timeout_cuts_off_is_told_why(model, tmp_path):
+    """SIGTERM with a long stream in flight and --drain-timeout 0.5: the stream ends UNAVAILABLE naming the
+    flag and how far it got (not gRPC's bare "Cancelling all calls"), and the router still exits 0."""
+    argv = router_argv("--drain-timeout", "0.5")
+    with running(argv, name="router", log_dir=tmp_path) as router:
+        address = router_address(router)
+        with worker(model, address, "w-1", tmp_path) as w:
+            wait_for_health(address, START_S, watch=[router, w])
+            with Client(address, timeout=60) as client:
+                stream = client.generate("a long one", max_tokens=2000, temperature=0, ignore_eos=True)
+                received = len(next(stream).token_ids)
+                router.popen.send_signal(signal.SIGTERM)
+                with pytest.raises(KvpactRpcError) as info:
+                    for chunk in stream:
+                        received += len(chunk.token_ids)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+            message = info.value.details
+            assert "--drain-timeout 0.5 s ran out before this stream finished" in message, message
+            assert f"({received} tokens sent)" in message and received < 2000, (message, received)
+            assert wait_for_exit(router, 30) == 0
