@@ -523,9 +523,10 @@ def _check_with(
     parser.error = error  # type: ignore[method-assign]
     args = parser.parse_args(list(argv))
     if parser.prog == "worker":
-        from kvpact.worker.cli import spec_from_args
+        from kvpact.worker.cli import refuse_unused_paged_flags, spec_from_args
 
         try:
+            refuse_unused_paged_flags(args, argv)
             spec_from_args(args)
         except ConfigError as exc:
             error(str(exc))

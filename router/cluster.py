@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TextIO
 
 import structlog
@@ -20,6 +21,8 @@ from kvpact.router.admission import admit, admit_plan, admit_uniform
 from kvpact.router.cluster_state import ClusterState, Startup
 from kvpact.router.config import RouterConfig
 from kvpact.router.connections import WorkerChannels
+from kvpact.router.drift import Drift
+from kvpact.router.drift import judge as judge_drift
 from kvpact.router.errors import AlreadyExists, InvalidRequest
 from kvpact.router.readiness import readiness
 from kvpact.router.registry import Registry, WorkerEntry, WorkerState
@@ -29,7 +32,7 @@ from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared import handshake_pb
 from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
 from kvpact.shared.errors import ConfigError
-from kvpact.shared.features import FeatureState, describe_features
+from kvpact.shared.features import FeatureMode, FeatureState, describe_features
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.v1 import router_pb2, worker_pb2
 
@@ -61,6 +64,8 @@ class Cluster:
         self.exit_code: int | None = None
         # each registration's feature states, for kvpact_worker_fallbacks_total (router/server.py sets it)
         self.observe_fallbacks: Callable[[tuple[FeatureState, ...]], None] = lambda features: None
+        # each drift a heartbeat shows, for kvpact_worker_drift_total (router/server.py sets it)
+        self.observe_drift: Callable[[Drift], None] = lambda drift: None
         self.address = ""  # HOST:PORT once bound (router/server.py), for --report-file
         self.http_address = ""  # the --http-listen front's HOST:PORT once bound, for --report-file
         self.finished = asyncio.Event()  # set with exit_code when the router should exit
@@ -244,6 +249,7 @@ class Cluster:
         known = self.registry.get(request.worker_id)
         was_dead = known is not None and known.state is WorkerState.DEAD
         was_draining = known is not None and known.state is WorkerState.DRAINING
+        load_before = known.load if known is not None else WorkerLoad()
         entry = self.registry.heartbeat(
             request.worker_id,
             handshake_pb.load_from_pb(request.load),
@@ -253,6 +259,9 @@ class Cluster:
         )
         if entry is None:
             return worker_pb2.HeartbeatReply(known=False, router_stopping=self.stopping)
+        serving = entry.state in (WorkerState.ADMITTED, WorkerState.DRAINING)
+        if serving and entry.realized is not None and self._judge_drift(entry, request, load_before):
+            self.write_report()
         if entry.state is WorkerState.DRAINING and not was_draining:
             log.info("worker_draining", worker_id=entry.worker_id, num_outstanding=entry.num_outstanding)
             await self.refresh_health()
@@ -269,6 +278,38 @@ class Cluster:
             drain=bool(entry.drain_reason),
             drain_reason=entry.drain_reason,
         )
+
+    def _judge_drift(
+        self, entry: WorkerEntry, request: worker_pb2.HeartbeatRequest, load_before: WorkerLoad
+    ) -> bool:
+        """Judge one beat's feature states and counters against the policies (router/drift.py): each
+        drift is logged once, counted in kvpact_worker_drift_total and shown as the state reason; one
+        that violates an `on` (or `off`) policy drains the worker. The states it reports become its
+        realized ones (ClusterStatus, kvpact_worker_feature_realized). True if it drifted."""
+        assert entry.realized is not None
+        now = tuple(handshake_pb.feature_from_pb(f) for f in request.features)
+        drifts = judge_drift(
+            self.config.all_policies(), entry.realized.features, now or entry.realized.features,
+            load_before, entry.load,
+        )  # fmt: skip
+        if now:
+            entry.realized = replace(entry.realized, features=now)
+        for d in drifts:
+            drain = d.violates and not entry.drain_reason
+            log.warning(
+                "worker_drift",
+                worker_id=entry.worker_id,
+                feature=d.feature,
+                reason=d.reason,
+                message=d.message,
+                policy=self.config.all_policies().get(d.feature, FeatureMode.AUTO).value,
+                action="drain" if drain else "report",
+            )
+            self.observe_drift(d)
+            entry.state_reason = f"drift: {d.message}"
+            if drain:
+                self.registry.drain(entry.worker_id, f"drift: {d.message}")
+        return bool(drifts)
 
     async def drain(self, request: worker_pb2.DrainRequest) -> worker_pb2.DrainReply:
         """Registry.Drain (kvpact-launch scaling down): nothing new is routed to the worker from now on; its

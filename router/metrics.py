@@ -10,6 +10,8 @@ Worker gauges are computed from the registry at scrape time, so they never drift
     kvpact_worker_feature_realized{feature,requested,realized}   workers by each feature's intent and outcome
     kvpact_worker_fallbacks_total{feature,reason}      features realized off although asked auto (or on),
                                                        counted once per worker registration that reports it
+    kvpact_worker_drift_total{feature,reason}          a serving worker's heartbeat showed a feature lost (or
+                                                       a counter grew: router/drift.py), once per change
     kvpact_router_requests_total{model,code,api}           finished client requests by gRPC status
     kvpact_router_tokens_total{model,api}                  generated tokens relayed
     kvpact_router_time_to_first_token_seconds{model,api}   received -> first token relayed (as clients see it)
@@ -32,6 +34,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpact.router.cluster_state import ClusterState, Startup
+from kvpact.router.drift import Drift
 from kvpact.router.registry import Registry
 from kvpact.shared.features import FeatureState
 
@@ -48,6 +51,12 @@ class RouterMetrics:
         self.fallbacks = Counter(
             "kvpact_worker_fallbacks",
             "Features that workers realized off although not asked off, by feature and reason code",
+            ["feature", "reason"],
+            registry=self.prometheus,
+        )
+        self.drift = Counter(
+            "kvpact_worker_drift",
+            "Drift while serving: a feature a serving worker lost (or a counter that grew), by reason code",
             ["feature", "reason"],
             registry=self.prometheus,
         )
@@ -103,6 +112,9 @@ class RouterMetrics:
         for f in features:
             if f.fell_back:
                 self.fallbacks.labels(feature=f.name, reason=f.code or "unknown").inc()
+
+    def observe_drift(self, drift: Drift) -> None:
+        self.drift.labels(feature=drift.feature, reason=drift.reason).inc()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.prometheus)
@@ -177,7 +189,8 @@ class _ClusterCollector(Collector):
 
         features = GaugeMetricFamily(
             "kvpact_worker_feature_realized",
-            "Workers by feature, its requested mode and whether it was realized (built, else planned)",
+            "Workers by feature, its requested mode and whether it is realized (as its latest heartbeat "
+            "says, else as built, else planned)",
             labels=["feature", "requested", "realized"],
         )
         tally = Tally(

@@ -49,7 +49,7 @@ class WorkerEntry:
     spec: WorkerSpec
     # Relayed as-is to ClusterStatus and the report; the router never decides on it.
     capabilities: worker_pb2.Capabilities
-    realized: RealizedCache | None
+    realized: RealizedCache | None  # what it built; its `features` as its latest heartbeat says (drift)
     failure: StartupFailure | None
     state: WorkerState
     state_reason: str

@@ -91,6 +91,7 @@ class RouterServer:
         self.cluster = Cluster(config, report_stream=report_stream, clock=clock)
         self.metrics = RouterMetrics(self.cluster.registry, self.cluster.startup)
         self.cluster.observe_fallbacks = self.metrics.observe_fallbacks
+        self.cluster.observe_drift = self.metrics.observe_drift
         self.tokens = SecretFile("--auth-token-file", config.auth_token_file, config.auth_tokens)
         self.api_keys = SecretFile("--api-key-file", config.api_key_file, config.api_keys)
         # No grpc.max_concurrent_streams: a cap stalls client streams past it (see router/connections.py).

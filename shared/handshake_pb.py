@@ -320,6 +320,9 @@ def load_to_pb(load: WorkerLoad) -> worker_pb2.WorkerLoad:
         tokens_per_second=load.tokens_per_second,
         num_preemptions=load.num_preemptions,
         kernel_compiles_after_ready=load.kernel_compiles_after_ready,
+        eager_steps_under_graphs=load.eager_steps_under_graphs,
+        prefix_cache_queries=load.prefix_cache_queries,
+        prefix_cache_hits=load.prefix_cache_hits,
     )
 
 
@@ -332,4 +335,7 @@ def load_from_pb(msg: worker_pb2.WorkerLoad) -> WorkerLoad:
         tokens_per_second=msg.tokens_per_second,
         num_preemptions=msg.num_preemptions,
         kernel_compiles_after_ready=msg.kernel_compiles_after_ready,
+        eager_steps_under_graphs=msg.eager_steps_under_graphs,
+        prefix_cache_queries=msg.prefix_cache_queries,
+        prefix_cache_hits=msg.prefix_cache_hits,
     )

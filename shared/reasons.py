@@ -28,7 +28,7 @@ CUDA_GRAPHS = "cuda-graphs"
 @dataclass(frozen=True, slots=True)
 class Reason:
     name: str  # how --help and the docs list it
-    component: str  # device | loader | cache-budget | kernels | scheduler | cache | build
+    component: str  # device | loader | cache-budget | kernels | scheduler | cache | build | engine
     condition: str  # when it applies, for the operator
     template: str  # the message, with {fields} the check fills in
     flag: str  # what the operator changes
@@ -264,6 +264,27 @@ GRAPHS_NOT_BUILT = Reason(
     feature=CUDA_GRAPHS,
 )
 
+# Found while serving, from the heartbeat's counters (router/drift.py judges them; docs/contract.md "Drift
+# while serving"). The worker's state stays as built; the router reports the drift, and drains the worker
+# when its policy says `on` for eager steps.
+EAGER_STEPS_WHILE_SERVING = Reason(
+    "eager steps while serving",
+    "engine",
+    "decode steps ran eagerly while serving although CUDA graphs were realized (a batch the captured sizes "
+    "do not fit), counted in the heartbeat",
+    "{count} decode steps ran eagerly while serving although CUDA graphs were realized",
+    "--max-num-seqs within the captured batch sizes, or --policy cuda-graphs=auto",
+    feature=CUDA_GRAPHS,
+)
+KERNEL_COMPILE_AFTER_READY = Reason(
+    "kernel compile after ready",
+    "kernels",
+    "a Triton paged kernel variant compiled after the worker reported ready (the startup warm-up missed it; "
+    "the running requests waited for the compile), counted in the heartbeat; reported, never drained",
+    "{count} Triton paged kernel variants compiled after the worker was ready (the warm-up should leave 0)",
+    "report it with the worker's shapes; --pa-backend torch runs without Triton",
+)
+
 REASONS = (
     EAGER_DEFAULT,
     NO_TRITON,
@@ -290,6 +311,8 @@ REASONS = (
     CPU_KERNELS_BUILD,
     NO_CUDA,
     GRAPHS_NOT_BUILT,
+    EAGER_STEPS_WHILE_SERVING,
+    KERNEL_COMPILE_AFTER_READY,
 )
 
 

@@ -24,9 +24,15 @@ from kvpact.shared.cli import add_log_args
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.exit_codes import exit_codes_help
 from kvpact.shared.features import FeatureIntents
-from kvpact.shared.intent import GPU_DEFAULT_MEMORY_FRACTION, CacheIntent, PagedAttentionConfig, cache_intent
+from kvpact.shared.intent import (
+    GPU_DEFAULT_MEMORY_FRACTION,
+    CacheIntent,
+    PagedAttentionConfig,
+    PagedAttentionMode,
+    cache_intent,
+)
 from kvpact.shared.log import configure_logging
-from kvpact.shared.options import add_options, option_values
+from kvpact.shared.options import add_options, option_values, options_of
 from kvpact.shared.reasons import reasons_help
 from kvpact.shared.spec import WorkerSpec
 from kvpact.shared.tls import add_tls_args, tls_from_args
@@ -128,11 +134,31 @@ def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
     return WorkerSpec(**option_values(WorkerSpec, args), cache=cache, features=features)
 
 
+def refuse_unused_paged_flags(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """An explicit --pa-* flag is a requirement (issue 21: met or the worker fails naming why); with
+    --paged-attn off there is no paged cache to meet it, so it is refused (ConfigError), never dropped."""
+    if option_values(CacheIntent, args)["mode"] is not PagedAttentionMode.OFF:
+        return
+    probe = build_parser()  # every default suppressed: what is left was on the command line
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(probe.parse_args(list(argv)))
+    flags = [opt.flag for f, opt in options_of(PagedAttentionConfig) if f.name in given]
+    if flags:
+        named, one = ", ".join(flags), len(flags) == 1
+        raise ConfigError(
+            f"{named} set{'s' if one else ''} the paged KV cache, and --paged-attn off builds none "
+            f"({'it' if one else 'they'} would be ignored); drop {named}, or use --paged-attn auto or on"
+        )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
-    """Flags -> WorkerOptions; bad flags (including a --pa-* value the intent core rejects) exit 2."""
+    """Flags -> WorkerOptions; bad flags (including a --pa-* value the intent core rejects, or one given
+    with --paged-attn off) exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        refuse_unused_paged_flags(args, sys.argv[1:] if argv is None else argv)
         values = option_values(WorkerOptions, args)
         values["worker_id"] = values["worker_id"] or f"{socket.gethostname()}-{os.getpid()}"
         if values["plan_json"] and not values["plan_only"]:

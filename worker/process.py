@@ -372,7 +372,11 @@ class WorkerProcess:
 
         try:
             reason = await self.link.heartbeats(
-                self.heartbeat_interval_s, engine.stats, reregister, on_drain=self._router_drain
+                self.heartbeat_interval_s,
+                engine.stats,
+                reregister,
+                on_drain=self._router_drain,
+                features=lambda: engine.realized.features,  # what it realizes as it serves (drift)
             )
         except RegistrationError as exc:  # the token was rejected, or re-registering failed
             _say(f"worker {self.worker_id}: {exc}", error=True)

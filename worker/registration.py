@@ -12,12 +12,13 @@
 - The Admission names the registration (`registration_id`); the link keeps the latest and sends it in
   every heartbeat. ALREADY_EXISTS (a live worker holds this --worker-id) raises RegistrationError at once,
   from `announce` too, so such a worker never loads its weights.
-- `heartbeats` calls Registry.Heartbeat every interval with the worker's load until the router asks
-  the worker to stop. A reply with `drain` (the router retires this worker: a scale-down) calls
-  `on_drain(reason)`, and the beats go on (saying `draining`) until the worker leaves. A reply
-  `known=false` (the router restarted or forgot us) re-registers. A router
-  that cannot be reached is logged (once when the outage passes the timeout) and retried: the worker
-  keeps serving, since its router may come back.
+- `heartbeats` calls Registry.Heartbeat every interval with the worker's load and its features'
+  realized states (the router judges each beat against its policies: drift, docs/contract.md) until
+  the router asks the worker to stop. A reply with `drain` (the router retires this worker: a
+  scale-down, or drift under an `on` policy) calls `on_drain(reason)`, and the beats go on (saying
+  `draining`) until the worker leaves. A reply `known=false` (the router restarted or forgot us)
+  re-registers. A router that cannot be reached is logged (once when the outage passes the timeout)
+  and retried: the worker keeps serving, since its router may come back.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import grpc
 import structlog
 
 from kvpact.shared.errors import KvpactError
+from kvpact.shared.features import FeatureState
 from kvpact.shared.handshake import WorkerLoad
-from kvpact.shared.handshake_pb import load_to_pb
+from kvpact.shared.handshake_pb import feature_to_pb, load_to_pb
 from kvpact.shared.tls import TlsConfig, aio_channel, handshake_failure
 from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
@@ -162,13 +164,14 @@ class RouterLink:
                 f"{exc}; it did not load its weights (it loads only once the router acknowledged its plan)"
             ) from None
 
-    def _beat(self, load: WorkerLoad) -> worker_pb2.HeartbeatRequest:
+    def _beat(self, load: WorkerLoad, features: tuple[FeatureState, ...] = ()) -> worker_pb2.HeartbeatRequest:
         return worker_pb2.HeartbeatRequest(
             worker_id=self.worker_id,
             load=load_to_pb(load),
             auth_token=self._auth_token,
             registration_id=self.registration_id,
             draining=self.draining,
+            features=[feature_to_pb(f) for f in features],
         )
 
     async def start_draining(self, load: WorkerLoad) -> None:
@@ -198,16 +201,18 @@ class RouterLink:
         load: Callable[[], WorkerLoad],
         reregister: Callable[[], Awaitable[None]],
         on_drain: Callable[[str], None] = lambda reason: None,
+        features: Callable[[], tuple[FeatureState, ...]] = tuple,
     ) -> str:
         """Beat until the router asks this worker to stop; return that reason. A reply asking it to drain
-        calls `on_drain(reason)` (once: it then beats as draining). Raises RouterAuthError if the router
-        starts rejecting the token, and whatever `reregister` raises."""
+        calls `on_drain(reason)` (once: it then beats as draining). Each beat carries `features()`.
+        Raises RouterAuthError if the router starts rejecting the token, and whatever `reregister` raises."""
         last_ok = time.monotonic()
         outage_logged = False
         while True:
             await asyncio.sleep(interval_s)
             try:
-                reply = await self._stub.Heartbeat(self._beat(load()), timeout=max(interval_s, 1.0))
+                beat = self._beat(load(), features())
+                reply = await self._stub.Heartbeat(beat, timeout=max(interval_s, 1.0))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                     raise RouterAuthError(

@@ -115,7 +115,8 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
         if w.HasField("failure"):
             code = _enum_name(worker_pb2.StartupFailureCode, w.failure.code, "STARTUP_FAILURE_CODE_")
             notes.append(f"  {w.worker_id}: failed ({code}) [{w.failure.component}] {w.failure.reason}")
-        if w.state != router_pb2.WORKER_STATE_ADMITTED or not w.HasField("realized"):
+        drifted = w.state_reason.startswith("drift:")  # router/drift.py: reported while it serves
+        if w.state != router_pb2.WORKER_STATE_ADMITTED or not w.HasField("realized") or drifted:
             notes.append(f"  {w.worker_id}: {w.state_reason}")
     widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
     lines = [head, "  ".join(c.ljust(n) for c, n in zip(columns, widths, strict=True)).rstrip()]

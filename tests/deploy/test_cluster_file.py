@@ -340,6 +340,16 @@ def test_the_routers_http_listen_is_a_router_flag_like_any_other():
     assert "router" in bad and "--http-listen" in bad and "HOST:PORT" in bad
 
 
+def test_a_workers_pa_flag_with_paged_attn_off_is_refused_naming_it():
+    worker = {"name": "a", "replicas": 1, "flags": {"paged-attn": "off", "pa-cache-dtype": "float32"}}
+    message = error_of({"workers": [worker]})
+    assert (
+        "workers[0].flags: --pa-cache-dtype sets the paged KV cache, and --paged-attn off builds none"
+        in message
+    )
+    assert "drop --pa-cache-dtype, or use --paged-attn auto or on" in message
+
+
 def test_a_tensor_parallel_group_reserves_one_bundle_per_worker_with_a_gpu_per_rank():
     from kvpact.deploy.placement import describe_bundles
 

@@ -62,6 +62,23 @@ def test_off_carries_no_paged_config():
     assert options.spec.cache.paged is None
 
 
+@pytest.mark.parametrize(
+    ("argv", "flags"),
+    [
+        (["--pa-cache-dtype", "float32"], "--pa-cache-dtype sets"),
+        (["--pa-block-size=16"], "--pa-block-size sets"),  # at its default value: still a requirement
+        (["--pa-block", "32", "--pa-context-tokens", "64"], "--pa-block-size, --pa-context-tokens set"),
+    ],
+)
+def test_paged_flags_with_paged_attn_off_exit_2_naming_them(argv, flags, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--paged-attn", "off", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flags} the paged KV cache, and --paged-attn off builds none" in err
+    assert "or use --paged-attn auto or on" in err
+
+
 def test_defaults():
     options = parse_args([])
     assert options.spec.cache.mode is PagedAttentionMode.AUTO

@@ -257,6 +257,13 @@ def test_stats_is_the_load_the_router_sees(engine):
     assert type(stats) is WorkerLoad  # the heartbeat and the Stats RPC send it as is
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_total_blocks > 0
+    # The drift counters (router/drift.py): prompt tokens looked up in the prefix cache and served from it.
+    engine.run([greedy("again", tuple(range(3, 40)), 1)], timeout=30)
+    engine.run([greedy("again2", tuple(range(3, 40)), 1)], timeout=30)
+    stats = engine.stats()
+    paged = engine.realized.prefix_caching
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == ((7 + 37 + 37, 32) if paged else (0, 0))
+    assert stats.eager_steps_under_graphs == 0  # no CUDA graphs in this build
 
 
 # ---- failures and shutdown ----

@@ -203,6 +203,11 @@ def test_started_before_its_router_it_retries_registers_and_heartbeats(model_dir
         ]
     assert len(registry.heartbeats) == 3
     assert all(h.worker_id == "w-late" and h.load.num_total_blocks > 0 for h in registry.heartbeats)
+    # Each beat carries every feature's realized state, as the ready handshake reported it (drift).
+    assert all(h.features == readies[0].ready.features for h in registry.heartbeats)
+    assert [f.name for f in registry.heartbeats[0].features] == [
+        "paged-attn", "prefix-caching", "cpu-kernels", "cuda-graphs"
+    ]  # fmt: skip
     assert "admitted by router" in worker.stdout()
     assert "Traceback" not in worker.stderr()
 

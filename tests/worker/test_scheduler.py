@@ -166,6 +166,16 @@ def test_paged_prefix_cache_hit_skips_the_cached_blocks():
     s.add(second)
     assert step(s) == [("second", 12, 2)]
     assert second.num_cached_tokens == 12
+    # What the heartbeat carries (WorkerLoad.prefix_cache_queries / _hits): prompt tokens looked up, served.
+    assert (s.num_prefix_queries, s.num_prefix_hits) == (28, 12)
+
+
+def test_without_prefix_caching_nothing_is_looked_up():
+    s = paged(num_blocks=16, block_size=4, prefix=False)
+    for name in ("first", "second"):
+        s.add(seq(name, 14, max_tokens=1))
+        step(s)
+    assert (s.num_prefix_queries, s.num_prefix_hits) == (0, 0)
 
 
 # ---- n > 1: forks ----

@@ -107,6 +107,9 @@ class StepLoop:
             num_preemptions=self.scheduler.num_preemptions,
             tokens_per_second=tps,
             kernel_compiles_after_ready=self.runner.kernel_compiles_after_ready(),
+            # eager_steps_under_graphs stays 0: no CUDA graph capture yet (the runner would count them here)
+            prefix_cache_queries=self.scheduler.num_prefix_queries,
+            prefix_cache_hits=self.scheduler.num_prefix_hits,
         )
 
     def stop(self) -> bool:

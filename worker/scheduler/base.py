@@ -45,6 +45,10 @@ class Scheduler(ABC):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache at a sequence's first admission, and those it served
+        # (the paged scheduler with prefix caching counts them; the heartbeat carries them to the router).
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     # ---- queues ----
 

@@ -91,6 +91,9 @@ class PagedScheduler(Scheduler):
             seq.num_computed_tokens = num_cached
             if seq.num_admissions == 0:
                 seq.num_cached_tokens = num_cached
+                if bm.enable_prefix_caching:
+                    self.num_prefix_queries += seq.num_tokens
+                    self.num_prefix_hits += num_cached
             self._start_running(seq)
             self._num_reserved += len(seq.pending_forks)
             out.chunks.append(self._chunk(seq, num_cached, n, forked))

@@ -479,6 +479,9 @@ class WorkerLoad(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
     KERNEL_COMPILES_AFTER_READY_FIELD_NUMBER: _builtins.int
+    EAGER_STEPS_UNDER_GRAPHS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     num_free_blocks: _builtins.int
@@ -488,6 +491,15 @@ class WorkerLoad(_message.Message):
     num_preemptions: _builtins.int
     kernel_compiles_after_ready: _builtins.int
     """Triton kernel compiles since the startup warm-up (want 0)"""
+    eager_steps_under_graphs: _builtins.int
+    """The runtime counters that reveal a silent degradation while serving (the router judges them; docs/
+    contract.md "Drift while serving"). Since the worker became ready, cumulative:
+    decode steps run eagerly with cuda-graphs realized (want 0)
+    """
+    prefix_cache_queries: _builtins.int
+    """prompt tokens looked up in the prefix cache (first admissions)"""
+    prefix_cache_hits: _builtins.int
+    """of those, tokens served from it"""
     def __init__(
         self,
         *,
@@ -498,10 +510,13 @@ class WorkerLoad(_message.Message):
         tokens_per_second: _builtins.float = ...,
         num_preemptions: _builtins.int = ...,
         kernel_compiles_after_ready: _builtins.int = ...,
+        eager_steps_under_graphs: _builtins.int = ...,
+        prefix_cache_queries: _builtins.int = ...,
+        prefix_cache_hits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kernel_compiles_after_ready", b"kernel_compiles_after_ready", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "tokens_per_second", b"tokens_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["eager_steps_under_graphs", b"eager_steps_under_graphs", "kernel_compiles_after_ready", b"kernel_compiles_after_ready", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "tokens_per_second", b"tokens_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -516,6 +531,7 @@ class HeartbeatRequest(_message.Message):
     AUTH_TOKEN_FIELD_NUMBER: _builtins.int
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     auth_token: _builtins.str
     registration_id: _builtins.str
@@ -524,6 +540,12 @@ class HeartbeatRequest(_message.Message):
     """stopping: route nothing new to it; its in-flight requests finish"""
     @_builtins.property
     def load(self) -> Global___WorkerLoad: ...
+    @_builtins.property
+    def features(self) -> _containers.RepeatedCompositeFieldContainer[_cache_pb2.FeatureState]:
+        """Every feature's realized state now (the handshake's RealizedCache.features, as it stands while
+        serving). The router judges each beat against its policies (drift); empty = an older worker.
+        """
+
     def __init__(
         self,
         *,
@@ -532,10 +554,11 @@ class HeartbeatRequest(_message.Message):
         auth_token: _builtins.str = ...,
         registration_id: _builtins.str = ...,
         draining: _builtins.bool = ...,
+        features: _abc.Iterable[_cache_pb2.FeatureState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_token", b"auth_token", "draining", b"draining", "load", b"load", "registration_id", b"registration_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_token", b"auth_token", "draining", b"draining", "features", b"features", "load", b"load", "registration_id", b"registration_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
