@@ -102,7 +102,7 @@ QUICK = Scale(
 
 def run(ctx: BenchContext) -> SuiteResult:
     scale = QUICK if ctx.quick else FULL
-    probe = plan_startup(_spec(ctx, PagedAttentionMode.OFF, max_model_len=0, max_num_seqs=1))
+    probe = plan_startup(worker_spec(ctx, PagedAttentionMode.OFF, max_model_len=0, max_num_seqs=1))
     max_model_len = min(scale.max_model_len, probe.model_config.max_position_embeddings)
     vocab = probe.model_config.vocab_size
     bytes_per_token = probe.bytes_per_token
@@ -120,7 +120,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         [(f"paged, block {SMALL_BLOCK}", SMALL_BLOCK)] if scale.small_block else []
     )
     for label, block_size in paged_runs:
-        spec = _spec(
+        spec = worker_spec(
             ctx,
             PagedAttentionMode.ON,
             max_model_len=max_model_len,
@@ -131,7 +131,7 @@ def run(ctx: BenchContext) -> SuiteResult:
         flags = f"--paged-attn on --pa-memory-bytes {budget} --max-num-seqs {PAGED_MAX_NUM_SEQS}"
         flags += f" --pa-block-size {block_size}" if block_size else ""
         windows.append(_window(label, spec, flags, items, budget, max_model_len, scale))
-    spec = _spec(ctx, PagedAttentionMode.OFF, max_model_len=max_model_len, max_num_seqs=EAGER_SLOTS)
+    spec = worker_spec(ctx, PagedAttentionMode.OFF, max_model_len=max_model_len, max_num_seqs=EAGER_SLOTS)
     flags = f"--paged-attn off --max-num-seqs {EAGER_SLOTS}"
     windows.append(_window("eager", spec, flags, items, budget, max_model_len, scale))
     paged, eager = windows[0], windows[-1]
@@ -201,7 +201,7 @@ def _cut(windows: list[WindowRun]) -> str:
     return f"; CUT SHORT by the time cap before the pool's steady state: {', '.join(cut)}" if cut else ""
 
 
-def _spec(
+def worker_spec(
     ctx: BenchContext,
     mode: PagedAttentionMode,
     *,
@@ -211,6 +211,7 @@ def _spec(
     prefix_caching: bool = True,
     block_size: int | None = None,
 ) -> WorkerSpec:
+    """The in-process engine's spec for a KV-cache benchmark (also benchmarks/suites/paged_eager.py)."""
     settings = PagedAttentionConfig(memory_bytes=memory_bytes)
     prefix = FeatureMode.AUTO if prefix_caching else FeatureMode.OFF
     if block_size is not None:
@@ -288,7 +289,7 @@ class _Finished:
 def _prefix_run(
     ctx: BenchContext, on: bool, shared: list[workloads.WorkItem], max_model_len: int, scale: Scale
 ) -> PrefixRun:
-    spec = _spec(
+    spec = worker_spec(
         ctx,
         PagedAttentionMode.ON,
         max_model_len=max_model_len,

@@ -29,8 +29,9 @@ from benchmarks import workloads
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
 from benchmarks.kvpact_systems import WARMUP, run_engine
 from benchmarks.peers import Run
+from benchmarks.suites.kv_memory import worker_spec
 from benchmarks.workloads import WorkItem
-from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, cache_intent
+from kvpact.shared.intent import PagedAttentionMode
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.startup.engine_setup import build_engine, plan_startup
@@ -70,7 +71,7 @@ class Case:
 
 def run(ctx: BenchContext) -> SuiteResult:
     scale = QUICK if ctx.quick else FULL
-    probe = plan_startup(_spec(ctx, PagedAttentionMode.OFF, max_model_len=0, max_num_seqs=1))
+    probe = plan_startup(worker_spec(ctx, PagedAttentionMode.OFF, max_model_len=0, max_num_seqs=1))
     config = probe.model_config
     cases = [
         _long_prompt(ctx, scale, config.vocab_size, config.max_position_embeddings),
@@ -82,29 +83,12 @@ def run(ctx: BenchContext) -> SuiteResult:
     return _report(ctx, cases, runs)
 
 
-def _spec(
-    ctx: BenchContext,
-    mode: PagedAttentionMode,
-    *,
-    max_model_len: int,
-    max_num_seqs: int,
-    memory_bytes: int | None = None,
-) -> WorkerSpec:
-    return WorkerSpec(
-        model=str(ctx.model),
-        device=ctx.device,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        cache=cache_intent(mode, PagedAttentionConfig(memory_bytes=memory_bytes)),
-    )
-
-
 def _long_prompt(ctx: BenchContext, scale: Scale, vocab: int, max_positions: int) -> Case:
     cap = min(scale.long_cap, max_positions)
     items = workloads.fit(workloads.long_prompt(scale.long_requests, ctx.seed, vocab), cap)
     max_model_len = min(max_positions, -(-max(len(i.prompt) + i.max_tokens for i in items) // 64) * 64)
     specs = {
-        cache: _spec(ctx, mode, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS)
+        cache: worker_spec(ctx, mode, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS)
         for cache, mode in (("paged", PagedAttentionMode.ON), ("eager", PagedAttentionMode.OFF))
     }
     common = f"--max-num-seqs {MAX_NUM_SEQS} --max-model-len {max_model_len}"
@@ -122,10 +106,12 @@ def _out_of_slots(
     per_request = (scale.slots * max_model_len) // offered // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
     items = workloads.fixed(offered, ctx.seed, vocab, per_request - scale.output_tokens, scale.output_tokens)
     specs = {
-        "paged": _spec(
+        "paged": worker_spec(
             ctx, PagedAttentionMode.ON, max_model_len=max_model_len, max_num_seqs=offered, memory_bytes=budget
         ),
-        "eager": _spec(ctx, PagedAttentionMode.OFF, max_model_len=max_model_len, max_num_seqs=scale.slots),
+        "eager": worker_spec(
+            ctx, PagedAttentionMode.OFF, max_model_len=max_model_len, max_num_seqs=scale.slots
+        ),
     }
     flags = {
         "paged": f"--paged-attn on --pa-memory-bytes {budget} --max-num-seqs {offered} "
