@@ -23,6 +23,7 @@ PAGED_ATTN = "paged-attn"  # the feature names (shared/features.py has them all)
 PREFIX_CACHING = "prefix-caching"
 CPU_KERNELS = "cpu-kernels"
 CUDA_GRAPHS = "cuda-graphs"
+EVERY_FEATURE = "every feature"  # a reason any feature may give (Reason.feature)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class Reason:
     condition: str  # when it applies, for the operator
     template: str  # the message, with {fields} the check fills in
     flag: str  # what the operator changes
-    feature: str = PAGED_ATTN  # the feature it turns off
+    feature: str = PAGED_ATTN  # the feature it turns off (EVERY_FEATURE: any of them)
 
     @property
     def code(self) -> str:
@@ -82,10 +83,12 @@ STAGED_DEVICE_MAP = Reason(
 TENSOR_PARALLEL_RANK = Reason(
     "tensor-parallel rank",
     "device",
-    "a tensor-parallel rank's own check on its own device finds the paged cache impossible there (the "
-    "ranks' caches are one kind: under auto they all fall back together)",
+    "a tensor-parallel rank's own check on its own device finds the feature impossible there (every "
+    "feature is realized alike on every rank, the cache's kind too: under auto they all fall back "
+    "together, under on the worker fails naming the rank)",
     "rank {rank} ({device}) cannot realize it: {why}",
     "--tensor-parallel-size 1, or ranks on devices that all can",
+    feature=EVERY_FEATURE,
 )
 EAGER_DEFAULT = Reason(
     "CPU/MPS default",
@@ -297,7 +300,6 @@ REASONS = (
     SHARED_MEMORY,
     MIXED_DEVICE_MAP,
     STAGED_DEVICE_MAP,
-    TENSOR_PARALLEL_RANK,
     SLIDING_WINDOW,
     KV_BUDGET,
     KERNEL_SELF_TEST,
@@ -313,6 +315,7 @@ REASONS = (
     GRAPHS_NOT_BUILT,
     EAGER_STEPS_WHILE_SERVING,
     KERNEL_COMPILE_AFTER_READY,
+    TENSOR_PARALLEL_RANK,
 )
 
 

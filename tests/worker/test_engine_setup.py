@@ -23,6 +23,7 @@ from kvpact.shared.spec import LayerPlacement
 from kvpact.v1 import cache_pb2
 from kvpact.worker.generate_pb import capabilities_to_pb
 from kvpact.worker.kv import sizing
+from kvpact.worker.loader import estimate_weight_bytes
 from kvpact.worker.scheduler.eager import EagerScheduler
 from kvpact.worker.scheduler.paged import PagedScheduler
 from kvpact.worker.startup import checks, engine_setup
@@ -267,7 +268,7 @@ def test_a_described_h200_plans_bf16_triton_and_the_cuda_default_budget(
     assert (plan.dtype, plan.cache_dtype) == (torch.bfloat16, torch.bfloat16)  # auto on sm_90
     assert (plan.cache_kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
     # weights estimated in bf16 (2 bytes a parameter; the checkpoint on disk is fp32)
-    assert plan.weight_bytes == engine_setup.estimate_weight_bytes(head64_llama, dtype=torch.float32) // 2
+    assert plan.weight_bytes == estimate_weight_bytes(head64_llama, dtype=torch.float32) // 2
     assert plan.bytes_per_token == 2 * 2 * 1 * 64 * 2  # K+V x 2 layers x 1 kv head x head_dim 64 x bf16
     activations = sizing.activation_headroom_bytes(
         device_kind="cuda",

@@ -14,7 +14,8 @@ from kvpact.shared.errors import ConfigError, ModelLoadError, PagedAttentionRequ
 from kvpact.shared.spec import LayerPlacement
 from kvpact.worker.loader import load_model, read_model_config
 from kvpact.worker.model.tensor_parallel import rank_shard, shard_model, tp_problem
-from kvpact.worker.parallel.rank_verdict import PagedFallback, RankProblem, RankVerdict
+from kvpact.shared.features import FEATURES, FeatureMode, FeatureState
+from kvpact.worker.parallel.rank_verdict import RankProblem, RankVerdict
 from kvpact.worker.parallel.ranks import claim_gpus, rank_visible_devices
 from kvpact.worker.startup import checks, engine_setup
 from kvpact.worker.startup.device import probe_device
@@ -95,13 +96,23 @@ def head64_llama(tmp_path_factory):  # type: ignore[no-untyped-def]
                            head_dim=64)  # fmt: skip
 
 
+def verdict(rank: int, device: str, num_blocks: int = 0, **off: tuple[str, str]) -> RankVerdict:
+    """A rank's own verdict: every feature realized (asked auto) but those in `off` (name_with_underscores=
+    (code, message)), as follower.own_verdict sends it."""
+    states = []
+    for name in FEATURES:
+        code, message = off.get(name.replace("-", "_"), ("", ""))
+        states.append(FeatureState(name, FeatureMode.AUTO, not message, code, message, "device" if message else ""))
+    return RankVerdict(rank, device, features=tuple(states), num_blocks=num_blocks)
+
+
 NO_SM = "the Triton paged kernels need compute capability (8, 0) or newer; cuda:2 has (7, 0)"
 
 
 def test_a_rank_that_cannot_page_fails_on_naming_the_rank_before_loading(tiny_llama, no_loading):
     spec = replace(worker_spec(tiny_llama, "on"), tensor_parallel_size=3)
     refused = RankProblem("required", NO_SM, "device", "paged-attn", "compute-capability")
-    p = planning(spec, probe_device("cpu"), RankVerdict(1, "cpu", paged=True, num_blocks=64),
+    p = planning(spec, probe_device("cpu"), verdict(1, "cpu", 64),
                  RankVerdict(2, "cuda:2", problem=refused))  # fmt: skip
     with pytest.raises(PagedAttentionRequiredError) as info:
         checks.run_checks(p)
@@ -114,8 +125,7 @@ def test_under_auto_every_rank_falls_back_together_with_the_ranks_reason(
 ):
     monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: None)
     spec = replace(worker_spec(head64_llama, "auto", max_model_len=512), tensor_parallel_size=2)
-    fell = PagedFallback("compute-capability", NO_SM, "device")
-    p = planning(spec, h200_probe(2**30), RankVerdict(1, "cuda:1", fallback=fell))
+    p = planning(spec, h200_probe(2**30), verdict(1, "cuda:1", paged_attn=("compute-capability", NO_SM)))
     checks.run_checks(p)
     assert not p.paged  # rank 0 could page; it does not, since rank 1 cannot
     assert [(f.component, f.reason) for f in p.state.fallbacks] == [
@@ -126,7 +136,7 @@ def test_under_auto_every_rank_falls_back_together_with_the_ranks_reason(
 
 def test_the_ranks_paged_pools_hold_the_smallest_ranks_blocks(tiny_llama, no_loading):
     spec = replace(worker_spec(tiny_llama, "on"), tensor_parallel_size=2)
-    p = planning(spec, probe_device("cpu"), RankVerdict(1, "cpu", paged=True, num_blocks=7))
+    p = planning(spec, probe_device("cpu"), verdict(1, "cpu", 7))
     checks.run_checks(p)
     assert p.paged and p.paged_size is not None and p.paged_size.num_blocks == 7
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,28 @@ from kvpact.worker.tokenizer.tokenizer import chat_template_text
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on a header
 
 
+@dataclass(frozen=True, slots=True)
+class ModelDigests:
+    """The identity part of a fingerprint: what the model's files say, before any plan's numbers."""
+
+    model: str
+    tokenizer: str
+    chat_template: str
+
+    def fingerprint(self, *, max_model_len: int, block_size: int, tensor_parallel_size: int) -> Fingerprint:
+        return Fingerprint(
+            self.model, self.tokenizer, self.chat_template, max_model_len, block_size, tensor_parallel_size
+        )
+
+
 def model_fingerprint(
     source: Path, *, max_model_len: int, block_size: int, tensor_parallel_size: int
 ) -> Fingerprint:
     """The fingerprint of the model at `source` (a Hugging Face directory or a GGUF file) as planned."""
-    if source.is_dir():
-        model, tokenizer, template = _hf_digests(source)
-    else:
-        model, tokenizer, template = _gguf_digests(source)
-    return Fingerprint(model, tokenizer, template, max_model_len, block_size, tensor_parallel_size)
+    digests = hf_digests(source) if source.is_dir() else gguf_digests(source, _contents(source))
+    return digests.fingerprint(
+        max_model_len=max_model_len, block_size=block_size, tensor_parallel_size=tensor_parallel_size
+    )
 
 
 def _digest(*parts: bytes) -> str:
@@ -48,7 +62,7 @@ def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _hf_digests(directory: Path) -> tuple[str, str, str]:
+def hf_digests(directory: Path) -> ModelDigests:
     parts = [_canonical(read_json(directory / "config.json"))]
     generation = directory / "generation_config.json"
     if generation.is_file():
@@ -61,7 +75,7 @@ def _hf_digests(directory: Path) -> tuple[str, str, str]:
     tokenizer_file = directory / "tokenizer.json"
     tokenizer = tokenizer_file.read_bytes() if tokenizer_file.is_file() else b""
     settings = {k: v for k, v in config.items() if k != "chat_template"}
-    return (
+    return ModelDigests(
         _digest(*parts),
         _digest(tokenizer, _canonical(settings)),
         NO_CHAT_TEMPLATE if template is None else _digest(template.encode()),
@@ -82,13 +96,17 @@ def _safetensors_header(file: Path) -> bytes:
     return header
 
 
-def _gguf_digests(file: Path) -> tuple[str, str, str]:
+def _contents(file: Path) -> GGUFContents:
     try:
-        contents = GGUFContents(file)
+        return GGUFContents(file)
     except (GGUFFormatError, OSError) as e:
         raise ModelLoadError(
             f"{file}: not a readable GGUF file: {e}; it is corrupt or truncated — download it again"
         ) from e
+
+
+def gguf_digests(file: Path, contents: GGUFContents) -> ModelDigests:
+    """`contents`: the file's parsed header (parsed once by the caller: worker/loader/header.py)."""
     metadata = contents.metadata
     template = metadata.get("tokenizer.chat_template")
     config = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.")}
@@ -99,7 +117,7 @@ def _gguf_digests(file: Path) -> tuple[str, str, str]:
     model = _digest(
         _canonical(config), file.name.encode(), str(file.stat().st_size).encode(), _canonical(tensors)
     )
-    return (
+    return ModelDigests(
         model,
         _digest(_canonical(vocabulary)),
         NO_CHAT_TEMPLATE if not isinstance(template, str) else _digest(template.encode()),

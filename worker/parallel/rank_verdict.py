@@ -2,9 +2,10 @@
 went wrong on a rank (`RankProblem`), and what rank 0 then tells every rank to build (`RankBuild`).
 
 NOTE: every rank runs the worker's own pre-load plan (startup/engine_setup.plan_startup) on its own
-device; rank 0 alone decides, from all verdicts, the one cache every rank builds (checks.paged_every_rank),
-so the ranks' caches are never mixed. A rank's refusal or failure comes back to rank 0 as data and is
-raised there naming the rank (`worker a rank 2: ...`). Plain dataclasses: they travel pickled over gloo.
+device; rank 0 alone decides, from all verdicts, what every rank builds: each feature is realized alike on
+every rank (checks.every_rank; the cache's kind and pool size: checks.paged_every_rank), never mixed. A
+rank's refusal or failure comes back to rank 0 as data and is raised there naming the rank (`worker a
+rank 2: ...`). Plain dataclasses: they travel pickled over gloo.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvpact.shared.errors import (
     ModelLoadError,
     PagedAttentionRequiredError,
 )
+from kvpact.shared.features import FeatureState
 from kvpact.shared.reasons import PAGED_ATTN
 
 
@@ -64,22 +66,31 @@ class RankProblem:
 
 
 @dataclass(frozen=True, slots=True)
-class PagedFallback:
-    """The paged cache's fallback on a rank under auto: the reason's code, message and component."""
-
-    code: str
-    message: str
-    component: str
-
-
-@dataclass(frozen=True, slots=True)
 class RankVerdict:
     rank: int
     device: str
-    paged: bool = False  # the rank's plan realizes the paged cache
-    num_blocks: int = 0  # its paged pool's blocks (paged only)
-    fallback: PagedFallback | None = None  # why its paged cache fell back (auto)
-    problem: RankProblem | None = None  # its plan failed (a refused `on`, a bad flag)
+    features: tuple[FeatureState, ...] = ()  # what the rank's own plan realizes of each feature
+    num_blocks: int = 0  # its paged pool's blocks (when it realizes paged-attn)
+    problem: RankProblem | None = None  # its plan failed (a refused `on`, a bad flag): no features then
+
+    def state(self, feature: str) -> FeatureState | None:
+        return next((f for f in self.features if f.name == feature), None)
+
+    @property
+    def paged(self) -> bool:
+        state = self.state(PAGED_ATTN)
+        return state is not None and state.realized
+
+    def unmet(self, feature: str) -> str | None:
+        """Why this rank cannot realize `feature` (its refusal of `--FEATURE on`, or its fallback under
+        auto), or None: it can, or its plan failed for another feature or a flag (raised on its own)."""
+        if self.problem is not None:
+            wanted = self.problem.kind == "required" and self.problem.feature == feature
+            return self.problem.message if wanted else None
+        state = self.state(feature)
+        if state is None or state.realized:
+            return None
+        return state.message or "(no reason given)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from kvpact.shared.child_process import parent_death_signal
 from kvpact.shared.errors import ModelLoadError
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.sequence import ScheduledChunk
+from kvpact.worker.loader.header import ModelHeader
 from kvpact.worker.parallel import step_message
 from kvpact.worker.parallel.rank_verdict import RankBuild, RankProblem, RankVerdict
 from kvpact.worker.parallel.step_message import KEEPALIVE, StepMessage
@@ -106,10 +107,12 @@ class RankGroup:
         if outcome[0] is not None:
             raise outcome[0]
 
-    def verdicts(self, spec: WorkerSpec, devices: list[str]) -> list[RankVerdict]:
-        """Every other rank's own pre-load plan of `spec` on `devices[rank]` (rank order, rank 0 left out)."""
+    def verdicts(self, spec: WorkerSpec, devices: list[str], header: ModelHeader) -> list[RankVerdict]:
+        """Every other rank's own pre-load plan of `spec` on `devices[rank]` (rank order, rank 0 left out).
+        `header`: the model's header as rank 0 read it (loader/header.py), so no rank reads it again."""
         self.devices = devices
-        gathered = self._startup(lambda: (step_message.broadcast((spec, devices)), step_message.gather(None)))
+        sent = (spec, devices, header)
+        gathered = self._startup(lambda: (step_message.broadcast(sent), step_message.gather(None)))
         return [v for v in gathered[1] or [] if isinstance(v, RankVerdict)]
 
     def build(self, orders: RankBuild) -> None:

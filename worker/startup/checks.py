@@ -5,7 +5,9 @@ raised under on).
 
 NOTE: a check runs only while its feature is in force, and later features read earlier outcomes
 (prefix caching reads whether the paged cache survived; it never turns it on). The sizing check also
-refines the plan: the paged pool's size and --max-model-len auto's fit.
+refines the plan: the paged pool's size and --max-model-len auto's fit. Tensor parallel: after each
+feature's own checks, its every_rank check reads the other ranks' own verdicts, so every feature is
+realized alike on every rank (under auto they fall back together; under on the worker fails).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from kvpact.kernels import cpu_paged
 from kvpact.shared import reasons
 from kvpact.shared.capability import ModelTraits, choose_backend
-from kvpact.shared.features import Ledger
+from kvpact.shared.features import FeatureIntents, Ledger
 from kvpact.shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
 from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING, Finding
 from kvpact.shared.spec import WorkerSpec
@@ -50,6 +52,7 @@ class Planning:
     backend: PagedBackend | None = None  # set by the device check
     paged_size: sizing.PagedSize | None = None  # set by the KV budget check
     rank_verdicts: tuple[RankVerdict, ...] = field(default_factory=tuple)  # ranks 1..N-1's own plans
+    rank_blame: dict[str, int] = field(default_factory=dict)  # feature -> the rank that could not realize it
 
     @property
     def paged(self) -> bool:
@@ -138,17 +141,29 @@ def paged_kernel_self_test(p: Planning) -> Finding | None:
     )
 
 
+def every_rank(feature: str) -> Check:
+    """Tensor parallel: `feature` is realized alike on every rank. A rank whose own plan (on its own device)
+    does not realize it is the finding, naming the rank (and `rank_blame` remembers which, for the error)."""
+
+    def check(p: Planning) -> Finding | None:
+        for v in p.rank_verdicts:
+            why = v.unmet(feature)
+            if why is not None:
+                p.rank_blame[feature] = v.rank
+                return reasons.TENSOR_PARALLEL_RANK.found(rank=v.rank, device=v.device, why=why)
+        return None
+
+    check.__name__ = f"every_rank({feature})"
+    return check
+
+
 def paged_every_rank(p: Planning) -> Finding | None:
-    """Tensor parallel: the cache is one for all ranks. A rank whose own plan (on its own device) does not
-    realize the paged cache is the finding, naming the rank; the paged pools share one block table, so
-    each holds the smallest rank's number of blocks."""
+    """The cache is one kind on every rank (every_rank), and the paged pools share one block table, so each
+    holds the smallest rank's number of blocks."""
+    if finding := every_rank(PAGED_ATTN)(p):
+        return finding
     for v in p.rank_verdicts:
-        if v.problem is not None and not (v.problem.kind == "required" and v.problem.feature == PAGED_ATTN):
-            continue  # another feature's refusal or a bad flag: engine_setup raises it, naming the rank
-        why = v.problem.message if v.problem else (v.fallback.message if v.fallback else "")
-        if v.problem is not None or not v.paged:
-            return reasons.TENSOR_PARALLEL_RANK.found(rank=v.rank, device=v.device, why=why or "(no reason)")
-        if p.paged_size is not None and v.num_blocks < p.paged_size.num_blocks:
+        if p.paged_size is not None and v.problem is None and v.num_blocks < p.paged_size.num_blocks:
             p.paged_size = replace(p.paged_size, num_blocks=v.num_blocks)
     return None
 
@@ -195,7 +210,20 @@ def cuda_graphs_capture(p: Planning) -> Finding | None:
     return reasons.GRAPHS_NOT_BUILT.found(device=str(p.probe.device))
 
 
-CHECKS: tuple[tuple[str, Check], ...] = (
+def agreed_on_every_rank(checks: tuple[tuple[str, Check], ...]) -> tuple[tuple[str, Check], ...]:
+    """`checks` with each feature's every_rank check after its last own check (paged-attn has its own,
+    paged_every_rank), and after all of them for a feature without checks: every feature of the registry
+    is realized alike on every rank, a feature added later too."""
+    out: list[tuple[str, Check]] = []
+    for i, (feature, check) in enumerate(checks):
+        out.append((feature, check))
+        if feature != PAGED_ATTN and all(f != feature for f, _ in checks[i + 1 :]):
+            out.append((feature, every_rank(feature)))
+    out += [(f, every_rank(f)) for f in FeatureIntents.names() if all(f != g for g, _ in checks)]
+    return tuple(out)
+
+
+CHECKS: tuple[tuple[str, Check], ...] = agreed_on_every_rank((
     (PAGED_ATTN, paged_device),
     (PAGED_ATTN, paged_sliding_window),
     (PAGED_ATTN, paged_staged_map),
@@ -209,7 +237,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     (CPU_KERNELS, cpu_kernels_build),
     (CUDA_GRAPHS, cuda_graphs_device),
     (CUDA_GRAPHS, cuda_graphs_capture),
-)
+))  # fmt: skip
 
 
 def run_checks(p: Planning, checks: tuple[tuple[str, Check], ...] = CHECKS) -> None:

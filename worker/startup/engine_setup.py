@@ -35,18 +35,12 @@ from kvpact.worker.kv import sizing
 from kvpact.worker.kv.eager import EagerCache
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.kv.staged import StagedCache
-from kvpact.worker.loader import (
-    estimate_weight_bytes,
-    load_model,
-    read_model_config,
-    resolve_dtype,
-    resolve_model_path,
-)
-from kvpact.worker.loader.fingerprint import model_fingerprint
+from kvpact.worker.loader import load_model, resolve_dtype
+from kvpact.worker.loader.header import ModelHeader, read_model_header
 from kvpact.worker.model import ModelConfig
 from kvpact.worker.model.stages import plan_stages
 from kvpact.worker.model.tensor_parallel import shard_model, tp_problem
-from kvpact.worker.parallel.rank_verdict import RankBuild
+from kvpact.worker.parallel.rank_verdict import RankBuild, RankVerdict
 from kvpact.worker.parallel.ranks import RankGroup
 from kvpact.worker.scheduler.base import Scheduler
 from kvpact.worker.scheduler.block_manager import BlockManager
@@ -120,24 +114,32 @@ def plan_startup(
     log: Any = None,
     with_ranks: bool = False,
     visible_gpus: str | None = None,
+    header: ModelHeader | None = None,
+    rank_verdicts: tuple[RankVerdict, ...] | None = None,
 ) -> WorkerPlan:
     """`probe`: the device as already probed (the worker process probes first, so a failed plan can still
     report the device's capabilities); None probes `spec.device` here. The feature checks are
     startup/checks.py's, run in order; every fallback is logged once, here, with its reason.
     `with_ranks` (--tensor-parallel-size above 1): spawn the other ranks, have each plan on its own device,
     and decide from every verdict (the plan's `ranks` then lead them; a failed plan stops them);
-    `visible_gpus`: the worker's CUDA_VISIBLE_DEVICES as it started (ranks.claim_gpus), split per rank."""
+    `visible_gpus`: the worker's CUDA_VISIBLE_DEVICES as it started (ranks.claim_gpus), split per rank.
+    `header`: the model's header as already read (read_model_header; None reads it here, once);
+    `rank_verdicts`: ranks 1..N-1's own verdicts as already made (plan_only plans them in this process)."""
     log = log or structlog.get_logger("worker.engine_setup")
     started = time.monotonic()
     if probe is None:
         probe = probe_device(spec.device, spec.device_map)
-    p = _begin(spec, probe)
+    header = header or read_model_header(spec.model or None)
+    p = _begin(spec, probe, header)
+    if rank_verdicts is not None:
+        _check_tensor_parallel(spec, p.config, probe)
+        p.rank_verdicts = rank_verdicts
     ranks = None
     if with_ranks and spec.tensor_parallel_size > 1:
         _check_tensor_parallel(spec, p.config, probe)
         ranks = start_ranks(spec, visible_gpus)
     try:
-        plan = _plan(spec, probe, p, ranks, started)
+        plan = _plan(spec, probe, p, ranks, started, header)
     except BaseException:
         if ranks is not None:
             ranks.close()
@@ -148,15 +150,23 @@ def plan_startup(
 
 
 def _plan(
-    spec: WorkerSpec, probe: DeviceProbe, p: Planning, ranks: RankGroup | None, started: float
+    spec: WorkerSpec,
+    probe: DeviceProbe,
+    p: Planning,
+    ranks: RankGroup | None,
+    started: float,
+    header: ModelHeader,
 ) -> WorkerPlan:
     devices = rank_devices(probe.device, spec.tensor_parallel_size)
     if ranks is not None:
-        p.rank_verdicts = tuple(ranks.verdicts(spec, devices))
+        p.rank_verdicts = tuple(ranks.verdicts(spec, devices, header))
     try:
         run_checks(p)
-    except FeatureRequiredError as e:  # rank 0's own refusal: named too, as every rank's is
-        if ranks is None:
+    except FeatureRequiredError as e:  # with other ranks: named, rank 0's own refusal too
+        if not p.rank_verdicts:
+            raise
+        if e.feature in p.rank_blame:  # another rank's (checks.every_rank): its message names it
+            e.rank = p.rank_blame[e.feature]
             raise
         raise _as_rank(e, 0, devices[0]) from e
     for v in p.rank_verdicts:  # another feature's refusal or a bad flag on a rank (paged-attn's: a check's)
@@ -170,8 +180,7 @@ def _plan(
         max_num_seqs = _size_eager(p)
     features = (p.state.feature_state(), *p.ledger.states())
     block_size = p.state.paged_config.block_size if p.state.paged_config is not None else 0
-    fingerprint = model_fingerprint(
-        _model_path(spec),
+    fingerprint = header.fingerprint(
         max_model_len=p.max_model_len,
         block_size=block_size,
         tensor_parallel_size=spec.tensor_parallel_size,
@@ -179,7 +188,7 @@ def _plan(
     plan = WorkerPlan(
         spec=spec,
         probe=probe,
-        model_path=_model_path(spec),
+        model_path=header.path,
         model_config=p.config,
         state=p.state,
         backend=p.backend if p.paged else None,
@@ -232,13 +241,10 @@ def log_fallbacks(features: tuple[FeatureState, ...], log: Any) -> None:
             )
 
 
-def _model_path(spec: WorkerSpec) -> Path:
-    return resolve_model_path(spec.model or None)
-
-
-def _begin(spec: WorkerSpec, probe: DeviceProbe) -> Planning:
+def _begin(spec: WorkerSpec, probe: DeviceProbe, header: ModelHeader | None = None) -> Planning:
     """What the checks start from: the model's config (no weights), dtypes, sizing inputs, every intent."""
-    config = read_model_config(_model_path(spec))
+    header = header or read_model_header(spec.model or None)
+    config = header.config
     dtype = resolve_dtype(probe.device, spec.dtype, probe.info.compute_capability)
     cache_dtype = _cache_dtype(spec, dtype)
     defaults = sizing.device_defaults(probe.info.kind)
@@ -258,7 +264,7 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe) -> Planning:
         fit_to_cache=fit_to_cache,
         max_model_len_source=source,
         max_num_batched_tokens=spec.max_num_batched_tokens or defaults.max_num_batched_tokens,
-        weight_bytes=estimate_weight_bytes(_model_path(spec), dtype=dtype),
+        weight_bytes=header.weight_bytes(dtype),
         bytes_per_token=sizing.kv_bytes_per_token(
             config.num_layers, config.num_kv_heads, config.head_dim, itemsize
         ),

@@ -28,9 +28,10 @@ from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.kv.eager import EagerCache
 from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.loader import load_model
+from kvpact.worker.loader.header import ModelHeader
 from kvpact.worker.model.tensor_parallel import shard_model
 from kvpact.worker.parallel import step_message
-from kvpact.worker.parallel.rank_verdict import PagedFallback, RankBuild, RankProblem, RankVerdict
+from kvpact.worker.parallel.rank_verdict import RankBuild, RankProblem, RankVerdict
 from kvpact.worker.parallel.ranks import GROUP_TIMEOUT
 from kvpact.worker.parallel.step_message import KEEPALIVE, StepMessage
 from kvpact.worker.startup.device import probe_device
@@ -48,21 +49,16 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def own_verdict(rank: int, spec: WorkerSpec) -> RankVerdict:
-    """This rank's pre-load plan on its own device (`spec.device`), as data for rank 0."""
+def own_verdict(rank: int, spec: WorkerSpec, header: ModelHeader | None = None) -> RankVerdict:
+    """This rank's pre-load plan on its own device (`spec.device`), as data for rank 0. `header`: the
+    model's header as rank 0 read it (None: read here)."""
     quiet = structlog.get_logger("worker.rank")
     try:
-        plan = plan_startup(spec, probe=probe_device(spec.device, ()), log=quiet)
+        plan = plan_startup(spec, probe=probe_device(spec.device, ()), log=quiet, header=header)
     except Exception as e:  # noqa: BLE001 - a refusal or a bad flag: rank 0 raises it, naming this rank
         return RankVerdict(rank, spec.device, problem=RankProblem.of(e))
-    fell = next((f for f in plan.state.fallbacks), None)
-    return RankVerdict(
-        rank,
-        str(plan.probe.device),
-        paged=plan.state.enabled,
-        num_blocks=plan.paged_size.num_blocks if plan.paged_size else 0,
-        fallback=PagedFallback(fell.code, fell.reason, fell.component) if fell else None,
-    )
+    blocks = plan.paged_size.num_blocks if plan.paged_size else 0
+    return RankVerdict(rank, str(plan.probe.device), features=plan.features, num_blocks=blocks)
 
 
 def build(rank: int, world: int, orders: RankBuild) -> tuple[object, EagerCache | PagedCache]:
@@ -105,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         spec: WorkerSpec = given[0]  # type: ignore[index]
         devices: list[str] = given[1]  # type: ignore[index]
-        step_message.gather(own_verdict(a.rank, replace(spec, device=devices[a.rank])))
+        header: ModelHeader = given[2]  # type: ignore[index]
+        step_message.gather(own_verdict(a.rank, replace(spec, device=devices[a.rank]), header))
         orders = step_message.broadcast()
         if not isinstance(orders, RankBuild):  # rank 0's plan failed or was refused: nothing to build
             return 0
