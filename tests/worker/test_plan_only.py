@@ -7,20 +7,24 @@ import json
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from kvpact.worker.cli import parse_args
 from kvpact.worker.plan_only import run_plan_only
-from kvpact.worker.startup import engine_setup
+from kvpact.worker.startup import engine_setup, follower
+from kvpact.worker.startup.device import probe_device
 
 
 @pytest.fixture
 def never_load(monkeypatch):  # type: ignore[no-untyped-def]
     def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise AssertionError("--plan-only called load_model")
+        raise AssertionError("--plan-only called load_model (or spawned a rank)")
 
     monkeypatch.setattr(engine_setup, "load_model", refuse)
+    monkeypatch.setattr(follower, "load_model", refuse)  # a rank's build
+    monkeypatch.setattr(engine_setup, "start_ranks", refuse)
 
 
 def plan_json(capsys, *argv: str) -> tuple[int, dict]:  # type: ignore[no-untyped-def, type-arg]
@@ -108,3 +112,54 @@ def test_the_json_plan_carries_the_fingerprint_and_the_model_name(tiny_llama, ne
     )
     assert fingerprint["model"].startswith("sha256:") and fingerprint["max-model-len"] == 128
     assert (fingerprint["block-size"], fingerprint["tensor-parallel-size"]) == (16, 1)
+
+
+def planned(features: list[dict]) -> dict[str, tuple[str, str]]:  # type: ignore[type-arg]
+    return {f["name"]: (f["requested"], f["planned"]) for f in features}
+
+
+def test_a_tensor_parallel_plan_reports_every_rank_and_spawns_none(tiny_llama, never_load, capsys):
+    code, out = plan_json(capsys, "--model", str(tiny_llama), "--max-model-len", "256", "--paged-attn", "on",
+                          "--tensor-parallel-size", "2")  # fmt: skip
+    assert (code, out["verdict"], out["tensor_parallel_size"]) == (0, "ok", 2)
+    assert [(r["rank"], r["device"], r["verdict"], r["problem"]) for r in out["ranks"]] == [
+        (0, "cpu", "ok", None),
+        (1, "cpu", "ok", None),
+    ]
+    for rank in out["ranks"]:  # each rank's own plan, and the worker's: paged on every rank
+        assert planned(rank["features"])["paged-attn"] == ("on", "on")
+    assert planned(out["features"])["paged-attn"] == ("on", "on")
+    assert out["fingerprint"]["tensor-parallel-size"] == 2
+
+
+def short_of_memory_beyond_rank_0(monkeypatch):  # type: ignore[no-untyped-def]
+    """Every rank but 0 probes 64 MiB free (rank 0 keeps the worker's probe): a device with less room."""
+    monkeypatch.setattr(
+        follower, "probe_device", lambda device, m=(): replace(probe_device(device), memory_free_bytes=64 << 20)
+    )
+
+
+def test_a_rank_that_cannot_meet_on_refuses_the_worker_naming_the_rank(tiny_llama, never_load, monkeypatch,
+                                                                         capsys):  # fmt: skip
+    short_of_memory_beyond_rank_0(monkeypatch)
+    code, out = plan_json(capsys, "--model", str(tiny_llama), "--max-model-len", "256", "--paged-attn", "on",
+                          "--pa-memory-fraction", "0.01", "--tensor-parallel-size", "2")  # fmt: skip
+    assert (code, out["verdict"]) == (78, "refused")
+    (paged,) = [f for f in out["features"] if f["name"] == "paged-attn"]
+    assert paged["planned"] == "off" and paged["reason"]["code"] == "tensor-parallel-rank"
+    assert paged["reason"]["message"].startswith("rank 1 (cpu) cannot realize it: the KV cache budget")
+    assert [(r["rank"], r["verdict"]) for r in out["ranks"]] == [(0, "ok"), (1, "refused")]
+    assert out["ranks"][1]["problem"]["feature"] == "paged-attn"
+    assert out["ranks"][1]["problem"]["code"] == "kv-budget"
+
+
+def test_the_text_plan_has_a_row_per_rank(tiny_llama, never_load, monkeypatch, capsys):
+    short_of_memory_beyond_rank_0(monkeypatch)
+    options = parse_args(["--model", str(tiny_llama), "--max-model-len", "256", "--paged-attn", "on",
+                          "--pa-memory-fraction", "0.01", "--tensor-parallel-size", "2", "--plan-only"])  # fmt: skip
+    assert run_plan_only(options.spec, options.plan_json) == 78
+    out = capsys.readouterr().out
+    assert "RANK  DEVICE  VERDICT  ITS OWN PLAN" in out
+    assert "0     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in out
+    assert "1     cpu     refused  paged-attn: [cache-budget] kv-budget: the KV cache budget" in out
+    assert "verdict: refused (exit 78)" in out

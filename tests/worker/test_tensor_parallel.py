@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvpact.shared.errors import ConfigError, ModelLoadError, PagedAttentionRequiredError
+from kvpact.shared.errors import ConfigError, FeatureRequiredError, ModelLoadError, PagedAttentionRequiredError
 from kvpact.shared.spec import LayerPlacement
 from kvpact.worker.loader import load_model, read_model_config
 from kvpact.worker.model.tensor_parallel import rank_shard, shard_model, tp_problem
-from kvpact.shared.features import FEATURES, FeatureMode, FeatureState
+from kvpact.shared.features import FEATURES, FeatureIntents, FeatureMode, FeatureState
 from kvpact.worker.parallel.rank_verdict import RankProblem, RankVerdict
 from kvpact.worker.parallel.ranks import claim_gpus, rank_visible_devices
 from kvpact.worker.startup import checks, engine_setup
@@ -139,6 +139,50 @@ def test_the_ranks_paged_pools_hold_the_smallest_ranks_blocks(tiny_llama, no_loa
     p = planning(spec, probe_device("cpu"), verdict(1, "cpu", 7))
     checks.run_checks(p)
     assert p.paged and p.paged_size is not None and p.paged_size.num_blocks == 7
+
+
+NO_CC = "the C kernels cannot be built here: no C compiler found (install gcc or set CC)"
+
+
+def test_under_auto_every_other_feature_falls_back_on_every_rank_with_the_ranks_reason(tiny_llama, no_loading):
+    spec = replace(worker_spec(tiny_llama), tensor_parallel_size=2)
+    rank_1 = verdict(1, "cpu", cpu_kernels=("c-kernels-build", NO_CC))
+    plan = engine_setup.plan_startup(spec, rank_verdicts=(rank_1,))
+    (kernels,) = [f for f in plan.features if f.name == "cpu-kernels"]
+    assert (kernels.realized, kernels.code) == (False, "tensor-parallel-rank")
+    assert kernels.message == f"rank 1 (cpu) cannot realize it: {NO_CC}"
+    assert engine_setup.rank_build(plan).cpu_kernels is False  # so every rank builds the torch kernels
+
+
+@pytest.mark.parametrize("how", ["its plan fell back", "its plan refused on"])
+def test_under_on_a_ranks_refusal_of_another_feature_fails_before_loading_naming_it(tiny_llama, no_loading, how):
+    features = FeatureIntents(cpu_kernels=FeatureMode.ON)
+    spec = replace(worker_spec(tiny_llama, features=features), tensor_parallel_size=2)
+    if how == "its plan refused on":
+        problem = RankProblem("required", NO_CC, "build", "cpu-kernels", "c-kernels-build")
+        rank_1 = RankVerdict(1, "cpu", problem=problem)
+    else:
+        rank_1 = verdict(1, "cpu", cpu_kernels=("c-kernels-build", NO_CC))
+    with pytest.raises(FeatureRequiredError) as info:
+        engine_setup.plan_startup(spec, rank_verdicts=(rank_1,))
+    assert (info.value.rank, info.value.feature, info.value.code) == (1, "cpu-kernels", "tensor-parallel-rank")
+    assert str(info.value) == (
+        f"The C CPU kernels were explicitly requested (--cpu-kernels on), but rank 1 (cpu) cannot realize it: "
+        f"{NO_CC}. [device]"
+    )
+
+
+def test_every_feature_of_the_registry_is_checked_on_every_rank():
+    names = [getattr(check, "__name__", "") for _, check in checks.CHECKS]
+    assert [n for n in names if n.startswith("every_rank")] == [
+        "every_rank(prefix-caching)", "every_rank(cpu-kernels)", "every_rank(cuda-graphs)"
+    ]  # fmt: skip
+    assert names.index("every_rank(cpu-kernels)") == names.index("cpu_kernels_build") + 1
+    # a feature with no checks of its own (one added to the registry later) still gets its agreement
+    only_paged = checks.agreed_on_every_rank((("paged-attn", checks.paged_device),))
+    assert [c.__name__ for _, c in only_paged] == ["paged_device"] + [
+        f"every_rank({f})" for f in FeatureIntents.names()
+    ]
 
 
 def test_a_ranks_failure_is_raised_on_rank_0_naming_the_rank():

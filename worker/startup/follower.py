@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 import structlog
 import torch
@@ -34,7 +35,7 @@ from kvpact.worker.parallel import step_message
 from kvpact.worker.parallel.rank_verdict import RankBuild, RankProblem, RankVerdict
 from kvpact.worker.parallel.ranks import GROUP_TIMEOUT
 from kvpact.worker.parallel.step_message import KEEPALIVE, StepMessage
-from kvpact.worker.startup.device import probe_device
+from kvpact.worker.startup.device import DeviceProbe, probe_device
 from kvpact.worker.startup.engine_setup import plan_startup
 
 
@@ -49,12 +50,16 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def own_verdict(rank: int, spec: WorkerSpec, header: ModelHeader | None = None) -> RankVerdict:
-    """This rank's pre-load plan on its own device (`spec.device`), as data for rank 0. `header`: the
-    model's header as rank 0 read it (None: read here)."""
-    quiet = structlog.get_logger("worker.rank")
+def own_verdict(
+    rank: int, spec: WorkerSpec, header: ModelHeader | None = None, log: Any = None, probe: DeviceProbe | None = None
+) -> RankVerdict:
+    """This rank's pre-load plan on its own device (`spec.device`, or `probe` as already probed), as data
+    for rank 0. `header`: the model's header as rank 0 read it (None: read here). worker --plan-only makes
+    every rank's in one process (plan_only.py)."""
+    log = log or structlog.get_logger("worker.rank")
     try:
-        plan = plan_startup(spec, probe=probe_device(spec.device, ()), log=quiet, header=header)
+        probe = probe or probe_device(spec.device, ())
+        plan = plan_startup(spec, probe=probe, log=log, header=header)
     except Exception as e:  # noqa: BLE001 - a refusal or a bad flag: rank 0 raises it, naming this rank
         return RankVerdict(rank, spec.device, problem=RankProblem.of(e))
     blocks = plan.paged_size.num_blocks if plan.paged_size else 0
