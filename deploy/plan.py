@@ -33,7 +33,7 @@ from kvpact.router.admission import admit_uniform, judge_planned_features
 from kvpact.router.cli import build_parser
 from kvpact.router.config import RouterConfig, resolve_policies
 from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY
-from kvpact.shared.features import FeatureMode, FeatureState
+from kvpact.shared.features import FeatureMode, FeatureState, describe_features
 from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.options import option_values
 
@@ -54,6 +54,18 @@ class PlanRun:
 
 
 @dataclass(frozen=True, slots=True)
+class RankPlan:
+    """One tensor-parallel rank's own plan on its own device (the plan's `ranks`): its verdict and what it
+    would realize (`features`), or why it cannot plan (`why`)."""
+
+    rank: int
+    device: str
+    verdict: str  # ok | refused | error, as the worker's --plan-only says it
+    features: tuple[FeatureState, ...]
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Judged:
     worker_id: str
     where: str
@@ -62,6 +74,7 @@ class Judged:
     fingerprint: Fingerprint | None
     verdict: str  # OK, REFUSED (the router would refuse it: exit 78) or ERROR (it cannot plan: exit 1)
     reason: str = ""
+    ranks: tuple[RankPlan, ...] = ()  # --tensor-parallel-size N: each rank's own plan ((): one rank)
 
 
 def plan_document(stdout: str) -> dict[str, Any] | None:
@@ -92,6 +105,20 @@ def _features(document: Mapping[str, Any]) -> tuple[FeatureState, ...]:
             )
         )
     return tuple(states)
+
+
+def _ranks(document: Mapping[str, Any]) -> tuple[RankPlan, ...]:
+    plans = []
+    for r in document.get("ranks") or []:
+        problem = r.get("problem") or {}
+        where = (
+            f"{problem['feature']}: [{problem.get('component')}] {problem.get('code')}: "
+            if problem.get("feature")
+            else ""
+        )
+        why = where + str(problem.get("message", "")) if problem else ""
+        plans.append(RankPlan(int(r["rank"]), str(r["device"]), str(r["verdict"]), _features(r), why))
+    return tuple(plans)
 
 
 def _own_refusal(document: Mapping[str, Any], features: tuple[FeatureState, ...]) -> str:
@@ -136,7 +163,9 @@ def judge(
             refusal = admit_uniform(fingerprint, peers, uniform)
             if refusal is not None:
                 verdict, reason = REFUSED, refusal.reason
-        judged.append(Judged(run.worker_id, run.where, name, features, fingerprint, verdict, reason))
+        judged.append(
+            Judged(run.worker_id, run.where, name, features, fingerprint, verdict, reason, _ranks(doc))
+        )
     return judged
 
 
@@ -153,8 +182,9 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def render(judged: Sequence[Judged], uniform: Sequence[str]) -> str:
-    """The verdict table: every worker's features (requested, planned, reason), its fingerprint and
-    whether it agrees with its model name's other workers (router --uniform), its verdict."""
+    """The verdict table: every worker's features (requested, planned, reason), each tensor-parallel
+    worker's ranks (each rank's own plan on its own device), its fingerprint and whether it agrees with its
+    model name's other workers (router --uniform), its verdict."""
     rows: list[tuple[str, ...]] = [("WORKER", "FEATURE", "REQUESTED", "PLANNED", "REASON")]
     for j in judged:
         for f in j.features:
@@ -171,7 +201,16 @@ def render(judged: Sequence[Judged], uniform: Sequence[str]) -> str:
         prints.append((j.worker_id, j.model_name or "?", agrees, shown))
     verdicts: list[tuple[str, ...]] = [("WORKER", "VERDICT", "WHERE / WHY")]
     verdicts += [(j.worker_id, j.verdict, j.reason or j.where) for j in judged]
-    return "\n".join([*_table(rows), "", *_table(prints), "", *_table(verdicts)])
+    ranks: list[tuple[str, ...]] = [
+        ("WORKER", "RANK", "DEVICE", "VERDICT", "ITS OWN PLAN (+ on, ! fell back, - off)")
+    ]
+    ranks += [
+        (j.worker_id, str(r.rank), r.device, r.verdict, r.why or describe_features(r.features))
+        for j in judged
+        for r in j.ranks
+    ]
+    per_rank = ["", *_table(ranks)] if len(ranks) > 1 else []  # tensor-parallel workers only
+    return "\n".join([*_table(rows), *per_rank, "", *_table(prints), "", *_table(verdicts)])
 
 
 def summary(judged: Sequence[Judged]) -> str:

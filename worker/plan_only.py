@@ -43,7 +43,9 @@ class PlanVerdict:
     refused: tuple[FeatureState, ...]  # the features whose `on` cannot be met (their reason met under on)
     error: str = ""  # a refusal that is no feature's (ConfigError), or why the model cannot be read
     plan: WorkerPlan | None = None
-    ranks: tuple[RankVerdict, ...] = ()  # tensor parallel: each rank's own plan on its own device, rank 0 first
+    ranks: tuple[
+        RankVerdict, ...
+    ] = ()  # tensor parallel: each rank's own plan on its own device, rank 0 first
 
     @property
     def verdict(self) -> str:

@@ -77,3 +77,25 @@ def test_a_worker_that_printed_no_plan_is_an_error_and_exits_1():
     assert judged[0].reason == "its plan exited 1: ModuleNotFoundError: No module named 'kvpact'"
     late = judge([PlanRun("x-0", "bundle 0", None, None, "")], ALL_AUTO, ())
     assert late[0].reason == "its plan did not finish in time: (no output)"
+
+
+def test_a_tensor_parallel_workers_ranks_are_shown_each_with_its_own_plan(model):
+    runs = [planned(model, "tp-0", "--tensor-parallel-size", "2", "--paged-attn", "on"), planned(model, "a-0")]
+    judged = judge(runs, ALL_AUTO, ())
+    assert [j.verdict for j in judged] == [OK, OK]
+    assert [(r.rank, r.device, r.verdict) for r in judged[0].ranks] == [(0, "cpu", "ok"), (1, "cpu", "ok")]
+    assert judged[1].ranks == ()  # one rank: no rank rows
+    table = render(judged, ())
+    assert "WORKER  RANK  DEVICE  VERDICT  ITS OWN PLAN (+ on, ! fell back, - off)" in table
+    assert "tp-0    0     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in table
+    assert "tp-0    1     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in table
+    assert "a-0     0" not in table
+
+
+def test_a_rank_that_refuses_on_refuses_its_worker_and_its_row_says_why(model):
+    flags = ("--tensor-parallel-size", "2", "--paged-attn", "on", "--pa-context-tokens", "100")
+    (judged,) = judge([planned(model, "tp-0", *flags)], ALL_AUTO, ())
+    assert judged.verdict == REFUSED
+    assert "rank 0 (cpu) cannot realize it: the KV cache budget (--pa-context-tokens 100)" in judged.reason
+    assert [(r.rank, r.verdict) for r in judged.ranks] == [(0, "refused"), (1, "refused")]
+    assert judged.ranks[1].why.startswith("paged-attn: [cache-budget] kv-budget: the KV cache budget")

@@ -135,7 +135,9 @@ def test_a_tensor_parallel_plan_reports_every_rank_and_spawns_none(tiny_llama, n
 def short_of_memory_beyond_rank_0(monkeypatch):  # type: ignore[no-untyped-def]
     """Every rank but 0 probes 64 MiB free (rank 0 keeps the worker's probe): a device with less room."""
     monkeypatch.setattr(
-        follower, "probe_device", lambda device, m=(): replace(probe_device(device), memory_free_bytes=64 << 20)
+        follower,
+        "probe_device",
+        lambda device, m=(): replace(probe_device(device), memory_free_bytes=64 << 20),
     )
 
 
@@ -156,7 +158,8 @@ def test_a_rank_that_cannot_meet_on_refuses_the_worker_naming_the_rank(tiny_llam
 def test_the_text_plan_has_a_row_per_rank(tiny_llama, never_load, monkeypatch, capsys):
     short_of_memory_beyond_rank_0(monkeypatch)
     options = parse_args(["--model", str(tiny_llama), "--max-model-len", "256", "--paged-attn", "on",
-                          "--pa-memory-fraction", "0.01", "--tensor-parallel-size", "2", "--plan-only"])  # fmt: skip
+                          "--pa-memory-fraction", "0.01", "--tensor-parallel-size", "2",
+                          "--plan-only"])  # fmt: skip
     assert run_plan_only(options.spec, options.plan_json) == 78
     out = capsys.readouterr().out
     assert "RANK  DEVICE  VERDICT  ITS OWN PLAN" in out

@@ -10,11 +10,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvpact.shared.errors import ConfigError, FeatureRequiredError, ModelLoadError, PagedAttentionRequiredError
+from kvpact.shared.errors import (
+    ConfigError,
+    FeatureRequiredError,
+    ModelLoadError,
+    PagedAttentionRequiredError,
+)
+from kvpact.shared.features import FEATURES, FeatureIntents, FeatureMode, FeatureState
 from kvpact.shared.spec import LayerPlacement
 from kvpact.worker.loader import load_model, read_model_config
 from kvpact.worker.model.tensor_parallel import rank_shard, shard_model, tp_problem
-from kvpact.shared.features import FEATURES, FeatureIntents, FeatureMode, FeatureState
 from kvpact.worker.parallel.rank_verdict import RankProblem, RankVerdict
 from kvpact.worker.parallel.ranks import claim_gpus, rank_visible_devices
 from kvpact.worker.startup import checks, engine_setup
@@ -102,7 +107,9 @@ def verdict(rank: int, device: str, num_blocks: int = 0, **off: tuple[str, str])
     states = []
     for name in FEATURES:
         code, message = off.get(name.replace("-", "_"), ("", ""))
-        states.append(FeatureState(name, FeatureMode.AUTO, not message, code, message, "device" if message else ""))
+        states.append(
+            FeatureState(name, FeatureMode.AUTO, not message, code, message, "device" if message else "")
+        )
     return RankVerdict(rank, device, features=tuple(states), num_blocks=num_blocks)
 
 
@@ -144,7 +151,9 @@ def test_the_ranks_paged_pools_hold_the_smallest_ranks_blocks(tiny_llama, no_loa
 NO_CC = "the C kernels cannot be built here: no C compiler found (install gcc or set CC)"
 
 
-def test_under_auto_every_other_feature_falls_back_on_every_rank_with_the_ranks_reason(tiny_llama, no_loading):
+def test_under_auto_every_other_feature_falls_back_on_every_rank_with_the_ranks_reason(
+    tiny_llama, no_loading
+):
     spec = replace(worker_spec(tiny_llama), tensor_parallel_size=2)
     rank_1 = verdict(1, "cpu", cpu_kernels=("c-kernels-build", NO_CC))
     plan = engine_setup.plan_startup(spec, rank_verdicts=(rank_1,))
@@ -155,7 +164,9 @@ def test_under_auto_every_other_feature_falls_back_on_every_rank_with_the_ranks_
 
 
 @pytest.mark.parametrize("how", ["its plan fell back", "its plan refused on"])
-def test_under_on_a_ranks_refusal_of_another_feature_fails_before_loading_naming_it(tiny_llama, no_loading, how):
+def test_under_on_a_ranks_refusal_of_another_feature_fails_before_loading_naming_it(
+    tiny_llama, no_loading, how
+):
     features = FeatureIntents(cpu_kernels=FeatureMode.ON)
     spec = replace(worker_spec(tiny_llama, features=features), tensor_parallel_size=2)
     if how == "its plan refused on":
@@ -165,10 +176,14 @@ def test_under_on_a_ranks_refusal_of_another_feature_fails_before_loading_naming
         rank_1 = verdict(1, "cpu", cpu_kernels=("c-kernels-build", NO_CC))
     with pytest.raises(FeatureRequiredError) as info:
         engine_setup.plan_startup(spec, rank_verdicts=(rank_1,))
-    assert (info.value.rank, info.value.feature, info.value.code) == (1, "cpu-kernels", "tensor-parallel-rank")
+    assert (info.value.rank, info.value.feature, info.value.code) == (
+        1,
+        "cpu-kernels",
+        "tensor-parallel-rank",
+    )
     assert str(info.value) == (
-        f"The C CPU kernels were explicitly requested (--cpu-kernels on), but rank 1 (cpu) cannot realize it: "
-        f"{NO_CC}. [device]"
+        "The C CPU kernels were explicitly requested (--cpu-kernels on), but rank 1 (cpu) cannot realize "
+        f"it: {NO_CC}. [device]"
     )
 
 

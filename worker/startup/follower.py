@@ -51,7 +51,11 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 
 def own_verdict(
-    rank: int, spec: WorkerSpec, header: ModelHeader | None = None, log: Any = None, probe: DeviceProbe | None = None
+    rank: int,
+    spec: WorkerSpec,
+    header: ModelHeader | None = None,
+    log: Any = None,
+    probe: DeviceProbe | None = None,
 ) -> RankVerdict:
     """This rank's pre-load plan on its own device (`spec.device`, or `probe` as already probed), as data
     for rank 0. `header`: the model's header as rank 0 read it (None: read here). worker --plan-only makes
