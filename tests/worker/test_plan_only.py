@@ -70,8 +70,10 @@ def test_json_without_plan_only_exits_2(capsys):
     assert exited.value.code == 2 and "--json goes with --plan-only" in capsys.readouterr().err
 
 
-def test_a_real_plan_only_process_reads_no_weight_data(tiny_llama, tmp_path):
-    """The weights' bytes after the safetensors header are garbage: the plan reads only the header."""
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_real_plan_only_process_reads_no_weight_data(tiny_llama, tmp_path, size):
+    """The weights' bytes after the safetensors header are garbage: the plan reads only the header (at
+    --tensor-parallel-size 2 too, for every rank)."""
     model = tmp_path / "garbage"
     model.mkdir()
     for f in tiny_llama.iterdir():
@@ -89,6 +91,8 @@ def test_a_real_plan_only_process_reads_no_weight_data(tiny_llama, tmp_path):
             str(model),
             "--max-model-len",
             "256",
+            "--tensor-parallel-size",
+            str(size),
             "--plan-only",
         ],
         capture_output=True,
@@ -98,6 +102,8 @@ def test_a_real_plan_only_process_reads_no_weight_data(tiny_llama, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "verdict: ok (exit 0)" in done.stdout
     assert "cuda-graphs     auto       off      [device] no-cuda-device" in done.stdout
+    rows = [line.split()[:3] for line in done.stdout.splitlines() if line[:1].isdigit()]
+    assert rows == ([] if size == 1 else [["0", "cpu", "ok"], ["1", "cpu", "ok"]])
 
 
 def test_the_json_plan_carries_the_fingerprint_and_the_model_name(tiny_llama, never_load, capsys):
