@@ -14,6 +14,7 @@ warm-up. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -81,7 +82,7 @@ def main() -> int:
         rows.append(
             (
                 f"make_plan, --tensor-parallel-size {size}",
-                median_seconds(lambda spec=spec: make_plan(spec, quiet), args.repeat),
+                median_seconds(functools.partial(make_plan, spec, quiet), args.repeat),
             )
         )
     cache = "an empty conversion cache" if args.cold else "the conversion cache as it is"

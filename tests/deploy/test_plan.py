@@ -80,7 +80,8 @@ def test_a_worker_that_printed_no_plan_is_an_error_and_exits_1():
 
 
 def test_a_tensor_parallel_workers_ranks_are_shown_each_with_its_own_plan(model):
-    runs = [planned(model, "tp-0", "--tensor-parallel-size", "2", "--paged-attn", "on"), planned(model, "a-0")]
+    tp = planned(model, "tp-0", "--tensor-parallel-size", "2", "--paged-attn", "on")
+    runs = [tp, planned(model, "a-0")]
     judged = judge(runs, ALL_AUTO, ())
     assert [j.verdict for j in judged] == [OK, OK]
     assert [(r.rank, r.device, r.verdict) for r in judged[0].ranks] == [(0, "cpu", "ok"), (1, "cpu", "ok")]
