@@ -616,8 +616,9 @@ def test_plan_judges_each_worker_on_its_node_and_says_78_then_1_without_resource
 ):
     """`kvpact-launch --plan`: each worker's `--plan-only` runs in its bundle (the model's weight data is
     garbage: only headers are read), judged as the router would: cpu-0 meets --paged-attn on; long-0 plans
-    another max-model-len under router --uniform model,max-model-len; triton-0 cannot honor on. Then a file
-    whose bundles the cluster cannot grant exits 1 after ray.placement_timeout_s, as a launch does."""
+    another max-model-len under router --uniform model,max-model-len; triton-0 cannot honor on; tp-0's two
+    ranks are each shown with their own plan. Then a file whose bundles the cluster cannot grant exits 1
+    after ray.placement_timeout_s, as a launch does."""
     garbage = tmp_path / "garbage"
     garbage.mkdir()
     for f in model.iterdir():
@@ -630,6 +631,7 @@ def test_plan_judges_each_worker_on_its_node_and_says_78_then_1_without_resource
         worker_group(garbage, "cpu", 1),
         worker_group(garbage, "long", 1, max_model_len=128),
         worker_group(garbage, "triton", 1, resources={"num_gpus": 1, "num_cpus": 1}, pa_backend="triton"),
+        worker_group(garbage, "tp", 1, tensor_parallel_size=2, model_name="tiny-tp"),  # each rank planned
     ]
     config = cluster_file(tmp_path, workers=workers, router_flags={"uniform": "model,max-model-len"})
     with launched(config, ray_cluster.address, log_dir=tmp_path, args=("--plan",)) as launch:
@@ -644,6 +646,9 @@ def test_plan_judges_each_worker_on_its_node_and_says_78_then_1_without_resource
     assert any(r.startswith("long-0 tiny no model sha256:") and r.endswith("max-model-len 128") for r in rows)
     assert any(r.startswith("cpu-0 ok bundle 0 on node") for r in rows), out
     assert any(r.startswith("triton-0 refused it was started with --paged-attn on") for r in rows), out
+    for rank in (0, 1):  # the TP worker's ranks, each with its own plan
+        assert f"tp-0 {rank} cpu ok +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in rows, out
+    assert any(r.startswith("tp-0 ok bundle 3 on node") for r in rows), out
     assert (
         err.rstrip()
         .splitlines()[-1]
