@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from kvpact.worker.cli import parse_args
-from kvpact.worker.plan_only import run_plan_only
+from kvpact.worker.plan_only import make_plan, run_plan_only
 from kvpact.worker.startup import engine_setup, follower
 from kvpact.worker.startup.device import probe_device
 
@@ -172,3 +172,24 @@ def test_the_text_plan_has_a_row_per_rank(tiny_llama, never_load, monkeypatch, c
     assert "0     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in out
     assert "1     cpu     refused  paged-attn: [cache-budget] kv-budget: the KV cache budget" in out
     assert "verdict: refused (exit 78)" in out
+
+
+def test_a_gguf_header_is_parsed_once_for_the_whole_tensor_parallel_plan(tmp_path, never_load, monkeypatch):
+    """The config, the weight estimate, the fingerprint and every rank's plan share one parse (it used to
+    be one per read and rank: about 0.15 s each for the default model)."""
+    from kvpact.worker.loader import gguf_reader
+    from tests.factories.tiny_models import make_tiny_gguf
+
+    model = make_tiny_gguf(tmp_path / "tiny.gguf")
+    parsed = []
+    real = gguf_reader.GGUFContents.__init__
+
+    def counted(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        parsed.append(path)
+        real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_reader.GGUFContents, "__init__", counted)
+    options = parse_args(["--model", str(model), "--max-model-len", "128", "--tensor-parallel-size", "2"])
+    verdict = make_plan(options.spec)
+    assert (verdict.exit_code, len(verdict.ranks)) == (0, 2)
+    assert parsed == [model]
