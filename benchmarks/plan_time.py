@@ -48,8 +48,13 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--cold", action="store_true", help="an empty GGUF conversion cache")
     args = parser.parse_args()
-    if args.cold:
-        os.environ["KVPACT_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvpact-plan-time-")
+    with tempfile.TemporaryDirectory(prefix="kvpact-plan-time-") as empty:
+        if args.cold:
+            os.environ["KVPACT_CACHE_DIR"] = empty
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
 
     import structlog
     import torch
