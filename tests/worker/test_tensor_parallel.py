@@ -244,3 +244,14 @@ def test_kv_heads_replicated_over_the_ranks_give_the_one_rank_tokens(tmp_path):
             if ranks is not None:
                 ranks.close()
     assert len(tokens[1]) == 24 and tokens[2] == tokens[1]
+
+
+def test_a_ranks_paged_refusal_is_raised_once_named_as_that_ranks_not_rank_0s(tiny_llama, no_loading):
+    """The worker's line reads `worker a rank 1: ...` (process.py reads `.rank`), and the reason is rank 1's,
+    not wrapped once more as rank 0's."""
+    spec = replace(worker_spec(tiny_llama, "on"), tensor_parallel_size=2)
+    refused = RankProblem("required", NO_SM, "device", "paged-attn", "compute-capability")
+    with pytest.raises(PagedAttentionRequiredError) as info:
+        engine_setup.plan_startup(spec, rank_verdicts=(RankVerdict(1, "cuda:1", problem=refused),))
+    assert info.value.rank == 1
+    assert info.value.reason == f"rank 1 (cuda:1) cannot realize it: {NO_SM}"
