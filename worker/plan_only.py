@@ -43,9 +43,9 @@ class PlanVerdict:
     refused: tuple[FeatureState, ...]  # the features whose `on` cannot be met (their reason met under on)
     error: str = ""  # a refusal that is no feature's (ConfigError), or why the model cannot be read
     plan: WorkerPlan | None = None
-    ranks: tuple[
-        RankVerdict, ...
-    ] = ()  # tensor parallel: each rank's own plan on its own device, rank 0 first
+    # tensor parallel: each rank's own plan on its own device, rank 0 first (() for one rank)
+    ranks: tuple[RankVerdict, ...] = ()
+    tensor_parallel_size: int = 1
 
     @property
     def verdict(self) -> str:
@@ -61,11 +61,11 @@ def _as_auto(spec: WorkerSpec, feature: str) -> WorkerSpec:
 
 def make_plan(spec: WorkerSpec, log: Any = None) -> PlanVerdict:
     probe = probe_device(spec.device, spec.device_map)
+    size = spec.tensor_parallel_size
     try:
         header = read_model_header(spec.model or None)
     except KvpactError as exc:
-        return PlanVerdict(EXIT_FATAL, (), (), str(exc))
-    size = spec.tensor_parallel_size
+        return PlanVerdict(EXIT_FATAL, (), (), str(exc), tensor_parallel_size=size)
     if size == 1:
         return _settle(spec, lambda s: plan_startup(s, probe=probe, log=log, header=header))
     devices = rank_devices(probe.device, size)
@@ -77,7 +77,7 @@ def make_plan(spec: WorkerSpec, log: Any = None) -> PlanVerdict:
         spec, lambda s: plan_startup(s, probe=probe, log=log, header=header, rank_verdicts=others(s))
     )
     own = (own_verdict(0, spec, header, _QUIET, probe), *others(spec))
-    return replace(combined, ranks=own)
+    return replace(combined, ranks=own, tensor_parallel_size=size)
 
 
 def _settle(spec: WorkerSpec, plan: Callable[[WorkerSpec], WorkerPlan]) -> PlanVerdict:
@@ -150,7 +150,7 @@ def verdict_json(v: PlanVerdict, model_name: str = "") -> dict[str, Any]:
         "model_name": model_name or (_default_name(v.plan) if v.plan is not None else None),
         "fingerprint": v.plan.fingerprint.to_json() if v.plan is not None else None,
         "features": _features_json(v.features),
-        "tensor_parallel_size": max(1, len(v.ranks)),
+        "tensor_parallel_size": v.tensor_parallel_size,
         "ranks": [_rank_json(r) for r in v.ranks],
     }
 

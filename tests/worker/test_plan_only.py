@@ -193,3 +193,9 @@ def test_a_gguf_header_is_parsed_once_for_the_whole_tensor_parallel_plan(tmp_pat
     verdict = make_plan(options.spec)
     assert (verdict.exit_code, len(verdict.ranks)) == (0, 2)
     assert parsed == [model]
+
+
+def test_an_unreadable_model_exits_1_and_still_says_the_parallel_size(tmp_path, never_load, capsys):
+    code, out = plan_json(capsys, "--model", str(tmp_path / "missing"), "--tensor-parallel-size", "2")
+    assert (code, out["verdict"], out["tensor_parallel_size"], out["ranks"]) == (1, "refused", 2, [])
+    assert out["error"].startswith(f"model path {tmp_path / 'missing'} does not exist")
