@@ -57,17 +57,14 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionStep
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         # q and k rotated together (one set of RoPE ops per layer, not two); q, k and v stay views
         # of their rows, each token's [heads, head_dim] contiguous.
-        qk = apply_rotary(
-            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-            cos,
-            sin,
-        )
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.o_proj(attn.forward(self.layer_idx, q, k, v).reshape(-1, self.q_size))
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), -1)
+        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), 1)
+        out = attn.forward(self.layer_idx, q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        out = F.linear(out.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -111,8 +108,8 @@ class LlamaForCausalLM(nn.Module):
         self.stages: tuple[Stage, ...] = ()  # set by build_model; () = every layer where its weights are
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(positions)
         x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # once per step, laid out for every layer
         # The hidden states move to each stage's device (a no-op on the same device).
         for stage in self.stages or single_stage(x.device, len(self.model.layers)):
             x, cos, sin = x.to(stage.device), cos.to(stage.device), sin.to(stage.device)
