@@ -4,8 +4,9 @@ The inverse frequencies are computed once in float32 on the CPU; cos/sin are com
 the flat `positions` tensor (cheap: `num_tokens x head_dim/2`), so no table is sized by the context
 length. They are laid out once per step for every layer (full width, in the model's dtype, sin negated
 on the first half), so a layer's rotation is four ops (`apply_rotary`): per-layer Python dispatch is
-most of a batch-1 decode step outside its matmuls (docs/performance.md). Scaling types: plain, "linear" (positions divided by `factor`) and "llama3" (long wavelengths
-divided by `factor`, short ones kept, a smooth ramp between).
+most of a batch-1 decode step outside its matmuls (docs/performance.md). Scaling types: plain,
+"linear" (positions divided by `factor`) and "llama3" (long wavelengths divided by `factor`, short
+ones kept, a smooth ramp between).
 """
 
 from __future__ import annotations
