@@ -220,7 +220,7 @@ _UNTRACED = contextlib.nullcontext()
 def _traced(name: str) -> contextlib.AbstractContextManager[object]:
     """A profiler range named `name` while torch.profiler records (the engine_step benchmark groups the
     kernels by it); nothing otherwise: entering a range costs a dispatch, twice per layer per step."""
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else _UNTRACED
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else _UNTRACED
 
 
 def _check_layout(key_cache: torch.Tensor, **rows: torch.Tensor) -> None:
