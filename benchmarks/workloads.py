@@ -67,8 +67,10 @@ def text_items(
         window = _slice(tokens, offsets.randrange(len(tokens)), prompt_tokens, tokenizer.get_vocab_size())
         text = tokenizer.decode(list(window))
         ids = tokenizer.encode(text, add_special_tokens=False).ids
-        if len(ids) > prompt_tokens:
-            text = tokenizer.decode(ids[:prompt_tokens])
+        for cut in range(prompt_tokens, 0, -1):  # decode(encode(text)) may re-tokenize longer: cut it
+            if len(ids) <= prompt_tokens:
+                break
+            text = tokenizer.decode(ids[:cut])
             ids = tokenizer.encode(text, add_special_tokens=False).ids
         out = lengths.randint(max(1, output_tokens // 2), output_tokens * 3 // 2)
         items.append(TextItem(text, len(ids), out))
