@@ -11,7 +11,7 @@ kvpact.v1.Generation/Generate on a router; both take the same GenerateRequest. `
 prompt; there a message is one SSE event and its tokens are the synthetic worker's stamps in its text.
 Its client is aiohttp: httpx (`--http-client httpx`, kept to compare) spent 8 ms of client CPU per
 request at 64 open connections here (its connection pool) against aiohttp's 0.5 ms (and gRPC's 0.4),
-and the latency run's 64 streams end and reopen together every 2 s.
+and read a fifth of the latency run's tokens late (docs/openai.md, "The HTTP row's p99").
 The prompt text `tokens_per_s=R` sets a synthetic worker's rate for the stream
 (benchmarks/synthetic_worker.py); `--prompt-text` sends a real prompt instead (a real worker; greedy).
 With `--latency`, each token's delivery latency is the receive time minus the send time the synthetic
