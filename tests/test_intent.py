@@ -3,7 +3,8 @@ around them."""
 
 import pytest
 
-from kvpact.shared.capability import DeviceInfo, KernelSupport, ModelTraits, decide_paged_attention
+from kvpact.shared import reasons
+from kvpact.shared.capability import DeviceInfo, KernelSupport, ModelTraits, choose_backend
 from kvpact.shared.errors import PagedAttentionRequiredError
 from kvpact.shared.intent import (
     CacheIntent,
@@ -36,6 +37,19 @@ def state(mode: str, **settings) -> PagedAttentionState:
     return PagedAttentionState.from_intent(
         cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(**settings))
     )
+
+
+def decide(
+    device: DeviceInfo, s: PagedAttentionState, model: ModelTraits | None = None
+) -> PagedBackend | None:
+    """The device check as startup runs it (worker/startup/checks.py): only while the config is in force,
+    its finding through the door. The backend, or None when paged-attn realizes off."""
+    if s.paged_config is None:
+        return None
+    backend, finding = choose_backend(device, s, model)
+    if finding is not None:
+        disable_paged_attention(s, finding.message, component=finding.component, code=finding.code)
+    return backend
 
 
 def test_cli_mapping_of_auto_on_off():
@@ -99,31 +113,35 @@ def test_disable_after_off_is_a_no_op():
 @pytest.mark.parametrize("device", [CPU, MPS], ids=["cpu", "mps"])
 def test_cpu_and_mps_behaviour_for_all_three_modes(device):
     auto = state("auto")
-    decision = decide_paged_attention(device, auto)
-    assert (decision.enabled, decision.backend) == (False, None)
-    assert decision.reason.startswith(f"eager is the {device.kind.upper()} default")
+    assert decide(device, auto) is None
+    realized = auto.feature_state()
+    assert not realized.realized and realized.message.startswith(
+        f"eager is the {device.kind.upper()} default"
+    )
     assert auto.fallbacks[0].component == "device"
 
-    on = decide_paged_attention(device, state("on"))
-    assert (on.enabled, on.required, on.backend) == (True, True, PagedBackend.TORCH)
+    on = state("on")
+    assert decide(device, on) is PagedBackend.TORCH
+    assert on.feature_state().realized and on.required
 
     off = state("off")
-    decision = decide_paged_attention(device, off)
-    assert (decision.enabled, decision.reason, off.fallbacks) == (False, "--paged-attn off", [])
+    assert decide(device, off) is None
+    assert (off.feature_state().code, off.fallbacks) == (reasons.OFF_BY_REQUEST.code, [])
 
 
 def test_cuda_auto_enables_triton():
-    decision = decide_paged_attention(CUDA, state("auto"), SMOL)
-    assert (decision.enabled, decision.required, decision.backend) == (True, False, PagedBackend.TRITON)
+    auto = state("auto")
+    assert decide(CUDA, auto, SMOL) is PagedBackend.TRITON
+    assert auto.feature_state().realized and not auto.required
 
 
 def test_unsupported_build_without_triton():
     no_triton = DeviceInfo(kind="cuda", name="H100", compute_capability=(9, 0), triton_version=None)
     auto = state("auto")
-    assert not decide_paged_attention(no_triton, auto, SMOL).enabled
+    assert decide(no_triton, auto, SMOL) is None
     assert "no usable Triton" in auto.fallbacks[0].reason
     with pytest.raises(PagedAttentionRequiredError, match="no usable Triton"):
-        decide_paged_attention(no_triton, state("on"), SMOL)
+        decide(no_triton, state("on"), SMOL)
 
 
 def test_unsupported_build_old_compute_capability():
@@ -135,13 +153,13 @@ def test_unsupported_build_old_compute_capability():
         triton_support=H100_SUPPORT,
     )
     auto = state("auto")
-    assert not decide_paged_attention(old, auto, SMOL).enabled
+    assert decide(old, auto, SMOL) is None
     assert (
         auto.fallbacks[0].reason
         == "the Triton paged kernels need compute capability >= 8.0 and Tesla P100 has 6.0"
     )
     with pytest.raises(PagedAttentionRequiredError, match="compute capability >= 8.0"):
-        decide_paged_attention(old, state("on"), SMOL)
+        decide(old, state("on"), SMOL)
 
 
 @pytest.mark.parametrize(
@@ -154,10 +172,10 @@ def test_unsupported_build_old_compute_capability():
 )
 def test_kernel_limits_are_named_reasons(settings, model, needle):
     auto = state("auto", **settings)
-    assert not decide_paged_attention(CUDA, auto, model).enabled
+    assert decide(CUDA, auto, model) is None
     assert needle in auto.fallbacks[0].reason
     with pytest.raises(PagedAttentionRequiredError, match=needle):
-        decide_paged_attention(CUDA, state("on", **settings), model)
+        decide(CUDA, state("on", **settings), model)
 
 
 @pytest.mark.parametrize("mode", ["auto", "on"])
@@ -172,15 +190,15 @@ def test_mixed_cpu_gpu_device_map(mode):
     s = state(mode)
     if mode == "on":
         with pytest.raises(PagedAttentionRequiredError, match="device mapping includes CPU"):
-            decide_paged_attention(mixed, s, SMOL)
+            decide(mixed, s, SMOL)
     else:
-        assert not decide_paged_attention(mixed, s, SMOL).enabled
+        assert decide(mixed, s, SMOL) is None
         assert s.fallbacks[0].reason == "device mapping includes CPU and PagedAttention has no CPU KV cache"
 
 
 def test_triton_backend_without_cuda_is_unsupported():
     with pytest.raises(PagedAttentionRequiredError, match="needs a CUDA device and this worker runs on cpu"):
-        decide_paged_attention(CPU, state("on", backend=PagedBackend.TRITON))
+        decide(CPU, state("on", backend=PagedBackend.TRITON))
 
 
 def test_scheduler_rejects_required_request_without_realized_cache():
@@ -226,7 +244,7 @@ def gpu(name: str, cc: tuple[int, int], shared: int) -> DeviceInfo:
 def test_a_gpu_whose_shared_memory_cannot_hold_the_tiles_falls_back_through_the_kernels_door():
     l4, fp32_256 = gpu("NVIDIA L4", (8, 9), 101_376), ModelTraits(head_size=256, dtype="float32")
     auto = state("auto")
-    assert not decide_paged_attention(l4, auto, fp32_256).enabled
+    assert decide(l4, auto, fp32_256) is None
     [fallback] = auto.fallbacks
     assert fallback.component == "kernels"
     assert fallback.reason.startswith(
@@ -234,10 +252,10 @@ def test_a_gpu_whose_shared_memory_cannot_hold_the_tiles_falls_back_through_the_
         "256, and NVIDIA L4 allows 101376"
     )
     with pytest.raises(PagedAttentionRequiredError, match="139648 bytes of shared memory"):
-        decide_paged_attention(l4, state("on"), fp32_256)
+        decide(l4, state("on"), fp32_256)
     # bf16 KV needs half, and an A100 (163 KB opt-in) holds fp32 too.
-    assert decide_paged_attention(l4, state("on"), ModelTraits(head_size=256, dtype="bfloat16")).enabled
-    assert decide_paged_attention(gpu("NVIDIA A100", (8, 0), 166_912), state("on"), fp32_256).enabled
+    assert decide(l4, state("on"), ModelTraits(head_size=256, dtype="bfloat16")) is not None
+    assert decide(gpu("NVIDIA A100", (8, 0), 166_912), state("on"), fp32_256) is not None
 
 
 def test_the_support_table_covers_every_supported_shape_and_grows_with_dtype_and_head():
