@@ -34,7 +34,7 @@ from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.intent import CacheDtype, PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.shared.spec import WorkerSpec
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from kvpact.worker.registration import RouterLink
@@ -122,7 +122,6 @@ def ready_handshake(worker_id: str, address: str, model: str) -> worker_pb2.Hand
     )
     realized = RealizedCache(
         kind=CacheKind.EAGER,
-        scheduler=SchedulerKind.DEFAULT,
         max_model_len=MAX_MODEL_LEN,
         capacity_tokens=NUM_SLOTS * MAX_MODEL_LEN,
         max_concurrency=NUM_SLOTS,

@@ -21,7 +21,7 @@ from kvpact.shared.intent import (
     PagedBackend,
 )
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.shared.spec import LayerPlacement, WorkerSpec
 from kvpact.v1 import cache_pb2, worker_pb2
 
@@ -52,11 +52,11 @@ _BACKEND_FROM_PB = {v: k for k, v in _BACKEND_TO_PB.items()} | {
 }
 _KIND_TO_PB = {CacheKind.PAGED: cache_pb2.CACHE_KIND_PAGED, CacheKind.EAGER: cache_pb2.CACHE_KIND_EAGER}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
-_SCHED_TO_PB = {
-    SchedulerKind.PAGED: cache_pb2.SCHEDULER_KIND_PAGED,
-    SchedulerKind.DEFAULT: cache_pb2.SCHEDULER_KIND_DEFAULT,
+# The scheduler follows the cache's kind (shared/scheduler_choice.py): written for older readers, never read.
+_SCHEDULER_TO_PB = {
+    CacheKind.PAGED: cache_pb2.SCHEDULER_KIND_PAGED,
+    CacheKind.EAGER: cache_pb2.SCHEDULER_KIND_DEFAULT,
 }
-_SCHED_FROM_PB = {v: k for k, v in _SCHED_TO_PB.items()}
 
 
 _FEATURE_MODE_TO_PB = {
@@ -169,7 +169,7 @@ def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
         num_blocks=realized.num_blocks,
         capacity_tokens=realized.capacity_tokens,
         max_concurrency=realized.max_concurrency,
-        scheduler=_SCHED_TO_PB[realized.scheduler],
+        scheduler=_SCHEDULER_TO_PB[realized.kind],
         fallbacks=_fallbacks_to_pb(realized.fallbacks),
         cache_dtype=_DTYPE_TO_PB[realized.cache_dtype],
         max_model_len=realized.max_model_len,
@@ -184,7 +184,6 @@ def realized_from_pb(msg: cache_pb2.RealizedCache) -> RealizedCache:
     kind = _KIND_FROM_PB[msg.kind]
     return RealizedCache(
         kind=kind,
-        scheduler=_SCHED_FROM_PB[msg.scheduler],
         max_model_len=msg.max_model_len,
         capacity_tokens=msg.capacity_tokens,
         max_concurrency=msg.max_concurrency,

@@ -8,13 +8,12 @@ from dataclasses import dataclass, field
 from kvpact.shared.features import FeatureState
 from kvpact.shared.intent import CacheDtype, Fallback, PagedBackend
 from kvpact.shared.reasons import PREFIX_CACHING
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 
 
 @dataclass(frozen=True, slots=True)
 class RealizedCache:
     kind: CacheKind
-    scheduler: SchedulerKind
     max_model_len: int
     capacity_tokens: int
     max_concurrency: int  # sequences of max_model_len that fit at once
@@ -27,6 +26,11 @@ class RealizedCache:
     features: tuple[FeatureState, ...] = field(default_factory=tuple)  # every feature, as built
     tensor_parallel_size: int = 1  # ranks, each holding the KV of its own heads (the same kind on all)
     rank_devices: tuple[str, ...] = ()  # each rank's device, rank order (empty: not reported)
+
+    @property
+    def scheduler(self) -> str:
+        """The scheduler that runs over this cache: it follows the cache one to one (select_scheduler)."""
+        return "paged" if self.kind is CacheKind.PAGED else "default"
 
     @property
     def prefix_caching(self) -> bool:

@@ -30,7 +30,7 @@ from kvpact.shared.intent import (
     cache_intent,
 )
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
 from kvpact.v1 import cache_pb2, worker_pb2
 
@@ -126,15 +126,13 @@ def test_on_without_paged_message_is_still_required():
 
 @given(
     st.sampled_from(list(CacheKind)),
-    st.sampled_from(list(SchedulerKind)),
     st.lists(
         st.tuples(st.sampled_from(["device", "loader", "cache-budget"]), st.text(max_size=40)), max_size=3
     ),
 )
-def test_realized_cache_round_trip(kind, scheduler, fallbacks):
+def test_realized_cache_round_trip(kind, fallbacks):
     realized = RealizedCache(
         kind=kind,
-        scheduler=scheduler,
         max_model_len=2048,
         capacity_tokens=65536,
         max_concurrency=32,
@@ -155,7 +153,7 @@ def test_realized_cache_round_trip(kind, scheduler, fallbacks):
 
 
 def test_a_realized_cache_from_an_older_worker_has_one_rank():
-    msg = realized_to_pb(RealizedCache(CacheKind.EAGER, SchedulerKind.DEFAULT, 256, 256, 1, 1, 0,
+    msg = realized_to_pb(RealizedCache(CacheKind.EAGER, 256, 256, 1, 1, 0,
                                        CacheDtype.FLOAT32))  # fmt: skip
     msg.ClearField("tensor_parallel_size")
     assert realized_from_pb(msg).tensor_parallel_size == 1
@@ -165,7 +163,6 @@ def test_realized_table_names_kind_and_fallback():
     table = realized_table(
         RealizedCache(
             kind=CacheKind.EAGER,
-            scheduler=SchedulerKind.DEFAULT,
             max_model_len=2048,
             capacity_tokens=16384,
             max_concurrency=8,

@@ -17,7 +17,7 @@ from kvpact.shared.intent import (
     disable_paged_attention,
     paged_config_for_mode,
 )
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
+from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 
 H100_SUPPORT = KernelSupport(
     head_sizes=frozenset({64, 128}),
@@ -212,13 +212,13 @@ def test_scheduler_rejects_required_request_without_realized_cache():
 
 
 def test_auto_falls_back_to_default_scheduler():
-    assert select_scheduler(cache_intent(PagedAttentionMode.AUTO), CacheKind.EAGER) is SchedulerKind.DEFAULT
-    assert select_scheduler(cache_intent(PagedAttentionMode.OFF), CacheKind.EAGER) is SchedulerKind.DEFAULT
+    assert select_scheduler(cache_intent(PagedAttentionMode.AUTO), CacheKind.EAGER) is CacheKind.EAGER
+    assert select_scheduler(cache_intent(PagedAttentionMode.OFF), CacheKind.EAGER) is CacheKind.EAGER
 
 
 def test_paged_scheduler_selected_when_cache_metadata_exists():
     for mode in (PagedAttentionMode.AUTO, PagedAttentionMode.ON):
-        assert select_scheduler(cache_intent(mode), CacheKind.PAGED) is SchedulerKind.PAGED
+        assert select_scheduler(cache_intent(mode), CacheKind.PAGED) is CacheKind.PAGED
 
 
 REAL_SUPPORT = KernelSupport(

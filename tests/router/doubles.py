@@ -35,7 +35,7 @@ from kvpact.shared.intent import (
     cache_intent,
 )
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.shared.spec import WorkerSpec
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
@@ -161,7 +161,6 @@ def paged_realized(
 ) -> RealizedCache:
     return RealizedCache(
         kind=CacheKind.PAGED,
-        scheduler=SchedulerKind.PAGED,
         max_model_len=256,
         capacity_tokens=num_blocks * block_size,
         max_concurrency=num_blocks * block_size // 256,
@@ -180,7 +179,6 @@ EAGER_CPU_REASON = "eager is the CPU default (use --paged-attn on for the torch 
 def eager_realized(*fallbacks: Fallback, num_slots: int = 4) -> RealizedCache:
     return RealizedCache(
         kind=CacheKind.EAGER,
-        scheduler=SchedulerKind.DEFAULT,
         max_model_len=256,
         capacity_tokens=num_slots * 256,
         max_concurrency=num_slots,

@@ -8,7 +8,7 @@ from kvpact.router.admission import admit, admit_plan
 from kvpact.shared.features import FeatureState
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import Fallback, PagedAttentionMode, PagedBackend, cache_intent
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from tests.router.doubles import EAGER_CPU_REASON, eager_realized, paged_realized
 
 AUTO, ON, OFF = PagedAttentionMode.AUTO, PagedAttentionMode.ON, PagedAttentionMode.OFF
@@ -63,16 +63,6 @@ def test_admission_matrix(policy, intent, realized, admitted, words):
     for word in words:
         assert word in decision.reason
     assert decision.policy_failure is (not admitted)
-
-
-@pytest.mark.parametrize("intent", [ON, AUTO])
-def test_on_refuses_a_paged_cache_reported_with_the_default_scheduler(intent):
-    """The worker's own backstop (select_scheduler) never builds this; the router does not trust that."""
-    incoherent = replace(PAGED, scheduler=SchedulerKind.DEFAULT)
-    decision = admit(ON, cache_intent(intent), incoherent)
-    assert not decision.admitted and decision.policy_failure
-    assert "runs the default scheduler, not the paged one" in decision.reason
-    assert admit(AUTO, cache_intent(intent), incoherent).admitted  # auto admits whatever was realized
 
 
 def test_off_realized_without_fallback_has_no_reason_appended():

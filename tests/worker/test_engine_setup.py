@@ -18,7 +18,7 @@ from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
 from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.reasons import Finding
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.shared.spec import LayerPlacement
 from kvpact.v1 import cache_pb2
 from kvpact.worker.generate_pb import capabilities_to_pb
@@ -57,7 +57,7 @@ def no_loading(monkeypatch):
 def test_cpu_auto_realizes_eager_and_says_why(make_engine, tiny_llama):
     engine = make_engine(tiny_llama, "auto")
     r = engine.realized
-    assert (r.kind, r.scheduler, r.backend) == (CacheKind.EAGER, SchedulerKind.DEFAULT, None)
+    assert (r.kind, r.scheduler, r.backend) == (CacheKind.EAGER, "default", None)
     assert fallbacks(r) == [
         ("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")
     ]
@@ -73,7 +73,7 @@ def test_cpu_on_realizes_the_torch_paged_backend(make_engine, tiny_llama):
     r = engine.realized
     assert (r.kind, r.scheduler, r.backend, r.block_size) == (
         CacheKind.PAGED,
-        SchedulerKind.PAGED,
+        "paged",
         PagedBackend.TORCH,
         16,
     )
@@ -84,7 +84,7 @@ def test_cpu_on_realizes_the_torch_paged_backend(make_engine, tiny_llama):
 
 def test_cpu_off_realizes_eager_with_no_fallback(make_engine, tiny_llama):
     r = make_engine(tiny_llama, "off").realized
-    assert (r.kind, r.scheduler, fallbacks(r)) == (CacheKind.EAGER, SchedulerKind.DEFAULT, [])
+    assert (r.kind, r.scheduler, fallbacks(r)) == (CacheKind.EAGER, "default", [])
 
 
 def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_llama, no_loading):
@@ -116,7 +116,7 @@ def test_auto_with_a_budget_too_small_falls_back_to_eager_and_records_why(make_e
     # --pa-backend torch makes auto try the paged cache on CPU; the budget then cannot hold 256 tokens
     engine = make_engine(tiny_llama, "auto", backend=PagedBackend.TORCH, context_tokens=100)
     r = engine.realized
-    assert (r.kind, r.scheduler) == (CacheKind.EAGER, SchedulerKind.DEFAULT)
+    assert (r.kind, r.scheduler) == (CacheKind.EAGER, "default")
     [(component, reason)] = fallbacks(r)
     assert component == "cache-budget" and "holds only 112 tokens" in reason
     assert engine.run([greedy("r", (5, 6, 7), 4)])[0].usage.completion_tokens == 4  # and it serves

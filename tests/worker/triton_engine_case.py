@@ -14,7 +14,7 @@ import torch
 from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.shared.intent import CacheDtype, PagedBackend
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.engine.request import GenerationRequest, SamplingParams
@@ -47,7 +47,6 @@ def engine_for(model_dir: Path, backend: PagedBackend) -> Engine:
         warm_up_paged_kernels(cache, num_heads=cfg.num_heads, dtype=torch.float32)
     realized = RealizedCache(
         kind=CacheKind.PAGED,
-        scheduler=SchedulerKind.PAGED,
         max_model_len=MAX_MODEL_LEN,
         capacity_tokens=NUM_BLOCKS * BLOCK_SIZE,
         max_concurrency=NUM_BLOCKS * BLOCK_SIZE // MAX_MODEL_LEN,

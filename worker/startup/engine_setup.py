@@ -26,7 +26,7 @@ from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
 from kvpact.shared.realized import RealizedCache
 from kvpact.shared.reasons import CPU_KERNELS, PREFIX_CACHING
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
+from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.cpu_share import CpuShare
 from kvpact.worker.engine.engine import Engine
@@ -364,13 +364,13 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
         log.info("eager attention kernels", kernels=cache.kernels)
     scheduler_kind = select_scheduler(plan.spec.cache, cache.kind)  # the backstop: from what was built
     scheduler: Scheduler
-    if scheduler_kind is SchedulerKind.PAGED:
+    if scheduler_kind is CacheKind.PAGED:
         assert isinstance(cache, PagedCache) and plan.state.paged_config is not None
         manager = BlockManager(cache.num_blocks, cache.block_size, plan.realizes(PREFIX_CACHING))
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
         scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
-    realized = realized_cache(plan, cache, scheduler_kind, plan.features)
+    realized = realized_cache(plan, cache, plan.features)
     log.info(
         "realized KV cache\n" + realized_table(realized),
         model=loaded.name,
@@ -417,7 +417,6 @@ def rank_build(plan: WorkerPlan) -> RankBuild:
 def realized_cache(
     plan: WorkerPlan,
     cache: PagedCache | EagerCache | StagedCache,
-    scheduler: SchedulerKind,
     features: tuple[FeatureState, ...] = (),
 ) -> RealizedCache:
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
@@ -430,7 +429,6 @@ def realized_cache(
         capacity = cache.num_blocks * cache.block_size
         return RealizedCache(
             kind=CacheKind.PAGED,
-            scheduler=scheduler,
             max_model_len=plan.max_model_len,
             capacity_tokens=capacity,
             max_concurrency=capacity // plan.max_model_len,
@@ -445,7 +443,6 @@ def realized_cache(
         )
     return RealizedCache(
         kind=CacheKind.EAGER,
-        scheduler=scheduler,
         max_model_len=plan.max_model_len,
         capacity_tokens=cache.num_slots * cache.max_model_len,
         max_concurrency=cache.num_slots,

@@ -311,6 +311,7 @@ class RealizedCache(_message.Message):
     max_concurrency: _builtins.int
     """sequences of max_model_len that fit at once"""
     scheduler: Global___SchedulerKind.ValueType
+    """follows kind (PAGED <-> PAGED); written for older readers, not read"""
     cache_dtype: Global___CacheDtype.ValueType
     max_model_len: _builtins.int
     memory_bytes: _builtins.int
