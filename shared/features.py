@@ -140,6 +140,16 @@ class Ledger:
         return tuple(self.state(f) for f in self.modes)
 
 
+def updated_states(
+    before: tuple[FeatureState, ...], now: tuple[FeatureState, ...]
+) -> tuple[FeatureState, ...]:
+    """`before` with each state `now` reports in its place (by name), then any new ones: a beat that
+    omits a feature (an older or partial sender) leaves that feature as it was."""
+    fresh = {s.name: s for s in now}
+    known = {s.name for s in before}
+    return tuple(fresh.get(s.name, s) for s in before) + tuple(s for s in now if s.name not in known)
+
+
 def describe_features(states: tuple[FeatureState, ...]) -> str:
     """A FEATURES cell: each feature's realized state, `+` on / `-` off, e.g. `+paged-attn -cuda-graphs`;
     a `!` marks one that fell back (asked auto or on, realized off)."""

@@ -8,8 +8,13 @@ from kvpact.router.admission import admit, admit_plan
 from kvpact.shared.features import FeatureState
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import Fallback, PagedAttentionMode, PagedBackend, cache_intent
-from kvpact.shared.scheduler_choice import CacheKind
-from tests.router.doubles import EAGER_CPU_REASON, eager_realized, paged_realized
+from tests.router.doubles import (
+    EAGER_CPU_REASON,
+    PAGED_ATTN_REALIZED,
+    eager_realized,
+    paged_attn_off,
+    paged_realized,
+)
 
 AUTO, ON, OFF = PagedAttentionMode.AUTO, PagedAttentionMode.ON, PagedAttentionMode.OFF
 PAGED = paged_realized()
@@ -93,8 +98,8 @@ def test_eager_without_any_reported_reason_says_so():
 
 # -- a worker's pre-load plan (Handshake.loading) --------------------------------------------------
 
-PLANNED_PAGED = LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH)
-PLANNED_EAGER = LoadingPlan(CacheKind.EAGER, fallbacks=(Fallback("device", EAGER_CPU_REASON),))
+PLANNED_PAGED = LoadingPlan((PAGED_ATTN_REALIZED,), PagedBackend.TORCH)
+PLANNED_EAGER = LoadingPlan((paged_attn_off(Fallback("device", EAGER_CPU_REASON)),))
 
 
 def test_on_refuses_a_plan_for_an_eager_cache_with_its_fallback_reason():
@@ -171,7 +176,7 @@ def test_feature_policy_matrix(mode, state, admitted, words):
 
 
 def test_a_plan_that_cannot_meet_a_feature_policy_is_refused_before_loading():
-    plan = LoadingPlan(kind=CacheKind.PAGED, backend=PagedBackend.TORCH, features=(NO_CUDA,))
+    plan = LoadingPlan(features=(PAGED_ATTN_REALIZED, NO_CUDA), backend=PagedBackend.TORCH)
     decision = admit_plan(AUTO, cache_intent(AUTO), plan, {"cuda-graphs": ON})
     assert (decision.admitted, decision.pending, decision.feature) == (False, False, "cuda-graphs")
     assert "plans cuda-graphs off" in decision.reason

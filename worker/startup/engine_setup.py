@@ -24,8 +24,8 @@ from kvpact.shared.errors import ConfigError, FeatureRequiredError, PagedAttenti
 from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features
 from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
-from kvpact.shared.realized import RealizedCache
-from kvpact.shared.reasons import CPU_KERNELS, PREFIX_CACHING
+from kvpact.shared.realized import RealizedCache, realizes
+from kvpact.shared.reasons import CPU_KERNELS, PAGED_ATTN, PREFIX_CACHING
 from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.cpu_share import CpuShare
@@ -419,8 +419,13 @@ def realized_cache(
     cache: PagedCache | EagerCache | StagedCache,
     features: tuple[FeatureState, ...] = (),
 ) -> RealizedCache:
+    """What was built: the cache's sizes beside every feature's state (paged-attn's is the cache's kind, so
+    the two must agree: a paged cache exactly when paged-attn is realized)."""
+    features = features or plan.features
+    if isinstance(cache, PagedCache) != realizes(features, PAGED_ATTN):
+        built = "a paged" if isinstance(cache, PagedCache) else "an eager"
+        raise RuntimeError(f"built {built} KV cache yet the features say {describe_features(features)}")
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
-    fallbacks = tuple(plan.state.fallbacks)
     ranks = {
         "tensor_parallel_size": plan.spec.tensor_parallel_size,
         "rank_devices": plan.rank_devices or (str(plan.probe.device),),
@@ -428,7 +433,6 @@ def realized_cache(
     if isinstance(cache, PagedCache):
         capacity = cache.num_blocks * cache.block_size
         return RealizedCache(
-            kind=CacheKind.PAGED,
             max_model_len=plan.max_model_len,
             capacity_tokens=capacity,
             max_concurrency=capacity // plan.max_model_len,
@@ -437,20 +441,17 @@ def realized_cache(
             cache_dtype=cache_dtype,
             backend=cache.backend,
             block_size=cache.block_size,
-            fallbacks=fallbacks,
-            features=features or plan.features,
+            features=features,
             **ranks,  # type: ignore[arg-type]
         )
     return RealizedCache(
-        kind=CacheKind.EAGER,
         max_model_len=plan.max_model_len,
         capacity_tokens=cache.num_slots * cache.max_model_len,
         max_concurrency=cache.num_slots,
         num_blocks=cache.num_slots,
         memory_bytes=cache.memory_bytes,
         cache_dtype=cache_dtype,
-        fallbacks=fallbacks,
-        features=features or plan.features,
+        features=features,
         **ranks,  # type: ignore[arg-type]
     )
 
