@@ -24,7 +24,7 @@ from kvpact.shared.errors import ConfigError, FeatureRequiredError, PagedAttenti
 from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features
 from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
-from kvpact.shared.realized import RealizedCache, realizes
+from kvpact.shared.realized import BuiltFeatures, RealizedCache, realizes
 from kvpact.shared.reasons import CPU_KERNELS, PAGED_ATTN, PREFIX_CACHING
 from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
@@ -64,15 +64,14 @@ _CACHE_DTYPES = {
 
 
 @dataclass(slots=True)
-class WorkerPlan:
-    """Everything decided before a weight is read. `state.paged_config` None = the eager cache;
-    `features` is what each feature will realize (what was built, before the build confirms it)."""
+class WorkerPlan(BuiltFeatures):
+    """Everything decided before a weight is read. `features` is what each feature will realize (what was
+    built, before the build confirms it); the cache's kind and paged-attn's fallback derive from it."""
 
     spec: WorkerSpec
     probe: DeviceProbe
     model_path: Path
     model_config: ModelConfig
-    state: PagedAttentionState
     backend: PagedBackend | None  # PAGED only
     features: tuple[FeatureState, ...]
     dtype: torch.dtype
@@ -91,11 +90,8 @@ class WorkerPlan:
     rank_devices: tuple[str, ...] = ()  # each rank's device (rank order)
 
     @property
-    def cache_kind(self) -> CacheKind:
-        return CacheKind.PAGED if self.state.enabled else CacheKind.EAGER
-
-    def realizes(self, feature: str) -> bool:
-        return any(f.name == feature and f.realized for f in self.features)
+    def cache_kind(self) -> CacheKind:  # plan_only's name for `kind`
+        return self.kind
 
     def log_fields(self) -> dict[str, Any]:
         return {
@@ -109,7 +105,7 @@ class WorkerPlan:
             "weight_bytes": self.weight_bytes,
             "features": describe_features(self.features),
             "fingerprint": self.fingerprint.describe(),
-            "fallbacks": [f"{f.component}: {f.reason}" for f in self.state.fallbacks],
+            "fallbacks": [f"{f.component}: {f.reason}" for f in self.fallbacks],
         }
 
 
@@ -181,7 +177,6 @@ def _plan(
         probe=probe,
         model_path=_model_path(spec),
         model_config=p.config,
-        state=p.state,
         backend=p.backend if p.paged else None,
         features=features,
         dtype=p.dtype,
@@ -321,7 +316,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
         loaded.model = shard_model(loaded.model, 0, ranks.world, ranks.all_reduce)
     config = loaded.model.config
     cache: PagedCache | EagerCache | StagedCache
-    if plan.state.paged_config is not None:
+    if plan.kind is CacheKind.PAGED:
         assert plan.paged_size is not None and plan.backend is not None
         cache = PagedCache(
             config.num_layers,
@@ -365,7 +360,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     scheduler_kind = select_scheduler(plan.spec.cache, cache.kind)  # the backstop: from what was built
     scheduler: Scheduler
     if scheduler_kind is CacheKind.PAGED:
-        assert isinstance(cache, PagedCache) and plan.state.paged_config is not None
+        assert isinstance(cache, PagedCache)
         manager = BlockManager(cache.num_blocks, cache.block_size, plan.realizes(PREFIX_CACHING))
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
@@ -406,7 +401,7 @@ def rank_build(plan: WorkerPlan) -> RankBuild:
         cache_dtype=str(plan.cache_dtype).removeprefix("torch."),
         max_model_len=plan.max_model_len,
         max_num_seqs=plan.max_num_seqs,
-        paged=plan.state.paged_config is not None,
+        paged=plan.kind is CacheKind.PAGED,
         num_blocks=size.num_blocks if size else 0,
         block_size=size.block_size if size else 0,
         backend=plan.backend.value if plan.backend else "",
