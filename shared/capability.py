@@ -11,8 +11,8 @@ on a CPU. The defaults (docs/design.md, "The contract"):
     a device map mixing CPU and accelerator layers                     -> unsupported
     --pa-backend triton without CUDA                                   -> unsupported
 
-Every "unsupported" is a shared/reasons.py `Finding` that goes through `disable_paged_attention`, so `auto`
-records the reason (with its component and code) and `on` raises.
+Every "unsupported" is a shared/reasons.py `Finding` that startup sends through the door (`Ledger.fall_back`),
+so `auto` records the reason (with its component and code) and `on` raises.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpact.shared import reasons
-from kvpact.shared.intent import PagedAttentionState, PagedBackend
+from kvpact.shared.intent import PagedAttentionConfig, PagedBackend
 from kvpact.shared.reasons import Finding
 
 ACCELERATOR_KINDS = frozenset({"cuda", "mps"})
@@ -61,12 +61,10 @@ class ModelTraits:
 
 
 def choose_backend(
-    device: DeviceInfo, state: PagedAttentionState, model: ModelTraits | None
+    device: DeviceInfo, config: PagedAttentionConfig, model: ModelTraits | None
 ) -> tuple[PagedBackend | None, Finding | None]:
     """The backend PagedAttention runs with here, or (None, why it cannot). Pure; the caller routes
     the finding through the door (the worker's startup check does: worker/startup/checks.py)."""
-    config = state.paged_config
-    assert config is not None
     kinds = device.device_map_kinds or frozenset({device.kind})
     if "cpu" in kinds and kinds & ACCELERATOR_KINDS:
         return None, reasons.MIXED_DEVICE_MAP.found()

@@ -8,9 +8,9 @@ cache -> scheduler -> handshake -> router. It is never reduced to a bool before 
     on   -> PagedAttentionConfig(required=True)    it must work, or startup fails naming the reason
     off  -> None                                   never
 
-While a worker starts, a `PagedAttentionState` holds the config still in force. Only
-`disable_paged_attention` may clear it (tests/test_architecture.py enforces this): loaders and caches
-know *compatibility*, the config knows *policy*, and this helper combines them.
+While a worker starts, paged-attn is one feature of the `Ledger` (shared/features.py): its config is in
+force until the ledger's door, `Ledger.fall_back`, records a finding (auto) or raises (on). Checks know
+*compatibility*, the mode knows *policy*, and the door combines them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
-from kvpact.shared.features import FeatureMode, FeatureState, off_by_request
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.features import FeatureMode
 from kvpact.shared.options import UINT64_MAX, check_options, option
 
 DEFAULT_BLOCK_SIZE = 16
@@ -163,58 +163,10 @@ def cache_intent(mode: PagedAttentionMode, settings: PagedAttentionConfig | None
 
 @dataclass(frozen=True, slots=True)
 class Fallback:
-    """One place where PagedAttention was found impossible under `auto`, and why (`code`: the reason's
-    code in shared/reasons.py; "" from an older sender)."""
+    """Where PagedAttention was found impossible under `auto`, and why (`code`: the reason's code in
+    shared/reasons.py; "" from an older sender): a view of paged-attn's FeatureState (shared/realized.py),
+    and the wire's form of it for older readers."""
 
     component: str
     reason: str
     code: str = ""
-
-
-@dataclass(slots=True)
-class PagedAttentionState:
-    """The paged config still in force while a worker starts, and every fallback taken so far."""
-
-    intent: CacheIntent
-    paged_config: PagedAttentionConfig | None
-    fallbacks: list[Fallback] = field(default_factory=list)
-
-    @classmethod
-    def from_intent(cls, intent: CacheIntent) -> PagedAttentionState:
-        return cls(intent=intent, paged_config=intent.paged)
-
-    @property
-    def enabled(self) -> bool:
-        return self.paged_config is not None
-
-    @property
-    def required(self) -> bool:
-        return self.paged_config is not None and self.paged_config.required
-
-    def feature_state(self) -> FeatureState:
-        """paged-attn as one feature's state: realized while the config is in force, else the last
-        fallback's reason (or off by request)."""
-        mode = self.intent.mode
-        if mode is FeatureMode.OFF:
-            return off_by_request("paged-attn")
-        if self.paged_config is not None:
-            return FeatureState("paged-attn", mode, True)
-        last = self.fallbacks[-1]
-        return FeatureState("paged-attn", mode, False, last.code, last.reason, last.component)
-
-
-def disable_paged_attention(
-    state: PagedAttentionState, reason: str, *, component: str, code: str = ""
-) -> None:
-    """The single fallback door. `reason` completes "PagedAttention cannot be used here because ...".
-
-    Config absent (off, or already fallen back): nothing to do. `required` (on): raise
-    PagedAttentionRequiredError naming the flag, the component and the reason. Otherwise (auto):
-    clear the config and record the fallback.
-    """
-    if state.paged_config is None:
-        return
-    if state.paged_config.required:
-        raise PagedAttentionRequiredError(reason, component, code)
-    state.paged_config = None
-    state.fallbacks.append(Fallback(component=component, reason=reason, code=code))

@@ -6,17 +6,16 @@ import pytest
 from kvpact.shared import reasons
 from kvpact.shared.capability import DeviceInfo, KernelSupport, ModelTraits, choose_backend
 from kvpact.shared.errors import PagedAttentionRequiredError
+from kvpact.shared.features import FeatureMode, FeatureState, Ledger
 from kvpact.shared.intent import (
     CacheIntent,
-    Fallback,
     PagedAttentionConfig,
     PagedAttentionMode,
-    PagedAttentionState,
     PagedBackend,
     cache_intent,
-    disable_paged_attention,
     paged_config_for_mode,
 )
+from kvpact.shared.reasons import PAGED_ATTN
 from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 
 H100_SUPPORT = KernelSupport(
@@ -33,22 +32,41 @@ MPS = DeviceInfo(kind="mps")
 SMOL = ModelTraits(head_size=64, dtype="bfloat16")
 
 
-def state(mode: str, **settings) -> PagedAttentionState:
-    return PagedAttentionState.from_intent(
-        cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(**settings))
-    )
+class Paged:
+    """paged-attn while a worker starts: the intent, and the ledger whose door it falls back through."""
+
+    def __init__(self, mode: str, **settings: object) -> None:
+        self.intent = cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(**settings))  # type: ignore[arg-type]
+        self.ledger = Ledger({PAGED_ATTN: FeatureMode(mode)})
+
+    @property
+    def config(self) -> PagedAttentionConfig | None:  # as worker/startup/checks.py's Planning derives it
+        return self.intent.paged if self.ledger.in_force(PAGED_ATTN) else None
+
+    @property
+    def required(self) -> bool:
+        return self.intent.required
+
+    @property
+    def fallbacks(self) -> list[tuple[str, str]]:
+        return [(f.component, f.message) for f in self.ledger.findings.values()]
+
+    def feature_state(self) -> FeatureState:
+        return self.ledger.state(PAGED_ATTN)
 
 
-def decide(
-    device: DeviceInfo, s: PagedAttentionState, model: ModelTraits | None = None
-) -> PagedBackend | None:
+def state(mode: str, **settings: object) -> Paged:
+    return Paged(mode, **settings)
+
+
+def decide(device: DeviceInfo, s: Paged, model: ModelTraits | None = None) -> PagedBackend | None:
     """The device check as startup runs it (worker/startup/checks.py): only while the config is in force,
     its finding through the door. The backend, or None when paged-attn realizes off."""
-    if s.paged_config is None:
+    if s.config is None:
         return None
-    backend, finding = choose_backend(device, s, model)
+    backend, finding = choose_backend(device, s.config, model)
     if finding is not None:
-        disable_paged_attention(s, finding.message, component=finding.component, code=finding.code)
+        s.ledger.fall_back(PAGED_ATTN, finding)
     return backend
 
 
@@ -80,34 +98,33 @@ def test_intent_keeps_required_tied_to_mode():
         CacheIntent(mode=PagedAttentionMode.OFF, paged=PagedAttentionConfig())
 
 
-def test_auto_fallback_records_reason_in_disable_paged_attention():
+def test_auto_fallback_records_reason_at_the_door():
     s = state("auto")
-    disable_paged_attention(
-        s, "device mapping includes CPU and PagedAttention has no CPU KV cache", component="loader"
-    )
-    assert s.paged_config is None and not s.enabled
-    assert s.fallbacks == [
-        Fallback("loader", "device mapping includes CPU and PagedAttention has no CPU KV cache")
-    ]
+    s.ledger.fall_back(PAGED_ATTN, reasons.MIXED_DEVICE_MAP.found())
+    assert s.config is None and not s.ledger.in_force(PAGED_ATTN)
+    assert s.fallbacks == [("device", "device mapping includes CPU and PagedAttention has no CPU KV cache")]
+    realized = s.feature_state()
+    assert (realized.realized, realized.code, realized.component) == (False, "mixed-device-map", "device")
+    s.ledger.fall_back(PAGED_ATTN, reasons.NO_TRITON.found())  # the door takes one: the first stays
+    assert s.fallbacks == [("device", "device mapping includes CPU and PagedAttention has no CPU KV cache")]
 
 
-def test_required_failure_in_disable_paged_attention_names_flag_and_reason():
+def test_required_failure_at_the_door_names_flag_and_reason():
     s = state("on")
     with pytest.raises(PagedAttentionRequiredError) as err:
-        disable_paged_attention(
-            s, "device mapping includes CPU and PagedAttention has no CPU KV cache", component="loader"
-        )
+        s.ledger.fall_back(PAGED_ATTN, reasons.MIXED_DEVICE_MAP.found())
     assert str(err.value) == (
         "PagedAttention was explicitly requested (--paged-attn on), but device mapping includes CPU and "
-        "PagedAttention has no CPU KV cache. [loader]"
+        "PagedAttention has no CPU KV cache. [device]"
     )
-    assert (err.value.component, s.enabled) == ("loader", True)
+    assert (err.value.component, err.value.code) == ("device", "mixed-device-map")
+    assert s.ledger.in_force(PAGED_ATTN) and s.config is not None
 
 
-def test_disable_after_off_is_a_no_op():
+def test_the_door_after_off_is_a_no_op():
     s = state("off")
-    disable_paged_attention(s, "anything", component="loader")
-    assert s.fallbacks == []
+    s.ledger.fall_back(PAGED_ATTN, reasons.MIXED_DEVICE_MAP.found())
+    assert s.fallbacks == [] and s.config is None
 
 
 @pytest.mark.parametrize("device", [CPU, MPS], ids=["cpu", "mps"])
@@ -118,7 +135,7 @@ def test_cpu_and_mps_behaviour_for_all_three_modes(device):
     assert not realized.realized and realized.message.startswith(
         f"eager is the {device.kind.upper()} default"
     )
-    assert auto.fallbacks[0].component == "device"
+    assert auto.fallbacks[0][0] == "device"
 
     on = state("on")
     assert decide(device, on) is PagedBackend.TORCH
@@ -139,7 +156,7 @@ def test_unsupported_build_without_triton():
     no_triton = DeviceInfo(kind="cuda", name="H100", compute_capability=(9, 0), triton_version=None)
     auto = state("auto")
     assert decide(no_triton, auto, SMOL) is None
-    assert "no usable Triton" in auto.fallbacks[0].reason
+    assert "no usable Triton" in auto.fallbacks[0][1]
     with pytest.raises(PagedAttentionRequiredError, match="no usable Triton"):
         decide(no_triton, state("on"), SMOL)
 
@@ -155,7 +172,7 @@ def test_unsupported_build_old_compute_capability():
     auto = state("auto")
     assert decide(old, auto, SMOL) is None
     assert (
-        auto.fallbacks[0].reason
+        auto.fallbacks[0][1]
         == "the Triton paged kernels need compute capability >= 8.0 and Tesla P100 has 6.0"
     )
     with pytest.raises(PagedAttentionRequiredError, match="compute capability >= 8.0"):
@@ -173,7 +190,7 @@ def test_unsupported_build_old_compute_capability():
 def test_kernel_limits_are_named_reasons(settings, model, needle):
     auto = state("auto", **settings)
     assert decide(CUDA, auto, model) is None
-    assert needle in auto.fallbacks[0].reason
+    assert needle in auto.fallbacks[0][1]
     with pytest.raises(PagedAttentionRequiredError, match=needle):
         decide(CUDA, state("on", **settings), model)
 
@@ -193,7 +210,7 @@ def test_mixed_cpu_gpu_device_map(mode):
             decide(mixed, s, SMOL)
     else:
         assert decide(mixed, s, SMOL) is None
-        assert s.fallbacks[0].reason == "device mapping includes CPU and PagedAttention has no CPU KV cache"
+        assert s.fallbacks[0][1] == "device mapping includes CPU and PagedAttention has no CPU KV cache"
 
 
 def test_triton_backend_without_cuda_is_unsupported():
@@ -245,9 +262,9 @@ def test_a_gpu_whose_shared_memory_cannot_hold_the_tiles_falls_back_through_the_
     l4, fp32_256 = gpu("NVIDIA L4", (8, 9), 101_376), ModelTraits(head_size=256, dtype="float32")
     auto = state("auto")
     assert decide(l4, auto, fp32_256) is None
-    [fallback] = auto.fallbacks
-    assert fallback.component == "kernels"
-    assert fallback.reason.startswith(
+    [(component, reason)] = auto.fallbacks
+    assert component == "kernels"
+    assert reason.startswith(
         "the Triton paged kernels need 139648 bytes of shared memory per block for float32 KV with head size "
         "256, and NVIDIA L4 allows 101376"
     )

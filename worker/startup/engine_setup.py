@@ -23,7 +23,7 @@ from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import ConfigError, FeatureRequiredError, PagedAttentionRequiredError
 from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features
 from kvpact.shared.fingerprint import Fingerprint
-from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
+from kvpact.shared.intent import CacheDtype, PagedBackend
 from kvpact.shared.realized import BuiltFeatures, RealizedCache, realizes
 from kvpact.shared.reasons import CPU_KERNELS, PAGED_ATTN, PREFIX_CACHING
 from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
@@ -164,8 +164,8 @@ def _plan(
         max_num_seqs = spec.max_num_seqs or p.defaults.paged_max_num_seqs
     else:
         max_num_seqs = _size_eager(p)
-    features = (p.state.feature_state(), *p.ledger.states())
-    block_size = p.state.paged_config.block_size if p.state.paged_config is not None else 0
+    features = p.ledger.states()
+    block_size = p.paged_config.block_size if p.paged_config is not None else 0
     fingerprint = model_fingerprint(
         _model_path(spec),
         max_model_len=p.max_model_len,
@@ -239,7 +239,7 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe) -> Planning:
     defaults = sizing.device_defaults(probe.info.kind)
     max_model_len, fit_to_cache, source = _max_model_len(spec, config, defaults)
     itemsize = torch.empty((), dtype=cache_dtype).element_size()
-    modes = {name: spec.features.mode(name) for name in FeatureIntents.names()}
+    modes = {PAGED_ATTN: spec.cache.mode} | {n: spec.features.mode(n) for n in FeatureIntents.names()}
     return Planning(
         spec=spec,
         probe=probe,
@@ -247,7 +247,6 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe) -> Planning:
         dtype=dtype,
         cache_dtype=cache_dtype,
         defaults=defaults,
-        state=PagedAttentionState.from_intent(spec.cache),
         ledger=Ledger(modes),
         max_model_len=max_model_len,
         fit_to_cache=fit_to_cache,
