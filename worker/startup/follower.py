@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.log import configure_logging
+from kvpact.shared.reasons import PAGED_ATTN
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.kv.eager import EagerCache
 from kvpact.worker.kv.paged import PagedCache
@@ -55,11 +56,11 @@ def own_verdict(rank: int, spec: WorkerSpec) -> RankVerdict:
         plan = plan_startup(spec, probe=probe_device(spec.device, ()), log=quiet)
     except Exception as e:  # noqa: BLE001 - a refusal or a bad flag: rank 0 raises it, naming this rank
         return RankVerdict(rank, spec.device, problem=RankProblem.of(e))
-    fell = next((f for f in plan.state.fallbacks), None)
+    fell = next(iter(plan.fallbacks), None)
     return RankVerdict(
         rank,
         str(plan.probe.device),
-        paged=plan.state.enabled,
+        paged=plan.realizes(PAGED_ATTN),
         num_blocks=plan.paged_size.num_blocks if plan.paged_size else 0,
         fallback=PagedFallback(fell.code, fell.reason, fell.component) if fell else None,
     )
