@@ -89,6 +89,7 @@ class Cluster:
     max_num_seqs: int
     num_workers: int = 1
     http: bool = False  # also `--http-listen 127.0.0.1:0`; `http_address` is read back once ready
+    worker_args: tuple[str, ...] = ()  # more worker flags (e.g. --max-num-batched-tokens N)
     address: str = ""
     http_address: str = ""
     handles: list[ProcessHandle] = field(default_factory=list)
@@ -106,6 +107,7 @@ class Cluster:
         worker = [python, "-m", "kvpact.worker", "--router", self.address, "--model", str(self.model)]
         worker += ["--paged-attn", MODES[self.cache].value, "--device", "cpu"]
         worker += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
+        worker += list(self.worker_args)
         # die_with_parent: a benchmark killed mid-run (Ctrl-C twice, a timeout) leaves no process behind
         self.handles.append(start_process(router, name="router", log_dir=logs, die_with_parent=True))
         for n in range(self.num_workers):

@@ -33,7 +33,7 @@ from benchmarks.framework import (
 )
 
 # In the order they run: the cheap, self-contained ones first.
-SUITES = ("engine_step", "offline", "kv_memory", "paged_eager", "online", "router", "failfast")
+SUITES = ("engine_step", "offline", "kv_memory", "paged_eager", "online", "step_budget", "router", "failfast")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -376,8 +376,9 @@ class Launch:
         a thread of its own (supervision goes on), after its backoff, within its budget."""
         worker_id = worker.slot.worker_id
         what = _what(obs)
-        if obs.health is Health.EXITED:  # its actor lives: what the worker printed last, from any node
-            say(f"worker {worker_id} {what}; {placement.output_tails([worker])}")
+        # Its actor lives: what the worker printed last, from any node. Fetched (up to 10 s) in the
+        # worker's own thread, so supervision of the others never waits on it.
+        show_output = obs.health is Health.EXITED
         now = time.monotonic()
         budget = worker.budget
         if not budget.can_restart(now):
@@ -389,6 +390,10 @@ class Launch:
             self.placed.remove(worker)
             self.retired.append(worker)
             self.scaler.retired(worker, f"worker {worker_id} {what} and is not restarted (max_restarts)")
+            if show_output:
+                threading.Thread(
+                    target=self._say_output, args=(worker, what), name=f"output-{worker_id}", daemon=True
+                ).start()
             return
         delay = budget.delay(now)
         number = budget.record(now)
@@ -397,16 +402,25 @@ class Launch:
             f"(restart {number} of {budget.max_restarts} within {budget.window_s:g} s)"
         )
         thread = threading.Thread(
-            target=self._restart, args=(worker, obs.health is Health.DEAD, delay), name=f"restart-{worker_id}"
+            target=self._restart,
+            args=(worker, obs.health is Health.DEAD, delay, what if show_output else ""),
+            name=f"restart-{worker_id}",
         )
         self.restarting[worker_id] = thread
         thread.start()
 
-    def _restart(self, worker: PlacedWorker, actor_dead: bool, delay: float) -> None:
-        """The backoff, then: a dead actor is killed (for sure) and replaced in the same bundle, waiting up
-        to ray.placement_timeout_s for its node; the worker is started again. A signal ends it early."""
+    def _say_output(self, worker: PlacedWorker, what: str) -> None:
+        say(f"worker {worker.slot.worker_id} {what}; {placement.output_tails([worker])}")
+
+    def _restart(self, worker: PlacedWorker, actor_dead: bool, delay: float, output_of: str) -> None:
+        """What the worker printed last (when `output_of` names how it ended), the backoff, then: a dead
+        actor is killed (for sure) and replaced in the same bundle, waiting up to ray.placement_timeout_s
+        for its node; the worker is started again. A signal ends it early."""
         try:
-            if self.stopping.wait(delay):
+            started = time.monotonic()
+            if output_of:  # before the restart, whose output would replace it
+                self._say_output(worker, output_of)
+            if self.stopping.wait(max(0.0, delay - (time.monotonic() - started))):
                 return
             if actor_dead:
                 placement.kill_actor(worker.actor)  # never two actors for one worker

@@ -129,6 +129,14 @@ def test_the_status_table_shows_realized_kinds_reasons_and_failures():
     assert f"  w1: fallback [device] {EAGER_CPU_REASON}" in lines
     assert "  w2: failed (PAGED_ATTENTION_REQUIRED) [device] no CUDA" in lines
 
+    # Scaled up after the start: the start's --expect-workers is no longer the denominator.
+    entries[1].state = WorkerState.ADMITTED
+    status = cluster_status_to_pb(ClusterState.SERVING, PagedAttentionMode.ON, 1, entries, now=10.0)
+    head = render_cluster_status(status).splitlines()[0]
+    assert head == "cluster SERVING  policy --paged-attn on  workers 2 admitted (1 expected at start)"
+    status = cluster_status_to_pb(ClusterState.STARTING, PagedAttentionMode.ON, 3, entries, now=10.0)
+    assert render_cluster_status(status).splitlines()[0].endswith("workers 2/3 admitted")
+
     # Labels (a worker's Ray node and bundle, under kvpact-launch): a LABELS column, sorted by key.
     entries[0].labels = {"ray.node": "4b1c0e", "ray.bundle": "0"}
     status = cluster_status_to_pb(ClusterState.SERVING, PagedAttentionMode.ON, 1, entries, now=10.0)

@@ -71,10 +71,13 @@ def render_cluster_status(status: router_pb2.ClusterStatusResponse) -> str:
         if name != "paged-attn" and handshake_pb.feature_mode_from_pb(mode).value != "auto"
     )
     num_admitted = sum(1 for w in status.workers if w.state == router_pb2.WORKER_STATE_ADMITTED)
-    head = (
-        f"cluster {state}  policy --paged-attn {policy}{'  ' + others if others else ''}  "
-        f"workers {num_admitted}/{status.expected_workers} admitted"
-    )
+    # While starting, "1/2" is the wait; once serving, workers join, scale and die, so the start's
+    # --expect-workers is only a reference, not a denominator.
+    if num_admitted == status.expected_workers or state == "STARTING":
+        workers = f"workers {num_admitted}/{status.expected_workers} admitted"
+    else:
+        workers = f"workers {num_admitted} admitted ({status.expected_workers} expected at start)"
+    head = f"cluster {state}  policy --paged-attn {policy}{'  ' + others if others else ''}  {workers}"
     columns: tuple[str, ...] = (
         "WORKER", "STATE", "MODEL", "ADDRESS", "DEVICE", "ASKED", "REALIZED", "CAPACITY", "FEATURES",
         "LOAD", "HEARTBEAT",

@@ -1,0 +1,146 @@
+"""The step's token budget (`--max-num-batched-tokens`) against decode stalls, at 1.5x capacity.
+
+    python -m benchmarks.run --suites step_budget [--quick]
+
+A prefill chunk shares its step with every running decode, so a large chunk makes every decoding
+stream wait for it: ITL p99 grows with the budget, while a small budget spends more steps on each
+prompt (TTFT, throughput). One paged worker behind a router per budget in BUDGETS; each gets the same
+seeded mixed workload (suite `online`'s) arriving as a Poisson process at 1.5x the capacity measured
+with the CPU default budget (a burst, as `online` probes it).
+
+    median decode step   ITL p50 of the same run: nearly every gap between two tokens is one step
+    target               p99 ITL <= 2x the median decode step, at the default budget (CPU_DEFAULTS)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from benchmarks import workloads
+from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
+from benchmarks.kvpact_systems import Cluster, Streamed, stream
+from benchmarks.suites.online import MAX_NUM_SEQS, PROBE_REQUESTS, QUICK_PROBE_REQUESTS, _items, _pct
+
+BUDGETS, QUICK_BUDGETS = (2048, 256, 64), (2048, 64)
+LOAD_FACTOR = 1.5
+WINDOW_S, QUICK_WINDOW_S = 15.0, 3.0
+MAX_REQUESTS, QUICK_MAX_REQUESTS = 24, 8
+ITL_LIMIT = 2.0  # p99 ITL / median decode step
+
+
+def _run_budget(
+    ctx: BenchContext, budget: int, max_model_len: int, items, probe
+) -> tuple[list[Streamed], float, float]:
+    args = ("--max-num-batched-tokens", str(budget))
+    cluster = Cluster(ctx.model, "paged", max_model_len, MAX_NUM_SEQS, worker_args=args).start()
+    try:
+        cluster.wait_ready()
+        asyncio.run(stream(cluster.address, probe))  # warm-up burst
+        capacity = 0.0
+        if items is None:  # the first budget measures the capacity the rate is set from
+            started = time.perf_counter()
+            asyncio.run(stream(cluster.address, probe))
+            capacity = len(probe) / (time.perf_counter() - started)
+            return [], 0.0, capacity
+        began = time.perf_counter()
+        streamed = asyncio.run(stream(cluster.address, items))
+        return streamed, time.perf_counter() - began, capacity
+    finally:
+        cluster.stop()
+
+
+def run(ctx: BenchContext) -> SuiteResult:
+    from kvpact.worker.kv.sizing import CPU_DEFAULTS
+    from kvpact.worker.loader.load import read_model_config
+
+    config = read_model_config(ctx.model)
+    cap = min(config.max_position_embeddings, 96 if ctx.quick else 512)
+    max_model_len = -(-cap // 64) * 64
+    window = QUICK_WINDOW_S if ctx.quick else WINDOW_S
+    most = QUICK_MAX_REQUESTS if ctx.quick else MAX_REQUESTS
+    probe = _items(
+        QUICK_PROBE_REQUESTS if ctx.quick else PROBE_REQUESTS, ctx.seed + 999, config.vocab_size, cap
+    )
+    default = CPU_DEFAULTS.max_num_batched_tokens
+    _, _, capacity = _run_budget(ctx, default, max_model_len, None, probe)
+    rate = round(LOAD_FACTOR * capacity, 3)
+    n = max(3, min(most, round(rate * window)))
+    items = workloads.with_poisson_arrivals(_items(n, ctx.seed, config.vocab_size, cap), rate, ctx.seed)
+    budgets = sorted({*(QUICK_BUDGETS if ctx.quick else BUDGETS), default}, reverse=True)
+    rows, data = [], []
+    base_tok_s = None
+    for budget in budgets:
+        streamed, wall, _ = _run_budget(ctx, budget, max_model_len, items, probe)
+        itl = [g for s in streamed for g in s.inter_token()]
+        ttft = [s.ttft for s in streamed]
+        tok_s = sum(len(s.tokens) for s in streamed) / wall
+        base_tok_s = base_tok_s or tok_s
+        p50, p99 = 1000 * _pct(itl, 50), 1000 * _pct(itl, 99)
+        mark = " (default)" if budget == default else ""
+        rows.append(
+            [
+                f"{budget}{mark}",
+                p50,
+                p99,
+                p99 / p50,
+                _pct(ttft, 50),
+                _pct(ttft, 99),
+                tok_s,
+                tok_s / base_tok_s,
+            ]
+        )
+        data.append(
+            {
+                "budget": budget,
+                "itl_ms": {50: p50, 99: p99},
+                "ttft_s": {50: _pct(ttft, 50), 99: _pct(ttft, 99)},
+                "output_tok_s": tok_s,
+            }
+        )
+    command = "python -m benchmarks.run --suites step_budget" + (" --quick" if ctx.quick else "")
+    at_default = next(d for d in data if d["budget"] == default)
+    ratio = at_default["itl_ms"][99] / at_default["itl_ms"][50]
+    first = data[0]
+    target = Target(
+        f"p99 ITL at {LOAD_FACTOR:g}x capacity, default --max-num-batched-tokens {default}",
+        f"<= {ITL_LIMIT:g}x the median decode step",
+        f"{ratio:.2f}x (p99 {at_default['itl_ms'][99]:.0f} ms, "
+        f"median step {at_default['itl_ms'][50]:.0f} ms); "
+        f"output tok/s {at_default['output_tok_s'] / first['output_tok_s']:.2f}x budget {first['budget']}'s",
+        ratio <= ITL_LIMIT,
+    )
+    table = Table(
+        f"Step token budget at {LOAD_FACTOR:g}x capacity (one paged worker, Poisson arrivals)",
+        ["--max-num-batched-tokens", "ITL p50 ms", "ITL p99 ms", "p99 / p50", "TTFT p50 s", "TTFT p99 s"]
+        + ["output tok/s", f"tok/s vs {budgets[0]}"],
+        rows,
+        command,
+        [
+            f"capacity (default budget {default}, a burst of {len(probe)} mixed requests): "
+            f"{capacity:.2f} req/s; "
+            f"rate {rate:g} req/s, {n} requests, the same for every budget",
+            f"mixed workload fitted to {max_model_len} tokens, greedy, ignore_eos, "
+            f"--max-num-seqs {MAX_NUM_SEQS}",
+        ],
+    )
+    return SuiteResult(
+        suite="step_budget",
+        tables=[table],
+        targets=[target],
+        data={"capacity_req_s": capacity, "rate_req_s": rate, "runs": data},
+        figure=_figure(data),
+    )
+
+
+def _figure(data: list[dict]):
+    fig, (ax,) = new_figure(width=6.5, height=4.0)
+    budgets = [d["budget"] for d in data]
+    for q, marker in ((99, "o"), (50, "s")):
+        ax.plot(budgets, [d["itl_ms"][q] for d in data], marker=marker, label=f"ITL p{q}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("--max-num-batched-tokens (tokens per step)")
+    ax.set_ylabel("inter-token latency (ms)")
+    ax.set_title(f"Decode stalls at {LOAD_FACTOR:g}x capacity (lower is better)")
+    ax.legend(fontsize=8)
+    return fig
