@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.log import configure_logging
-from kvpact.shared.reasons import PAGED_ATTN
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.kv.eager import EagerCache
 from kvpact.worker.kv.paged import PagedCache
@@ -60,7 +59,7 @@ def own_verdict(rank: int, spec: WorkerSpec) -> RankVerdict:
     return RankVerdict(
         rank,
         str(plan.probe.device),
-        paged=plan.realizes(PAGED_ATTN),
+        paged=plan.realizes("paged-attn"),
         num_blocks=plan.paged_size.num_blocks if plan.paged_size else 0,
         fallback=PagedFallback(fell.code, fell.reason, fell.component) if fell else None,
     )
