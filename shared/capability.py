@@ -61,7 +61,7 @@ class ModelTraits:
 
 
 def choose_backend(
-    device: DeviceInfo, config: PagedAttentionConfig, model: ModelTraits | None
+    device: DeviceInfo, config: PagedAttentionConfig, required: bool, model: ModelTraits | None
 ) -> tuple[PagedBackend | None, Finding | None]:
     """The backend PagedAttention runs with here, or (None, why it cannot). Pure; the caller routes
     the finding through the door (the worker's startup check does: worker/startup/checks.py)."""
@@ -74,7 +74,7 @@ def choose_backend(
         finding = _triton_unsupported(device, config.block_size, model)
         return (None, finding) if finding else (PagedBackend.TRITON, None)
     # CPU or MPS with backend auto.
-    if not config.required:
+    if not required:
         return None, reasons.EAGER_DEFAULT.found(device=device.kind.upper())
     return PagedBackend.TORCH, None
 

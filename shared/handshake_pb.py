@@ -6,7 +6,7 @@ UNSPECIFIED enum values are read as AUTO, explicitly, and written back as AUTO.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState, off_by_request
 from kvpact.shared.fingerprint import NO_CHAT_TEMPLATE, Fingerprint
@@ -129,9 +129,10 @@ def mode_from_pb(value: int) -> PagedAttentionMode:
     return _MODE_FROM_PB[value]  # type: ignore[index]
 
 
-def paged_config_to_pb(config: PagedAttentionConfig) -> cache_pb2.PagedAttentionConfig:
+def paged_config_to_pb(config: PagedAttentionConfig, required: bool) -> cache_pb2.PagedAttentionConfig:
+    """`required`: the mode's (on), written for older readers; a reader takes the mode."""
     msg = cache_pb2.PagedAttentionConfig(
-        required=config.required,
+        required=required,
         block_size=config.block_size,
         cache_dtype=_DTYPE_TO_PB[config.cache_dtype],
         backend=_BACKEND_TO_PB[config.backend],
@@ -148,7 +149,6 @@ def paged_config_to_pb(config: PagedAttentionConfig) -> cache_pb2.PagedAttention
 def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionConfig:
     budget = msg.WhichOneof("budget")
     return PagedAttentionConfig(
-        required=msg.required,
         block_size=msg.block_size or DEFAULT_BLOCK_SIZE,
         memory_fraction=msg.memory_fraction if budget == "memory_fraction" else None,
         memory_bytes=msg.memory_bytes if budget == "memory_bytes" else None,
@@ -161,7 +161,7 @@ def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionC
 def intent_to_pb(intent: CacheIntent) -> cache_pb2.CacheIntent:
     msg = cache_pb2.CacheIntent(mode=_MODE_TO_PB[intent.mode])
     if intent.paged is not None:
-        msg.paged.CopyFrom(paged_config_to_pb(intent.paged))
+        msg.paged.CopyFrom(paged_config_to_pb(intent.paged, intent.required))
     return msg
 
 
@@ -172,7 +172,7 @@ def intent_from_pb(msg: cache_pb2.CacheIntent) -> CacheIntent:
     if mode is PagedAttentionMode.OFF:
         return CacheIntent(mode=mode, paged=None)
     config = paged_config_from_pb(msg.paged) if msg.HasField("paged") else PagedAttentionConfig()
-    return CacheIntent(mode=mode, paged=replace(config, required=mode is PagedAttentionMode.ON))
+    return CacheIntent(mode=mode, paged=config)
 
 
 def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:

@@ -1,12 +1,12 @@
-"""The operator's PagedAttention intent, and the single door through which it may fall back.
+"""The operator's PagedAttention intent: its mode, and the paged cache's settings.
 
 The intent travels unchanged: CLI flag -> `CacheIntent` -> worker -> capability check -> loader ->
-cache -> scheduler -> handshake -> router. It is never reduced to a bool before the last decision;
-`PagedAttentionConfig.required` is the bit that survives.
+cache -> scheduler -> handshake -> router. It is never reduced to a bool before the last decision; the
+mode is the one form of it (`CacheIntent.required` derives "on" from it).
 
-    auto -> PagedAttentionConfig(required=False)   try it where it works; fall back and say why
-    on   -> PagedAttentionConfig(required=True)    it must work, or startup fails naming the reason
-    off  -> None                                   never
+    auto -> CacheIntent(AUTO, PagedAttentionConfig())   try it where it works; fall back and say why
+    on   -> CacheIntent(ON, PagedAttentionConfig())     it must work, or startup fails naming the reason
+    off  -> CacheIntent(OFF, None)                      never
 
 While a worker starts, paged-attn is one feature of the `Ledger` (shared/features.py): its config is in
 force until the ledger's door, `Ledger.fall_back`, records a finding (auto) or raises (on). Checks know
@@ -16,7 +16,7 @@ force until the ledger's door, `Ledger.fall_back`, records a finding (auto) or r
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvpact.shared.errors import ConfigError
 from kvpact.shared.features import FeatureMode
@@ -51,9 +51,9 @@ class CacheDtype(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PagedAttentionConfig:
-    """How to build the paged cache. At most one of the three budgets is set (none = device default)."""
+    """How to build the paged cache. At most one of the three budgets is set (none = device default).
+    Whether it is required is the mode's (CacheIntent.required), never stored here."""
 
-    required: bool = False  # follows --paged-attn (on), never a flag of its own
     block_size: int = option(
         DEFAULT_BLOCK_SIZE,
         "--pa-block-size",
@@ -138,8 +138,6 @@ class CacheIntent:
             raise ValueError(
                 f"CacheIntent: paged config must be present exactly when mode is not off ({self})"
             )
-        if self.paged is not None and self.paged.required != (self.mode is PagedAttentionMode.ON):
-            raise ValueError(f"CacheIntent: required must be true exactly when mode is on ({self})")
 
     @property
     def required(self) -> bool:
@@ -149,12 +147,10 @@ class CacheIntent:
 def paged_config_for_mode(
     mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None
 ) -> PagedAttentionConfig | None:
-    """The CLI mapping: auto -> config(required=False), on -> config(required=True), off -> None.
-
-    `settings` carries the other --pa-* flags; its `required` is overwritten by the mode."""
+    """The CLI mapping: auto and on -> the config (`settings`, the --pa-* flags), off -> None."""
     if mode is PagedAttentionMode.OFF:
         return None
-    return replace(settings or PagedAttentionConfig(), required=mode is PagedAttentionMode.ON)
+    return settings or PagedAttentionConfig()
 
 
 def cache_intent(mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None) -> CacheIntent:

@@ -107,20 +107,31 @@ def test_every_worker_spec_field_travels():
 def test_unspecified_mode_is_read_as_auto_and_written_back_as_auto():
     assert mode_from_pb(cache_pb2.PAGED_ATTENTION_MODE_UNSPECIFIED) is PagedAttentionMode.AUTO
     intent = intent_from_pb(cache_pb2.CacheIntent())
-    assert intent == CacheIntent(mode=PagedAttentionMode.AUTO, paged=PagedAttentionConfig(required=False))
+    assert intent == CacheIntent(mode=PagedAttentionMode.AUTO, paged=PagedAttentionConfig())
     assert intent_to_pb(intent).mode == cache_pb2.PAGED_ATTENTION_MODE_AUTO
 
 
 def test_unset_block_size_reads_as_the_default():
     msg = cache_pb2.CacheIntent(mode=cache_pb2.PAGED_ATTENTION_MODE_ON)
     msg.paged.context_tokens = 4096
-    expected = PagedAttentionConfig(required=True, block_size=16, context_tokens=4096)
-    assert intent_from_pb(msg).paged == expected
+    expected = PagedAttentionConfig(block_size=16, context_tokens=4096)
+    assert intent_from_pb(msg).paged == expected and intent_from_pb(msg).required
 
 
 def test_on_without_paged_message_is_still_required():
     intent = intent_from_pb(cache_pb2.CacheIntent(mode=cache_pb2.PAGED_ATTENTION_MODE_ON))
-    assert intent.paged == PagedAttentionConfig(required=True)
+    assert intent.paged == PagedAttentionConfig() and intent.required
+    # the wire's PagedAttentionConfig.required follows the mode, for older readers; a reader takes the mode
+    assert [
+        intent_to_pb(cache_intent(m)).paged.required for m in (PagedAttentionMode.AUTO, PagedAttentionMode.ON)
+    ] == [
+        False,
+        True,
+    ]
+    stale = cache_pb2.CacheIntent(
+        mode=cache_pb2.PAGED_ATTENTION_MODE_AUTO, paged=cache_pb2.PagedAttentionConfig(required=True)
+    )
+    assert not intent_from_pb(stale).required
 
 
 # paged-attn's state: realized, fell back under auto (the door takes at most one fallback), or off.

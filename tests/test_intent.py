@@ -64,26 +64,28 @@ def decide(device: DeviceInfo, s: Paged, model: ModelTraits | None = None) -> Pa
     its finding through the door. The backend, or None when paged-attn realizes off."""
     if s.config is None:
         return None
-    backend, finding = choose_backend(device, s.config, model)
+    backend, finding = choose_backend(device, s.config, s.intent.required, model)
     if finding is not None:
         s.ledger.fall_back(PAGED_ATTN, finding)
     return backend
 
 
 def test_cli_mapping_of_auto_on_off():
-    assert paged_config_for_mode(PagedAttentionMode.AUTO) == PagedAttentionConfig(required=False)
-    assert paged_config_for_mode(PagedAttentionMode.ON) == PagedAttentionConfig(required=True)
+    assert paged_config_for_mode(PagedAttentionMode.AUTO) == PagedAttentionConfig()
+    assert paged_config_for_mode(PagedAttentionMode.ON) == PagedAttentionConfig()
     assert paged_config_for_mode(PagedAttentionMode.OFF) is None
+    # "required" is the mode's, one form: derived, never stored beside it
+    assert [cache_intent(m).required for m in PagedAttentionMode] == [False, True, False]
 
 
 def test_default_and_required_config_construction():
     default = PagedAttentionConfig()
-    assert (default.required, default.block_size) == (False, 16)
+    assert default.block_size == 16
     assert default.backend is PagedBackend.AUTO
     required = paged_config_for_mode(
         PagedAttentionMode.ON, PagedAttentionConfig(block_size=32, context_tokens=4096)
     )
-    assert required == PagedAttentionConfig(required=True, block_size=32, context_tokens=4096)
+    assert required == PagedAttentionConfig(block_size=32, context_tokens=4096)
 
 
 def test_config_rejects_two_budgets_naming_the_flags():
@@ -91,9 +93,9 @@ def test_config_rejects_two_budgets_naming_the_flags():
         PagedAttentionConfig(memory_bytes=1, context_tokens=2)
 
 
-def test_intent_keeps_required_tied_to_mode():
+def test_intent_keeps_the_paged_config_tied_to_mode():
     with pytest.raises(ValueError):
-        CacheIntent(mode=PagedAttentionMode.ON, paged=PagedAttentionConfig(required=False))
+        CacheIntent(mode=PagedAttentionMode.ON, paged=None)
     with pytest.raises(ValueError):
         CacheIntent(mode=PagedAttentionMode.OFF, paged=PagedAttentionConfig())
 

@@ -75,7 +75,7 @@ def paged_device(p: Planning) -> Finding | None:
     """Device, build and model traits: the backend, or why PagedAttention cannot run (capability.py)."""
     traits = ModelTraits(head_size=p.config.head_dim, dtype=str(p.cache_dtype).removeprefix("torch."))
     assert p.paged_config is not None
-    p.backend, finding = choose_backend(p.probe.info, p.paged_config, traits)
+    p.backend, finding = choose_backend(p.probe.info, p.paged_config, p.spec.cache.required, traits)
     return finding
 
 

@@ -157,7 +157,7 @@ class PagedAttentionConfig(_message.Message):
     CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     required: _builtins.bool
-    """the bit that survives: true only for --paged-attn on"""
+    """follows CacheIntent.mode (on); written for older readers, not read"""
     block_size: _builtins.int
     """tokens per block; 0 = default (16)"""
     memory_fraction: _builtins.float
