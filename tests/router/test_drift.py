@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 from kvpact.client import AsyncClient, render_cluster_status
 from kvpact.router.drift import REALIZED_UNDER_OFF, Drift, judge
 from kvpact.shared import handshake_pb
-from kvpact.shared.features import FeatureMode, FeatureState
+from kvpact.shared.features import FeatureMode, FeatureState, updated_states
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.reasons import CPU_KERNELS_BUILD
 from kvpact.v1 import router_pb2, worker_pb2
@@ -127,3 +127,15 @@ async def test_the_router_reports_drift_under_auto_and_drains_under_on():
             table = render_cluster_status(await client.cluster_status())
             assert "+prefix-caching !cpu-kernels" in table
             assert f"  a: {w.state_reason}" in table
+
+
+def test_a_beat_updates_the_states_it_names_and_keeps_the_others_in_their_order():
+    graphs = FeatureState("cuda-graphs", AUTO, True)
+    before = (PAGED_ATTN_REALIZED, PREFIX_ON, KERNELS_ON)
+    assert updated_states(before, (KERNELS_OFF, graphs)) == (
+        PAGED_ATTN_REALIZED,
+        PREFIX_ON,
+        KERNELS_OFF,
+        graphs,
+    )
+    assert updated_states(before, ()) == before
