@@ -6,12 +6,18 @@ front, back to back in the same run, at the same concurrency, prompt and output 
 
 For each concurrency the suite's client runs, then guidellm, then the suite's client again (ours,
 guidellm, ours: a drift during the run moves both of ours, and guidellm is compared with their mean).
-Both send the same request body (GUIDELLM_BODY) and count the same way (thirdparty.ClientFigures):
-TTFT p50 over requests, output tok/s = output tokens / (last token - first request sent). guidellm
-sends text prompts that its --processor (the model's tokenizer.json) makes `prompt_tokens` long; ours
-sends that many token ids cut from the corpus, each run a fresh seed, so the prefix cache helps
-neither. Where guidellm cannot be installed (no PyPI) or has no tokenizer, the table says so in one
-row and its targets are not measured.
+Both send the same request body (GUIDELLM_BODY) and the same kind of requests, and count the same way
+(thirdparty.ClientFigures): TTFT p50 over requests, output tok/s = output tokens / (last token - first
+request sent). The requests (workloads.text_items) are text prompts, corpus windows decoded by the
+model's tokenizer.json, `prompt_tokens` long; guidellm reads them from a JSONL file (prompt, prompt and
+output token counts), in order. Output lengths are spread over [output/2, 3*output/2] and are the same
+sequence in all three runs; each run has prompts of its own, so the prefix cache helps none. Why spread:
+with one output length, a closed loop keeps the slots in lockstep, every request of a wave ending on the
+same step, so the whole run repeats how its first wave happened to split into prefill batches; our
+client's first wave went out as 1 + 15 requests at concurrency 16, guidellm's (its worker processes
+starting) as 3 + 13, and TTFT p50 is the big batch's prefill, ~13/15 of ours (docs/performance.md).
+Where guidellm cannot be installed (no PyPI) or has no tokenizer, the table says so in one row and its
+targets are not measured.
 """
 
 from __future__ import annotations
@@ -56,14 +62,14 @@ class Agreement:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def ours(cluster: Cluster, items: list[workloads.WorkItem], concurrency: int) -> ClientFigures:
+def ours(cluster: Cluster, items: list[workloads.TextItem], concurrency: int) -> ClientFigures:
     cpu = time.process_time()  # this process runs nothing else meanwhile
     streamed = asyncio.run(stream_http(cluster.http_address, items, concurrency, body=GUIDELLM_BODY))
     cpu = time.process_time() - cpu
     wall = max(s.token_times[-1] for s in streamed) - min(s.sent for s in streamed)
     return ClientFigures(
         requests=len(streamed),
-        prompt_tokens=sum(len(i.prompt) for i in items) / len(items),
+        prompt_tokens=sum(i.prompt_tokens for i in items) / len(items),
         ttft_p50_s=median(s.ttft for s in streamed),
         output_tok_s=sum(len(s.tokens) for s in streamed) / wall,
         in_flight=sum(s.token_times[-1] - s.sent for s in streamed) / wall,
@@ -81,11 +87,13 @@ def compare(
         f"{os.environ.get('GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP', thirdparty.LOOP_SLEEP_S)}; ours: "
         "benchmarks/kvpact_systems.stream_http, the same closed loop, the same request body as guidellm's "
         "(no temperature: the server's default 1.0)",
-        f"prompt {scale.prompt_tokens} tokens, output {scale.output_tokens} (ignore_eos); run order "
-        "ours, guidellm, ours; 'guidellm / ours' divides by the mean of our two runs",
+        f"prompt {scale.prompt_tokens} tokens of text, output {scale.output_tokens // 2}-"
+        f"{scale.output_tokens * 3 // 2} (ignore_eos), the same lengths in the same order for all three runs "
+        "(guidellm reads them from a JSONL file in order), each run its own prompts; run order ours, "
+        "guidellm, ours; 'guidellm / ours' divides by the mean of our two runs",
         "both counted alike: TTFT p50 over requests (sent -> first streamed text); output tok/s = output "
-        "tokens / (last token - first request sent); prompt tokens: ours the token ids sent, guidellm's "
-        "the server's usage count of its text prompts",
+        "tokens / (last token - first request sent); prompt tokens: ours by the tokenizer, guidellm's the "
+        "server's usage count",
         "in flight = the requests' spans (sent -> last token) / wall: how full the client kept its "
         "slots; client CPU s: what the client itself burned (guidellm's includes its start-up), CPU the "
         "server on the same machine did not get",
@@ -122,20 +130,23 @@ def _at(
     """ours, guidellm, ours at one concurrency: its rows, targets, notes and figures."""
     n = concurrency * scale.requests_per_slot
     shape = (scale.prompt_tokens, scale.output_tokens)
-    first = ours(cluster, workloads.fixed(n, seed + 1, vocab_size, *shape), concurrency)
+    # the same lengths in the same order for all three runs (lengths seed `seed`), prompts of their own
+    runs = [workloads.text_items(processor / "tokenizer.json", n, seed + k, seed, *shape) for k in (1, 2, 3)]
+    first = ours(cluster, runs[0], concurrency)
     try:
         theirs: ClientFigures | str = thirdparty.run_guidellm(
-            exe, cluster.http_address, processor, *shape, concurrency, n, seed
+            exe, cluster.http_address, processor, runs[1], concurrency, seed
         )
     except RuntimeError as e:
         theirs = str(e)
-    second = ours(cluster, workloads.fixed(n, seed + 2, vocab_size, *shape), concurrency)
+    second = ours(cluster, runs[2], concurrency)
+    mean_output = sum(i.max_tokens for i in runs[0]) / n
     rows: list[list[Any]] = []
     for name, f in (("ours (1st)", first), ("guidellm", theirs), ("ours (2nd)", second)):
         if isinstance(f, str):
             rows.append([concurrency, f"guidellm failed: {f[-300:]}"] + [NAN] * (len(COLUMNS) - 2))
         else:
-            rows.append([concurrency, name, f.requests, f.prompt_tokens, scale.output_tokens]
+            rows.append([concurrency, name, f.requests, f.prompt_tokens, mean_output]
                         + [f.ttft_p50_s, f.output_tok_s, f.in_flight, f.cpu_s])  # fmt: skip
     run: dict[str, Any] = {"concurrency": concurrency, "requests": n, "ours": [first, second]}
     run.update(rows=rows, targets=[], notes=[])

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peers import Run
-from benchmarks.workloads import WorkItem
+from benchmarks.workloads import TextItem, WorkItem
 from kvpact.client import AsyncClient
 from kvpact.deploy.processes import ProcessHandle, free_port, start_process, stop, wait_for_health
 from kvpact.shared.intent import PagedAttentionMode, cache_intent
@@ -192,8 +192,9 @@ def stream_run(address: str, items: Sequence[WorkItem]) -> Run:
     return Run(wall, [s.tokens for s in streamed], "router + worker processes, streaming client")
 
 
-async def _one_http(client: Any, url: str, item: WorkItem, body: dict[str, Any]) -> Streamed:
-    body = {"prompt": list(item.prompt), "max_tokens": item.max_tokens, **body}
+async def _one_http(client: Any, url: str, item: WorkItem | TextItem, body: dict[str, Any]) -> Streamed:
+    prompt = item.prompt if isinstance(item, TextItem) else list(item.prompt)
+    body = {"prompt": prompt, "max_tokens": item.max_tokens, **body}
     sent = time.perf_counter()
     times: list[float] = []
     completion_tokens = 0
@@ -219,7 +220,7 @@ HTTP_BODY = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_optio
 
 async def stream_http(
     http_address: str,
-    items: Sequence[WorkItem],
+    items: Sequence[WorkItem | TextItem],
     concurrency: int,
     timeout_s: float = RUN_TIMEOUT_S,
     body: dict[str, Any] | None = None,

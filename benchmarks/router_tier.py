@@ -184,6 +184,7 @@ def run_load(
     num_clients: int = 1,
     requests: int = 0,
     watch: dict[str, int] | None = None,
+    http_client: str = "",
 ) -> LoadResult:
     """`streams` streams against `target` from `num_clients` client processes; the processes in
     `watch` (name -> pid) have their CPU time sampled over the counted window."""
@@ -203,6 +204,7 @@ def run_load(
             ]
             argv += ["--seconds", f"{seconds:g}", "--warmup", f"{warmup:g}", "--requests", str(requests)]
             argv += ["--prompt-text", prompt_text] if prompt_text else []
+            argv += ["--http-client", http_client] if http_client else []
             argv += ["--latency", "--keep-latencies"] if latency else []
             handles.append(start_process(argv, name=f"load-{service}-{i}", log_dir=log_dir))
         time.sleep(warmup + 0.3)  # the clients start (imports) and warm up

@@ -2,7 +2,8 @@
 router's HTTP front, to check the suite's own client against someone else's.
 
     ensure_guidellm()        the `guidellm` executable of its own venv, or a sentence saying why not
-    run_guidellm(...)        one fixed-concurrency run: TTFT p50 and output tok/s from its per-request records
+    run_guidellm(...)        one fixed-concurrency run of given text requests: TTFT p50 and output tok/s
+                             from its per-request records
     tokenizer_dir(model)     the folder with the model's tokenizer.json (guidellm's --processor)
 
 The client is installed by the benchmark, never into the product's environment: a venv of its own under
@@ -22,9 +23,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import median
+
+from benchmarks.workloads import TextItem
 
 GUIDELLM_VERSION = "0.2.1"
 DIR_ENV, INSTALL_ENV = "KVPACT_BENCH_CLIENTS_DIR", "KVPACT_BENCH_CLIENT_INSTALL"
@@ -106,21 +110,26 @@ def run_guidellm(
     exe: Path,
     http_address: str,
     processor: Path,
-    prompt_tokens: int,
-    output_tokens: int,
+    items: Sequence[TextItem],
     concurrency: int,
-    num_requests: int,
     seed: int,
 ) -> ClientFigures:
-    """guidellm at a fixed `concurrency` for `num_requests` synthetic requests (text prompts of
-    `prompt_tokens` tokens by `processor`, exactly `output_tokens` out: it sends ignore_eos). The
+    """guidellm at a fixed `concurrency` for `items`, in order (its --data: a JSONL file of them with
+    their prompt and output token counts; exactly `max_tokens` out each: it sends ignore_eos). The
     figures are computed from its per-request records (see ClientFigures); its own summary
     `output_tokens_per_second` is a time-binned rate, kept as `reported_output_tok_s`. Raises
     RuntimeError with its output when it fails."""
     with tempfile.TemporaryDirectory(prefix="kvpact-guidellm-") as tmp:
         out = Path(tmp) / "benchmarks.json"
+        data = Path(tmp) / "requests.jsonl"
+        rows = [
+            {"prompt": i.prompt, "prompt_tokens_count": i.prompt_tokens, "output_tokens_count": i.max_tokens}
+            for i in items
+        ]
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        num_requests = len(items)
         argv = [str(exe), "benchmark", "--target", f"http://{http_address}", "--processor", str(processor)]
-        argv += ["--data", f"prompt_tokens={prompt_tokens},output_tokens={output_tokens}"]
+        argv += ["--data", str(data)]  # no --data-sampler: guidellm sends the rows in file order
         # --rate as a float: guidellm 0.2.1 calls float.is_integer() on it (an int has none on 3.11)
         argv += ["--rate-type", "concurrent", "--rate", f"{float(concurrency)}"]
         argv += ["--max-requests", str(num_requests)]

@@ -12,6 +12,8 @@ Distributions (uniform integers, both ends included; `Random(seed)`):
     long_prompt    prompt 512-1,536, output 16-128
     fixed          every prompt and every output of one given length (what guidellm sends)
     shared_prefix  one common 768-token system prompt, then a 32-128 token question; output 16-128
+    text_items     text prompts (corpus windows decoded by a tokenizer.json) of one length, outputs
+                   spread around one length (the two clients of benchmarks/client_agreement.py)
 
 `fit(items, max_model_len)` shortens prompts and outputs proportionally so prompt + output fits a
 smaller model (the tiny test model), and `with_poisson_arrivals` adds exponential gaps for online runs.
@@ -36,6 +38,43 @@ class WorkItem:
     prompt: tuple[int, ...]
     max_tokens: int
     arrival_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TextItem:
+    """One request with a text prompt (what an OpenAI client sends): `prompt_tokens` is its length by
+    the model's tokenizer."""
+
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+def text_items(
+    tokenizer_json: Path, n: int, seed: int, lengths_seed: int, prompt_tokens: int, output_tokens: int
+) -> list[TextItem]:
+    """`n` text prompts: corpus windows of `prompt_tokens` tokens (offsets drawn with `seed`) decoded by
+    the tokenizer, cut so they re-tokenize to at most that many; outputs drawn uniformly from
+    [output_tokens / 2, 3 * output_tokens / 2] with `lengths_seed`, so runs that share it ask for the same
+    lengths in the same order while their prompts differ (the prefix cache helps none of them)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    tokens = corpus()
+    offsets, lengths = random.Random(seed), random.Random(lengths_seed)
+    items = []
+    for _ in range(n):
+        window = _slice(tokens, offsets.randrange(len(tokens)), prompt_tokens, tokenizer.get_vocab_size())
+        text = tokenizer.decode(list(window))
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        for cut in range(prompt_tokens, 0, -1):  # decode(encode(text)) may re-tokenize longer: cut it
+            if len(ids) <= prompt_tokens:
+                break
+            text = tokenizer.decode(ids[:cut])
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+        out = lengths.randint(max(1, output_tokens // 2), output_tokens * 3 // 2)
+        items.append(TextItem(text, len(ids), out))
+    return items
 
 
 def corpus() -> list[int]:

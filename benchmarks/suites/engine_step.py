@@ -43,6 +43,7 @@ from kvpact.worker.loader import read_model_config
 from kvpact.worker.startup.engine_setup import build_engine
 
 NUM_SEQS = 32
+BATCH1_GOAL = 1.10  # batch-1 decode step / its matmuls (issue 25, item 4)
 WAIT_S = 600.0
 
 # Profiled op -> group. Anything not listed is "other ops"; the rest of the step is "host (Python)".
@@ -381,9 +382,9 @@ def _result(
             targets.append(
                 Target(
                     f"batch-1 decode step / its matmuls ({s.cache})",
-                    "<= 1.15",
+                    f"<= {BATCH1_GOAL:.2f}",
                     f"{ratio:.2f} (step {s.step_ms:.1f} ms, matmuls {s.matmul_ms:.1f} ms)",
-                    ratio <= 1.15,
+                    ratio <= BATCH1_GOAL,
                     _top_groups(s),
                 )
             )

@@ -56,10 +56,11 @@ def test_quick_online_suite_on_the_tiny_model(
         return
     assert names == ["ours (1st)", "guidellm", "ours (2nd)", "guidellm / ours"], names
     runs, ratio = clients["rows"][:3], clients["rows"][3]
-    for row in runs:  # concurrency 2, 4 requests, 32-token prompts, 8 tokens out
-        assert row[0] == 2 and row[2] == 4 and row[4] == 8 and row[5] > 0 and row[6] > 0, row
-    # ours sends 32 ids; guidellm's text prompts, re-tokenized by the server, come out near 32 (36.5
-    # with the tiny tokenizer, exactly 64 of 64 with SmolLM2's)
-    assert runs[0][3] == runs[2][3] == 32 and 32 <= runs[1][3] <= 48, runs
+    for row in runs:  # concurrency 2, 4 requests, text prompts of <= 32 tokens, 4-12 tokens out
+        assert row[0] == 2 and row[2] == 4 and 4 <= row[4] <= 12 and row[5] > 0 and row[6] > 0, row
+    assert runs[0][4] == runs[1][4] == runs[2][4], runs  # the same output lengths for both clients
+    # ours counts its text prompts with the tokenizer, guidellm reports the server's count of the same
+    # kind of prompts (the worker may add a BOS token)
+    assert all(0 < row[3] <= 32 for row in runs[::2]) and 0 < runs[1][3] <= 34, runs
     assert all(math.isfinite(r) and r > 0 for r in ratio[5:7]), ratio
     assert len(targets) == 2 and all(t["met"] in (True, False) for t in targets), targets

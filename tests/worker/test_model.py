@@ -10,7 +10,7 @@ import torch
 from kvpact.shared.errors import ModelLoadError
 from kvpact.worker.loader import load_model
 from kvpact.worker.model import ModelConfig, build_model
-from kvpact.worker.model.rope import rope_inv_freq
+from kvpact.worker.model.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
 from tests.factories.tiny_models import (
     ContiguousAttention,
     greedy_generate,
@@ -282,3 +282,20 @@ def test_rope_linear_divides_frequencies_and_llama3_keeps_high_ones():
         },
     )
     assert llama3[0] == plain[0] and llama3[-1] == plain[-1] / 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_bit_identical_to_rotate_half(dtype):
+    """The per-step layout (cos twice, sin negated on the first half; a roll instead of chunk + cat) gives
+    exactly the textbook `x1 * cos - x2 * sin, x2 * cos + x1 * sin`, with cos/sin cast to x's dtype."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, 16).to(dtype)[:, 1:6]  # strided tokens, as views of the fused projection are
+    positions = torch.tensor([0, 3, 17, 255, 4096])
+    rotary = RotaryEmbedding(16, 10000.0, None)
+    freqs = positions.float()[:, None] * rope_inv_freq(16, 10000.0, None)[None, :]
+    c, s = freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    got = apply_rotary(x, *rotary.cos_sin(positions, dtype))
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, expected)

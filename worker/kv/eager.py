@@ -83,7 +83,10 @@ class EagerCache:
 
 class EagerAttentionStep:
     """One step's view of the eager cache. Decodes (one token each) attend in one batched call;
-    each longer chunk attends on its own with a causal mask offset by its cached prefix."""
+    each longer chunk attends on its own with a causal mask offset by its cached prefix.
+
+    `forward` returns a buffer of the step's, every row rewritten by each call: valid until the step's
+    next `forward` (each layer consumes its attention output before the next layer runs)."""
 
     def __init__(self, cache: EagerCache, chunks: list[ScheduledChunk], num_decodes: int) -> None:
         self.cache = cache
@@ -102,6 +105,7 @@ class EagerAttentionStep:
             self.decode_mask = cache.visible(
                 torch.arange(self.decode_len, device=dev), self.decode_positions
             )[:, None, None, :]
+        self._out: torch.Tensor | None = None  # the step's output, reused by every layer
         self.prefills: list[tuple[int, int, int, int]] = []  # (slot, start, num_tokens, offset in batch)
         offset = num_decodes
         for c in chunks[num_decodes:]:
@@ -111,26 +115,34 @@ class EagerAttentionStep:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         key_cache, value_cache = self.cache.key[layer_idx], self.cache.value[layer_idx]
-        k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        same = q.dtype == key_cache.dtype  # else a float32 cache under a lower-precision model
+        if not same:
+            k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
+        if self._out is None:  # the first layer allocates the step's output; the others reuse it
+            self._out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = self._out
         d = self.num_decodes
         native = self.cache.native
         if d and native is not None:
             check, self._checked = not self._checked, True  # the first layer checks for all of them
-            native.write(k[:d], v[:d], key_cache, value_cache, self.decode_flat_slots, check=check)
-            same = out.dtype == key_cache.dtype  # else a float32 cache under a lower-precision model
+            if d == q.shape[0]:  # decodes only: no slices (a no-op view is a dispatch too)
+                native.write(k, v, key_cache, value_cache, self.decode_flat_slots, check=check)
+                query, dest = q, out
+            else:
+                native.write(k[:d], v[:d], key_cache, value_cache, self.decode_flat_slots, check=check)
+                query, dest = q[:d], out[:d]
             got = native.decode(
-                q[:d].to(key_cache.dtype),
+                query if same else query.to(key_cache.dtype),
                 key_cache,
                 value_cache,
                 self.decode_tables,
                 self.decode_context_lens,
                 self.cache.scale,
-                out=out[:d] if same else None,
+                out=dest if same else None,
                 check=check,
             )
             if not same:
-                out[:d] = got
+                dest[:] = got
         elif d:
             key_cache[self.decode_slots, self.decode_positions] = k[:d]
             value_cache[self.decode_slots, self.decode_positions] = v[:d]

@@ -265,8 +265,10 @@ class PagedAttentionStep:
         cache = self.cache
         key_cache, value_cache = cache.key[layer_idx], cache.value[layer_idx]
         dtype = key_cache.dtype
-        query = q.to(dtype)  # no copy when the dtypes agree; the kernels read through strides
+        same = q.dtype == dtype  # then no casts at all (the kernels read through strides)
+        query, key, value = (q, k, v) if same else (q.to(dtype), k.to(dtype), v.to(dtype))
         d = self.num_decodes
+        only_decodes = d == query.shape[0]  # then no slices either: a no-op view is a dispatch too
         check = self._out is None  # the first layer checks the step's shapes for all of them
         if check:
             self._out = torch.empty(query.shape, dtype=dtype, device=query.device)
@@ -276,18 +278,17 @@ class PagedAttentionStep:
                 )
         out = self._out
         assert out is not None
-        key, value = k.to(dtype), v.to(dtype)
         cache.ops.write(key, value, key_cache, value_cache, self.slot_mapping, check=check)
         if d:
             cache.ops.decode(
-                query[:d],
+                query if only_decodes else query[:d],
                 key_cache,
                 value_cache,
                 self.decode_tables,
                 self.decode_context_lens,
                 cache.scale,
                 self.decode_splits,
-                out=out[:d],
+                out=out if only_decodes else out[:d],
                 workspace=self._workspace,
                 check=check,
             )
@@ -306,7 +307,7 @@ class PagedAttentionStep:
                 value=value[d:],
                 check=check,
             )
-        return out.to(q.dtype)
+        return out if same else out.to(q.dtype)
 
 
 def _block_tables(tables: list[list[int]]) -> torch.Tensor:

@@ -57,16 +57,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionStep
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        h, kv = self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(-1, h + 2 * kv, self.head_dim)  # q heads, then k, then v
         # q and k rotated together (one set of RoPE ops per layer, not two); q, k and v stay views
-        # of their rows, each token's [heads, head_dim] contiguous.
-        qk = apply_rotary(
-            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-            cos,
-            sin,
-        )
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        # of their rows, each token's [heads, head_dim] contiguous. `narrow`, not `split`: a batch-1
+        # step is mostly dispatch outside its matmuls, and split costs about two narrows.
+        qk = apply_rotary(heads.narrow(1, 0, h + kv), cos, sin)
+        q, k, v = qk.narrow(1, 0, h), qk.narrow(1, h, kv), heads.narrow(1, h + kv, kv)
         out = self.o_proj(attn.forward(self.layer_idx, q, k, v).reshape(-1, self.q_size))
         return out if self.reduce is None else self.reduce(out)
 
@@ -111,8 +108,8 @@ class LlamaForCausalLM(nn.Module):
         self.stages: tuple[Stage, ...] = ()  # set by build_model; () = every layer where its weights are
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(positions)
         x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # once per step, laid out for every layer
         # The hidden states move to each stage's device (a no-op on the same device).
         for stage in self.stages or single_stage(x.device, len(self.model.layers)):
             x, cos, sin = x.to(stage.device), cos.to(stage.device), sin.to(stage.device)

@@ -2,8 +2,11 @@
 
 The inverse frequencies are computed once in float32 on the CPU; cos/sin are computed per step from
 the flat `positions` tensor (cheap: `num_tokens x head_dim/2`), so no table is sized by the context
-length. Scaling types: plain, "linear" (positions divided by `factor`) and "llama3" (long wavelengths
-divided by `factor`, short ones kept, a smooth ramp between).
+length. They are laid out once per step for every layer (full width, in the model's dtype, sin negated
+on the first half), so a layer's rotation is four ops (`apply_rotary`): per-layer Python dispatch is
+most of a batch-1 decode step outside its matmuls (docs/performance.md). Scaling types: plain,
+"linear" (positions divided by `factor`) and "llama3" (long wavelengths divided by `factor`, short
+ones kept, a smooth ramp between).
 """
 
 from __future__ import annotations
@@ -48,18 +51,23 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         self._inv_freq = rope_inv_freq(head_dim, theta, scaling)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions `[num_tokens]` long -> (cos, sin), each `[num_tokens, head_dim // 2]` float32."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions `[num_tokens]` long -> (cos, sin), each `[num_tokens, 1, head_dim]` in `dtype`
+        (computed in float32): cos over both halves, sin negated over the first half (`apply_rotary`)."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        return freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), -1).to(dtype)[:, None], torch.cat((-sin, sin), -1).to(dtype)[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[num_tokens, num_heads, head_dim]`; cos/sin `[num_tokens, head_dim // 2]` -> rotated x
-    (a new contiguous tensor in x's dtype). Pairs dimension i with i + head_dim/2."""
-    cos = cos.to(x.dtype)[:, None, :]
-    sin = sin.to(x.dtype)[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x `[num_tokens, num_heads, head_dim]`; cos/sin from `cos_sin` in x's dtype -> rotated x (a new
+    contiguous tensor). Pairs dimension i with i + head_dim/2: the first half is `x1 * cos - x2 * sin`,
+    the second `x2 * cos + x1 * sin`, bit for bit (`x2 * -sin` is `-(x2 * sin)` exactly); `roll` swaps
+    the halves."""
+    out = x * cos
+    out += x.roll(x.shape[-1] // 2, -1) * sin
+    return out
