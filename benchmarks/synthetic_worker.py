@@ -28,13 +28,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvpact.shared import handshake_pb
+from kvpact.shared import handshake_pb, reasons
+from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.intent import CacheDtype, PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.reasons import PAGED_ATTN
 from kvpact.shared.spec import WorkerSpec
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from kvpact.worker.registration import RouterLink
@@ -120,15 +121,17 @@ def ready_handshake(worker_id: str, address: str, model: str) -> worker_pb2.Hand
         device="cpu",
         cache=cache_intent(PagedAttentionMode.AUTO, PagedAttentionConfig()),
     )
+    eager = reasons.EAGER_DEFAULT.found(device="CPU")  # what auto realizes on a CPU, and why
     realized = RealizedCache(
-        kind=CacheKind.EAGER,
-        scheduler=SchedulerKind.DEFAULT,
         max_model_len=MAX_MODEL_LEN,
         capacity_tokens=NUM_SLOTS * MAX_MODEL_LEN,
         max_concurrency=NUM_SLOTS,
         num_blocks=NUM_SLOTS,
         memory_bytes=0,
         cache_dtype=CacheDtype.FLOAT32,
+        features=(
+            FeatureState(PAGED_ATTN, FeatureMode.AUTO, False, eager.code, eager.message, eager.component),
+        ),
     )
     return worker_pb2.Handshake(
         worker_id=worker_id,

@@ -32,7 +32,7 @@ from kvpact.shared.fingerprint import Fingerprint, mismatch
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import CacheIntent, PagedAttentionMode
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 
 ON, OFF, AUTO = PagedAttentionMode.ON, PagedAttentionMode.OFF, PagedAttentionMode.AUTO
 UNIFORM = "uniform"  # Decision.feature of a refusal by router --uniform (not a feature: the report says so)
@@ -60,7 +60,7 @@ def admit(
     (or why it could not start); `policies` the other features' cluster policies (None: all auto)."""
     if isinstance(outcome, StartupFailure):
         return _failed(outcome)
-    decision = _judge(policy, requested, outcome, outcome.scheduler, "realized")
+    decision = _judge(policy, requested, outcome, "realized")
     if decision.admitted:
         return _judge_features(policies or {}, outcome.features, "realized") or decision
     return decision
@@ -73,8 +73,7 @@ def admit_plan(
     PAGED cache runs the paged scheduler (select_scheduler follows the cache). A plan that meets the
     policy is `pending` (not admitted yet: the worker registers again with `ready` once loaded); one that
     does not is refused, so the cluster fails before that worker reads a weight."""
-    scheduler = SchedulerKind.PAGED if plan.kind is CacheKind.PAGED else SchedulerKind.DEFAULT
-    decision = _judge(policy, requested, plan, scheduler, "plans")
+    decision = _judge(policy, requested, plan, "plans")
     if decision.admitted:
         decision = _judge_features(policies or {}, plan.features, "plans") or decision
     if not decision.admitted:
@@ -86,7 +85,6 @@ def _judge(
     policy: PagedAttentionMode,
     requested: CacheIntent,
     outcome: RealizedCache | LoadingPlan,
-    scheduler: SchedulerKind,
     verb: str,
 ) -> Decision:
     """`verb`: "realized" (a ready worker) or "plans" (a worker announcing its pre-load plan)."""
@@ -109,11 +107,6 @@ def _judge(
         return _refuse(
             f"the cluster policy is --paged-attn on and it {verb} {built} under --paged-attn "
             f"{mode.value} because {why}"
-        )
-    if policy is ON and scheduler is not SchedulerKind.PAGED:
-        return _refuse(
-            f"the cluster policy is --paged-attn on and it {verb} {built} but runs the "
-            f"{scheduler.value} scheduler, not the paged one, so it does not run PagedAttention"
         )
     if policy is OFF and outcome.kind is not CacheKind.EAGER:
         return _refuse(

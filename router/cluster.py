@@ -32,7 +32,7 @@ from kvpact.router.status import cluster_status_to_pb
 from kvpact.shared import handshake_pb
 from kvpact.shared.describe import describe_intent, describe_plan, describe_realized
 from kvpact.shared.errors import ConfigError
-from kvpact.shared.features import FeatureMode, FeatureState, describe_features
+from kvpact.shared.features import FeatureMode, FeatureState, describe_features, updated_states
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.v1 import router_pb2, worker_pb2
 
@@ -293,7 +293,7 @@ class Cluster:
             load_before, entry.load,
         )  # fmt: skip
         if now:
-            entry.realized = replace(entry.realized, features=now)
+            entry.realized = replace(entry.realized, features=updated_states(entry.realized.features, now))
         for d in drifts:
             drain = d.violates and not entry.drain_reason
             log.warning(

@@ -11,8 +11,8 @@ on a CPU. The defaults (docs/design.md, "The contract"):
     a device map mixing CPU and accelerator layers                     -> unsupported
     --pa-backend triton without CUDA                                   -> unsupported
 
-Every "unsupported" is a shared/reasons.py `Finding` that goes through `disable_paged_attention`, so `auto`
-records the reason (with its component and code) and `on` raises.
+Every "unsupported" is a shared/reasons.py `Finding` that startup sends through the door (`Ledger.fall_back`),
+so `auto` records the reason (with its component and code) and `on` raises.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpact.shared import reasons
-from kvpact.shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
+from kvpact.shared.intent import PagedAttentionConfig, PagedBackend
 from kvpact.shared.reasons import Finding
 
 ACCELERATOR_KINDS = frozenset({"cuda", "mps"})
@@ -60,37 +60,11 @@ class ModelTraits:
     dtype: str  # the KV cache dtype: "float32", "float16", "bfloat16"
 
 
-@dataclass(frozen=True, slots=True)
-class PagedDecision:
-    enabled: bool
-    required: bool
-    backend: PagedBackend | None
-    reason: str  # why it is off ("" when enabled)
-
-
-def decide_paged_attention(
-    device: DeviceInfo, state: PagedAttentionState, model: ModelTraits | None = None
-) -> PagedDecision:
-    """Decide, and route any impossibility through the fallback door (which raises under `on`)."""
-    if state.intent.paged is None:
-        return PagedDecision(enabled=False, required=False, backend=None, reason="--paged-attn off")
-    if state.paged_config is None:  # an earlier component already fell back
-        return PagedDecision(enabled=False, required=False, backend=None, reason=state.fallbacks[-1].reason)
-    backend, finding = choose_backend(device, state, model)
-    if backend is None:
-        assert finding is not None
-        disable_paged_attention(state, finding.message, component=finding.component, code=finding.code)
-        return PagedDecision(enabled=False, required=False, backend=None, reason=finding.message)
-    return PagedDecision(enabled=True, required=state.required, backend=backend, reason="")
-
-
 def choose_backend(
-    device: DeviceInfo, state: PagedAttentionState, model: ModelTraits | None
+    device: DeviceInfo, config: PagedAttentionConfig, required: bool, model: ModelTraits | None
 ) -> tuple[PagedBackend | None, Finding | None]:
     """The backend PagedAttention runs with here, or (None, why it cannot). Pure; the caller routes
-    the finding through the door (`decide_paged_attention` does, as does the worker's startup check)."""
-    config = state.paged_config
-    assert config is not None
+    the finding through the door (the worker's startup check does: worker/startup/checks.py)."""
     kinds = device.device_map_kinds or frozenset({device.kind})
     if "cpu" in kinds and kinds & ACCELERATOR_KINDS:
         return None, reasons.MIXED_DEVICE_MAP.found()
@@ -100,7 +74,7 @@ def choose_backend(
         finding = _triton_unsupported(device, config.block_size, model)
         return (None, finding) if finding else (PagedBackend.TRITON, None)
     # CPU or MPS with backend auto.
-    if not config.required:
+    if not required:
         return None, reasons.EAGER_DEFAULT.found(device=device.kind.upper())
     return PagedBackend.TORCH, None
 

@@ -108,7 +108,7 @@ def realized_table(realized: RealizedCache, title: str = "realized KV cache") ->
     rows = [
         ("kind", realized.kind.value.upper()),
         ("backend", realized.backend.value if realized.backend else "eager (contiguous per slot)"),
-        ("scheduler", realized.scheduler.value),
+        ("scheduler", realized.scheduler),
         ("cache dtype", realized.cache_dtype.value),
         ("max model len", str(realized.max_model_len)),
     ]

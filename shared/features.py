@@ -6,7 +6,8 @@
 
 What was asked is `FeatureIntents` (one option field per feature; paged-attn's mode is CacheIntent's, as
 it carries the paged cache's settings too). What was built is one `FeatureState` per feature: realized
-or not, and the reason. `Ledger` holds them while a worker starts; `Ledger.fall_back` is the door.
+or not, and the reason. `Ledger` holds every feature's, paged-attn's included, while a worker starts;
+`Ledger.fall_back` is the one door (tests/test_architecture.py keeps it the only one).
 
 Invariant: no feature changes another's mode. A feature whose needs are not met (prefix caching without
 the paged cache) realizes off; it never turns what it needs on.
@@ -18,7 +19,7 @@ import enum
 from dataclasses import dataclass, field, fields
 
 from kvpact.shared import reasons
-from kvpact.shared.errors import FeatureRequiredError
+from kvpact.shared.errors import FeatureRequiredError, PagedAttentionRequiredError
 from kvpact.shared.options import check_options, option
 from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING, Finding
 
@@ -110,7 +111,8 @@ def off_by_request(name: str) -> FeatureState:
 
 @dataclass(slots=True)
 class Ledger:
-    """Each feature's mode, and the finding that turned it off, while a worker starts."""
+    """Each feature's mode (paged-attn's first), and the finding that turned it off, while a worker starts:
+    a feature is in force until its first finding, and states() is what it realizes."""
 
     modes: dict[str, FeatureMode]
     findings: dict[str, Finding] = field(default_factory=dict)
@@ -124,6 +126,8 @@ class Ledger:
         if not self.in_force(feature):
             return
         if self.modes[feature] is FeatureMode.ON:
+            if feature == PAGED_ATTN:
+                raise PagedAttentionRequiredError(finding.message, finding.component, finding.code)
             raise FeatureRequiredError(finding.message, finding.component, feature=feature, code=finding.code)
         self.findings[feature] = finding
 
@@ -138,6 +142,16 @@ class Ledger:
 
     def states(self) -> tuple[FeatureState, ...]:
         return tuple(self.state(f) for f in self.modes)
+
+
+def updated_states(
+    before: tuple[FeatureState, ...], now: tuple[FeatureState, ...]
+) -> tuple[FeatureState, ...]:
+    """`before` with each state `now` reports in its place (by name), then any new ones: a beat that
+    omits a feature (an older or partial sender) leaves that feature as it was."""
+    fresh = {s.name: s for s in now}
+    known = {s.name for s in before}
+    return tuple(fresh.get(s.name, s) for s in before) + tuple(s for s in now if s.name not in known)
 
 
 def describe_features(states: tuple[FeatureState, ...]) -> str:

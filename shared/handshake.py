@@ -7,11 +7,11 @@ Converted to and from protobuf in shared/handshake_pb.py (`plan_*_pb`, `failure_
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpact.shared.features import FeatureState
-from kvpact.shared.intent import Fallback, PagedBackend
-from kvpact.shared.scheduler_choice import CacheKind
+from kvpact.shared.intent import PagedBackend
+from kvpact.shared.realized import BuiltFeatures
 
 
 class StartupFailureCode(enum.Enum):
@@ -24,15 +24,16 @@ class StartupFailureCode(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class LoadingPlan:
-    """The pre-load verdict a worker announces before it loads weights: what it will build.
-    `backend` is set for a PAGED plan only; `fallbacks` are those the plan took (under auto)."""
+class LoadingPlan(BuiltFeatures):
+    """The pre-load verdict a worker announces before it loads weights: what it will build. Its kind and
+    fallbacks are paged-attn's planned state (BuiltFeatures); `backend` is set for a PAGED plan only."""
 
-    kind: CacheKind
+    features: tuple[FeatureState, ...]  # every feature, as planned
     backend: PagedBackend | None = None
-    fallbacks: tuple[Fallback, ...] = field(default_factory=tuple)
     verdict_seconds: float = 0.0
-    features: tuple[FeatureState, ...] = field(default_factory=tuple)  # every feature, as planned
+
+    def __post_init__(self) -> None:
+        self._check_features()
 
 
 @dataclass(frozen=True, slots=True)

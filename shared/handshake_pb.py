@@ -6,9 +6,9 @@ UNSPECIFIED enum values are read as AUTO, explicitly, and written back as AUTO.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 
-from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
+from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState, off_by_request
 from kvpact.shared.fingerprint import NO_CHAT_TEMPLATE, Fingerprint
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode, WorkerLoad
 from kvpact.shared.intent import (
@@ -20,8 +20,9 @@ from kvpact.shared.intent import (
     PagedAttentionMode,
     PagedBackend,
 )
-from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.realized import RealizedCache, realizes
+from kvpact.shared.reasons import PAGED_ATTN
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.shared.spec import LayerPlacement, WorkerSpec
 from kvpact.v1 import cache_pb2, worker_pb2
 
@@ -52,11 +53,11 @@ _BACKEND_FROM_PB = {v: k for k, v in _BACKEND_TO_PB.items()} | {
 }
 _KIND_TO_PB = {CacheKind.PAGED: cache_pb2.CACHE_KIND_PAGED, CacheKind.EAGER: cache_pb2.CACHE_KIND_EAGER}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
-_SCHED_TO_PB = {
-    SchedulerKind.PAGED: cache_pb2.SCHEDULER_KIND_PAGED,
-    SchedulerKind.DEFAULT: cache_pb2.SCHEDULER_KIND_DEFAULT,
+# The scheduler follows the cache's kind (shared/scheduler_choice.py): written for older readers, never read.
+_SCHEDULER_TO_PB = {
+    CacheKind.PAGED: cache_pb2.SCHEDULER_KIND_PAGED,
+    CacheKind.EAGER: cache_pb2.SCHEDULER_KIND_DEFAULT,
 }
-_SCHED_FROM_PB = {v: k for k, v in _SCHED_TO_PB.items()}
 
 
 _FEATURE_MODE_TO_PB = {
@@ -103,8 +104,21 @@ def _fallbacks_to_pb(fallbacks: tuple[Fallback, ...]) -> list[cache_pb2.Fallback
     return [cache_pb2.Fallback(component=f.component, reason=f.reason, code=f.code) for f in fallbacks]
 
 
-def _fallbacks_from_pb(msgs: object) -> tuple[Fallback, ...]:
-    return tuple(Fallback(component=f.component, reason=f.reason, code=f.code) for f in msgs)  # type: ignore[attr-defined]
+def _features_from_pb(msgs: object, kind: int, fallbacks: object) -> tuple[FeatureState, ...]:
+    """The features as sent. A sender older than `features` reports paged-attn only as a cache kind and
+    its fallbacks (which the wire still carries, derived, for older readers): read those as paged-attn's
+    state, requested auto unless nothing fell back from an eager cache (off). Raises KeyError for neither."""
+    states = tuple(feature_from_pb(f) for f in msgs)  # type: ignore[attr-defined]
+    if any(s.name == PAGED_ATTN for s in states):
+        return states
+    first = next(iter(fallbacks), None)  # type: ignore[call-overload]
+    if _KIND_FROM_PB[kind] is CacheKind.PAGED:  # type: ignore[index]
+        paged = FeatureState(PAGED_ATTN, FeatureMode.AUTO, True)
+    elif first is not None:
+        paged = FeatureState(PAGED_ATTN, FeatureMode.AUTO, False, first.code, first.reason, first.component)
+    else:
+        paged = off_by_request(PAGED_ATTN)
+    return (paged, *states)
 
 
 def mode_to_pb(mode: PagedAttentionMode) -> cache_pb2.PagedAttentionMode.ValueType:
@@ -115,9 +129,10 @@ def mode_from_pb(value: int) -> PagedAttentionMode:
     return _MODE_FROM_PB[value]  # type: ignore[index]
 
 
-def paged_config_to_pb(config: PagedAttentionConfig) -> cache_pb2.PagedAttentionConfig:
+def paged_config_to_pb(config: PagedAttentionConfig, required: bool) -> cache_pb2.PagedAttentionConfig:
+    """`required`: the mode's (on), written for older readers; a reader takes the mode."""
     msg = cache_pb2.PagedAttentionConfig(
-        required=config.required,
+        required=required,
         block_size=config.block_size,
         cache_dtype=_DTYPE_TO_PB[config.cache_dtype],
         backend=_BACKEND_TO_PB[config.backend],
@@ -134,7 +149,6 @@ def paged_config_to_pb(config: PagedAttentionConfig) -> cache_pb2.PagedAttention
 def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionConfig:
     budget = msg.WhichOneof("budget")
     return PagedAttentionConfig(
-        required=msg.required,
         block_size=msg.block_size or DEFAULT_BLOCK_SIZE,
         memory_fraction=msg.memory_fraction if budget == "memory_fraction" else None,
         memory_bytes=msg.memory_bytes if budget == "memory_bytes" else None,
@@ -147,7 +161,7 @@ def paged_config_from_pb(msg: cache_pb2.PagedAttentionConfig) -> PagedAttentionC
 def intent_to_pb(intent: CacheIntent) -> cache_pb2.CacheIntent:
     msg = cache_pb2.CacheIntent(mode=_MODE_TO_PB[intent.mode])
     if intent.paged is not None:
-        msg.paged.CopyFrom(paged_config_to_pb(intent.paged))
+        msg.paged.CopyFrom(paged_config_to_pb(intent.paged, intent.required))
     return msg
 
 
@@ -158,7 +172,7 @@ def intent_from_pb(msg: cache_pb2.CacheIntent) -> CacheIntent:
     if mode is PagedAttentionMode.OFF:
         return CacheIntent(mode=mode, paged=None)
     config = paged_config_from_pb(msg.paged) if msg.HasField("paged") else PagedAttentionConfig()
-    return CacheIntent(mode=mode, paged=replace(config, required=mode is PagedAttentionMode.ON))
+    return CacheIntent(mode=mode, paged=config)
 
 
 def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
@@ -169,8 +183,8 @@ def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
         num_blocks=realized.num_blocks,
         capacity_tokens=realized.capacity_tokens,
         max_concurrency=realized.max_concurrency,
-        scheduler=_SCHED_TO_PB[realized.scheduler],
-        fallbacks=_fallbacks_to_pb(realized.fallbacks),
+        scheduler=_SCHEDULER_TO_PB[realized.kind],
+        fallbacks=_fallbacks_to_pb(realized.fallbacks),  # derived from features["paged-attn"], as kind
         cache_dtype=_DTYPE_TO_PB[realized.cache_dtype],
         max_model_len=realized.max_model_len,
         memory_bytes=realized.memory_bytes,
@@ -181,20 +195,19 @@ def realized_to_pb(realized: RealizedCache) -> cache_pb2.RealizedCache:
 
 
 def realized_from_pb(msg: cache_pb2.RealizedCache) -> RealizedCache:
-    kind = _KIND_FROM_PB[msg.kind]
+    """Raises KeyError for a cache with neither paged-attn's state nor a kind."""
+    features = _features_from_pb(msg.features, msg.kind, msg.fallbacks)
+    paged = realizes(features, PAGED_ATTN)
     return RealizedCache(
-        kind=kind,
-        scheduler=_SCHED_FROM_PB[msg.scheduler],
         max_model_len=msg.max_model_len,
         capacity_tokens=msg.capacity_tokens,
         max_concurrency=msg.max_concurrency,
         num_blocks=msg.num_blocks,
         memory_bytes=msg.memory_bytes,
         cache_dtype=_DTYPE_FROM_PB[msg.cache_dtype],
-        backend=_BACKEND_FROM_PB[msg.backend] if kind is CacheKind.PAGED else None,
+        backend=_BACKEND_FROM_PB[msg.backend] if paged else None,
         block_size=msg.block_size,
-        fallbacks=_fallbacks_from_pb(msg.fallbacks),
-        features=tuple(feature_from_pb(f) for f in msg.features),
+        features=features,
         tensor_parallel_size=msg.tensor_parallel_size or 1,
         rank_devices=tuple(msg.rank_devices),
     )
@@ -211,14 +224,13 @@ def plan_to_pb(plan: LoadingPlan) -> worker_pb2.LoadingPlan:
 
 
 def plan_from_pb(msg: worker_pb2.LoadingPlan) -> LoadingPlan:
-    """Raises KeyError for a plan without a kind."""
-    kind = _KIND_FROM_PB[msg.planned_kind]
+    """Raises KeyError for a plan with neither paged-attn's state nor a kind."""
+    features = _features_from_pb(msg.features, msg.planned_kind, msg.fallbacks)
+    paged = realizes(features, PAGED_ATTN)
     return LoadingPlan(
-        kind=kind,
-        backend=_BACKEND_FROM_PB[msg.planned_backend] if kind is CacheKind.PAGED else None,
-        fallbacks=_fallbacks_from_pb(msg.fallbacks),
+        features=features,
+        backend=_BACKEND_FROM_PB[msg.planned_backend] if paged else None,
         verdict_seconds=msg.verdict_seconds,
-        features=tuple(feature_from_pb(f) for f in msg.features),
     )
 
 

@@ -1,25 +1,25 @@
-"""The operator's PagedAttention intent, and the single door through which it may fall back.
+"""The operator's PagedAttention intent: its mode, and the paged cache's settings.
 
 The intent travels unchanged: CLI flag -> `CacheIntent` -> worker -> capability check -> loader ->
-cache -> scheduler -> handshake -> router. It is never reduced to a bool before the last decision;
-`PagedAttentionConfig.required` is the bit that survives.
+cache -> scheduler -> handshake -> router. It is never reduced to a bool before the last decision; the
+mode is the one form of it (`CacheIntent.required` derives "on" from it).
 
-    auto -> PagedAttentionConfig(required=False)   try it where it works; fall back and say why
-    on   -> PagedAttentionConfig(required=True)    it must work, or startup fails naming the reason
-    off  -> None                                   never
+    auto -> CacheIntent(AUTO, PagedAttentionConfig())   try it where it works; fall back and say why
+    on   -> CacheIntent(ON, PagedAttentionConfig())     it must work, or startup fails naming the reason
+    off  -> CacheIntent(OFF, None)                      never
 
-While a worker starts, a `PagedAttentionState` holds the config still in force. Only
-`disable_paged_attention` may clear it (tests/test_architecture.py enforces this): loaders and caches
-know *compatibility*, the config knows *policy*, and this helper combines them.
+While a worker starts, paged-attn is one feature of the `Ledger` (shared/features.py): its config is in
+force until the ledger's door, `Ledger.fall_back`, records a finding (auto) or raises (on). Checks know
+*compatibility*, the mode knows *policy*, and the door combines them.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
-from kvpact.shared.features import FeatureMode, FeatureState, off_by_request
+from kvpact.shared.errors import ConfigError
+from kvpact.shared.features import FeatureMode
 from kvpact.shared.options import UINT64_MAX, check_options, option
 
 DEFAULT_BLOCK_SIZE = 16
@@ -51,9 +51,9 @@ class CacheDtype(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PagedAttentionConfig:
-    """How to build the paged cache. At most one of the three budgets is set (none = device default)."""
+    """How to build the paged cache. At most one of the three budgets is set (none = device default).
+    Whether it is required is the mode's (CacheIntent.required), never stored here."""
 
-    required: bool = False  # follows --paged-attn (on), never a flag of its own
     block_size: int = option(
         DEFAULT_BLOCK_SIZE,
         "--pa-block-size",
@@ -138,8 +138,6 @@ class CacheIntent:
             raise ValueError(
                 f"CacheIntent: paged config must be present exactly when mode is not off ({self})"
             )
-        if self.paged is not None and self.paged.required != (self.mode is PagedAttentionMode.ON):
-            raise ValueError(f"CacheIntent: required must be true exactly when mode is on ({self})")
 
     @property
     def required(self) -> bool:
@@ -149,12 +147,10 @@ class CacheIntent:
 def paged_config_for_mode(
     mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None
 ) -> PagedAttentionConfig | None:
-    """The CLI mapping: auto -> config(required=False), on -> config(required=True), off -> None.
-
-    `settings` carries the other --pa-* flags; its `required` is overwritten by the mode."""
+    """The CLI mapping: auto and on -> the config (`settings`, the --pa-* flags), off -> None."""
     if mode is PagedAttentionMode.OFF:
         return None
-    return replace(settings or PagedAttentionConfig(), required=mode is PagedAttentionMode.ON)
+    return settings or PagedAttentionConfig()
 
 
 def cache_intent(mode: PagedAttentionMode, settings: PagedAttentionConfig | None = None) -> CacheIntent:
@@ -163,58 +159,10 @@ def cache_intent(mode: PagedAttentionMode, settings: PagedAttentionConfig | None
 
 @dataclass(frozen=True, slots=True)
 class Fallback:
-    """One place where PagedAttention was found impossible under `auto`, and why (`code`: the reason's
-    code in shared/reasons.py; "" from an older sender)."""
+    """Where PagedAttention was found impossible under `auto`, and why (`code`: the reason's code in
+    shared/reasons.py; "" from an older sender): a view of paged-attn's FeatureState (shared/realized.py),
+    and the wire's form of it for older readers."""
 
     component: str
     reason: str
     code: str = ""
-
-
-@dataclass(slots=True)
-class PagedAttentionState:
-    """The paged config still in force while a worker starts, and every fallback taken so far."""
-
-    intent: CacheIntent
-    paged_config: PagedAttentionConfig | None
-    fallbacks: list[Fallback] = field(default_factory=list)
-
-    @classmethod
-    def from_intent(cls, intent: CacheIntent) -> PagedAttentionState:
-        return cls(intent=intent, paged_config=intent.paged)
-
-    @property
-    def enabled(self) -> bool:
-        return self.paged_config is not None
-
-    @property
-    def required(self) -> bool:
-        return self.paged_config is not None and self.paged_config.required
-
-    def feature_state(self) -> FeatureState:
-        """paged-attn as one feature's state: realized while the config is in force, else the last
-        fallback's reason (or off by request)."""
-        mode = self.intent.mode
-        if mode is FeatureMode.OFF:
-            return off_by_request("paged-attn")
-        if self.paged_config is not None:
-            return FeatureState("paged-attn", mode, True)
-        last = self.fallbacks[-1]
-        return FeatureState("paged-attn", mode, False, last.code, last.reason, last.component)
-
-
-def disable_paged_attention(
-    state: PagedAttentionState, reason: str, *, component: str, code: str = ""
-) -> None:
-    """The single fallback door. `reason` completes "PagedAttention cannot be used here because ...".
-
-    Config absent (off, or already fallen back): nothing to do. `required` (on): raise
-    PagedAttentionRequiredError naming the flag, the component and the reason. Otherwise (auto):
-    clear the config and record the fallback.
-    """
-    if state.paged_config is None:
-        return
-    if state.paged_config.required:
-        raise PagedAttentionRequiredError(reason, component, code)
-    state.paged_config = None
-    state.fallbacks.append(Fallback(component=component, reason=reason, code=code))

@@ -12,11 +12,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "kernels", "shared", "deploy")
-DOOR = ROOT / "shared" / "intent.py"
+DOOR = ROOT / "shared" / "features.py"  # Ledger.fall_back, every feature's one door (paged-attn's too)
 # Building an intent from the wire for mode OFF legitimately has no paged config.
 MAY_BUILD_OFF_INTENT = {ROOT / "shared" / "handshake_pb.py"}
 # Constructors whose paged config can also be given positionally: its index.
-PAGED_POSITION = {"PagedAttentionState": 1, "CacheIntent": 1}
+PAGED_POSITION = {"CacheIntent": 1}
+LEDGER = {"findings", "modes"}  # a ledger's state: only its door changes it
+MUTATORS = {"update", "pop", "popitem", "setdefault", "clear", "__setitem__", "__delitem__"}
 
 
 def sources(*packages: str) -> list[Path]:
@@ -24,7 +26,7 @@ def sources(*packages: str) -> list[Path]:
 
 
 def fallback_violations(path: Path, tree: ast.AST) -> list[str]:
-    """Places that clear or replace a paged config other than through disable_paged_attention."""
+    """Places that clear or replace a paged config, or touch a ledger's findings, other than the door."""
     found = []
     for node in ast.walk(tree):
         targets = []
@@ -37,8 +39,14 @@ def fallback_violations(path: Path, tree: ast.AST) -> list[str]:
         for target in targets:
             if isinstance(target, ast.Attribute) and target.attr == "paged_config":
                 found.append(f"{path.name}:{node.lineno} assigns .paged_config")
+            inner = target.value if isinstance(target, ast.Subscript) else target
+            if isinstance(inner, ast.Attribute) and inner.attr in LEDGER:
+                found.append(f"{path.name}:{node.lineno} writes a ledger's {inner.attr}")
         if isinstance(node, ast.Call):
             name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            owner = getattr(node.func, "value", None)
+            if name in MUTATORS and isinstance(owner, ast.Attribute) and owner.attr in LEDGER:
+                found.append(f"{path.name}:{node.lineno} changes a ledger's {owner.attr}")
             if name in {"setattr", "__setattr__"} and any(
                 isinstance(a, ast.Constant) and a.value in {"paged_config", "paged"} for a in node.args
             ):
@@ -55,12 +63,12 @@ def fallback_violations(path: Path, tree: ast.AST) -> list[str]:
     return found
 
 
-def test_every_paged_fallback_goes_through_disable_paged_attention():
+def test_every_fallback_goes_through_the_ledgers_door():
     violations = []
     for path in sources(*PACKAGES):
         if path != DOOR:
             violations += fallback_violations(path, ast.parse(path.read_text(), str(path)))
-    assert not violations, "call shared.intent.disable_paged_attention instead:\n" + "\n".join(violations)
+    assert not violations, "call Ledger.fall_back (shared/features.py) instead:\n" + "\n".join(violations)
 
 
 @pytest.mark.parametrize(
@@ -69,8 +77,10 @@ def test_every_paged_fallback_goes_through_disable_paged_attention():
         "state.paged_config = None",
         "setattr(state, 'paged_config', None)",
         "replace(intent, paged=None)",
-        "PagedAttentionState(intent=i, paged_config=None)",
-        "PagedAttentionState(i, None)",
+        "p.ledger.findings['paged-attn'] = finding",
+        "p.ledger.findings.pop('paged-attn')",
+        "del ledger.findings['cpu-kernels']",
+        "ledger.modes['paged-attn'] = FeatureMode.ON",
         "CacheIntent(PagedAttentionMode.OFF, None)",
     ],
 )

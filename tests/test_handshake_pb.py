@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpact.shared.describe import realized_table
-from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
+from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState, off_by_request
 from kvpact.shared.handshake import LoadingPlan
 from kvpact.shared.handshake_pb import (
     intent_from_pb,
@@ -23,14 +23,13 @@ from kvpact.shared.handshake_pb import (
 from kvpact.shared.intent import (
     CacheDtype,
     CacheIntent,
-    Fallback,
     PagedAttentionConfig,
     PagedAttentionMode,
     PagedBackend,
     cache_intent,
 )
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.shared.spec import LayerPlacement, WorkerSpec, parse_device_map
 from kvpact.v1 import cache_pb2, worker_pb2
 
@@ -108,55 +107,108 @@ def test_every_worker_spec_field_travels():
 def test_unspecified_mode_is_read_as_auto_and_written_back_as_auto():
     assert mode_from_pb(cache_pb2.PAGED_ATTENTION_MODE_UNSPECIFIED) is PagedAttentionMode.AUTO
     intent = intent_from_pb(cache_pb2.CacheIntent())
-    assert intent == CacheIntent(mode=PagedAttentionMode.AUTO, paged=PagedAttentionConfig(required=False))
+    assert intent == CacheIntent(mode=PagedAttentionMode.AUTO, paged=PagedAttentionConfig())
     assert intent_to_pb(intent).mode == cache_pb2.PAGED_ATTENTION_MODE_AUTO
 
 
 def test_unset_block_size_reads_as_the_default():
     msg = cache_pb2.CacheIntent(mode=cache_pb2.PAGED_ATTENTION_MODE_ON)
     msg.paged.context_tokens = 4096
-    expected = PagedAttentionConfig(required=True, block_size=16, context_tokens=4096)
-    assert intent_from_pb(msg).paged == expected
+    expected = PagedAttentionConfig(block_size=16, context_tokens=4096)
+    assert intent_from_pb(msg).paged == expected and intent_from_pb(msg).required
 
 
 def test_on_without_paged_message_is_still_required():
     intent = intent_from_pb(cache_pb2.CacheIntent(mode=cache_pb2.PAGED_ATTENTION_MODE_ON))
-    assert intent.paged == PagedAttentionConfig(required=True)
+    assert intent.paged == PagedAttentionConfig() and intent.required
+    # the wire's PagedAttentionConfig.required follows the mode, for older readers; a reader takes the mode
+    assert [
+        intent_to_pb(cache_intent(m)).paged.required for m in (PagedAttentionMode.AUTO, PagedAttentionMode.ON)
+    ] == [
+        False,
+        True,
+    ]
+    stale = cache_pb2.CacheIntent(
+        mode=cache_pb2.PAGED_ATTENTION_MODE_AUTO, paged=cache_pb2.PagedAttentionConfig(required=True)
+    )
+    assert not intent_from_pb(stale).required
 
 
-@given(
-    st.sampled_from(list(CacheKind)),
-    st.sampled_from(list(SchedulerKind)),
-    st.lists(
-        st.tuples(st.sampled_from(["device", "loader", "cache-budget"]), st.text(max_size=40)), max_size=3
+# paged-attn's state: realized, fell back under auto (the door takes at most one fallback), or off.
+paged_attn_states = st.one_of(
+    st.just(FeatureState("paged-attn", FeatureMode.ON, True)),
+    st.builds(
+        lambda c, r: FeatureState("paged-attn", FeatureMode.AUTO, False, "dtype", r, c),
+        st.sampled_from(["device", "loader", "cache-budget"]),
+        st.text(max_size=40),
     ),
+    st.just(off_by_request("paged-attn")),
 )
-def test_realized_cache_round_trip(kind, scheduler, fallbacks):
+
+
+@given(paged_attn_states)
+def test_realized_cache_round_trip(paged_attn):
+    paged = paged_attn.realized
     realized = RealizedCache(
-        kind=kind,
-        scheduler=scheduler,
         max_model_len=2048,
         capacity_tokens=65536,
         max_concurrency=32,
         num_blocks=4096,
         memory_bytes=3 << 30,
         cache_dtype=CacheDtype.FLOAT32,
-        backend=PagedBackend.TORCH if kind is CacheKind.PAGED else None,
-        block_size=16 if kind is CacheKind.PAGED else 0,
-        fallbacks=tuple(Fallback(c, r, "dtype") for c, r in fallbacks),
+        backend=PagedBackend.TORCH if paged else None,
+        block_size=16 if paged else 0,
         features=(
-            FeatureState("paged-attn", FeatureMode.AUTO, kind is CacheKind.PAGED),
+            paged_attn,
             FeatureState("cuda-graphs", FeatureMode.ON, False, "no-cuda-device", "no CUDA device", "device"),
         ),
         tensor_parallel_size=2,
         rank_devices=("cuda:0", "cuda:1"),
     )
-    assert realized_from_pb(realized_to_pb(realized)) == realized
+    msg = realized_to_pb(realized)
+    assert realized_from_pb(msg) == realized
+    # what an older reader reads: the kind, the scheduler that follows it, and paged-attn's fallback
+    kind, scheduler = (1, 1) if paged else (2, 2)  # CACHE_KIND_PAGED/EAGER, SCHEDULER_KIND_PAGED/DEFAULT
+    assert (msg.kind, msg.scheduler) == (kind, scheduler)
+    assert [(f.component, f.reason) for f in msg.fallbacks] == (
+        [(paged_attn.component, paged_attn.message)] if paged_attn.fell_back else []
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "fallbacks", "realized", "code"),
+    [
+        (cache_pb2.CACHE_KIND_PAGED, [], True, ""),
+        (
+            cache_pb2.CACHE_KIND_EAGER,
+            [cache_pb2.Fallback(component="device", reason="eager", code="x")],
+            False,
+            "x",
+        ),
+        (cache_pb2.CACHE_KIND_EAGER, [], False, "off-by-request"),
+    ],
+)
+def test_paged_attn_from_a_sender_older_than_features_reads_from_its_kind_and_fallback(
+    kind, fallbacks, realized, code
+):
+    msg = cache_pb2.RealizedCache(kind=kind, fallbacks=fallbacks, max_model_len=256)
+    state = realized_from_pb(msg).feature("paged-attn")
+    assert state is not None and (state.realized, state.code) == (realized, code)
+    plan = plan_from_pb(worker_pb2.LoadingPlan(planned_kind=kind, fallbacks=fallbacks))
+    assert plan.kind is realized_from_pb(msg).kind is (CacheKind.PAGED if realized else CacheKind.EAGER)
+    with pytest.raises(KeyError):  # neither a kind nor paged-attn's state
+        realized_from_pb(cache_pb2.RealizedCache(max_model_len=256))
+
+
+def test_a_realized_cache_needs_paged_attn_state():
+    with pytest.raises(ValueError, match="paged-attn's state"):
+        RealizedCache(256, 256, 1, 1, 0, CacheDtype.FLOAT32, features=())
 
 
 def test_a_realized_cache_from_an_older_worker_has_one_rank():
-    msg = realized_to_pb(RealizedCache(CacheKind.EAGER, SchedulerKind.DEFAULT, 256, 256, 1, 1, 0,
-                                       CacheDtype.FLOAT32))  # fmt: skip
+    msg = realized_to_pb(
+        RealizedCache(256, 256, 1, 1, 0, CacheDtype.FLOAT32, (off_by_request("paged-attn"),))
+    )
     msg.ClearField("tensor_parallel_size")
     assert realized_from_pb(msg).tensor_parallel_size == 1
 
@@ -164,15 +216,15 @@ def test_a_realized_cache_from_an_older_worker_has_one_rank():
 def test_realized_table_names_kind_and_fallback():
     table = realized_table(
         RealizedCache(
-            kind=CacheKind.EAGER,
-            scheduler=SchedulerKind.DEFAULT,
             max_model_len=2048,
             capacity_tokens=16384,
             max_concurrency=8,
             num_blocks=8,
             memory_bytes=1 << 30,
             cache_dtype=CacheDtype.FLOAT32,
-            fallbacks=(Fallback("device", "eager is the CPU default"),),
+            features=(
+                FeatureState("paged-attn", FeatureMode.AUTO, False, "", "eager is the CPU default", "device"),
+            ),
         )
     )
     assert "EAGER" in table and "fallback (device)  eager is the CPU default" in table
@@ -185,18 +237,18 @@ def test_device_map_parsing():
 
 
 @given(
-    st.sampled_from(list(CacheKind)),
+    paged_attn_states,
     st.sampled_from([PagedBackend.TORCH, PagedBackend.TRITON]),
-    st.lists(st.tuples(st.sampled_from(["device", "loader", "kernels"]), st.text(max_size=40)), max_size=3),
     st.floats(min_value=0, max_value=100, allow_nan=False),
 )
-def test_loading_plan_round_trip(kind, backend, fallbacks, seconds):
+def test_loading_plan_round_trip(paged_attn, backend, seconds):
     plan = LoadingPlan(
-        kind=kind,
-        backend=backend if kind is CacheKind.PAGED else None,
-        fallbacks=tuple(Fallback(c, r) for c, r in fallbacks),
+        features=(
+            paged_attn,
+            FeatureState("prefix-caching", FeatureMode.OFF, False, "off-by-request", "off", "intent"),
+        ),
+        backend=backend if paged_attn.realized else None,
         verdict_seconds=seconds,
-        features=(FeatureState("prefix-caching", FeatureMode.OFF, False, "off-by-request", "off", "intent"),),
     )
     assert plan_from_pb(plan_to_pb(plan)) == plan
 

@@ -3,20 +3,20 @@ around them."""
 
 import pytest
 
-from kvpact.shared.capability import DeviceInfo, KernelSupport, ModelTraits, decide_paged_attention
+from kvpact.shared import reasons
+from kvpact.shared.capability import DeviceInfo, KernelSupport, ModelTraits, choose_backend
 from kvpact.shared.errors import PagedAttentionRequiredError
+from kvpact.shared.features import FeatureMode, FeatureState, Ledger
 from kvpact.shared.intent import (
     CacheIntent,
-    Fallback,
     PagedAttentionConfig,
     PagedAttentionMode,
-    PagedAttentionState,
     PagedBackend,
     cache_intent,
-    disable_paged_attention,
     paged_config_for_mode,
 )
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
+from kvpact.shared.reasons import PAGED_ATTN
+from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 
 H100_SUPPORT = KernelSupport(
     head_sizes=frozenset({64, 128}),
@@ -32,26 +32,60 @@ MPS = DeviceInfo(kind="mps")
 SMOL = ModelTraits(head_size=64, dtype="bfloat16")
 
 
-def state(mode: str, **settings) -> PagedAttentionState:
-    return PagedAttentionState.from_intent(
-        cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(**settings))
-    )
+class Paged:
+    """paged-attn while a worker starts: the intent, and the ledger whose door it falls back through."""
+
+    def __init__(self, mode: str, **settings: object) -> None:
+        self.intent = cache_intent(PagedAttentionMode(mode), PagedAttentionConfig(**settings))  # type: ignore[arg-type]
+        self.ledger = Ledger({PAGED_ATTN: FeatureMode(mode)})
+
+    @property
+    def config(self) -> PagedAttentionConfig | None:  # as worker/startup/checks.py's Planning derives it
+        return self.intent.paged if self.ledger.in_force(PAGED_ATTN) else None
+
+    @property
+    def required(self) -> bool:
+        return self.intent.required
+
+    @property
+    def fallbacks(self) -> list[tuple[str, str]]:
+        return [(f.component, f.message) for f in self.ledger.findings.values()]
+
+    def feature_state(self) -> FeatureState:
+        return self.ledger.state(PAGED_ATTN)
+
+
+def state(mode: str, **settings: object) -> Paged:
+    return Paged(mode, **settings)
+
+
+def decide(device: DeviceInfo, s: Paged, model: ModelTraits | None = None) -> PagedBackend | None:
+    """The device check as startup runs it (worker/startup/checks.py): only while the config is in force,
+    its finding through the door. The backend, or None when paged-attn realizes off."""
+    if s.config is None:
+        return None
+    backend, finding = choose_backend(device, s.config, s.intent.required, model)
+    if finding is not None:
+        s.ledger.fall_back(PAGED_ATTN, finding)
+    return backend
 
 
 def test_cli_mapping_of_auto_on_off():
-    assert paged_config_for_mode(PagedAttentionMode.AUTO) == PagedAttentionConfig(required=False)
-    assert paged_config_for_mode(PagedAttentionMode.ON) == PagedAttentionConfig(required=True)
+    assert paged_config_for_mode(PagedAttentionMode.AUTO) == PagedAttentionConfig()
+    assert paged_config_for_mode(PagedAttentionMode.ON) == PagedAttentionConfig()
     assert paged_config_for_mode(PagedAttentionMode.OFF) is None
+    # "required" is the mode's, one form: derived, never stored beside it
+    assert [cache_intent(m).required for m in PagedAttentionMode] == [False, True, False]
 
 
 def test_default_and_required_config_construction():
     default = PagedAttentionConfig()
-    assert (default.required, default.block_size) == (False, 16)
+    assert default.block_size == 16
     assert default.backend is PagedBackend.AUTO
     required = paged_config_for_mode(
         PagedAttentionMode.ON, PagedAttentionConfig(block_size=32, context_tokens=4096)
     )
-    assert required == PagedAttentionConfig(required=True, block_size=32, context_tokens=4096)
+    assert required == PagedAttentionConfig(block_size=32, context_tokens=4096)
 
 
 def test_config_rejects_two_budgets_naming_the_flags():
@@ -59,71 +93,74 @@ def test_config_rejects_two_budgets_naming_the_flags():
         PagedAttentionConfig(memory_bytes=1, context_tokens=2)
 
 
-def test_intent_keeps_required_tied_to_mode():
+def test_intent_keeps_the_paged_config_tied_to_mode():
     with pytest.raises(ValueError):
-        CacheIntent(mode=PagedAttentionMode.ON, paged=PagedAttentionConfig(required=False))
+        CacheIntent(mode=PagedAttentionMode.ON, paged=None)
     with pytest.raises(ValueError):
         CacheIntent(mode=PagedAttentionMode.OFF, paged=PagedAttentionConfig())
 
 
-def test_auto_fallback_records_reason_in_disable_paged_attention():
+def test_auto_fallback_records_reason_at_the_door():
     s = state("auto")
-    disable_paged_attention(
-        s, "device mapping includes CPU and PagedAttention has no CPU KV cache", component="loader"
-    )
-    assert s.paged_config is None and not s.enabled
-    assert s.fallbacks == [
-        Fallback("loader", "device mapping includes CPU and PagedAttention has no CPU KV cache")
-    ]
+    s.ledger.fall_back(PAGED_ATTN, reasons.MIXED_DEVICE_MAP.found())
+    assert s.config is None and not s.ledger.in_force(PAGED_ATTN)
+    assert s.fallbacks == [("device", "device mapping includes CPU and PagedAttention has no CPU KV cache")]
+    realized = s.feature_state()
+    assert (realized.realized, realized.code, realized.component) == (False, "mixed-device-map", "device")
+    s.ledger.fall_back(PAGED_ATTN, reasons.NO_TRITON.found())  # the door takes one: the first stays
+    assert s.fallbacks == [("device", "device mapping includes CPU and PagedAttention has no CPU KV cache")]
 
 
-def test_required_failure_in_disable_paged_attention_names_flag_and_reason():
+def test_required_failure_at_the_door_names_flag_and_reason():
     s = state("on")
     with pytest.raises(PagedAttentionRequiredError) as err:
-        disable_paged_attention(
-            s, "device mapping includes CPU and PagedAttention has no CPU KV cache", component="loader"
-        )
+        s.ledger.fall_back(PAGED_ATTN, reasons.MIXED_DEVICE_MAP.found())
     assert str(err.value) == (
         "PagedAttention was explicitly requested (--paged-attn on), but device mapping includes CPU and "
-        "PagedAttention has no CPU KV cache. [loader]"
+        "PagedAttention has no CPU KV cache. [device]"
     )
-    assert (err.value.component, s.enabled) == ("loader", True)
+    assert (err.value.component, err.value.code) == ("device", "mixed-device-map")
+    assert s.ledger.in_force(PAGED_ATTN) and s.config is not None
 
 
-def test_disable_after_off_is_a_no_op():
+def test_the_door_after_off_is_a_no_op():
     s = state("off")
-    disable_paged_attention(s, "anything", component="loader")
-    assert s.fallbacks == []
+    s.ledger.fall_back(PAGED_ATTN, reasons.MIXED_DEVICE_MAP.found())
+    assert s.fallbacks == [] and s.config is None
 
 
 @pytest.mark.parametrize("device", [CPU, MPS], ids=["cpu", "mps"])
 def test_cpu_and_mps_behaviour_for_all_three_modes(device):
     auto = state("auto")
-    decision = decide_paged_attention(device, auto)
-    assert (decision.enabled, decision.backend) == (False, None)
-    assert decision.reason.startswith(f"eager is the {device.kind.upper()} default")
-    assert auto.fallbacks[0].component == "device"
+    assert decide(device, auto) is None
+    realized = auto.feature_state()
+    assert not realized.realized and realized.message.startswith(
+        f"eager is the {device.kind.upper()} default"
+    )
+    assert auto.fallbacks[0][0] == "device"
 
-    on = decide_paged_attention(device, state("on"))
-    assert (on.enabled, on.required, on.backend) == (True, True, PagedBackend.TORCH)
+    on = state("on")
+    assert decide(device, on) is PagedBackend.TORCH
+    assert on.feature_state().realized and on.required
 
     off = state("off")
-    decision = decide_paged_attention(device, off)
-    assert (decision.enabled, decision.reason, off.fallbacks) == (False, "--paged-attn off", [])
+    assert decide(device, off) is None
+    assert (off.feature_state().code, off.fallbacks) == (reasons.OFF_BY_REQUEST.code, [])
 
 
 def test_cuda_auto_enables_triton():
-    decision = decide_paged_attention(CUDA, state("auto"), SMOL)
-    assert (decision.enabled, decision.required, decision.backend) == (True, False, PagedBackend.TRITON)
+    auto = state("auto")
+    assert decide(CUDA, auto, SMOL) is PagedBackend.TRITON
+    assert auto.feature_state().realized and not auto.required
 
 
 def test_unsupported_build_without_triton():
     no_triton = DeviceInfo(kind="cuda", name="H100", compute_capability=(9, 0), triton_version=None)
     auto = state("auto")
-    assert not decide_paged_attention(no_triton, auto, SMOL).enabled
-    assert "no usable Triton" in auto.fallbacks[0].reason
+    assert decide(no_triton, auto, SMOL) is None
+    assert "no usable Triton" in auto.fallbacks[0][1]
     with pytest.raises(PagedAttentionRequiredError, match="no usable Triton"):
-        decide_paged_attention(no_triton, state("on"), SMOL)
+        decide(no_triton, state("on"), SMOL)
 
 
 def test_unsupported_build_old_compute_capability():
@@ -135,13 +172,13 @@ def test_unsupported_build_old_compute_capability():
         triton_support=H100_SUPPORT,
     )
     auto = state("auto")
-    assert not decide_paged_attention(old, auto, SMOL).enabled
+    assert decide(old, auto, SMOL) is None
     assert (
-        auto.fallbacks[0].reason
+        auto.fallbacks[0][1]
         == "the Triton paged kernels need compute capability >= 8.0 and Tesla P100 has 6.0"
     )
     with pytest.raises(PagedAttentionRequiredError, match="compute capability >= 8.0"):
-        decide_paged_attention(old, state("on"), SMOL)
+        decide(old, state("on"), SMOL)
 
 
 @pytest.mark.parametrize(
@@ -154,10 +191,10 @@ def test_unsupported_build_old_compute_capability():
 )
 def test_kernel_limits_are_named_reasons(settings, model, needle):
     auto = state("auto", **settings)
-    assert not decide_paged_attention(CUDA, auto, model).enabled
-    assert needle in auto.fallbacks[0].reason
+    assert decide(CUDA, auto, model) is None
+    assert needle in auto.fallbacks[0][1]
     with pytest.raises(PagedAttentionRequiredError, match=needle):
-        decide_paged_attention(CUDA, state("on", **settings), model)
+        decide(CUDA, state("on", **settings), model)
 
 
 @pytest.mark.parametrize("mode", ["auto", "on"])
@@ -172,15 +209,15 @@ def test_mixed_cpu_gpu_device_map(mode):
     s = state(mode)
     if mode == "on":
         with pytest.raises(PagedAttentionRequiredError, match="device mapping includes CPU"):
-            decide_paged_attention(mixed, s, SMOL)
+            decide(mixed, s, SMOL)
     else:
-        assert not decide_paged_attention(mixed, s, SMOL).enabled
-        assert s.fallbacks[0].reason == "device mapping includes CPU and PagedAttention has no CPU KV cache"
+        assert decide(mixed, s, SMOL) is None
+        assert s.fallbacks[0][1] == "device mapping includes CPU and PagedAttention has no CPU KV cache"
 
 
 def test_triton_backend_without_cuda_is_unsupported():
     with pytest.raises(PagedAttentionRequiredError, match="needs a CUDA device and this worker runs on cpu"):
-        decide_paged_attention(CPU, state("on", backend=PagedBackend.TRITON))
+        decide(CPU, state("on", backend=PagedBackend.TRITON))
 
 
 def test_scheduler_rejects_required_request_without_realized_cache():
@@ -194,13 +231,13 @@ def test_scheduler_rejects_required_request_without_realized_cache():
 
 
 def test_auto_falls_back_to_default_scheduler():
-    assert select_scheduler(cache_intent(PagedAttentionMode.AUTO), CacheKind.EAGER) is SchedulerKind.DEFAULT
-    assert select_scheduler(cache_intent(PagedAttentionMode.OFF), CacheKind.EAGER) is SchedulerKind.DEFAULT
+    assert select_scheduler(cache_intent(PagedAttentionMode.AUTO), CacheKind.EAGER) is CacheKind.EAGER
+    assert select_scheduler(cache_intent(PagedAttentionMode.OFF), CacheKind.EAGER) is CacheKind.EAGER
 
 
 def test_paged_scheduler_selected_when_cache_metadata_exists():
     for mode in (PagedAttentionMode.AUTO, PagedAttentionMode.ON):
-        assert select_scheduler(cache_intent(mode), CacheKind.PAGED) is SchedulerKind.PAGED
+        assert select_scheduler(cache_intent(mode), CacheKind.PAGED) is CacheKind.PAGED
 
 
 REAL_SUPPORT = KernelSupport(
@@ -226,18 +263,18 @@ def gpu(name: str, cc: tuple[int, int], shared: int) -> DeviceInfo:
 def test_a_gpu_whose_shared_memory_cannot_hold_the_tiles_falls_back_through_the_kernels_door():
     l4, fp32_256 = gpu("NVIDIA L4", (8, 9), 101_376), ModelTraits(head_size=256, dtype="float32")
     auto = state("auto")
-    assert not decide_paged_attention(l4, auto, fp32_256).enabled
-    [fallback] = auto.fallbacks
-    assert fallback.component == "kernels"
-    assert fallback.reason.startswith(
+    assert decide(l4, auto, fp32_256) is None
+    [(component, reason)] = auto.fallbacks
+    assert component == "kernels"
+    assert reason.startswith(
         "the Triton paged kernels need 139648 bytes of shared memory per block for float32 KV with head size "
         "256, and NVIDIA L4 allows 101376"
     )
     with pytest.raises(PagedAttentionRequiredError, match="139648 bytes of shared memory"):
-        decide_paged_attention(l4, state("on"), fp32_256)
+        decide(l4, state("on"), fp32_256)
     # bf16 KV needs half, and an A100 (163 KB opt-in) holds fp32 too.
-    assert decide_paged_attention(l4, state("on"), ModelTraits(head_size=256, dtype="bfloat16")).enabled
-    assert decide_paged_attention(gpu("NVIDIA A100", (8, 0), 166_912), state("on"), fp32_256).enabled
+    assert decide(l4, state("on"), ModelTraits(head_size=256, dtype="bfloat16")) is not None
+    assert decide(gpu("NVIDIA A100", (8, 0), 166_912), state("on"), fp32_256) is not None
 
 
 def test_the_support_table_covers_every_supported_shape_and_grows_with_dtype_and_head():

@@ -328,11 +328,7 @@ class WorkerProcess:
         if self.link is None:
             return
         announced = LoadingPlan(
-            kind=plan.cache_kind,
-            backend=plan.backend,
-            fallbacks=tuple(plan.state.fallbacks),
-            verdict_seconds=plan.verdict_seconds,
-            features=plan.features,
+            features=plan.features, backend=plan.backend, verdict_seconds=plan.verdict_seconds
         )
         self.handshake.loading.CopyFrom(plan_to_pb(announced))
         admission = await self.link.announce(self.handshake)

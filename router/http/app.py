@@ -255,7 +255,7 @@ def _worker(entry: WorkerEntry) -> dict[str, Any]:
         if realized is None
         else {
             "kv_cache": realized.kind.value,
-            "scheduler": realized.scheduler.value,
+            "scheduler": realized.scheduler,
             "backend": realized.backend.value if realized.backend else None,
             "block_size": realized.block_size,
             "num_blocks": realized.num_blocks,

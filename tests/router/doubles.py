@@ -23,7 +23,7 @@ from kvpact.client import AsyncClient
 from kvpact.router.config import RouterConfig
 from kvpact.router.server import RouterServer
 from kvpact.shared import handshake_pb
-from kvpact.shared.features import FeatureMode, FeatureState
+from kvpact.shared.features import FeatureMode, FeatureState, off_by_request
 from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import (
@@ -35,7 +35,6 @@ from kvpact.shared.intent import (
     cache_intent,
 )
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from kvpact.shared.spec import WorkerSpec
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
@@ -156,12 +155,22 @@ async def running_router(clock: ManualClock | None = None, **overrides: Any) -> 
         await router.stop()
 
 
+PAGED_ATTN_REALIZED = FeatureState("paged-attn", FeatureMode.AUTO, True)
+
+
+def paged_attn_off(fallback: Fallback | None = None) -> FeatureState:
+    """paged-attn realized off: fell back under auto with `fallback`, or (none) off by request."""
+    if fallback is None:
+        return off_by_request("paged-attn")
+    return FeatureState(
+        "paged-attn", FeatureMode.AUTO, False, fallback.code, fallback.reason, fallback.component
+    )
+
+
 def paged_realized(
     *, num_blocks: int = 64, block_size: int = 16, backend: PagedBackend = PagedBackend.TORCH
 ) -> RealizedCache:
     return RealizedCache(
-        kind=CacheKind.PAGED,
-        scheduler=SchedulerKind.PAGED,
         max_model_len=256,
         capacity_tokens=num_blocks * block_size,
         max_concurrency=num_blocks * block_size // 256,
@@ -170,24 +179,22 @@ def paged_realized(
         cache_dtype=CacheDtype.FLOAT32,
         backend=backend,
         block_size=block_size,
-        features=(FeatureState("prefix-caching", FeatureMode.AUTO, True),),
+        features=(PAGED_ATTN_REALIZED, FeatureState("prefix-caching", FeatureMode.AUTO, True)),
     )
 
 
 EAGER_CPU_REASON = "eager is the CPU default (use --paged-attn on for the torch paged backend)"
 
 
-def eager_realized(*fallbacks: Fallback, num_slots: int = 4) -> RealizedCache:
+def eager_realized(fallback: Fallback | None = None, *, num_slots: int = 4) -> RealizedCache:
     return RealizedCache(
-        kind=CacheKind.EAGER,
-        scheduler=SchedulerKind.DEFAULT,
         max_model_len=256,
         capacity_tokens=num_slots * 256,
         max_concurrency=num_slots,
         num_blocks=num_slots,
         memory_bytes=1 << 20,
         cache_dtype=CacheDtype.FLOAT32,
-        fallbacks=tuple(fallbacks),
+        features=(paged_attn_off(fallback),),
     )
 
 
@@ -259,7 +266,7 @@ def loading(
     fingerprint: Fingerprint | None = TINY_FINGERPRINT,
 ) -> worker_pb2.Handshake:
     """A worker announcing its pre-load plan (default: PAGED, torch backend) before it loads weights."""
-    plan = plan or LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH, verdict_seconds=0.2)
+    plan = plan or LoadingPlan((PAGED_ATTN_REALIZED,), PagedBackend.TORCH, verdict_seconds=0.2)
     return handshake(
         worker_id, address, spec(mode), model=model, fingerprint=fingerprint,
         loading=handshake_pb.plan_to_pb(plan),

@@ -8,8 +8,13 @@ from kvpact.router.admission import admit, admit_plan
 from kvpact.shared.features import FeatureState
 from kvpact.shared.handshake import LoadingPlan, StartupFailure, StartupFailureCode
 from kvpact.shared.intent import Fallback, PagedAttentionMode, PagedBackend, cache_intent
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
-from tests.router.doubles import EAGER_CPU_REASON, eager_realized, paged_realized
+from tests.router.doubles import (
+    EAGER_CPU_REASON,
+    PAGED_ATTN_REALIZED,
+    eager_realized,
+    paged_attn_off,
+    paged_realized,
+)
 
 AUTO, ON, OFF = PagedAttentionMode.AUTO, PagedAttentionMode.ON, PagedAttentionMode.OFF
 PAGED = paged_realized()
@@ -65,16 +70,6 @@ def test_admission_matrix(policy, intent, realized, admitted, words):
     assert decision.policy_failure is (not admitted)
 
 
-@pytest.mark.parametrize("intent", [ON, AUTO])
-def test_on_refuses_a_paged_cache_reported_with_the_default_scheduler(intent):
-    """The worker's own backstop (select_scheduler) never builds this; the router does not trust that."""
-    incoherent = replace(PAGED, scheduler=SchedulerKind.DEFAULT)
-    decision = admit(ON, cache_intent(intent), incoherent)
-    assert not decision.admitted and decision.policy_failure
-    assert "runs the default scheduler, not the paged one" in decision.reason
-    assert admit(AUTO, cache_intent(intent), incoherent).admitted  # auto admits whatever was realized
-
-
 def test_off_realized_without_fallback_has_no_reason_appended():
     decision = admit(OFF, cache_intent(OFF), EAGER_PLAIN)
     assert decision.reason == "realized an EAGER KV cache under cluster policy --paged-attn off"
@@ -103,8 +98,8 @@ def test_eager_without_any_reported_reason_says_so():
 
 # -- a worker's pre-load plan (Handshake.loading) --------------------------------------------------
 
-PLANNED_PAGED = LoadingPlan(CacheKind.PAGED, PagedBackend.TORCH)
-PLANNED_EAGER = LoadingPlan(CacheKind.EAGER, fallbacks=(Fallback("device", EAGER_CPU_REASON),))
+PLANNED_PAGED = LoadingPlan((PAGED_ATTN_REALIZED,), PagedBackend.TORCH)
+PLANNED_EAGER = LoadingPlan((paged_attn_off(Fallback("device", EAGER_CPU_REASON)),))
 
 
 def test_on_refuses_a_plan_for_an_eager_cache_with_its_fallback_reason():
@@ -181,7 +176,7 @@ def test_feature_policy_matrix(mode, state, admitted, words):
 
 
 def test_a_plan_that_cannot_meet_a_feature_policy_is_refused_before_loading():
-    plan = LoadingPlan(kind=CacheKind.PAGED, backend=PagedBackend.TORCH, features=(NO_CUDA,))
+    plan = LoadingPlan(features=(PAGED_ATTN_REALIZED, NO_CUDA), backend=PagedBackend.TORCH)
     decision = admit_plan(AUTO, cache_intent(AUTO), plan, {"cuda-graphs": ON})
     assert (decision.admitted, decision.pending, decision.feature) == (False, False, "cuda-graphs")
     assert "plans cuda-graphs off" in decision.reason

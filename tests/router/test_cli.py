@@ -27,7 +27,14 @@ from tests.factories.processes import (
     wait_for_line,
 )
 from tests.router.background import BackgroundLoop
-from tests.router.doubles import WorkerDouble, failed, paged_realized, ready, serving_double
+from tests.router.doubles import (
+    PAGED_ATTN_REALIZED,
+    WorkerDouble,
+    failed,
+    paged_realized,
+    ready,
+    serving_double,
+)
 
 ROUTER_LISTENING = r"^router listening on (\S+)$"
 TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
@@ -219,10 +226,12 @@ def test_a_late_worker_failing_a_feature_policy_is_refused_and_metrics_show_ever
         with grpc.insecure_channel(address) as channel:
             registry = worker_pb2_grpc.RegistryStub(channel)
             assert registry.Register(
-                ready("a", a.address, replace(paged_realized(), features=(graphs,))), timeout=5
+                ready("a", a.address, replace(paged_realized(), features=(PAGED_ATTN_REALIZED, graphs))),
+                timeout=5,
             ).admitted
             refused = registry.Register(
-                ready("b", b.address, replace(paged_realized(), features=(no_cuda,))), timeout=5
+                ready("b", b.address, replace(paged_realized(), features=(PAGED_ATTN_REALIZED, no_cuda))),
+                timeout=5,
             )
         assert not refused.admitted
         assert refused.reason == (

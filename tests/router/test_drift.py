@@ -11,11 +11,18 @@ from structlog.testing import capture_logs
 from kvpact.client import AsyncClient, render_cluster_status
 from kvpact.router.drift import REALIZED_UNDER_OFF, Drift, judge
 from kvpact.shared import handshake_pb
-from kvpact.shared.features import FeatureMode, FeatureState
+from kvpact.shared.features import FeatureMode, FeatureState, updated_states
 from kvpact.shared.handshake import WorkerLoad
 from kvpact.shared.reasons import CPU_KERNELS_BUILD
 from kvpact.v1 import router_pb2, worker_pb2
-from tests.router.doubles import paged_realized, ready, registry_stub, run_async, running_router
+from tests.router.doubles import (
+    PAGED_ATTN_REALIZED,
+    paged_realized,
+    ready,
+    registry_stub,
+    run_async,
+    running_router,
+)
 
 ON, OFF, AUTO = FeatureMode.ON, FeatureMode.OFF, FeatureMode.AUTO
 KERNELS_ON = FeatureState("cpu-kernels", AUTO, True)
@@ -75,7 +82,7 @@ def beat(rid: str, *features: FeatureState) -> worker_pb2.HeartbeatRequest:
 
 @run_async
 async def test_the_router_reports_drift_under_auto_and_drains_under_on():
-    realized = replace(paged_realized(), features=(PREFIX_ON, KERNELS_ON))
+    realized = replace(paged_realized(), features=(PAGED_ATTN_REALIZED, PREFIX_ON, KERNELS_ON))
     for mode in (AUTO, ON):
         async with (
             running_router(policies=(("cpu-kernels", mode),)) as router,
@@ -113,7 +120,22 @@ async def test_the_router_reports_drift_under_auto_and_drains_under_on():
                 assert reply.drain_reason == expected_reason
             else:
                 assert w.state == router_pb2.WORKER_STATE_ADMITTED and w.state_reason == expected_reason
-            assert [f.realized for f in w.realized.features] == [True, False]
+            # the beat's states replace those it names; paged-attn, which it omits, stays as admitted
+            assert [(f.name, f.realized) for f in w.realized.features] == [
+                ("paged-attn", True), ("prefix-caching", True), ("cpu-kernels", False)
+            ]  # fmt: skip
             table = render_cluster_status(await client.cluster_status())
             assert "+prefix-caching !cpu-kernels" in table
             assert f"  a: {w.state_reason}" in table
+
+
+def test_a_beat_updates_the_states_it_names_and_keeps_the_others_in_their_order():
+    graphs = FeatureState("cuda-graphs", AUTO, True)
+    before = (PAGED_ATTN_REALIZED, PREFIX_ON, KERNELS_ON)
+    assert updated_states(before, (KERNELS_OFF, graphs)) == (
+        PAGED_ATTN_REALIZED,
+        PREFIX_ON,
+        KERNELS_OFF,
+        graphs,
+    )
+    assert updated_states(before, ()) == before

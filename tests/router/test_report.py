@@ -15,7 +15,7 @@ from kvpact.shared.intent import (
     cache_intent,
 )
 from kvpact.v1 import worker_pb2
-from tests.router.doubles import EAGER_CPU_REASON, eager_realized, paged_realized, spec
+from tests.router.doubles import EAGER_CPU_REASON, PAGED_ATTN_REALIZED, eager_realized, paged_realized, spec
 
 TRITON_REASON = "the Triton paged backend needs a CUDA device and this worker runs on cpu"
 
@@ -125,7 +125,8 @@ def test_report_names_each_workers_feature_that_a_policy_constrains_and_a_failed
     no_cuda = FeatureState(
         "cuda-graphs", FeatureMode.AUTO, False, "no-cuda-device", "no CUDA device", "device"
     )
-    a = entry("a", realized=replace(paged_realized(), features=(no_cuda,)), state=WorkerState.REFUSED,
+    realized = replace(paged_realized(), features=(PAGED_ATTN_REALIZED, no_cuda))
+    a = entry("a", realized=realized, state=WorkerState.REFUSED,
               reason="the cluster policy is --policy cuda-graphs=on and ...")  # fmt: skip
     a.spec = replace(a.spec, features=FeatureIntents(prefix_caching=FeatureMode.OFF))
     failed = StartupFailure(StartupFailureCode.FEATURE_REQUIRED, "no CUDA device", "device", "cuda-graphs")

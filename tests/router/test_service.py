@@ -15,7 +15,6 @@ from kvpact.router.service import GenerationService
 from kvpact.shared.handshake import LoadingPlan
 from kvpact.shared.intent import Fallback
 from kvpact.shared.rpc_errors import ErrorInterceptor
-from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.v1 import cache_pb2, generation_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from tests.factories.eventually import eventually_async
 from tests.router.doubles import (
@@ -26,6 +25,7 @@ from tests.router.doubles import (
     failed,
     loading,
     one_worker_router,
+    paged_attn_off,
     ready,
     registry_stub,
     run_async,
@@ -438,7 +438,7 @@ async def test_a_loading_worker_is_told_to_stop_when_another_fails_and_named_in_
 
 @run_async
 async def test_a_plan_that_misses_the_policy_fails_the_cluster_before_it_loads():
-    plan = LoadingPlan(CacheKind.EAGER, fallbacks=(Fallback("device", EAGER_CPU_REASON),))
+    plan = LoadingPlan((paged_attn_off(Fallback("device", EAGER_CPU_REASON)),))
     async with (
         running_router(policy=_mode("on"), num_expected_workers=2, startup_timeout_s=60) as router,
         serving_double(WorkerDouble("a")) as a,

@@ -50,7 +50,7 @@ def test_auto_and_on_carry_a_paged_config_that_says_whether_it_is_required(mode,
     cache = options.spec.cache
     assert cache.mode is PagedAttentionMode(mode)
     assert cache.paged is not None
-    assert cache.paged.required is required
+    assert cache.required is required
     assert cache.paged.block_size == 32
     assert cache.paged.context_tokens == 4096
     assert cache.paged.memory_fraction is None and cache.paged.memory_bytes is None
@@ -82,7 +82,7 @@ def test_paged_flags_with_paged_attn_off_exit_2_naming_them(argv, flags, capsys)
 def test_defaults():
     options = parse_args([])
     assert options.spec.cache.mode is PagedAttentionMode.AUTO
-    assert options.spec.cache.paged is not None and not options.spec.cache.paged.required
+    assert options.spec.cache.paged is not None and not options.spec.cache.required
     assert options.spec.model == ""
     assert options.spec.device == "auto"
     assert (options.listen_host, options.listen_port) == ("127.0.0.1", 0)
@@ -117,7 +117,7 @@ def test_every_flag_reaches_the_spec():
     assert (spec.max_model_len, spec.max_num_seqs, spec.max_num_batched_tokens) == (512, 4, 256)
     assert spec.threads == 3
     paged = spec.cache.paged
-    assert paged is not None and paged.required
+    assert paged is not None and spec.cache.required
     assert paged.memory_bytes == 1_000_000
     assert paged.cache_dtype is CacheDtype.FLOAT16 and paged.backend is PagedBackend.TORCH
     assert spec.features == FeatureIntents(FeatureMode.OFF, FeatureMode.ON, FeatureMode.OFF)

@@ -18,7 +18,7 @@ from kvpact.shared.errors import ConfigError, PagedAttentionRequiredError
 from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.reasons import Finding
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
+from kvpact.shared.scheduler_choice import CacheKind
 from kvpact.shared.spec import LayerPlacement
 from kvpact.v1 import cache_pb2
 from kvpact.worker.generate_pb import capabilities_to_pb
@@ -36,10 +36,7 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x 2 layers x 2 kv heads x head_dim 1
 
 
 def fallbacks(plan_or_realized) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
-    items = getattr(plan_or_realized, "fallbacks", None)
-    if items is None:
-        items = plan_or_realized.state.fallbacks
-    return [(f.component, f.reason) for f in items]
+    return [(f.component, f.reason) for f in plan_or_realized.fallbacks]
 
 
 @pytest.fixture
@@ -58,7 +55,7 @@ def no_loading(monkeypatch):
 def test_cpu_auto_realizes_eager_and_says_why(make_engine, tiny_llama):
     engine = make_engine(tiny_llama, "auto")
     r = engine.realized
-    assert (r.kind, r.scheduler, r.backend) == (CacheKind.EAGER, SchedulerKind.DEFAULT, None)
+    assert (r.kind, r.scheduler, r.backend) == (CacheKind.EAGER, "default", None)
     assert fallbacks(r) == [
         ("device", "eager is the CPU default (use --paged-attn on for the torch paged backend)")
     ]
@@ -74,7 +71,7 @@ def test_cpu_on_realizes_the_torch_paged_backend(make_engine, tiny_llama):
     r = engine.realized
     assert (r.kind, r.scheduler, r.backend, r.block_size) == (
         CacheKind.PAGED,
-        SchedulerKind.PAGED,
+        "paged",
         PagedBackend.TORCH,
         16,
     )
@@ -85,7 +82,7 @@ def test_cpu_on_realizes_the_torch_paged_backend(make_engine, tiny_llama):
 
 def test_cpu_off_realizes_eager_with_no_fallback(make_engine, tiny_llama):
     r = make_engine(tiny_llama, "off").realized
-    assert (r.kind, r.scheduler, fallbacks(r)) == (CacheKind.EAGER, SchedulerKind.DEFAULT, [])
+    assert (r.kind, r.scheduler, fallbacks(r)) == (CacheKind.EAGER, "default", [])
 
 
 def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_llama, no_loading):
@@ -117,7 +114,7 @@ def test_auto_with_a_budget_too_small_falls_back_to_eager_and_records_why(make_e
     # --pa-backend torch makes auto try the paged cache on CPU; the budget then cannot hold 256 tokens
     engine = make_engine(tiny_llama, "auto", backend=PagedBackend.TORCH, context_tokens=100)
     r = engine.realized
-    assert (r.kind, r.scheduler) == (CacheKind.EAGER, SchedulerKind.DEFAULT)
+    assert (r.kind, r.scheduler) == (CacheKind.EAGER, "default")
     [(component, reason)] = fallbacks(r)
     assert component == "cache-budget" and "holds only 112 tokens" in reason
     assert engine.run([greedy("r", (5, 6, 7), 4)])[0].usage.completion_tokens == 4  # and it serves
@@ -172,7 +169,7 @@ def test_sliding_window_under_auto_falls_back_to_the_windowed_eager_cache(make_e
 
 def test_sliding_window_longer_than_max_model_len_is_no_obstacle(windowed_llama, no_loading):
     plan = engine_setup.plan_startup(worker_spec(windowed_llama, "on", max_model_len=32, context_tokens=1024))
-    assert plan.cache_kind is CacheKind.PAGED and fallbacks(plan) == []
+    assert plan.kind is CacheKind.PAGED and fallbacks(plan) == []
 
 
 # ---- described CUDA devices (decision and sizing only; nothing runs on a GPU) ----
@@ -211,7 +208,7 @@ def plan_on(model, probe, mode="auto", **kwargs):  # type: ignore[no-untyped-def
 
 def test_a_described_cuda_device_with_triton_selects_the_triton_backend(head64_llama, no_loading):
     plan = plan_on(head64_llama, cuda_probe(), max_model_len=512)
-    assert (plan.cache_kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
+    assert (plan.kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
     assert plan.max_num_seqs == sizing.GPU_DEFAULTS.paged_max_num_seqs
     # the CUDA default budget (0.9 x free - weights - activations) is far more than 256 x 512 tokens
     assert plan.paged_size is not None and plan.paged_size.num_blocks == 256 * 512 // 16
@@ -223,7 +220,7 @@ def test_a_described_cuda_device_with_triton_selects_the_triton_backend(head64_l
 
 def test_a_described_old_gpu_falls_back_under_auto_and_fails_under_on(head64_llama, no_loading):
     plan = plan_on(head64_llama, cuda_probe(cc=(7, 0)))
-    assert plan.cache_kind is CacheKind.EAGER
+    assert plan.kind is CacheKind.EAGER
     assert fallbacks(plan) == [
         ("device", "the Triton paged kernels need compute capability >= 8.0 and Described H100 has 7.0")
     ]
@@ -266,7 +263,7 @@ def test_a_described_h200_plans_bf16_triton_and_the_cuda_default_budget(
         worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(free)
     )
     assert (plan.dtype, plan.cache_dtype) == (torch.bfloat16, torch.bfloat16)  # auto on sm_90
-    assert (plan.cache_kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
+    assert (plan.kind, plan.backend, fallbacks(plan)) == (CacheKind.PAGED, PagedBackend.TRITON, [])
     # weights estimated in bf16 (2 bytes a parameter; the checkpoint on disk is fp32)
     assert plan.weight_bytes == estimate_weight_bytes(head64_llama, dtype=torch.float32) // 2
     assert plan.bytes_per_token == 2 * 2 * 1 * 64 * 2  # K+V x 2 layers x 1 kv head x head_dim 64 x bf16
@@ -324,7 +321,7 @@ def test_a_failing_kernel_self_test_falls_back_under_auto_and_fails_under_on(
     plan = engine_setup.plan_startup(
         worker_spec(head64_llama, "auto", max_model_len=512), probe=h200_probe(GiB)
     )
-    assert (plan.cache_kind, plan.backend, plan.paged_size) == (CacheKind.EAGER, None, None)
+    assert (plan.kind, plan.backend, plan.paged_size) == (CacheKind.EAGER, None, None)
     assert fallbacks(plan) == [("kernels", reason)]
     assert plan.max_num_seqs == sizing.GPU_DEFAULTS.eager_max_num_seqs
     with pytest.raises(PagedAttentionRequiredError, match="failed a startup self-test") as info:
@@ -336,7 +333,7 @@ def test_the_torch_backend_on_a_gpu_runs_no_triton_self_test(head64_llama, no_lo
     monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: pytest.fail("self-test ran"))
     spec = worker_spec(head64_llama, "on", max_model_len=512, backend=PagedBackend.TORCH)
     plan = engine_setup.plan_startup(spec, probe=h200_probe(GiB))
-    assert (plan.cache_kind, plan.backend) == (CacheKind.PAGED, PagedBackend.TORCH)
+    assert (plan.kind, plan.backend) == (CacheKind.PAGED, PagedBackend.TORCH)
 
 
 # ---- the verdict comes before the weights ----

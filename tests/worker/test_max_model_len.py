@@ -31,7 +31,7 @@ def test_auto_with_room_for_the_whole_model_is_the_models_positions(tiny_llama, 
 
 def test_auto_shrinks_to_what_one_pool_holds_and_says_how(tiny_llama, no_loading):  # noqa: F811
     plan = engine_setup.plan_startup(auto(worker_spec(tiny_llama, "on", context_tokens=200)))
-    assert plan.cache_kind is CacheKind.PAGED
+    assert plan.kind is CacheKind.PAGED
     assert plan.max_model_len == 208  # 13 blocks of 16
     assert plan.max_model_len_source == (
         "auto: the pool holds 208 tokens (--pa-context-tokens 200), fewer than the model's 512 positions"
@@ -54,8 +54,8 @@ def test_an_explicit_length_that_cannot_fit_fails_under_on_naming_the_largest_th
     monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: "")
     spec = worker_spec(head64_llama, "auto", max_model_len=512, context_tokens=100)
     plan = engine_setup.plan_startup(replace(spec, device="cuda"), probe=h200_probe(2**30))
-    assert plan.cache_kind is CacheKind.EAGER
-    [fallback] = plan.state.fallbacks
+    assert plan.kind is CacheKind.EAGER
+    [fallback] = plan.fallbacks
     assert fallback.component == "cache-budget"
     assert "(the largest that fits is 112)" in fallback.reason
     assert plan.max_model_len == 512
@@ -72,7 +72,7 @@ def test_eager_auto_fits_the_slots_into_free_memory(head64_llama, no_loading):  
         weight_bytes=plan.weight_bytes,
         memory_free_bytes=free,
     )
-    assert plan.cache_kind is CacheKind.EAGER
+    assert plan.kind is CacheKind.EAGER
     assert plan.max_model_len == min(largest, MODEL_POSITIONS)
     # an explicit value beyond it is refused with that figure
     tight = 3 * 2**19

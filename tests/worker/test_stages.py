@@ -94,7 +94,7 @@ def test_a_staged_map_under_auto_with_the_torch_backend_plans_eager_with_the_sta
         cache=cache_intent(PagedAttentionMode.AUTO, PagedAttentionConfig(backend=PagedBackend.TORCH)),
     )
     plan = engine_setup.plan_startup(spec)
-    assert plan.cache_kind is CacheKind.EAGER and fallbacks(plan.state) == [STAGED_FALLBACK]
+    assert plan.kind is CacheKind.EAGER and fallbacks(plan) == [STAGED_FALLBACK]
 
 
 @NO_CUDA

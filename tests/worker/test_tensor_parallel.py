@@ -135,7 +135,7 @@ def test_under_auto_every_rank_falls_back_together_with_the_ranks_reason(
     p = planning(spec, h200_probe(2**30), verdict(1, "cuda:1", paged_attn=("compute-capability", NO_SM)))
     checks.run_checks(p)
     assert not p.paged  # rank 0 could page; it does not, since rank 1 cannot
-    assert [(f.component, f.reason) for f in p.state.fallbacks] == [
+    assert [(f.component, f.message) for f in [p.ledger.findings["paged-attn"]]] == [
         ("device", f"rank 1 (cuda:1) cannot realize it: {NO_SM}")
     ]
     assert not p.in_force("prefix-caching")  # read after the ranks' verdict

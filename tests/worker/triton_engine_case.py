@@ -14,7 +14,6 @@ import torch
 from kvpact.shared.features import FeatureMode, FeatureState
 from kvpact.shared.intent import CacheDtype, PagedBackend
 from kvpact.shared.realized import RealizedCache
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.engine.request import GenerationRequest, SamplingParams
@@ -46,8 +45,6 @@ def engine_for(model_dir: Path, backend: PagedBackend) -> Engine:
     if backend is PagedBackend.TRITON:  # as build_engine does: serving follows the warm-up's writes
         warm_up_paged_kernels(cache, num_heads=cfg.num_heads, dtype=torch.float32)
     realized = RealizedCache(
-        kind=CacheKind.PAGED,
-        scheduler=SchedulerKind.PAGED,
         max_model_len=MAX_MODEL_LEN,
         capacity_tokens=NUM_BLOCKS * BLOCK_SIZE,
         max_concurrency=NUM_BLOCKS * BLOCK_SIZE // MAX_MODEL_LEN,
@@ -56,7 +53,10 @@ def engine_for(model_dir: Path, backend: PagedBackend) -> Engine:
         cache_dtype=CacheDtype.FLOAT32,
         backend=backend,
         block_size=BLOCK_SIZE,
-        features=(FeatureState("prefix-caching", FeatureMode.AUTO, True),),
+        features=(
+            FeatureState("paged-attn", FeatureMode.AUTO, True),
+            FeatureState("prefix-caching", FeatureMode.AUTO, True),
+        ),
     )
     # max_num_batched_tokens 8 forces chunked prefill, so the prefill kernel also extends a cached prefix.
     scheduler = PagedScheduler(BlockManager(NUM_BLOCKS, BLOCK_SIZE), max_num_seqs=4, max_num_batched_tokens=8)

@@ -21,7 +21,7 @@ from kvpact.kernels import cpu_paged
 from kvpact.shared import reasons
 from kvpact.shared.capability import ModelTraits, choose_backend
 from kvpact.shared.features import FeatureIntents, Ledger
-from kvpact.shared.intent import PagedAttentionState, PagedBackend, disable_paged_attention
+from kvpact.shared.intent import PagedAttentionConfig, PagedBackend
 from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING, Finding
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.kv import sizing
@@ -41,8 +41,7 @@ class Planning:
     dtype: torch.dtype
     cache_dtype: torch.dtype
     defaults: sizing.DeviceDefaults
-    state: PagedAttentionState  # paged-attn's door and fallbacks
-    ledger: Ledger  # every other feature's
+    ledger: Ledger  # every feature's door and findings, paged-attn's included
     max_model_len: int
     fit_to_cache: bool  # --max-model-len auto: still to be fitted to the cache
     max_model_len_source: str
@@ -56,18 +55,20 @@ class Planning:
 
     @property
     def paged(self) -> bool:
-        return self.state.paged_config is not None
+        return self.ledger.in_force(PAGED_ATTN)
+
+    @property
+    def paged_config(self) -> PagedAttentionConfig | None:
+        """The paged cache's settings while paged-attn is in force (derived: the door is the ledger's)."""
+        return self.spec.cache.paged if self.paged else None
 
     def in_force(self, feature: str) -> bool:
-        return self.paged if feature == PAGED_ATTN else self.ledger.in_force(feature)
+        return self.ledger.in_force(feature)
 
     def fall_back(self, feature: str, finding: Finding) -> None:
+        self.ledger.fall_back(feature, finding)
         if feature == PAGED_ATTN:
-            message, component, code = finding.message, finding.component, finding.code
-            disable_paged_attention(self.state, message, component=component, code=code)
             self.backend, self.paged_size = None, None
-        else:
-            self.ledger.fall_back(feature, finding)
 
 
 Check = Callable[[Planning], Finding | None]
@@ -76,7 +77,8 @@ Check = Callable[[Planning], Finding | None]
 def paged_device(p: Planning) -> Finding | None:
     """Device, build and model traits: the backend, or why PagedAttention cannot run (capability.py)."""
     traits = ModelTraits(head_size=p.config.head_dim, dtype=str(p.cache_dtype).removeprefix("torch."))
-    p.backend, finding = choose_backend(p.probe.info, p.state, traits)
+    assert p.paged_config is not None
+    p.backend, finding = choose_backend(p.probe.info, p.paged_config, p.spec.cache.required, traits)
     return finding
 
 
@@ -99,7 +101,7 @@ def paged_staged_map(p: Planning) -> Finding | None:
 
 def paged_kv_budget(p: Planning) -> Finding | None:
     """Size the pool (and fit --max-model-len auto to it); a pool short of one sequence is the finding."""
-    assert p.state.paged_config is not None
+    assert p.paged_config is not None
     max_num_seqs = p.spec.max_num_seqs or p.defaults.paged_max_num_seqs
     activations = sizing.activation_headroom_bytes(
         device_kind=p.probe.info.kind,
@@ -111,7 +113,7 @@ def paged_kv_budget(p: Planning) -> Finding | None:
         dtype_bytes=torch.empty((), dtype=p.dtype).element_size(),
     )
     p.paged_size = sizing.size_paged_cache(
-        p.state.paged_config,
+        p.paged_config,
         device_kind=p.probe.info.kind,
         memory_total_bytes=p.probe.memory_total_bytes,
         memory_free_bytes=p.probe.memory_free_bytes,
@@ -130,14 +132,14 @@ def paged_kv_budget(p: Planning) -> Finding | None:
 def paged_kernel_self_test(p: Planning) -> Finding | None:
     if p.backend is not PagedBackend.TRITON:
         return None
-    assert p.state.paged_config is not None
+    assert p.paged_config is not None
     return triton_self_test(
         p.probe.device,
         p.cache_dtype,
         num_heads=p.config.num_heads,
         num_kv_heads=p.config.num_kv_heads,
         head_dim=p.config.head_dim,
-        block_size=p.state.paged_config.block_size,
+        block_size=p.paged_config.block_size,
     )
 
 
@@ -171,7 +173,8 @@ def paged_every_rank(p: Planning) -> Finding | None:
 def prefix_needs_paged(p: Planning) -> Finding | None:
     if p.paged:
         return None
-    why = p.state.fallbacks[-1].reason if p.state.fallbacks else "--paged-attn off"
+    found = p.ledger.findings.get(PAGED_ATTN)
+    why = found.message if found else "--paged-attn off"
     return reasons.PREFIX_NEEDS_PAGED.found(why=why)
 
 

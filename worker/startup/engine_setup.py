@@ -23,10 +23,10 @@ from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import ConfigError, FeatureRequiredError, PagedAttentionRequiredError
 from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features
 from kvpact.shared.fingerprint import Fingerprint
-from kvpact.shared.intent import CacheDtype, PagedAttentionState, PagedBackend
-from kvpact.shared.realized import RealizedCache
-from kvpact.shared.reasons import CPU_KERNELS, PREFIX_CACHING
-from kvpact.shared.scheduler_choice import CacheKind, SchedulerKind, select_scheduler
+from kvpact.shared.intent import CacheDtype, PagedBackend
+from kvpact.shared.realized import BuiltFeatures, RealizedCache, realizes
+from kvpact.shared.reasons import CPU_KERNELS, PAGED_ATTN, PREFIX_CACHING
+from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.cpu_share import CpuShare
 from kvpact.worker.engine.engine import Engine
@@ -58,15 +58,14 @@ _CACHE_DTYPES = {
 
 
 @dataclass(slots=True)
-class WorkerPlan:
-    """Everything decided before a weight is read. `state.paged_config` None = the eager cache;
-    `features` is what each feature will realize (what was built, before the build confirms it)."""
+class WorkerPlan(BuiltFeatures):
+    """Everything decided before a weight is read. `features` is what each feature will realize (what was
+    built, before the build confirms it); the cache's kind and paged-attn's fallback derive from it."""
 
     spec: WorkerSpec
     probe: DeviceProbe
     model_path: Path
     model_config: ModelConfig
-    state: PagedAttentionState
     backend: PagedBackend | None  # PAGED only
     features: tuple[FeatureState, ...]
     dtype: torch.dtype
@@ -85,11 +84,8 @@ class WorkerPlan:
     rank_devices: tuple[str, ...] = ()  # each rank's device (rank order)
 
     @property
-    def cache_kind(self) -> CacheKind:
-        return CacheKind.PAGED if self.state.enabled else CacheKind.EAGER
-
-    def realizes(self, feature: str) -> bool:
-        return any(f.name == feature and f.realized for f in self.features)
+    def cache_kind(self) -> CacheKind:  # plan_only's name for `kind`
+        return self.kind
 
     def log_fields(self) -> dict[str, Any]:
         return {
@@ -103,7 +99,7 @@ class WorkerPlan:
             "weight_bytes": self.weight_bytes,
             "features": describe_features(self.features),
             "fingerprint": self.fingerprint.describe(),
-            "fallbacks": [f"{f.component}: {f.reason}" for f in self.state.fallbacks],
+            "fallbacks": [f"{f.component}: {f.reason}" for f in self.fallbacks],
         }
 
 
@@ -178,8 +174,8 @@ def _plan(
         max_num_seqs = spec.max_num_seqs or p.defaults.paged_max_num_seqs
     else:
         max_num_seqs = _size_eager(p)
-    features = (p.state.feature_state(), *p.ledger.states())
-    block_size = p.state.paged_config.block_size if p.state.paged_config is not None else 0
+    features = p.ledger.states()
+    block_size = p.paged_config.block_size if p.paged_config is not None else 0
     fingerprint = header.fingerprint(
         max_model_len=p.max_model_len,
         block_size=block_size,
@@ -190,7 +186,6 @@ def _plan(
         probe=probe,
         model_path=header.path,
         model_config=p.config,
-        state=p.state,
         backend=p.backend if p.paged else None,
         features=features,
         dtype=p.dtype,
@@ -250,7 +245,7 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe, header: ModelHeader | None = No
     defaults = sizing.device_defaults(probe.info.kind)
     max_model_len, fit_to_cache, source = _max_model_len(spec, config, defaults)
     itemsize = torch.empty((), dtype=cache_dtype).element_size()
-    modes = {name: spec.features.mode(name) for name in FeatureIntents.names()}
+    modes = {PAGED_ATTN: spec.cache.mode} | {n: spec.features.mode(n) for n in FeatureIntents.names()}
     return Planning(
         spec=spec,
         probe=probe,
@@ -258,7 +253,6 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe, header: ModelHeader | None = No
         dtype=dtype,
         cache_dtype=cache_dtype,
         defaults=defaults,
-        state=PagedAttentionState.from_intent(spec.cache),
         ledger=Ledger(modes),
         max_model_len=max_model_len,
         fit_to_cache=fit_to_cache,
@@ -327,7 +321,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
         loaded.model = shard_model(loaded.model, 0, ranks.world, ranks.all_reduce)
     config = loaded.model.config
     cache: PagedCache | EagerCache | StagedCache
-    if plan.state.paged_config is not None:
+    if plan.kind is CacheKind.PAGED:
         assert plan.paged_size is not None and plan.backend is not None
         cache = PagedCache(
             config.num_layers,
@@ -370,13 +364,13 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
         log.info("eager attention kernels", kernels=cache.kernels)
     scheduler_kind = select_scheduler(plan.spec.cache, cache.kind)  # the backstop: from what was built
     scheduler: Scheduler
-    if scheduler_kind is SchedulerKind.PAGED:
-        assert isinstance(cache, PagedCache) and plan.state.paged_config is not None
+    if scheduler_kind is CacheKind.PAGED:
+        assert isinstance(cache, PagedCache)
         manager = BlockManager(cache.num_blocks, cache.block_size, plan.realizes(PREFIX_CACHING))
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
         scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
-    realized = realized_cache(plan, cache, scheduler_kind, plan.features)
+    realized = realized_cache(plan, cache, plan.features)
     log.info(
         "realized KV cache\n" + realized_table(realized),
         model=loaded.name,
@@ -412,7 +406,7 @@ def rank_build(plan: WorkerPlan) -> RankBuild:
         cache_dtype=str(plan.cache_dtype).removeprefix("torch."),
         max_model_len=plan.max_model_len,
         max_num_seqs=plan.max_num_seqs,
-        paged=plan.state.paged_config is not None,
+        paged=plan.kind is CacheKind.PAGED,
         num_blocks=size.num_blocks if size else 0,
         block_size=size.block_size if size else 0,
         backend=plan.backend.value if plan.backend else "",
@@ -423,11 +417,15 @@ def rank_build(plan: WorkerPlan) -> RankBuild:
 def realized_cache(
     plan: WorkerPlan,
     cache: PagedCache | EagerCache | StagedCache,
-    scheduler: SchedulerKind,
     features: tuple[FeatureState, ...] = (),
 ) -> RealizedCache:
+    """What was built: the cache's sizes beside every feature's state (paged-attn's is the cache's kind, so
+    the two must agree: a paged cache exactly when paged-attn is realized)."""
+    features = features or plan.features
+    if isinstance(cache, PagedCache) != realizes(features, PAGED_ATTN):
+        built = "a paged" if isinstance(cache, PagedCache) else "an eager"
+        raise RuntimeError(f"built {built} KV cache yet the features say {describe_features(features)}")
     cache_dtype = next((k for k, v in _CACHE_DTYPES.items() if v == plan.cache_dtype), CacheDtype.AUTO)
-    fallbacks = tuple(plan.state.fallbacks)
     ranks = {
         "tensor_parallel_size": plan.spec.tensor_parallel_size,
         "rank_devices": plan.rank_devices or (str(plan.probe.device),),
@@ -435,8 +433,6 @@ def realized_cache(
     if isinstance(cache, PagedCache):
         capacity = cache.num_blocks * cache.block_size
         return RealizedCache(
-            kind=CacheKind.PAGED,
-            scheduler=scheduler,
             max_model_len=plan.max_model_len,
             capacity_tokens=capacity,
             max_concurrency=capacity // plan.max_model_len,
@@ -445,21 +441,17 @@ def realized_cache(
             cache_dtype=cache_dtype,
             backend=cache.backend,
             block_size=cache.block_size,
-            fallbacks=fallbacks,
-            features=features or plan.features,
+            features=features,
             **ranks,  # type: ignore[arg-type]
         )
     return RealizedCache(
-        kind=CacheKind.EAGER,
-        scheduler=scheduler,
         max_model_len=plan.max_model_len,
         capacity_tokens=cache.num_slots * cache.max_model_len,
         max_concurrency=cache.num_slots,
         num_blocks=cache.num_slots,
         memory_bytes=cache.memory_bytes,
         cache_dtype=cache_dtype,
-        fallbacks=fallbacks,
-        features=features or plan.features,
+        features=features,
         **ranks,  # type: ignore[arg-type]
     )
 

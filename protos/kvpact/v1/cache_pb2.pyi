@@ -157,7 +157,7 @@ class PagedAttentionConfig(_message.Message):
     CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     required: _builtins.bool
-    """the bit that survives: true only for --paged-attn on"""
+    """follows CacheIntent.mode (on); written for older readers, not read"""
     block_size: _builtins.int
     """tokens per block; 0 = default (16)"""
     memory_fraction: _builtins.float
@@ -311,6 +311,7 @@ class RealizedCache(_message.Message):
     max_concurrency: _builtins.int
     """sequences of max_model_len that fit at once"""
     scheduler: Global___SchedulerKind.ValueType
+    """follows kind (PAGED <-> PAGED); written for older readers, not read"""
     cache_dtype: Global___CacheDtype.ValueType
     max_model_len: _builtins.int
     memory_bytes: _builtins.int
