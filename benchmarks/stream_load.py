@@ -28,6 +28,7 @@ import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -46,30 +47,51 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-def summary(
-    args: argparse.Namespace,
-    num_tokens: int,
-    num_messages: int,
-    num_streams: int,
-    by_worker: dict[str, int],
-    seconds: float,
-    latencies_ms: list[float],
-    first_token_ms: list[float],
-) -> dict[str, object]:
-    """What a run reports (the same fields for every --service)."""
-    return {
-        "num_tokens": num_tokens,
-        "num_messages": num_messages,
-        "num_streams": num_streams,
-        "tokens_by_worker": by_worker,
-        "seconds": seconds,
-        "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
-        "latency_ms": latencies_ms if args.keep_latencies else [],
-        "latency_p50_ms": percentile(latencies_ms, 50),
-        "latency_p99_ms": percentile(latencies_ms, 99),
-        "first_token_p50_ms": percentile(first_token_ms, 50),
-        "first_token_p99_ms": percentile(first_token_ms, 99),
-    }
+@dataclass
+class Tally:
+    """What one load run counts, only inside its window [counted_from, end]: tokens, messages, streams,
+    first-token and (with --latency) per-token delivery latencies. The same for every --service."""
+
+    counted_from: float
+    end: float
+    latency: bool
+    num_tokens: int = 0
+    num_messages: int = 0
+    num_streams: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    first_token_ms: list[float] = field(default_factory=list)
+    by_worker: dict[str, int] = field(default_factory=dict)  # tokens per worker id (gRPC only)
+
+    def message(self, now_s: float, sent: float, first: bool, stamps: list[str], num_tokens: int) -> None:
+        """One message inside the window: `first` if it is its stream's first, `stamps` the synthetic
+        worker's send times (monotonic ns) of its tokens."""
+        self.num_messages += 1
+        self.num_tokens += num_tokens
+        if first:
+            self.first_token_ms.append((now_s - sent) * 1e3)
+        if self.latency:
+            now_ns = time.monotonic_ns()
+            self.latencies_ms.extend((now_ns - int(stamp)) / 1e6 for stamp in stamps)
+
+    def stream_done(self) -> None:
+        if time.monotonic() >= self.counted_from:
+            self.num_streams += 1
+
+    def summary(self, keep_latencies: bool) -> dict[str, object]:
+        seconds = min(time.monotonic(), self.end) - self.counted_from
+        return {
+            "num_tokens": self.num_tokens,
+            "num_messages": self.num_messages,
+            "num_streams": self.num_streams,
+            "tokens_by_worker": self.by_worker,
+            "seconds": seconds,
+            "tokens_per_s": self.num_tokens / seconds if seconds > 0 else 0.0,
+            "latency_ms": self.latencies_ms if keep_latencies else [],
+            "latency_p50_ms": percentile(self.latencies_ms, 50),
+            "latency_p99_ms": percentile(self.latencies_ms, 99),
+            "first_token_p50_ms": percentile(self.first_token_ms, 50),
+            "first_token_p99_ms": percentile(self.first_token_ms, 99),
+        }
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
@@ -86,21 +108,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         if "," in args.target:  # round_robin connects to each router; let them all be ready first
             await asyncio.sleep(0.5)
         start = time.monotonic()
-        counted_from = start + args.warmup
-        end = counted_from + args.seconds
+        tally = Tally(start + args.warmup, start + args.warmup + args.seconds, args.latency)
         num_requests_left = args.requests
         if args.requests:  # a fixed amount of work, counted whole: until the last request ends
-            counted_from, end = start, float("inf")
-        num_tokens = num_messages = num_streams = 0
-        latencies_ms: list[float] = []
-        first_token_ms: list[float] = []
-        by_worker: dict[str, int] = {}  # tokens per worker id (several routers: each has its own)
+            tally.counted_from, tally.end = start, float("inf")
 
         async def slot(index: int) -> None:
-            nonlocal num_tokens, num_messages, num_streams
-            await asyncio.sleep(index * args.stagger / max(args.streams, 1))  # not all in lockstep
             nonlocal num_requests_left
-            while time.monotonic() < end:
+            await asyncio.sleep(index * args.stagger / max(args.streams, 1))  # not all in lockstep
+            while time.monotonic() < tally.end:
                 if args.requests:
                     if num_requests_left <= 0:
                         break
@@ -117,30 +133,21 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 try:
                     async for chunk in call:
                         now_s = time.monotonic()
-                        if now_s < counted_from:
+                        if now_s < tally.counted_from:
                             first = False
                             continue
-                        if now_s > end:
+                        if now_s > tally.end:
                             break
-                        num_messages += 1
-                        num_tokens += len(chunk.token_ids)
-                        by_worker[chunk.worker_id] = by_worker.get(chunk.worker_id, 0) + len(chunk.token_ids)
-                        if first:
-                            first_token_ms.append((now_s - sent) * 1e3)
-                            first = False
-                        if args.latency:
-                            now_ns = time.monotonic_ns()
-                            for stamp in chunk.text.split(";")[:-1]:
-                                latencies_ms.append((now_ns - int(stamp)) / 1e6)
+                        n = len(chunk.token_ids)
+                        tally.by_worker[chunk.worker_id] = tally.by_worker.get(chunk.worker_id, 0) + n
+                        tally.message(now_s, sent, first, chunk.text.split(";")[:-1], n)
+                        first = False
                 finally:
                     call.cancel()
-                if time.monotonic() >= counted_from:
-                    num_streams += 1
+                tally.stream_done()
 
         await asyncio.gather(*(slot(i) for i in range(args.streams)))
-        seconds = min(time.monotonic(), end) - counted_from
-    counts = (num_tokens, num_messages, num_streams)
-    return summary(args, *counts, by_worker, seconds, latencies_ms, first_token_ms)
+    return tally.summary(args.keep_latencies)
 
 
 async def run_http(args: argparse.Namespace) -> dict[str, object]:
@@ -152,18 +159,13 @@ async def run_http(args: argparse.Namespace) -> dict[str, object]:
         import aiohttp
     url = f"http://{args.target}/v1/completions"
     start = time.monotonic()
-    counted_from = start + args.warmup
-    end = counted_from + args.seconds
-    num_tokens = num_messages = num_streams = 0
-    latencies_ms: list[float] = []
-    first_token_ms: list[float] = []
+    tally = Tally(start + args.warmup, start + args.warmup + args.seconds, args.latency)
     body = {"prompt": f"tokens_per_s={args.tokens_per_s:g}", "max_tokens": args.max_tokens,
             "ignore_eos": True, "stream": True}  # fmt: skip
 
     async def slot(index: int, stream: OpenStream) -> None:
-        nonlocal num_tokens, num_messages, num_streams
         await asyncio.sleep(index * args.stagger / max(args.streams, 1))
-        while time.monotonic() < end:
+        while time.monotonic() < tally.end:
             sent = time.monotonic()
             first = True
             async with stream() as lines:
@@ -171,23 +173,15 @@ async def run_http(args: argparse.Namespace) -> dict[str, object]:
                     if not line.startswith(b"data: {"):
                         continue
                     now_s = time.monotonic()
-                    if now_s < counted_from:
+                    if now_s < tally.counted_from:
                         first = False
                         continue
-                    if now_s > end:
+                    if now_s > tally.end:
                         break
-                    text = json.loads(line[6:])["choices"][0]["text"]
-                    stamps = text.split(";")[:-1]
-                    num_messages += 1
-                    num_tokens += len(stamps)
-                    if first:
-                        first_token_ms.append((now_s - sent) * 1e3)
-                        first = False
-                    if args.latency:
-                        now_ns = time.monotonic_ns()
-                        latencies_ms.extend((now_ns - int(stamp)) / 1e6 for stamp in stamps)
-            if time.monotonic() >= counted_from:
-                num_streams += 1
+                    stamps = json.loads(line[6:])["choices"][0]["text"].split(";")[:-1]
+                    tally.message(now_s, sent, first, stamps, len(stamps))
+                    first = False
+            tally.stream_done()
 
     if args.http_client == "httpx":
         limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
@@ -214,9 +208,7 @@ async def run_http(args: argparse.Namespace) -> dict[str, object]:
                     yield response.content  # iterates lines (each SSE `data:` line is one)
 
             await asyncio.gather(*(slot(i, aiohttp_stream) for i in range(args.streams)))
-    seconds = min(time.monotonic(), end) - counted_from
-    counts = (num_tokens, num_messages, num_streams)
-    return summary(args, *counts, {}, seconds, latencies_ms, first_token_ms)
+    return tally.summary(args.keep_latencies)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,10 +73,14 @@ def make_plan(spec: WorkerSpec, log: Any = None) -> PlanVerdict:
     def others(s: WorkerSpec) -> tuple[RankVerdict, ...]:  # ranks 1..N-1's verdicts, as they would send
         return tuple(own_verdict(r, replace(s, device=devices[r]), header, _QUIET) for r in range(1, size))
 
+    asked = others(spec)  # under the operator's flags: reported, and the first round's (each is a plan)
     combined = _settle(
-        spec, lambda s: plan_startup(s, probe=probe, log=log, header=header, rank_verdicts=others(s))
+        spec,
+        lambda s: plan_startup(
+            s, probe=probe, log=log, header=header, rank_verdicts=asked if s is spec else others(s)
+        ),
     )
-    own = (own_verdict(0, spec, header, _QUIET, probe), *others(spec))
+    own = (own_verdict(0, spec, header, _QUIET, probe), *asked)
     return replace(combined, ranks=own, tensor_parallel_size=size)
 
 

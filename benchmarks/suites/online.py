@@ -29,6 +29,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from benchmarks.client_agreement import Agreement, Scale
 from benchmarks.framework import BenchContext, SuiteResult, Table, new_figure
 from benchmarks.kvpact_systems import Cluster, Streamed, stream
 from benchmarks.workloads import WorkItem
+
+if TYPE_CHECKING:
+    from kvpact.worker.model import ModelConfig
 
 MAX_NUM_SEQS = 32
 TTFT_LIMIT_S = 2.0
@@ -72,12 +76,18 @@ def crossing(rates: Sequence[float], p99s: Sequence[float], limit: float = TTFT_
     return f"> {rates[-1]:.2f} req/s (p99 TTFT {p99s[-1]:.2f} s at the highest rate)"
 
 
-def run(ctx: BenchContext) -> SuiteResult:
+def model_scale(ctx: BenchContext) -> tuple[ModelConfig, int, int]:
+    """The model's config, the workload's length cap and the --max-model-len that holds it (a multiple
+    of 64); also suite step_budget's."""
     from kvpact.worker.loader.load import read_model_config
 
     config = read_model_config(ctx.model)
     cap = min(config.max_position_embeddings, 96 if ctx.quick else 512)
-    max_model_len = -(-cap // 64) * 64
+    return config, cap, -(-cap // 64) * 64
+
+
+def run(ctx: BenchContext) -> SuiteResult:
+    config, cap, max_model_len = model_scale(ctx)
     factors = QUICK_RATE_FACTORS if ctx.quick else RATE_FACTORS
     window = QUICK_WINDOW_S if ctx.quick else WINDOW_S
     most = QUICK_MAX_REQUESTS if ctx.quick else MAX_REQUESTS

@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from benchmarks import workloads
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
 from benchmarks.kvpact_systems import Cluster, Streamed, stream
-from benchmarks.suites.online import MAX_NUM_SEQS, PROBE_REQUESTS, QUICK_PROBE_REQUESTS, _items, _pct
+from benchmarks.suites.online import (
+    MAX_NUM_SEQS,
+    PROBE_REQUESTS,
+    QUICK_PROBE_REQUESTS,
+    _items,
+    _pct,
+    model_scale,
+)
+from benchmarks.workloads import WorkItem
 
 BUDGETS, QUICK_BUDGETS = (2048, 256, 64), (2048, 64)
 LOAD_FACTOR = 1.5
@@ -29,49 +39,52 @@ MAX_REQUESTS, QUICK_MAX_REQUESTS = 24, 8
 ITL_LIMIT = 2.0  # p99 ITL / median decode step
 
 
-def _run_budget(
-    ctx: BenchContext, budget: int, max_model_len: int, items, probe
-) -> tuple[list[Streamed], float, float]:
+@contextmanager
+def _worker(ctx: BenchContext, budget: int, max_model_len: int, probe: list[WorkItem]) -> Iterator[str]:
+    """A router and one paged worker with this step budget, warmed by one burst; yields its address."""
     args = ("--max-num-batched-tokens", str(budget))
     cluster = Cluster(ctx.model, "paged", max_model_len, MAX_NUM_SEQS, worker_args=args).start()
     try:
         cluster.wait_ready()
-        asyncio.run(stream(cluster.address, probe))  # warm-up burst
-        capacity = 0.0
-        if items is None:  # the first budget measures the capacity the rate is set from
-            started = time.perf_counter()
-            asyncio.run(stream(cluster.address, probe))
-            capacity = len(probe) / (time.perf_counter() - started)
-            return [], 0.0, capacity
-        began = time.perf_counter()
-        streamed = asyncio.run(stream(cluster.address, items))
-        return streamed, time.perf_counter() - began, capacity
+        asyncio.run(stream(cluster.address, probe))
+        yield cluster.address
     finally:
         cluster.stop()
 
 
+def _timed(address: str, items: list[WorkItem]) -> tuple[list[Streamed], float]:
+    began = time.perf_counter()
+    streamed = asyncio.run(stream(address, items))
+    return streamed, time.perf_counter() - began
+
+
 def run(ctx: BenchContext) -> SuiteResult:
     from kvpact.worker.kv.sizing import CPU_DEFAULTS
-    from kvpact.worker.loader.load import read_model_config
 
-    config = read_model_config(ctx.model)
-    cap = min(config.max_position_embeddings, 96 if ctx.quick else 512)
-    max_model_len = -(-cap // 64) * 64
+    config, cap, max_model_len = model_scale(ctx)
     window = QUICK_WINDOW_S if ctx.quick else WINDOW_S
     most = QUICK_MAX_REQUESTS if ctx.quick else MAX_REQUESTS
     probe = _items(
         QUICK_PROBE_REQUESTS if ctx.quick else PROBE_REQUESTS, ctx.seed + 999, config.vocab_size, cap
     )
     default = CPU_DEFAULTS.max_num_batched_tokens
-    _, _, capacity = _run_budget(ctx, default, max_model_len, None, probe)
-    rate = round(LOAD_FACTOR * capacity, 3)
-    n = max(3, min(most, round(rate * window)))
-    items = workloads.with_poisson_arrivals(_items(n, ctx.seed, config.vocab_size, cap), rate, ctx.seed)
+    runs: dict[int, tuple[list[Streamed], float]] = {}
+    with _worker(ctx, default, max_model_len, probe) as address:  # the default's worker sets the rate
+        probed = _timed(address, probe)
+        capacity = len(probe) / probed[1]
+        rate = round(LOAD_FACTOR * capacity, 3)
+        n = max(3, min(most, round(rate * window)))
+        items = workloads.with_poisson_arrivals(_items(n, ctx.seed, config.vocab_size, cap), rate, ctx.seed)
+        runs[default] = _timed(address, items)
     budgets = sorted({*(QUICK_BUDGETS if ctx.quick else BUDGETS), default}, reverse=True)
+    for budget in budgets:
+        if budget not in runs:
+            with _worker(ctx, budget, max_model_len, probe) as address:
+                runs[budget] = _timed(address, items)
     rows, data = [], []
     base_tok_s = None
     for budget in budgets:
-        streamed, wall, _ = _run_budget(ctx, budget, max_model_len, items, probe)
+        streamed, wall = runs[budget]
         itl = [g for s in streamed for g in s.inter_token()]
         ttft = [s.ttft for s in streamed]
         tok_s = sum(len(s.tokens) for s in streamed) / wall
