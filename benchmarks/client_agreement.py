@@ -1,7 +1,7 @@
 """The third-party client vs the suite's client: guidellm and `stream_http` against one router's HTTP
 front, back to back in the same run, at the same concurrency, prompt and output lengths.
 
-    compare(cluster, model, vocab_size, scale, seed, command)   the table, its targets and data
+    compare(cluster, model, scale, seed, command)   the table, its targets and data
     python -m benchmarks.client_agreement [--quick] [--concurrency 4,16]   just this table
 
 For each concurrency the suite's client runs, then guidellm, then the suite's client again (ours,
@@ -77,9 +77,7 @@ def ours(cluster: Cluster, items: list[workloads.TextItem], concurrency: int) ->
     )
 
 
-def compare(
-    cluster: Cluster, model: Path, vocab_size: int, scale: Scale, seed: int, command: str
-) -> Agreement:
+def compare(cluster: Cluster, model: Path, scale: Scale, seed: int, command: str) -> Agreement:
     title = "Third-party client vs the suite's client (guidellm and stream_http, one router's HTTP front)"
     notes = [
         f"guidellm {thirdparty.GUIDELLM_VERSION} (its own venv, {thirdparty.clients_root()}), "
@@ -112,7 +110,7 @@ def compare(
     targets: list[Target] = []
     runs: list[dict[str, Any]] = []
     for k, concurrency in enumerate(scale.concurrencies):
-        run = _at(cluster, exe, processor, vocab_size, scale, concurrency, seed + 100 * k)
+        run = _at(cluster, exe, processor, scale, concurrency, seed + 100 * k)
         rows += run.pop("rows")
         targets += run.pop("targets")
         notes += run.pop("notes")
@@ -125,7 +123,7 @@ def compare(
 
 
 def _at(
-    cluster: Cluster, exe: Path, processor: Path, vocab_size: int, scale: Scale, concurrency: int, seed: int
+    cluster: Cluster, exe: Path, processor: Path, scale: Scale, concurrency: int, seed: int
 ) -> dict[str, Any]:
     """ours, guidellm, ours at one concurrency: its rows, targets, notes and figures."""
     n = concurrency * scale.requests_per_slot
@@ -221,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.wait_ready()
         print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         command = "python -m benchmarks.client_agreement " + " ".join(argv if argv is not None else [])
-        agreement = compare(cluster, model, config.vocab_size, scale, args.seed, command.strip())
+        agreement = compare(cluster, model, scale, args.seed, command.strip())
         print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     finally:
         cluster.stop()

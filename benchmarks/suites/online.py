@@ -118,9 +118,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                 streamed = asyncio.run(stream(clusters[cache].address, items))
                 results[cache].append((rate, streamed, time.perf_counter() - began))
         scale = QUICK_CLIENT_SCALE if ctx.quick else CLIENT_SCALE
-        agreement = client_agreement.compare(
-            clusters["paged"], ctx.model, config.vocab_size, scale, ctx.seed, _command(ctx)
-        )
+        agreement = client_agreement.compare(clusters["paged"], ctx.model, scale, ctx.seed, _command(ctx))
     return report(ctx, results, capacity, window, max_model_len, agreement)
 
 
