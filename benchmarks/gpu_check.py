@@ -323,6 +323,104 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return result("engine", worst, "; ".join(why for v, why in verdicts if v == worst))
 
 
+GRAPH_BATCHES = (1, 8, 64)
+GRAPH_NEW_TOKENS = 64
+
+
+def cmd_graphs(args: argparse.Namespace) -> int:
+    """CUDA graphs for decode: `--cuda-graphs on` realizes (capture + the startup parity check) with the
+    Triton paged cache, its greedy tokens equal `--cuda-graphs off`'s at batch 1, 8 and 64, no decode step
+    runs eagerly, and tokens/s with and without graphs. Dry run (CPU): auto realizes off with
+    no-cuda-device, on fails naming it, and the uncaptured static path (the same buffers and padding)
+    gives the eager tokens."""
+    from kvpact.shared.errors import FeatureRequiredError
+    from kvpact.shared.features import FeatureIntents, FeatureMode
+    from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
+    from kvpact.shared.spec import WorkerSpec
+    from kvpact.worker.engine.decode_graphs import DecodeGraphs
+    from kvpact.worker.engine.request import GenerationRequest, SamplingParams
+    from kvpact.worker.kv.paged import PagedCache
+    from kvpact.worker.startup.engine_setup import build_engine
+
+    cuda = args.device == "cuda"
+    backend = PagedBackend.TRITON if cuda else PagedBackend.TORCH
+    batches = GRAPH_BATCHES if cuda else (1, 4)
+    new_tokens = GRAPH_NEW_TOKENS if cuda else 12
+    verdicts: list[tuple[str, str]] = []
+
+    def spec(graphs: FeatureMode) -> WorkerSpec:
+        return WorkerSpec(
+            model=args.model,
+            device=args.device,
+            dtype="bfloat16" if cuda else "float32",
+            max_model_len=512,
+            max_num_seqs=max(batches),
+            cache=cache_intent(
+                PagedAttentionMode.ON, PagedAttentionConfig(backend=backend, context_tokens=32768)
+            ),
+            features=FeatureIntents(cuda_graphs=graphs),
+        )
+
+    def timed_batches(engine) -> dict[int, tuple[list[list[int]], float]]:
+        greedy = SamplingParams(temperature=0.0)
+        out = {}
+        for b in batches:
+            reqs = [
+                GenerationRequest(
+                    f"g{b}-{i}", tuple(PROMPTS[i % len(PROMPTS)]), greedy,
+                    max_tokens=new_tokens, ignore_eos=True,
+                )
+                for i in range(b)
+            ]  # fmt: skip
+            began = time.perf_counter()
+            tokens = [r.token_ids for r in engine.run(reqs, timeout=300)]
+            out[b] = (tokens, b * new_tokens / (time.perf_counter() - began))
+        return out
+
+    started = time.monotonic()
+    with build_engine(spec(FeatureMode.OFF)) as engine:
+        off = timed_batches(engine)
+    if cuda:
+        started = time.monotonic()
+        with build_engine(spec(FeatureMode.ON)) as engine:
+            ready = time.monotonic() - started
+            (state,) = [f for f in engine.realized.features if f.name == "cuda-graphs"]
+            graphs = engine.step_loop.runner.graphs
+            print(f"--cuda-graphs on: realized {state.realized}, sizes {graphs.sizes if graphs else ()}, "
+                  f"ready in {ready:.1f}s")  # fmt: skip
+            on = timed_batches(engine)
+            eager_steps = engine.stats().eager_steps_under_graphs
+        verdicts.append(("PASS" if eager_steps == 0 else "FAIL", f"{eager_steps} decode steps ran eagerly"))
+    else:
+        for mode, want in ((FeatureMode.AUTO, "no-cuda-device"), (FeatureMode.ON, "exit 78")):
+            try:
+                with build_engine(spec(mode)) as engine:
+                    (state,) = [f for f in engine.realized.features if f.name == "cuda-graphs"]
+                    got = state.code
+            except FeatureRequiredError as e:
+                got = f"exit 78 ({e})"
+            ok = got.startswith(want)
+            verdicts.append(("PASS" if ok else "FAIL", f"cpu --cuda-graphs {mode.value}: {got}"))
+        with build_engine(spec(FeatureMode.OFF)) as engine:  # the static path, uncaptured
+            runner = engine.step_loop.runner
+            assert isinstance(runner.cache, PagedCache)
+            runner.graphs = DecodeGraphs(runner.model, runner.cache, max(batches), engine.max_model_len)
+            runner.graphs.build(capture=False)
+            on = timed_batches(engine)
+    print(f"{'batch':>6} {'tok/s graphs off':>17} {'tok/s graphs on':>16} {'on/off':>7}  tokens")
+    for b in batches:
+        same = on[b][0] == off[b][0]
+        print(f"{b:>6} {off[b][1]:>17.1f} {on[b][1]:>16.1f} {on[b][1] / off[b][1]:>7.2f}  "
+              f"{'identical' if same else 'DIFFER'}")  # fmt: skip
+        verdicts.append(
+            ("PASS" if same else "FAIL", f"batch {b}: greedy tokens {'equal' if same else 'differ'}")
+        )
+    for verdict, why in verdicts:
+        print(f"  {verdict}  {why}")
+    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
+    return result("graphs", worst, "; ".join(why for v, why in verdicts if v == worst))
+
+
 def cmd_device_map(args: argparse.Namespace) -> int:
     """`--device-map cuda:0=N-1,cpu=1` (dry run: cpu=1,cpu=N-1), float32: auto realizes EAGER with the
     mixed-map reason (dry run: the CPU default) and its greedy tokens equal a one-device run's; on fails
@@ -597,7 +695,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("step", choices=["env", "engine", "e2e", "device-map", "tp"])
+    parser.add_argument("step", choices=["env", "engine", "graphs", "e2e", "device-map", "tp"])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
         "--model",
@@ -620,7 +718,13 @@ def main() -> int:
         else:
             args.model = str(write_model(tiny))
     print(f"model: {args.model or 'the bundled SmolLM2-135M-Instruct'}", flush=True)
-    steps = {"engine": cmd_engine, "e2e": cmd_e2e, "device-map": cmd_device_map, "tp": cmd_tp}
+    steps = {
+        "engine": cmd_engine,
+        "graphs": cmd_graphs,
+        "e2e": cmd_e2e,
+        "device-map": cmd_device_map,
+        "tp": cmd_tp,
+    }
     return steps[args.step](args)
 
 

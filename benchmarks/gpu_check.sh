@@ -22,6 +22,9 @@
 #                   `on` (must realize PAGED/TRITON), `on --pa-backend torch`, `auto` (PAGED/TRITON),
 #                   ClusterStatus read and one greedy request through the router each, then 8
 #                   concurrent requests (tokens/s, on vs on-torch) and the worker's compiles after ready
+#   i_graphs.txt    benchmarks/gpu_check.py graphs: `--cuda-graphs on` realized (captured, parity-checked at
+#                   startup), greedy tokens equal to `off` at batch 1/8/64, no decode step run eagerly, tok/s
+#                   on vs off (dry run: auto off with no-cuda-device, on exit 78, the uncaptured static path)
 #   f_host.txt      benchmarks/gpu_perf.py: a serving PagedAttentionStep's host time per layer at decode
 #                   batch 1/16/64 (context 2k) and the kernel compiles after the startup warm-up (must be 0)
 #   g_device_map.txt  benchmarks/gpu_check.py device-map: `--device-map cuda:0=N-1,cpu=1` in-process (fp32):
@@ -165,6 +168,12 @@ fi
 if needs "d) engine" triton "${SERVING[@]}"; then
     step "d) engine: triton vs torch, sync audit" d_engine.txt 120 \
         "$PY" benchmarks/gpu_check.py engine --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
+fi
+
+# ---- i) CUDA graphs for decode (dry run: the uncaptured static path, and the CPU's verdicts) ----
+if needs "i) cuda graphs" triton "${SERVING[@]}"; then
+    step "i) cuda graphs: capture, replay == eager tokens at batch 1/8/64, tok/s on vs off" i_graphs.txt 100 \
+        "$PY" benchmarks/gpu_check.py graphs --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
 fi
 
 # ---- f) host work per layer, compiles after the warm-up ----

@@ -70,8 +70,9 @@ class FeatureIntents:
     )
     cuda_graphs: FeatureMode = _mode_option(
         CUDA_GRAPHS,
-        "capture decode steps in CUDA graphs. Needs a CUDA device; this kvpact does not capture yet, so auto "
-        "realizes off with the reason and on fails startup.",
+        "capture decode steps in CUDA graphs, replayed for every decode-only step. Needs a CUDA device "
+        "and the Triton paged cache; captured and checked against eager steps after loading: auto "
+        "realizes off naming why, on fails startup.",
     )
 
     def __post_init__(self) -> None:

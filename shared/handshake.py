@@ -58,6 +58,6 @@ class WorkerLoad:
     num_preemptions: int = 0
     kernel_compiles_after_ready: int = 0  # Triton compiles mid-serving (the warm-up should leave 0)
     # Counters that reveal a silent degradation while serving (the router judges them: router/drift.py).
-    eager_steps_under_graphs: int = 0  # decode steps run eagerly under realized cuda-graphs (none yet: 0)
+    eager_steps_under_graphs: int = 0  # decode-only steps run eagerly under realized cuda-graphs
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at first admission
     prefix_cache_hits: int = 0  # of those, tokens the prefix cache served

@@ -257,13 +257,31 @@ NO_CUDA = Reason(
     "--device cuda, or --cuda-graphs auto/off",
     feature=CUDA_GRAPHS,
 )
-GRAPHS_NOT_BUILT = Reason(
-    "graph capture not built",
+GRAPHS_NEED_TRITON = Reason(
+    "cuda graphs need triton paged",
+    "cache",
+    "the captured decode step is the paged cache's Triton kernels (they take their grid from shapes and "
+    "never read back from the device), and this worker plans an eager KV cache or the torch paged backend",
+    "CUDA graphs capture the Triton paged decode step and this worker plans {what}",
+    "--paged-attn on --pa-backend triton (or auto), or --cuda-graphs off",
+    feature=CUDA_GRAPHS,
+)
+GRAPHS_CAPTURE = Reason(
+    "graph capture failed",
     "build",
-    "a CUDA device, but this kvpact does not capture decode steps in CUDA graphs yet (the capture is not "
-    "written; every step runs eagerly)",
-    "this kvpact does not capture CUDA graphs yet, so every decode step on {device} runs eagerly",
-    "--cuda-graphs auto or off",
+    "capturing the decode step in CUDA graphs raised, after the weights loaded (the error is in the message)",
+    "capturing the decode step in CUDA graphs failed on {device}: {error}",
+    "--cuda-graphs auto or off (and report the error)",
+    feature=CUDA_GRAPHS,
+)
+GRAPHS_PARITY = Reason(
+    "graph replay differs",
+    "build",
+    "a replayed decode step's hidden states differed from the eager step's on the same inputs by more than "
+    "1% of their largest value (checked at startup, at the smallest and largest captured batch)",
+    "a replayed CUDA graph differed from the eager decode step on {device} (max difference {error:.2g} of "
+    "the largest value, over {tolerance:g})",
+    "--cuda-graphs auto or off (and report it)",
     feature=CUDA_GRAPHS,
 )
 
@@ -312,7 +330,9 @@ REASONS = (
     CPU_KERNELS_WINDOW,
     CPU_KERNELS_BUILD,
     NO_CUDA,
-    GRAPHS_NOT_BUILT,
+    GRAPHS_NEED_TRITON,
+    GRAPHS_CAPTURE,
+    GRAPHS_PARITY,
     EAGER_STEPS_WHILE_SERVING,
     KERNEL_COMPILE_AFTER_READY,
     TENSOR_PARALLEL_RANK,

@@ -20,6 +20,7 @@ STEPS = [
     "f) host time",
     "g) --device-map",
     "h) tensor parallel",
+    "i) cuda graphs",
 ]
 
 
@@ -40,6 +41,7 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
     for step in STEPS:
         assert any(line.startswith(f"PASS  {step}") for line in summary.splitlines()), (step, summary)
     assert "RESULT e2e: PASS on: paged/torch; auto: eager/None" in summary  # on-torch is on, on a CPU
+    assert "RESULT graphs: PASS cpu --cuda-graphs auto: no-cuda-device; cpu --cuda-graphs on: exit 78" in summary
     assert "tokens/s on " in summary and "RESULT host: PASS 0 compiles after the warm-up" in summary
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "a_env.txt",
@@ -50,5 +52,6 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
         "f_host.txt",
         "g_device_map.txt",
         "h_tp.txt",
+        "i_graphs.txt",
         "summary.txt",
     ]

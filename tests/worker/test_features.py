@@ -20,7 +20,9 @@ pytestmark = pytest.mark.usefixtures("no_loading")  # no check here may read a w
 @pytest.fixture(scope="module")
 def head64(tmp_path_factory):  # type: ignore[no-untyped-def]
     """A model the Triton kernels take (head size 64), for the described GPU."""
-    return make_tiny_llama(tmp_path_factory.mktemp("head64"), hidden_size=128, num_heads=2, num_kv_heads=1)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("head64"), hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64
+    )
 
 
 def plan(model, mode="auto", probe=None, **features):  # type: ignore[no-untyped-def]
@@ -129,7 +131,33 @@ def test_cuda_graphs_on_cpu_realize_off_under_auto_and_fail_under_on(tiny_llama)
     )
 
 
-def test_cuda_graphs_on_a_gpu_say_the_capture_is_not_built(head64, monkeypatch):
+def test_cuda_graphs_on_a_gpu_with_the_triton_paged_cache_are_planned(head64, monkeypatch):
+    """Planned on; the capture and its parity check run after loading (tests/worker/test_decode_graphs.py)."""
     monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: None)
     s = state(plan(head64, probe=h200_probe(8 * GiB)), "cuda-graphs")
-    assert (s.realized, s.code) == (False, "graph-capture-not-built")
+    assert (s.realized, s.code) == (True, "")
+
+
+@pytest.mark.parametrize(
+    ("mode", "paged", "what"),
+    [
+        ("on", {"backend": "torch"}, "the torch paged backend (--pa-backend torch)"),
+        ("off", {}, "an eager KV cache (--paged-attn off)"),
+    ],
+    ids=["torch-backend", "eager"],
+)
+def test_cuda_graphs_need_the_triton_paged_cache(head64, monkeypatch, mode, paged, what):
+    from kvpact.shared.intent import PagedBackend
+
+    monkeypatch.setattr(checks, "triton_self_test", lambda *a, **k: None)
+    settings = {k: PagedBackend(v) for k, v in paged.items()}
+
+    def planned(graphs: FeatureMode):  # type: ignore[no-untyped-def]
+        spec = worker_spec(head64, mode, features=FeatureIntents(cuda_graphs=graphs), **settings)
+        return engine_setup.plan_startup(spec, probe=h200_probe(8 * GiB))
+
+    s = state(planned(AUTO), "cuda-graphs")
+    assert (s.realized, s.code, s.component) == (False, "cuda-graphs-need-triton-paged", "cache")
+    assert s.message == f"CUDA graphs capture the Triton paged decode step and this worker plans {what}"
+    with pytest.raises(FeatureRequiredError, match="--cuda-graphs on"):
+        planned(ON)

@@ -30,6 +30,7 @@ from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.model import LlamaForCausalLM
 
 if TYPE_CHECKING:
+    from kvpact.worker.engine.decode_graphs import DecodeGraphs
     from kvpact.worker.parallel.ranks import RankGroup
 
 
@@ -52,10 +53,15 @@ class ModelRunner:
         self.device = device
         self.keep_logits = False  # tests compare per-step logits with a reference
         self.ranks: RankGroup | None = None  # --tensor-parallel-size > 1: this is rank 0, leading the rest
+        self.graphs: DecodeGraphs | None = None  # --cuda-graphs realized: decode steps replay
 
     def kernel_compiles_after_ready(self) -> int:
         """Triton kernel variants compiled since the startup warm-up (0 without Triton kernels)."""
         return self.cache.kernel_compiles_after_ready() if isinstance(self.cache, PagedCache) else 0
+
+    def eager_steps_under_graphs(self) -> int:
+        """Decode-only steps that ran eagerly although CUDA graphs were captured (0 without them)."""
+        return self.graphs.eager_steps if self.graphs is not None else 0
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
@@ -72,27 +78,13 @@ class ModelRunner:
             positions += range(c.start, c.end)
             if c.samples:
                 sample_rows += [len(input_ids) - 1] * (1 + len(c.forks))  # forks: the same logits
-        ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
-        pos = to_device(torch.tensor(positions, dtype=torch.long), self.device)
         if block_copies:  # copy on write (paged, n > 1): before this step writes into the copies
             assert isinstance(self.cache, PagedCache), "block copies on a cache without blocks"
             self.cache.copy_blocks(block_copies)
-        attn = self.cache.attention_step(ordered, len(decodes))
-        # Tensor parallel: the other ranks run the same forward on their shards (worker/parallel/).
-        # With a paged cache, rank 0's block tables drive every rank's pool.
-        lead = (
-            self.ranks.lead(
-                input_ids,
-                ordered,
-                len(decodes),
-                paged=isinstance(self.cache, PagedCache),
-                block_copies=block_copies,
-            )  # fmt: skip
-            if self.ranks
-            else nullcontext()
-        )
-        with lead:
-            hidden = self.model(ids, pos, attn)  # on the last stage's device (a --device-map's last entry)
+        if self.graphs is not None and self.graphs.fits(ordered, len(decodes)):
+            hidden = self.graphs.run(ordered)  # a captured decode step, replayed
+        else:
+            hidden = self._forward(ordered, len(decodes), input_ids, positions, block_copies)
         rows = to_device(torch.tensor(sample_rows, dtype=torch.long), hidden.device)
         seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]
         if not seqs:
@@ -101,3 +93,31 @@ class ModelRunner:
         sampled = sample(logits, [s.sample_row() for s in seqs])
         kept = logits if self.keep_logits else None
         return StepResult(seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, kept)
+
+    def _forward(
+        self,
+        ordered: list[ScheduledChunk],
+        num_decodes: int,
+        input_ids: list[int],
+        positions: list[int],
+        block_copies: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        """The eager forward of a step: its final hidden states."""
+        ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
+        pos = to_device(torch.tensor(positions, dtype=torch.long), self.device)
+        attn = self.cache.attention_step(ordered, num_decodes)
+        # Tensor parallel: the other ranks run the same forward on their shards (worker/parallel/).
+        # With a paged cache, rank 0's block tables drive every rank's pool.
+        lead = (
+            self.ranks.lead(
+                input_ids,
+                ordered,
+                num_decodes,
+                paged=isinstance(self.cache, PagedCache),
+                block_copies=block_copies,
+            )  # fmt: skip
+            if self.ranks
+            else nullcontext()
+        )
+        with lead:
+            return self.model(ids, pos, attn)  # on the last stage's device (a --device-map's last entry)

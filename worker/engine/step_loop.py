@@ -107,7 +107,7 @@ class StepLoop:
             num_preemptions=self.scheduler.num_preemptions,
             tokens_per_second=tps,
             kernel_compiles_after_ready=self.runner.kernel_compiles_after_ready(),
-            # eager_steps_under_graphs stays 0: no CUDA graph capture yet (the runner would count them here)
+            eager_steps_under_graphs=self.runner.eager_steps_under_graphs(),
             prefix_cache_queries=self.scheduler.num_prefix_queries,
             prefix_cache_hits=self.scheduler.num_prefix_hits,
         )

@@ -261,6 +261,29 @@ class PagedAttentionStep:
         self._out: torch.Tensor | None = None  # allocated by the first layer, reused by the others
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @classmethod
+    def static_decode(
+        cls,
+        cache: PagedCache,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> PagedAttentionStep:
+        """A decode-only step on device tensors its owner rewrites between uses (worker/engine/
+        decode_graphs.py): the split count fixed from the tables' full width, so one captured graph
+        serves every context length up to it."""
+        self = cls.__new__(cls)
+        self.cache, self.num_decodes = cache, len(slot_mapping)
+        self.slot_mapping, self.decode_tables, self.decode_context_lens = (
+            slot_mapping,
+            block_tables,
+            context_lens,
+        )
+        self.has_prefills, self.max_prefill_len = False, 0
+        self.decode_splits = cache.decode_splits(self.num_decodes, block_tables.shape[1])
+        self._out, self._workspace = None, None
+        return self
+
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         key_cache, value_cache = cache.key[layer_idx], cache.value[layer_idx]

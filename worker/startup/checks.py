@@ -208,9 +208,16 @@ def cuda_graphs_device(p: Planning) -> Finding | None:
     return None
 
 
-def cuda_graphs_capture(p: Planning) -> Finding | None:
-    """The capture is not written yet (docs/contract.md): on a GPU, auto realizes off and on refuses."""
-    return reasons.GRAPHS_NOT_BUILT.found(device=str(p.probe.device))
+def cuda_graphs_triton(p: Planning) -> Finding | None:
+    """The capture itself needs the weights: it runs after loading (engine_setup._capture_graphs)."""
+    if not p.paged:
+        found = p.ledger.findings.get(PAGED_ATTN)
+        return reasons.GRAPHS_NEED_TRITON.found(
+            what=f"an eager KV cache ({found.message if found else '--paged-attn off'})"
+        )
+    if p.backend is not PagedBackend.TRITON:
+        return reasons.GRAPHS_NEED_TRITON.found(what="the torch paged backend (--pa-backend torch)")
+    return None
 
 
 def agreed_on_every_rank(checks: tuple[tuple[str, Check], ...]) -> tuple[tuple[str, Check], ...]:
@@ -239,7 +246,7 @@ CHECKS: tuple[tuple[str, Check], ...] = agreed_on_every_rank((
     (CPU_KERNELS, cpu_kernels_window),
     (CPU_KERNELS, cpu_kernels_build),
     (CUDA_GRAPHS, cuda_graphs_device),
-    (CUDA_GRAPHS, cuda_graphs_capture),
+    (CUDA_GRAPHS, cuda_graphs_triton),
 ))  # fmt: skip
 
 

@@ -21,14 +21,15 @@ import torch
 from kvpact.shared import reasons
 from kvpact.shared.describe import realized_table
 from kvpact.shared.errors import ConfigError, FeatureRequiredError, PagedAttentionRequiredError
-from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features
+from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describe_features, updated_states
 from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.intent import CacheDtype, PagedBackend
 from kvpact.shared.realized import BuiltFeatures, RealizedCache, realizes
-from kvpact.shared.reasons import CPU_KERNELS, PAGED_ATTN, PREFIX_CACHING
+from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING
 from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.cpu_share import CpuShare
+from kvpact.worker.engine.decode_graphs import PARITY_TOLERANCE, DecodeGraphs
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.kv import sizing
@@ -37,7 +38,7 @@ from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.kv.staged import StagedCache
 from kvpact.worker.loader import load_model, resolve_dtype
 from kvpact.worker.loader.header import ModelHeader, read_model_header
-from kvpact.worker.model import ModelConfig
+from kvpact.worker.model import LlamaForCausalLM, ModelConfig
 from kvpact.worker.model.stages import plan_stages
 from kvpact.worker.model.tensor_parallel import shard_model, tp_problem
 from kvpact.worker.parallel.rank_verdict import RankBuild, RankVerdict
@@ -370,13 +371,18 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
         scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
-    realized = realized_cache(plan, cache, plan.features)
+    features, graphs = plan.features, None
+    if plan.realizes(CUDA_GRAPHS):
+        assert isinstance(cache, PagedCache)  # the plan's cuda_graphs_triton check
+        features, graphs = _capture_graphs(plan, loaded.model, cache, log)
+    realized = realized_cache(plan, cache, features)
     log.info(
         "realized KV cache\n" + realized_table(realized),
         model=loaded.name,
         load_seconds=round(loaded.load_seconds, 2),
     )
     runner = ModelRunner(loaded.model, cache, stages[0].device)
+    runner.graphs = graphs
     if ranks is not None:
         ranks.ready()
         runner.ranks = ranks
@@ -391,6 +397,38 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
         log=log,
         cpu_share=cpu_share,
     )
+
+
+def _capture_graphs(
+    plan: WorkerPlan, model: LlamaForCausalLM, cache: PagedCache, log: Any
+) -> tuple[tuple[FeatureState, ...], DecodeGraphs | None]:
+    """CUDA graphs for decode, captured and checked against the eager step (they need the weights, so
+    this is the one check after loading): the features as built, and the graphs, or None where the
+    capture or its check failed (cuda-graphs' door: recorded under auto, raised under on)."""
+    began = time.monotonic()
+    graphs = DecodeGraphs(model, cache, plan.max_num_seqs, plan.max_model_len)
+    device = str(cache.device)
+    try:
+        graphs.build()
+        error = graphs.parity_error()
+    except Exception as e:  # noqa: BLE001 - any capture error is cuda-graphs' finding, by its door
+        finding = reasons.GRAPHS_CAPTURE.found(device=device, error=f"{type(e).__name__}: {e}")
+    else:
+        if error <= PARITY_TOLERANCE:
+            log.info(
+                "cuda graphs captured",
+                sizes=list(graphs.sizes),
+                seconds=round(time.monotonic() - began, 2),
+                parity_error=error,
+            )
+            return plan.features, graphs
+        finding = reasons.GRAPHS_PARITY.found(device=device, error=error, tolerance=PARITY_TOLERANCE)
+    mode = next(f.requested for f in plan.features if f.name == CUDA_GRAPHS)
+    ledger = Ledger({CUDA_GRAPHS: mode})
+    ledger.fall_back(CUDA_GRAPHS, finding)  # on: raises FeatureRequiredError (exit 78)
+    features = updated_states(plan.features, (ledger.state(CUDA_GRAPHS),))
+    log_fallbacks(tuple(f for f in features if f.name == CUDA_GRAPHS), log)
+    return features, None
 
 
 def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:
