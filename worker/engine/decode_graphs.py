@@ -71,6 +71,13 @@ class DecodeGraphs:
     def build(self, *, capture: bool = True) -> None:
         """Warm each size up, then (capture) record it in a CUDA graph, largest first, all sizes sharing
         one memory pool. Raises what the capture raises (the caller's door turns it into a fallback)."""
+        if capture:
+            with torch.cuda.device(self.cache.device):  # the capture's streams and pool: the cache's GPU
+                self._build(capture=True)
+        else:
+            self._build(capture=False)
+
+    def _build(self, *, capture: bool) -> None:
         pool = None
         for size in reversed(self.sizes):
             step = self._step(size)
