@@ -190,7 +190,7 @@ def verdict_text(v: PlanVerdict) -> str:
         )
     if v.plan is not None:
         p = v.plan
-        lines.append(f"cache: {p.cache_kind.value} on {p.probe.device}, max model len {p.max_model_len}")
+        lines.append(f"cache: {p.kind.value} on {p.probe.device}, max model len {p.max_model_len}")
         lines.append(f"fingerprint: {p.fingerprint.describe()}")
     if v.error:
         lines.append(f"error: {v.error}")

@@ -84,15 +84,11 @@ class WorkerPlan(BuiltFeatures):
     ranks: RankGroup | None = None  # tensor parallel, planned with its ranks: they wait for the build
     rank_devices: tuple[str, ...] = ()  # each rank's device (rank order)
 
-    @property
-    def cache_kind(self) -> CacheKind:  # plan_only's name for `kind`
-        return self.kind
-
     def log_fields(self) -> dict[str, Any]:
         return {
             "device": str(self.probe.device),
             "mode": self.spec.cache.mode.value,
-            "cache": self.cache_kind.value,
+            "cache": self.kind.value,
             "backend": self.backend.value if self.backend else None,
             "max_model_len": self.max_model_len,
             "max_model_len_source": self.max_model_len_source,
