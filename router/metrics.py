@@ -34,7 +34,6 @@ from collections.abc import Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from kvpact.router.cluster_state import ClusterState, Startup
 from kvpact.router.drift import Drift
@@ -182,7 +181,7 @@ class WeightedHistogram(Collector):
             buckets = []
             for bound, count in zip(self._bounds, counts, strict=True):
                 cumulative += count
-                buckets.append((floatToGoString(bound), cumulative))
+                buckets.append(("+Inf" if bound == math.inf else repr(bound), cumulative))
             family.add_metric(list(values), buckets, total)
         yield family
 
