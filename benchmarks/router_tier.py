@@ -85,11 +85,14 @@ def synthetic_tier(
     *,
     num_routers: int = 1,
     tokens_per_s: float = 0.0,
+    step_ms: float = 0.0,
     event_loop: str = "",
     http: bool = False,
 ) -> Iterator[Tier]:
     """`num_routers` router processes, each with one synthetic worker registered (router-i, worker-i);
-    with `http`, each router also serves its OpenAI-compatible front (Tier.http_addresses)."""
+    with `http`, each router also serves its OpenAI-compatible front (Tier.http_addresses). The workers
+    stream per token at `tokens_per_s` (0: full speed), or with `step_ms` in engine steps of that length
+    (benchmarks/synthetic_worker.py)."""
     tier = Tier([], [])
     with ExitStack() as stack:
         handles: list[ProcessHandle] = []
@@ -99,6 +102,7 @@ def synthetic_tier(
             )
             argv = [sys.executable, "-m", "benchmarks.synthetic_worker", "--router", address]
             argv += ["--worker-id", f"synthetic-{i}", "--tokens-per-s", f"{tokens_per_s:g}"]
+            argv += ["--step-ms", f"{step_ms:g}"] if step_ms else []
             worker = stack.enter_context(running(argv, name=f"worker-{i}", log_dir=log_dir))
             handles.append(worker)
             tier.worker_addresses.append(
@@ -149,6 +153,10 @@ class LoadResult:
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def messages_per_token(self) -> float:
+        return self.num_messages / max(self.num_tokens, 1)
 
     def tokens_per_cpu_s(self, name: str) -> float:
         """Tokens per CPU second of process `name`: what it relays with a core of its own."""

@@ -3,15 +3,28 @@ tokens at a chosen rate and registers with a router as a real worker does (a rea
 kvpact.worker.registration.RouterLink, then heartbeats with its load). Benchmarks only, not the product.
 
     python -m benchmarks.synthetic_worker [--router HOST:PORT] [--listen 127.0.0.1:0]
-        [--tokens-per-s 50] [--worker-id synthetic-0] [--model synthetic]
+        [--tokens-per-s 50 | --step-ms 10] [--worker-id synthetic-0] [--model synthetic]
 
-Each Generate streams `max_tokens` tokens (default 16), one GenerateChunk per token as a real worker's
-decode steps do, at `--tokens-per-s` per stream (0: as fast as the server writes). A prompt text of the
-form `tokens_per_s=R` overrides the rate for that request, so one worker serves paced and full-speed
-streams. Tokens are on an absolute schedule (start + i / rate), so a late write does not slow the
-stream that follows. Each chunk's text is the worker's send time, `time.monotonic_ns()` followed by
-";": a client on the same machine reads it back to get each token's delivery latency (the clock is
-shared by every process on a Linux host). The last chunk has finish_reason LENGTH and the usage.
+Two loads:
+
+- per token (the default): each Generate streams `max_tokens` tokens (default 16), one GenerateChunk
+  per token, at `--tokens-per-s` per stream (0: as fast as the server writes, so it never has two
+  tokens ready at once). A prompt text of the form `tokens_per_s=R` overrides the rate for that request,
+  so one worker serves paced and full-speed streams. Tokens are on an absolute schedule
+  (start + i / rate), so a late write does not slow the stream that follows.
+- engine steps (`--step-ms MS`): what a real worker's engine does, without the model. A step thread,
+  every MS milliseconds, produces one token for every running stream and hands each to its stream's
+  event loop as the real step thread does (`call_soon_threadsafe`); each stream takes them through the
+  real engine's kvpact.worker.engine.ready_pieces.ReadyPieces and converts them with the real
+  worker's chunk_to_pb. So when a stream's writes fall behind (its worker's event loop is busy, or
+  HTTP/2 flow control holds the writes because the reader is slow), the tokens that piled up go out
+  as one message, exactly as from a real worker. Each stream then runs at 1000 / MS tokens per second;
+  `--tokens-per-s` and the prompt's rate do not apply. A step that overran its time is followed at once
+  by the next (a late engine does not catch up by bursting).
+
+Each token's text is its send time (per token: the write; engine steps: the step), `time.monotonic_ns()`
+followed by ";": a client on the same machine reads it back to get each token's delivery latency (the
+clock is shared by every process on a Linux host). The last chunk has finish_reason LENGTH and the usage.
 
 It prints `synthetic worker listening on HOST:PORT` once it serves, and exits on SIGTERM/SIGINT or
 when the router asks it to stop.
@@ -23,8 +36,10 @@ import argparse
 import asyncio
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -38,6 +53,9 @@ from kvpact.shared.realized import RealizedCache
 from kvpact.shared.reasons import PAGED_ATTN
 from kvpact.shared.spec import WorkerSpec
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvpact.worker.engine.ready_pieces import ReadyPieces
+from kvpact.worker.engine.request import FinishReason, GenerationOutput, Usage
+from kvpact.worker.generate_pb import chunk_to_pb
 from kvpact.worker.registration import RouterLink
 
 DEFAULT_MAX_TOKENS = 16
@@ -53,10 +71,62 @@ def rate_of(request: generation_pb2.GenerateRequest, default: float) -> float:
     return default
 
 
+@dataclass(slots=True)
+class _Stepped:
+    """A stream of the engine-steps load: its request, how many tokens it has had, and its pieces."""
+
+    request_id: str
+    max_tokens: int
+    pieces: ReadyPieces
+    num_sent: int = 0
+
+
+class EngineSteps:
+    """The engine-steps load's step thread: every `step_s`, one token for every running stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, step_s: float) -> None:
+        self.loop = loop
+        self.step_s = step_s
+        self.streams: dict[int, _Stepped] = {}  # id() -> stream; changed under `lock`
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="synthetic-steps", daemon=True)
+
+    def add(self, stream: _Stepped) -> None:
+        with self.lock:
+            self.streams[id(stream)] = stream
+
+    def remove(self, stream: _Stepped) -> None:
+        with self.lock:
+            self.streams.pop(id(stream), None)
+
+    def _run(self) -> None:
+        next_step = time.monotonic()
+        while not self.stopped.is_set():
+            next_step = max(next_step + self.step_s, time.monotonic())
+            self.stopped.wait(next_step - time.monotonic())
+            with self.lock:
+                streams = list(self.streams.values())
+            stamp = f"{time.monotonic_ns()};"
+            for stream in streams:
+                if stream.num_sent == stream.max_tokens:
+                    continue  # its last token is out; its Generate removes it
+                i = stream.num_sent = stream.num_sent + 1
+                piece = GenerationOutput(stream.request_id, stamp, [i % 32000], [])
+                if i == stream.max_tokens:
+                    piece.finish_reason = FinishReason.LENGTH
+                    piece.usage = Usage(prompt_tokens=1, completion_tokens=i, cached_prompt_tokens=0)
+                try:
+                    self.loop.call_soon_threadsafe(stream.pieces.put, piece)
+                except RuntimeError:  # the event loop closed: the worker is exiting
+                    return
+
+
 class SyntheticWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, tokens_per_s: float) -> None:
+    def __init__(self, worker_id: str, tokens_per_s: float, steps: EngineSteps | None = None) -> None:
         self.worker_id = worker_id
         self.tokens_per_s = tokens_per_s
+        self.steps = steps  # the engine-steps load; None: per token
         self.num_running = 0
         self.stopped = asyncio.Event()
         self.stop_reason = ""
@@ -65,25 +135,49 @@ class SyntheticWorker(worker_pb2_grpc.WorkerServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         n = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        rate = rate_of(request, self.tokens_per_s)
-        rid, wid = request.request_id, self.worker_id
         self.num_running += 1
         try:
-            start = time.monotonic()
-            for i in range(n):
-                if rate > 0:
-                    delay = start + i / rate - time.monotonic()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                chunk = generation_pb2.GenerateChunk(
-                    request_id=rid, text=f"{time.monotonic_ns()};", token_ids=[i % 32000], worker_id=wid
-                )
-                if i == n - 1:
-                    chunk.finish_reason = generation_pb2.FINISH_REASON_LENGTH
-                    chunk.usage.prompt_tokens, chunk.usage.completion_tokens = 1, n
+            chunks = self._per_token(request, n) if self.steps is None else self._stepped(request, n)
+            async for chunk in chunks:
                 yield chunk
         finally:
             self.num_running -= 1
+
+    async def _per_token(
+        self, request: generation_pb2.GenerateRequest, n: int
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        rate = rate_of(request, self.tokens_per_s)
+        rid, wid = request.request_id, self.worker_id
+        start = time.monotonic()
+        for i in range(n):
+            if rate > 0:
+                delay = start + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            chunk = generation_pb2.GenerateChunk(
+                request_id=rid, text=f"{time.monotonic_ns()};", token_ids=[i % 32000], worker_id=wid
+            )
+            if i == n - 1:
+                chunk.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+                chunk.usage.prompt_tokens, chunk.usage.completion_tokens = 1, n
+            yield chunk
+
+    async def _stepped(
+        self, request: generation_pb2.GenerateRequest, n: int
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        assert self.steps is not None
+        stream = _Stepped(request.request_id, n, ReadyPieces())
+        self.steps.add(stream)
+        try:
+            while True:
+                piece = await stream.pieces.next()
+                if isinstance(piece, BaseException):
+                    raise piece
+                yield chunk_to_pb(piece, self.worker_id)
+                if piece.usage is not None:
+                    return
+        finally:
+            self.steps.remove(stream)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(
@@ -149,7 +243,9 @@ def ready_handshake(worker_id: str, address: str, model: str) -> worker_pb2.Hand
 
 
 async def serve(args: argparse.Namespace) -> int:
-    worker = SyntheticWorker(args.worker_id, args.tokens_per_s)
+    loop = asyncio.get_running_loop()
+    steps = EngineSteps(loop, args.step_ms / 1000) if args.step_ms > 0 else None
+    worker = SyntheticWorker(args.worker_id, args.tokens_per_s, steps)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *GRPC_MESSAGE_OPTIONS])
     worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
     port = server.add_insecure_port(args.listen)
@@ -158,7 +254,8 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     await server.start()
     address = f"{args.listen.rsplit(':', 1)[0]}:{port}"
-    loop = asyncio.get_running_loop()
+    if steps is not None:
+        steps.thread.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop, sig.name)
     link: RouterLink | None = None
@@ -189,6 +286,9 @@ async def serve(args: argparse.Namespace) -> int:
         if link is not None:
             await link.close()
         await server.stop(0.2)
+        if steps is not None:
+            steps.stopped.set()
+            steps.thread.join(timeout=5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router", default="", help="register with this router (default: serve alone)")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (port 0 = free)")
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="per stream; 0 = full speed")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="engine step length; 0: per token")
     parser.add_argument("--worker-id", default="synthetic-0")
     parser.add_argument("--model", default="synthetic", help="the model name it serves")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop")

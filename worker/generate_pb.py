@@ -9,6 +9,8 @@ repetition_penalty 1, no seed); an unset max_tokens stays None (the engine picks
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvpact.shared.errors import RequestError
 from kvpact.v1 import cache_pb2, generation_pb2, worker_pb2
 from kvpact.worker.engine.request import (
@@ -20,7 +22,9 @@ from kvpact.worker.engine.request import (
     ResponseFormat,
     SamplingParams,
 )
-from kvpact.worker.startup.device import DeviceProbe
+
+if TYPE_CHECKING:  # torch comes with it: a process that only converts chunks needs none
+    from kvpact.worker.startup.device import DeviceProbe
 
 _FINISH_TO_PB = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,

@@ -17,6 +17,7 @@ from tests.factories.tiny_models import make_tiny_llama
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = {
     "router capacity, 256 streams",
+    "router capacity, 256 streams, engine steps",
     "added p99 latency, 64 x 50 tokens/s",
     "real model: router vs direct",
     "router tier on several cores",
@@ -51,7 +52,7 @@ def test_quick_router_suite_writes_its_tables_targets_and_plot(tmp_path):
     uvloop = {(256, "router, uvloop")} if importlib.util.find_spec("uvloop") else set()
     assert {(r[0], r[1]) for r in capacity["rows"]} == {
         (64, "direct"), (64, "router"), (64, "router, HTTP"), (256, "direct"), (256, "router"),
-        (256, "router, HTTP"), *uvloop
+        (256, "router, HTTP"), (256, "direct, engine steps"), (256, "router, engine steps"), *uvloop
     }  # fmt: skip
     assert all(r[2] > 0 for r in capacity["rows"])  # tokens/s on every path
     assert [r[0] for r in tables["scale-out (256 full-speed streams)"]["rows"]] == [

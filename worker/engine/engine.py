@@ -33,6 +33,7 @@ from kvpact.worker.engine.cpu_share import CpuShare
 from kvpact.worker.engine.engine_observer import EngineObserver
 from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.engine.output_stream import OutputStream, RequestStreams, Sink
+from kvpact.worker.engine.ready_pieces import ReadyPieces
 from kvpact.worker.engine.request import (
     ChatMessage,
     EngineClosedError,
@@ -40,7 +41,6 @@ from kvpact.worker.engine.request import (
     GenerationOutput,
     GenerationRequest,
     GenerationResult,
-    merge_pieces,
 )
 from kvpact.worker.engine.sequence import Sequence
 from kvpact.worker.engine.step_loop import StepLoop
@@ -112,11 +112,11 @@ class Engine:
         the first piece for a request that can never be served, GenerationError if the engine fails
         it. Stopping the iteration early (or cancelling the task) aborts it and frees its cache."""
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[GenerationOutput | BaseException] = asyncio.Queue()
+        pieces = ReadyPieces()  # merges what queued while the caller was writing
 
         def sink(item: GenerationOutput | BaseException) -> None:
             try:
-                loop.call_soon_threadsafe(pieces.put_nowait, item)
+                loop.call_soon_threadsafe(pieces.put, item)
             except RuntimeError:  # the caller's event loop is gone: nobody is listening
                 self.abort(request.request_id)
 
@@ -140,21 +140,12 @@ class Engine:
             self._rejected()
             raise
         finished = False
-        held: GenerationOutput | BaseException | None = None  # taken from the queue, not yet merged
         try:
             while not finished:
-                item = held if held is not None else await pieces.get()
-                held = None
+                item = await pieces.next()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                # Pieces the step thread queued while the caller was writing go out as one: fewer
-                # messages when the writes fall behind, and never a wait (the first token goes alone).
-                while item.finish_reason is None and not pieces.empty():
-                    held = pieces.get_nowait()
-                    if isinstance(held, BaseException) or held.index != item.index:
-                        break
-                    item, held = merge_pieces(item, held), None
                 finished = item.usage is not None  # the request's last piece (all n completions ended)
                 yield item
         finally:

@@ -1,0 +1,83 @@
+"""worker.engine.ready_pieces: what a caller that keeps up, and one that fell behind, take from a request's
+pieces (the engine streams through it, and so does the router suite's synthetic worker)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvpact.worker.engine.ready_pieces import ReadyPieces
+from kvpact.worker.engine.request import FinishReason, GenerationOutput, Usage
+
+
+def piece(i: int, index: int = 0, last: bool = False, usage: bool = False) -> GenerationOutput:
+    return GenerationOutput(
+        "r",
+        f"t{i};",
+        [i],
+        [-float(i)],
+        finish_reason=FinishReason.LENGTH if last else None,
+        usage=Usage(1, i, 0) if usage else None,
+        index=index,
+    )
+
+
+def take_all(pieces: ReadyPieces, count: int) -> list[GenerationOutput | BaseException]:
+    """`count` next() calls, each taking what is queued at that moment."""
+
+    async def main() -> list[GenerationOutput | BaseException]:
+        return [await pieces.next() for _ in range(count)]
+
+    return asyncio.run(main())
+
+
+def test_a_caller_that_keeps_up_gets_each_piece_alone_as_it_comes():
+    async def main() -> list[GenerationOutput | BaseException]:
+        pieces, taken = ReadyPieces(), []
+        for i in range(1, 4):
+            pieces.put(piece(i, last=i == 3, usage=i == 3))
+            taken.append(await pieces.next())
+        return taken
+
+    taken = asyncio.run(main())
+    assert [p.token_ids for p in taken] == [[1], [2], [3]]
+
+
+def test_the_first_piece_goes_alone_and_what_queued_behind_it_goes_as_one_in_order():
+    async def main() -> list[GenerationOutput | BaseException]:
+        pieces = ReadyPieces()
+        pieces.put(piece(1))
+        first = await pieces.next()  # never waits for company
+        for i in range(2, 7):  # the step thread went on while the caller was writing
+            pieces.put(piece(i, last=i == 6, usage=i == 6))
+        return [first, await pieces.next()]
+
+    first, rest = asyncio.run(main())
+    assert first.token_ids == [1]
+    assert rest.token_ids == [2, 3, 4, 5, 6]
+    assert rest.text == "t2;t3;t4;t5;t6;"
+    assert rest.logprobs == [-2.0, -3.0, -4.0, -5.0, -6.0]
+    assert (rest.finish_reason, rest.usage) == (FinishReason.LENGTH, Usage(1, 6, 0))
+
+
+def test_completions_are_never_merged_together_nor_past_a_completions_last_piece():
+    pieces = ReadyPieces()
+    for p in (piece(1), piece(2), piece(10, index=1), piece(3, last=True), piece(4)):
+        pieces.put(p)
+    taken = take_all(pieces, 4)
+    assert [(p.index, p.token_ids) for p in taken] == [
+        (0, [1, 2]),
+        (1, [10]),
+        (0, [3]),
+        (0, [4]),
+    ]
+
+
+def test_an_error_comes_after_every_piece_queued_before_it_and_is_returned_not_merged():
+    pieces = ReadyPieces()
+    failure = RuntimeError("the step failed")
+    for p in (piece(1), piece(2), failure, piece(3)):
+        pieces.put(p)
+    merged, error, after = take_all(pieces, 3)
+    assert merged.token_ids == [1, 2]
+    assert error is failure
+    assert after.token_ids == [3]

@@ -1,0 +1,45 @@
+"""One request's stream of pieces from the step thread to its caller, merged when the caller fell behind.
+
+The step thread hands each piece to the caller's event loop (`loop.call_soon_threadsafe(pieces.put,
+piece)`); the caller takes them with `next()`. A caller that keeps up gets each piece as it came. A
+caller whose writes fell behind finds several queued and gets them as one (`merge_pieces`): fewer
+messages, never a wait, so the first token always goes alone. Pieces of different completions (`index`)
+are never merged, nor is anything merged past a completion's last piece or an error: every piece
+arrives once, in order, and an error comes after every piece queued before it.
+
+The engine (worker/engine/engine.py) streams through this, and so does the router suite's synthetic
+worker (benchmarks/synthetic_worker.py), so the load it offers the router merges as a real worker's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvpact.worker.engine.request import GenerationOutput, merge_pieces
+
+Item = GenerationOutput | BaseException
+
+
+class ReadyPieces:
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._held: Item | None = None  # taken from the queue, not yet merged: the next one to go
+
+    def put(self, item: Item) -> None:
+        """On the caller's event loop: queue a piece, or the exception that ends the request."""
+        self._queue.put_nowait(item)
+
+    async def next(self) -> Item:
+        """The next piece, with the ones queued behind it merged in; or the exception (not raised)."""
+        item = self._held if self._held is not None else await self._queue.get()
+        self._held = None
+        if isinstance(item, BaseException):
+            return item
+        queue = self._queue
+        while item.finish_reason is None and not queue.empty():
+            then = queue.get_nowait()
+            if isinstance(then, BaseException) or then.index != item.index:
+                self._held = then
+                break
+            item = merge_pieces(item, then)
+        return item
