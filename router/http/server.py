@@ -3,6 +3,9 @@
 The socket is bound here first (BindError names --http-listen; port 0 = a free one, the bound port is
 printed), then handed to `uvicorn.Server.serve`. The router keeps its own signal handling (drain on
 SIGTERM): uvicorn's is switched off. TLS is the router's own --tls-cert/--tls-key.
+
+HTTP/1.1 is parsed and framed by httptools (uvicorn's C parser), not h11: h11 is pure Python and cost
+the router's loop about a quarter more per streamed request (docs/openai.md, "The HTTP row's p99").
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class HttpFront:
             log_config=None,
             access_log=False,
             lifespan="off",
+            http="httptools",  # a dependency (pyproject.toml): no silent fallback to the slower h11
             ssl_certfile=tls.cert_file if tls else None,
             ssl_keyfile=tls.key_file if tls else None,
             timeout_graceful_shutdown=STOP_GRACE_S,
