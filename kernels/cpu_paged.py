@@ -61,11 +61,13 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 @dataclass(frozen=True, slots=True)
 class CpuPagedOps:
-    """The loaded kernels; `write`, `decode` and `prefill` take paged.PagedOps' arguments."""
+    """The loaded kernels; `write`, `decode` and `prefill` take paged.PagedOps' arguments. `num_threads`
+    None: the decode splits over torch's thread count on the calling thread at each call (what
+    worker/engine/cpu_share.py last set there)."""
 
     library: ctypes.CDLL
     path: Path
-    num_threads: int
+    num_threads: int | None = None
 
     def write(self, key, value, key_cache, value_cache, slot_mapping, *, check=True) -> None:  # noqa: ANN001
         row = key_cache.shape[2] * key_cache.shape[3]
@@ -129,7 +131,7 @@ class CpuPagedOps:
                 block_size,
                 float(scale),
                 out.data_ptr(),
-                self.num_threads,
+                self.num_threads or torch.get_num_threads(),
             )
         if status:
             raise MemoryError("the CPU paged decode kernel could not allocate its score buffer")
@@ -254,7 +256,7 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64]
     library.kvp_decode_f32.argtypes += [_f32, _ptr, _i64]
     library.kvp_decode_f32.restype = ctypes.c_int
-    return CpuPagedOps(library, path, torch.get_num_threads())
+    return CpuPagedOps(library, path)
 
 
 def required(dtype: torch.dtype, device: torch.device) -> CpuPagedOps:
