@@ -102,7 +102,9 @@ def test_prefill_reads_an_ascending_run_of_blocks_in_place_and_a_scattered_table
     batch = make_paged_batch(lens, block_size=16, kv_heads=KV_HEADS, head_dim=32, dtype=torch.float32)
     query = make_queries(sum(query_lens), KV_HEADS * 2, 32, torch.float32)
     starts = query_start_loc(query_lens)
-    want = ops.prefill(query, batch.key_cache, batch.value_cache, batch.block_tables, starts, batch.context_lens, 0.2)
+    want = ops.prefill(
+        query, batch.key_cache, batch.value_cache, batch.block_tables, starts, batch.context_lens, 0.2
+    )
     # Sequence 0's three blocks move to one ascending run past the old pool's end (its old blocks, and
     # every block nobody owns, NaN); sequences 1 and 2 keep their scattered tables.
     old = batch.key_cache.shape[0]
