@@ -97,6 +97,35 @@ def test_prefill_equals_the_reference_with_and_without_a_cached_prefix(ops, grou
     assert nan_rows == list(range(int(starts[1]), int(starts[2])))
 
 
+def test_prefill_reads_an_ascending_run_of_blocks_in_place_and_a_scattered_table_by_gather(ops):
+    lens, query_lens = [40, 37, 20], [7, 5, 20]  # two extends after a prefix, one full prompt
+    batch = make_paged_batch(lens, block_size=16, kv_heads=KV_HEADS, head_dim=32, dtype=torch.float32)
+    query = make_queries(sum(query_lens), KV_HEADS * 2, 32, torch.float32)
+    starts = query_start_loc(query_lens)
+    want = ops.prefill(
+        query, batch.key_cache, batch.value_cache, batch.block_tables, starts, batch.context_lens, 0.2
+    )
+    # Sequence 0's three blocks move to one ascending run past the old pool's end (its old blocks, and
+    # every block nobody owns, NaN); sequences 1 and 2 keep their scattered tables.
+    old = batch.key_cache.shape[0]
+    key_cache = torch.cat([batch.key_cache, torch.full_like(batch.key_cache[:4], float("nan"))])
+    value_cache = torch.cat([batch.value_cache, torch.full_like(batch.value_cache[:4], float("nan"))])
+    tables = batch.block_tables.clone()
+    moved = tables[0, :3].long()
+    for pool in (key_cache, value_cache):
+        pool[old + 1 : old + 4] = pool[moved]
+        pool[moved] = float("nan")
+    tables[0, :3] = torch.arange(old + 1, old + 4, dtype=torch.int32)
+    got = ops.prefill(query, key_cache, value_cache, tables, starts, batch.context_lens, 0.2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got,
+        paged_prefill_attention_torch(query, key_cache, value_cache, tables, starts, batch.context_lens, 0.2),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
 def test_write_equals_the_reference_and_skips_negative_slots(ops):
     torch.manual_seed(0)
     caches = [torch.zeros(6, 4, KV_HEADS, 8) for _ in range(4)]
