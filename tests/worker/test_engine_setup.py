@@ -92,6 +92,26 @@ def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_ll
     assert plan.max_num_seqs == sizing.CPU_DEFAULTS.paged_max_num_seqs
 
 
+@pytest.mark.parametrize(
+    ("mode", "max_num_seqs", "flag", "budget"),
+    [
+        ("on", 0, 0, 48),  # the paged default, 32 sequences: 1.5 tokens each
+        ("off", 0, 0, 48),  # the eager default, 8 slots: the floor
+        ("on", 100, 0, 150),
+        ("on", 1, 0, 2048),  # no decode ever shares a step with a prefill: a prompt in one chunk
+        ("on", 1, 48, 48),  # the flag wins
+        ("on", 100, 4096, 4096),
+    ],
+)
+def test_cpu_step_token_budget_follows_max_num_seqs_unless_the_flag_sets_it(
+    tiny_llama, no_loading, mode, max_num_seqs, flag, budget
+):
+    spec = worker_spec(tiny_llama, mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=flag)
+    plan = engine_setup.plan_startup(spec)
+    assert plan.max_num_batched_tokens == budget
+    assert plan.log_fields()["max_num_batched_tokens"] == budget
+
+
 # ---- the cache budget ----
 
 

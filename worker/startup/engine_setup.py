@@ -93,6 +93,7 @@ class WorkerPlan(BuiltFeatures):
             "max_model_len": self.max_model_len,
             "max_model_len_source": self.max_model_len_source,
             "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
             "weight_bytes": self.weight_bytes,
             "features": describe_features(self.features),
             "fingerprint": self.fingerprint.describe(),
@@ -189,7 +190,7 @@ def _plan(
         cache_dtype=p.cache_dtype,
         max_model_len=p.max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=p.max_num_batched_tokens,
+        max_num_batched_tokens=p.max_num_batched_tokens(max_num_seqs),
         weight_bytes=p.weight_bytes,
         bytes_per_token=p.bytes_per_token,
         paged_size=p.paged_size if p.paged else None,
@@ -254,7 +255,6 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe, header: ModelHeader | None = No
         max_model_len=max_model_len,
         fit_to_cache=fit_to_cache,
         max_model_len_source=source,
-        max_num_batched_tokens=spec.max_num_batched_tokens or defaults.max_num_batched_tokens,
         weight_bytes=header.weight_bytes(dtype),
         bytes_per_token=sizing.kv_bytes_per_token(
             config.num_layers, config.num_kv_heads, config.head_dim, itemsize
