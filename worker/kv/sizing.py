@@ -6,8 +6,8 @@ Defaults (quoted by `worker --help`):
   --max-model-len auto    the longest sequence one pool (PAGED) or one slot (EAGER) can hold, up to the
                           model's max positions (`fit_paged` / `fit_eager`)
   --max-num-seqs 0        EAGER: 8 slots on CPU/MPS, 16 on CUDA; PAGED: 32 on CPU/MPS, 256 on CUDA
-  --max-num-batched-tokens 0   CUDA: 8192; CPU/MPS: `DeviceDefaults.batched_tokens` (longer prompts are
-                               prefilled in chunks)
+  --max-num-batched-tokens 0   CUDA: 8192; CPU/MPS: max(48, 1.5 x max_num_seqs), 2048 with one sequence
+                               (`DeviceDefaults.batched_tokens`; longer prompts are prefilled in chunks)
   PAGED budget, no --pa-* flag:
       CPU/MPS  min(1 GiB, 10% of system RAM)
       CUDA     0.9 x free memory - weights - activation headroom
