@@ -4,9 +4,9 @@
 
 A prefill chunk shares its step with every running decode, so a large chunk makes every decoding
 stream wait for it: ITL p99 grows with the budget, while a small budget spends more steps on each
-prompt (TTFT, throughput). One paged worker behind a router per budget in BUDGETS; each gets the same
-seeded mixed workload (suite `online`'s) arriving as a Poisson process at 1.5x the capacity measured
-with the CPU default budget (a burst, as `online` probes it).
+prompt (TTFT, throughput). One paged worker behind a router per budget in BUDGETS and one started
+without the flag (the default); each gets the same seeded mixed workload (suite `online`'s) arriving
+as a Poisson process at 1.5x the capacity measured with the default (a burst, as `online` probes it).
 
     median decode step   ITL p50 of the same run: nearly every gap between two tokens is one step
     target               p99 ITL <= 2x the median decode step, at the default budget (the worker started
