@@ -70,7 +70,7 @@ def epilog() -> str:
         "                              model's max positions (logged as max_model_len_source)",
         f"  --max-num-seqs 0            eager: {gpu.eager_max_num_seqs} slots; "
         f"paged: {gpu.paged_max_num_seqs} sequences",
-        f"  --max-num-batched-tokens 0  {gpu.describe_batched_tokens()}",
+        f"  --max-num-batched-tokens 0  {gpu.max_num_batched_tokens}",
         f"  paged budget (no --pa-*)    {GPU_DEFAULT_MEMORY_FRACTION:g} x the GPU memory free at startup, "
         "less the weights and activation",
         "                              headroom; at most max-num-seqs x max-model-len tokens",
@@ -80,8 +80,10 @@ def epilog() -> str:
         f"  --max-model-len 0           the model's max positions, capped at {cpu.max_model_len_cap}",
         f"  --max-num-seqs 0            eager: {cpu.eager_max_num_seqs} slots; "
         f"paged: {cpu.paged_max_num_seqs} sequences",
-        f"  --max-num-batched-tokens 0  {cpu.describe_batched_tokens()} (longer prompts",
-        "                              are prefilled in chunks, each sharing its step with the decodes)",
+        f"  --max-num-batched-tokens 0  {cpu.max_num_batched_tokens} (longer prompts are prefilled in "
+        f"chunks); at most {cpu.prompt_tokens_beside_decodes}",
+        "                              prompt tokens in a step while a sequence decodes (an explicit N: the",
+        "                              step's budget whatever runs)",
         f"  paged budget (no --pa-*)    min({CPU_PAGED_BUDGET_BYTES / GiB:g} GiB, "
         f"{CPU_PAGED_BUDGET_RAM_FRACTION:.0%} of system RAM), at most max-num-seqs x max-model-len tokens",
     ]

@@ -93,23 +93,21 @@ def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_ll
 
 
 @pytest.mark.parametrize(
-    ("mode", "max_num_seqs", "flag", "budget"),
+    ("mode", "flag", "budget", "beside_decodes"),
     [
-        ("on", 0, 0, 48),  # the paged default, 32 sequences: 1.5 tokens each
-        ("off", 0, 0, 48),  # the eager default, 8 slots: the floor
-        ("on", 100, 0, 150),
-        ("on", 1, 0, 2048),  # no decode ever shares a step with a prefill: a prompt in one chunk
-        ("on", 1, 48, 48),  # the flag wins
-        ("on", 100, 4096, 4096),
+        ("on", 0, 2048, 48),  # the CPU default: 2048 a step, at most 48 prompt tokens beside decodes
+        ("off", 0, 2048, 48),
+        ("on", 64, 64, None),  # an explicit budget is the step's budget whatever runs
+        ("off", 4096, 4096, None),
     ],
 )
-def test_cpu_step_token_budget_follows_max_num_seqs_unless_the_flag_sets_it(
-    tiny_llama, no_loading, mode, max_num_seqs, flag, budget
+def test_cpu_step_token_budget_and_its_prompt_share_beside_decodes(
+    tiny_llama, no_loading, mode, flag, budget, beside_decodes
 ):
-    spec = worker_spec(tiny_llama, mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=flag)
+    spec = worker_spec(tiny_llama, mode, max_num_batched_tokens=flag)
     plan = engine_setup.plan_startup(spec)
-    assert plan.max_num_batched_tokens == budget
-    assert plan.log_fields()["max_num_batched_tokens"] == budget
+    assert (plan.max_num_batched_tokens, plan.prompt_tokens_beside_decodes) == (budget, beside_decodes)
+    assert plan.log_fields()["prompt_tokens_beside_decodes"] == beside_decodes
 
 
 # ---- the cache budget ----

@@ -6,8 +6,10 @@ Defaults (quoted by `worker --help`):
   --max-model-len auto    the longest sequence one pool (PAGED) or one slot (EAGER) can hold, up to the
                           model's max positions (`fit_paged` / `fit_eager`)
   --max-num-seqs 0        EAGER: 8 slots on CPU/MPS, 16 on CUDA; PAGED: 32 on CPU/MPS, 256 on CUDA
-  --max-num-batched-tokens 0   CUDA: 8192; CPU/MPS: max(48, 1.5 x max_num_seqs), 2048 with one sequence
-                               (`DeviceDefaults.batched_tokens`; longer prompts are prefilled in chunks)
+  --max-num-batched-tokens 0   2048 on CPU/MPS, 8192 on CUDA (longer prompts are prefilled in chunks);
+                               CPU/MPS: at most 48 of them prompt tokens while a sequence decodes
+                               (`DeviceDefaults.prompt_tokens_beside_decodes`); an explicit N is the step's
+                               budget whatever runs
   PAGED budget, no --pa-* flag:
       CPU/MPS  min(1 GiB, 10% of system RAM)
       CUDA     0.9 x free memory - weights - activation headroom
@@ -41,35 +43,17 @@ class DeviceDefaults:
     max_model_len_cap: int | None
     eager_max_num_seqs: int
     paged_max_num_seqs: int
-    max_num_batched_tokens: int  # with --max-num-seqs 1, and always where tokens_per_seq is 0
-    tokens_per_seq: float = 0.0  # else max(batched_tokens_floor, tokens_per_seq x max_num_seqs)
-    batched_tokens_floor: int = 0
-
-    def batched_tokens(self, max_num_seqs: int) -> int:
-        """--max-num-batched-tokens 0 for this many sequences.
-
-        A prompt chunk shares its step with every running decode, and each decode waits for all of it.
-        On a CPU one step costs a fixed part (streaming the weights: about 48 prompt tokens' worth for
-        SmolLM2-135M) plus every token in it, so a chunk of at most ~48 prompt tokens keeps a step
-        under about 2x a decode step whatever the batch (p99 ITL <= 2x the median step at 1.5x
-        capacity: benchmarks/suites/step_budget.py, docs/performance.md). The budget is that floor,
-        or 1.5 tokens a sequence, so that a batch of many decodes still leaves a chunk room. With one
-        sequence no decode ever shares a prefill's step, so a prompt takes as few steps as it can."""
-        if not self.tokens_per_seq or max_num_seqs == 1:
-            return self.max_num_batched_tokens
-        return max(self.batched_tokens_floor, int(self.tokens_per_seq * max_num_seqs))
-
-    def describe_batched_tokens(self) -> str:
-        """The rule above in words (worker --help)."""
-        if not self.tokens_per_seq:
-            return str(self.max_num_batched_tokens)
-        return (
-            f"max({self.batched_tokens_floor}, {self.tokens_per_seq:g} x --max-num-seqs); "
-            f"{self.max_num_batched_tokens} with --max-num-seqs 1"
-        )
+    max_num_batched_tokens: int
+    # A step that carries decodes carries at most this many prompt tokens (None: no separate bound). A
+    # prompt chunk shares its step with every running decode, and each decode waits for all of it: on a
+    # CPU a step costs a fixed part (streaming the weights, about 48 prompt tokens' worth for
+    # SmolLM2-135M) plus every token in it, so a chunk of ~48 keeps such a step near 2x a decode step
+    # (p99 ITL at 1.5x capacity: benchmarks/suites/step_budget.py, docs/performance.md "Step token
+    # budget"). A step with no decode (a lone prompt, a burst's first step) takes the whole budget.
+    prompt_tokens_beside_decodes: int | None = None
 
 
-CPU_DEFAULTS = DeviceDefaults(CPU_MAX_MODEL_LEN, 8, 32, 2048, tokens_per_seq=1.5, batched_tokens_floor=48)
+CPU_DEFAULTS = DeviceDefaults(CPU_MAX_MODEL_LEN, 8, 32, 2048, prompt_tokens_beside_decodes=48)
 GPU_DEFAULTS = DeviceDefaults(None, 16, 256, 8192)
 
 

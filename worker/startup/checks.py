@@ -45,16 +45,13 @@ class Planning:
     max_model_len: int
     fit_to_cache: bool  # --max-model-len auto: still to be fitted to the cache
     max_model_len_source: str
+    max_num_batched_tokens: int
     weight_bytes: int
     bytes_per_token: int
     backend: PagedBackend | None = None  # set by the device check
     paged_size: sizing.PagedSize | None = None  # set by the KV budget check
     rank_verdicts: tuple[RankVerdict, ...] = field(default_factory=tuple)  # ranks 1..N-1's own plans
     rank_blame: dict[str, int] = field(default_factory=dict)  # feature -> the rank that could not realize it
-
-    def max_num_batched_tokens(self, max_num_seqs: int) -> int:
-        """--max-num-batched-tokens, or the device's default for this many sequences."""
-        return self.spec.max_num_batched_tokens or self.defaults.batched_tokens(max_num_seqs)
 
     @property
     def paged(self) -> bool:
@@ -111,7 +108,7 @@ def paged_kv_budget(p: Planning) -> Finding | None:
         hidden_size=p.config.hidden_size,
         intermediate_size=p.config.intermediate_size,
         vocab_size=p.config.vocab_size,
-        max_num_batched_tokens=p.max_num_batched_tokens(max_num_seqs),
+        max_num_batched_tokens=p.max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         dtype_bytes=torch.empty((), dtype=p.dtype).element_size(),
     )
