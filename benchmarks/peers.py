@@ -29,7 +29,7 @@ from benchmarks.workloads import WorkItem
 
 PAD_ID = 0  # any id: padded positions are masked out
 CB_PAGE_SIZE = 64
-CB_MAX_BATCH_TOKENS = 2048  # = kvpact's --max-num-batched-tokens default on CPU
+CB_MAX_BATCH_TOKENS = 2048  # kvpact's CPU step budget too (which carries fewer prompt tokens beside decodes)
 CB_MAX_REQUESTS = 32  # = the --max-num-seqs the suite gives kvpact
 CB_TIMEOUT_S = 1800.0
 

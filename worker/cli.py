@@ -80,8 +80,10 @@ def epilog() -> str:
         f"  --max-model-len 0           the model's max positions, capped at {cpu.max_model_len_cap}",
         f"  --max-num-seqs 0            eager: {cpu.eager_max_num_seqs} slots; "
         f"paged: {cpu.paged_max_num_seqs} sequences",
-        f"  --max-num-batched-tokens 0  {cpu.max_num_batched_tokens} "
-        "(longer prompts are prefilled in chunks)",
+        f"  --max-num-batched-tokens 0  {cpu.max_num_batched_tokens} (longer prompts are prefilled in "
+        f"chunks); at most {cpu.prompt_tokens_beside_decodes}",
+        "                              prompt tokens in a step while a sequence decodes (an explicit N: the",
+        "                              step's budget whatever runs)",
         f"  paged budget (no --pa-*)    min({CPU_PAGED_BUDGET_BYTES / GiB:g} GiB, "
         f"{CPU_PAGED_BUDGET_RAM_FRACTION:.0%} of system RAM), at most max-num-seqs x max-model-len tokens",
     ]

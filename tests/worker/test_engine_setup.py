@@ -92,6 +92,24 @@ def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_ll
     assert plan.max_num_seqs == sizing.CPU_DEFAULTS.paged_max_num_seqs
 
 
+@pytest.mark.parametrize(
+    ("mode", "flag", "budget", "beside_decodes"),
+    [
+        ("on", 0, 2048, 48),  # the CPU default: 2048 a step, at most 48 prompt tokens beside decodes
+        ("off", 0, 2048, 48),
+        ("on", 64, 64, None),  # an explicit budget is the step's budget whatever runs
+        ("off", 4096, 4096, None),
+    ],
+)
+def test_cpu_step_token_budget_and_its_prompt_share_beside_decodes(
+    tiny_llama, no_loading, mode, flag, budget, beside_decodes
+):
+    spec = worker_spec(tiny_llama, mode, max_num_batched_tokens=flag)
+    plan = engine_setup.plan_startup(spec)
+    assert (plan.max_num_batched_tokens, plan.prompt_tokens_beside_decodes) == (budget, beside_decodes)
+    assert plan.log_fields()["prompt_tokens_beside_decodes"] == beside_decodes
+
+
 # ---- the cache budget ----
 
 

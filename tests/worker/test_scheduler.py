@@ -73,6 +73,21 @@ def test_eager_scheduler_abort_frees_the_slot_and_waiting_aborts_leave_the_queue
     assert a.status is SequenceStatus.FINISHED and a.slot is None
 
 
+def test_eager_scheduler_carries_fewer_prompt_tokens_while_a_sequence_decodes():
+    """prompt_tokens_beside_decodes (the CPU default): a step with no decode takes the whole budget, one
+    with decodes at most that many prompt tokens, every decode still in it."""
+    s = EagerScheduler(num_slots=4, max_num_batched_tokens=100)
+    s.prompt_tokens_beside_decodes = 4
+    a, b, c = seq("a", 20), seq("b", 10, first_token=50), seq("c", 3, first_token=70)
+    s.add(a)
+    assert step(s) == [("a", 0, 20)]  # alone: one chunk
+    s.add(b)
+    s.add(c)
+    assert step(s) == [("a", 20, 1), ("b", 0, 4)]  # a decodes: 4 prompt tokens; c waits for them
+    assert step(s) == [("a", 21, 1), ("b", 4, 4)]
+    assert step(s) == [("a", 22, 1), ("b", 8, 2), ("c", 0, 2)]
+
+
 # ---- paged scheduler ----
 
 
@@ -104,6 +119,23 @@ def test_paged_scheduler_mixes_decodes_and_prefill_chunks_under_the_token_budget
     assert step(s) == [("a", 3, 1), ("b", 0, 5)]
     assert step(s) == [("a", 4, 1), ("b", 5, 5)]
     assert step(s) == [("a", 5, 1), ("b", 10, 1)]
+
+
+def test_paged_scheduler_carries_fewer_prompt_tokens_while_a_sequence_decodes():
+    s = paged(num_blocks=32, budget=100)
+    s.prompt_tokens_beside_decodes = 4
+    a, b, c = seq("a", 10), seq("b", 10, first_token=50), seq("c", 9, first_token=70)
+    s.add(a)
+    s.add(b)
+    assert step(s) == [("a", 0, 10), ("b", 0, 10)]  # no decode yet: a burst's first step, whole budget
+    s.add(c)
+    assert step(s) == [("a", 10, 1), ("b", 10, 1), ("c", 0, 4)]
+    assert step(s) == [("a", 11, 1), ("b", 11, 1), ("c", 4, 4)]
+    assert step(s) == [("a", 12, 1), ("b", 12, 1), ("c", 8, 1)]  # c's last prompt token samples
+    s.prompt_tokens_beside_decodes = None  # an explicit --max-num-batched-tokens: no separate bound
+    d = seq("d", 30, first_token=90)
+    s.add(d)
+    assert step(s)[-1] == ("d", 0, 30)
 
 
 def test_paged_scheduler_admits_only_when_the_whole_prompt_fits():

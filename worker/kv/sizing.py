@@ -6,7 +6,10 @@ Defaults (quoted by `worker --help`):
   --max-model-len auto    the longest sequence one pool (PAGED) or one slot (EAGER) can hold, up to the
                           model's max positions (`fit_paged` / `fit_eager`)
   --max-num-seqs 0        EAGER: 8 slots on CPU/MPS, 16 on CUDA; PAGED: 32 on CPU/MPS, 256 on CUDA
-  --max-num-batched-tokens 0   2048 on CPU/MPS, 8192 on CUDA (longer prompts are prefilled in chunks)
+  --max-num-batched-tokens 0   2048 on CPU/MPS, 8192 on CUDA (longer prompts are prefilled in chunks);
+                               CPU/MPS: at most 48 of them prompt tokens while a sequence decodes
+                               (`DeviceDefaults.prompt_tokens_beside_decodes`); an explicit N is the step's
+                               budget whatever runs
   PAGED budget, no --pa-* flag:
       CPU/MPS  min(1 GiB, 10% of system RAM)
       CUDA     0.9 x free memory - weights - activation headroom
@@ -41,9 +44,16 @@ class DeviceDefaults:
     eager_max_num_seqs: int
     paged_max_num_seqs: int
     max_num_batched_tokens: int
+    # A step that carries decodes carries at most this many prompt tokens (None: no separate bound). A
+    # prompt chunk shares its step with every running decode, and each decode waits for all of it: on a
+    # CPU a step costs a fixed part (streaming the weights, about 48 prompt tokens' worth for
+    # SmolLM2-135M) plus every token in it, so a chunk of ~48 keeps such a step near 2x a decode step
+    # (p99 ITL at 1.5x capacity: benchmarks/suites/step_budget.py, docs/performance.md "Step token
+    # budget"). A step with no decode (a lone prompt, a burst's first step) takes the whole budget.
+    prompt_tokens_beside_decodes: int | None = None
 
 
-CPU_DEFAULTS = DeviceDefaults(CPU_MAX_MODEL_LEN, 8, 32, 2048)
+CPU_DEFAULTS = DeviceDefaults(CPU_MAX_MODEL_LEN, 8, 32, 2048, prompt_tokens_beside_decodes=48)
 GPU_DEFAULTS = DeviceDefaults(None, 16, 256, 8192)
 
 

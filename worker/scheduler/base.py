@@ -42,6 +42,7 @@ class Scheduler(ABC):
             )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prompt_tokens_beside_decodes: int | None = None  # sizing.DeviceDefaults' (None: no bound)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -49,6 +50,14 @@ class Scheduler(ABC):
         # (the paged scheduler with prefix caching counts them; the heartbeat carries them to the router).
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+
+    def prompt_allowance(self) -> int:
+        """Prompt tokens this step may carry: the whole budget, or, while a running sequence decodes, at
+        most prompt_tokens_beside_decodes (each decode waits for the whole step)."""
+        cap = self.prompt_tokens_beside_decodes
+        if cap is None or not any(s.num_uncomputed_tokens == 1 for s in self.running):
+            return self.max_num_batched_tokens
+        return min(cap, self.max_num_batched_tokens)
 
     # ---- queues ----
 

@@ -25,14 +25,21 @@ class EagerScheduler(Scheduler):
         #    rest of the prompt while prefilling, cut to what is left of the token budget).
         # 2. While a slot is free and budget is left, the head of `waiting` takes the slot and starts
         #    its prompt (chunked to the budget). FIFO: nobody overtakes the head.
+        # Prompt tokens (1 and 2) are at most prompt_allowance(): fewer while a sequence decodes.
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget, prompt = self.max_num_batched_tokens, self.prompt_allowance()
         for seq in self.running:
             if budget == 0:
                 break
             n = min(seq.num_uncomputed_tokens, budget)
+            if n > 1:  # a prompt chunk
+                n = min(n, prompt)
+                prompt -= n
+                if n == 0:
+                    continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
+        budget = min(budget, prompt)
         while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.popleft()

@@ -38,11 +38,12 @@ class PagedScheduler(Scheduler):
         super().finish(seq)
 
     def schedule(self) -> SchedulerOutput:
-        # Algorithm (one step; `budget` = max_num_batched_tokens):
+        # Algorithm (one step; `budget` = max_num_batched_tokens, of which `prompt` (prompt_allowance)
+        # may be prompt tokens: fewer while a sequence decodes):
         # 1. Running sequences, oldest first, each take min(uncomputed tokens, budget) tokens: 1 while
-        #    decoding, the next prompt chunk while prefilling. Before a sequence is scheduled its blocks
-        #    grow to cover them; while the pool cannot, preempt the most recently admitted running
-        #    sequence (possibly this one, which then ends the pass).
+        #    decoding, the next prompt chunk (also at most `prompt`) while prefilling. Before a
+        #    sequence is scheduled its blocks grow to cover them; while the pool cannot, preempt the
+        #    most recently admitted running sequence (possibly this one, which then ends the pass).
         # 2. Only if nobody was preempted: admit from the head of `waiting` (FIFO, nobody overtakes it)
         #    while fewer than max_num_seqs run, budget is left, and the free blocks could hold the
         #    whole of its tokens. Admission reuses cached prefix blocks (those tokens skip prefill) and
@@ -53,13 +54,19 @@ class PagedScheduler(Scheduler):
         # Decodes and prefill chunks share the step; every chunk's blocks are held when this returns.
         out = SchedulerOutput()
         bm = self.block_manager
-        budget = self.max_num_batched_tokens
+        budget, prompt = self.max_num_batched_tokens, self.prompt_allowance()
         forked: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             start = seq.num_computed_tokens
             n = min(seq.num_uncomputed_tokens, budget)
+            if n > 1:  # a prompt chunk
+                n = min(n, prompt)
+                prompt -= n
+                if n == 0:
+                    i += 1
+                    continue
             while not bm.can_grow(seq.block_table, start + n, start) and seq in self.running:
                 self._preempt(self.running[-1])
                 out.num_preempted += 1
@@ -71,7 +78,7 @@ class PagedScheduler(Scheduler):
             budget -= n
             i += 1
         if not out.num_preempted:
-            self._admit(out, budget, forked)
+            self._admit(out, min(budget, prompt), forked)
         self.running += forked
         return out
 

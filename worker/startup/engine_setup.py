@@ -74,6 +74,7 @@ class WorkerPlan(BuiltFeatures):
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    prompt_tokens_beside_decodes: int | None  # the device default's, unless the flag set the budget
     weight_bytes: int
     bytes_per_token: int
     paged_size: sizing.PagedSize | None
@@ -93,6 +94,8 @@ class WorkerPlan(BuiltFeatures):
             "max_model_len": self.max_model_len,
             "max_model_len_source": self.max_model_len_source,
             "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "prompt_tokens_beside_decodes": self.prompt_tokens_beside_decodes,
             "weight_bytes": self.weight_bytes,
             "features": describe_features(self.features),
             "fingerprint": self.fingerprint.describe(),
@@ -190,6 +193,9 @@ def _plan(
         max_model_len=p.max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=p.max_num_batched_tokens,
+        prompt_tokens_beside_decodes=(
+            None if p.spec.max_num_batched_tokens else p.defaults.prompt_tokens_beside_decodes
+        ),
         weight_bytes=p.weight_bytes,
         bytes_per_token=p.bytes_per_token,
         paged_size=p.paged_size if p.paged else None,
@@ -367,6 +373,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
         scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
     else:
         scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
+    scheduler.prompt_tokens_beside_decodes = plan.prompt_tokens_beside_decodes
     features, graphs = plan.features, None
     if plan.realizes(CUDA_GRAPHS):
         assert isinstance(cache, PagedCache)  # the plan's cuda_graphs_triton check
