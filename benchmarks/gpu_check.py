@@ -78,6 +78,15 @@ def result(step: str, verdict: str, why: str) -> int:
 # ---- env ---------------------------------------------------------------------------------------
 
 
+def verdicts_result(step: str, verdicts: list[tuple[str, str]]) -> int:
+    """Print each (verdict, why), then the step's RESULT line: its worst verdict, with the reasons that
+    have it."""
+    for verdict, why in verdicts:
+        print(f"  {verdict}  {why}")
+    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
+    return result(step, worst, "; ".join(why for v, why in verdicts if v == worst))
+
+
 def missing_modules() -> dict[str, str]:
     missing = {}
     for name, needed_by in REQUIRED.items():
@@ -317,10 +326,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
             verdicts.append(("WARN", f"{syncs} syncs in {steps} steps (1 expected: the sampled ids)"))
         else:
             verdicts.append(("PASS", f"{syncs} syncs in {steps} steps"))
-    for verdict, why in verdicts:
-        print(f"  {verdict}  {why}")
-    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
-    return result("engine", worst, "; ".join(why for v, why in verdicts if v == worst))
+    return verdicts_result("engine", verdicts)
 
 
 GRAPH_BATCHES = (1, 8, 64)
@@ -415,10 +421,7 @@ def cmd_graphs(args: argparse.Namespace) -> int:
         verdicts.append(
             ("PASS" if same else "FAIL", f"batch {b}: greedy tokens {'equal' if same else 'differ'}")
         )
-    for verdict, why in verdicts:
-        print(f"  {verdict}  {why}")
-    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
-    return result("graphs", worst, "; ".join(why for v, why in verdicts if v == worst))
+    return verdicts_result("graphs", verdicts)
 
 
 def cmd_device_map(args: argparse.Namespace) -> int:
@@ -472,10 +475,7 @@ def cmd_device_map(args: argparse.Namespace) -> int:
         verdicts.append(("FAIL", f"on planned a paged cache for {text}"))
     except PagedAttentionRequiredError as e:
         verdicts.append(("PASS", f"on refused before loading: {e}"))
-    for verdict, why in verdicts:
-        print(f"  {verdict}  {why}")
-    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
-    return result("device-map", worst, "; ".join(why for v, why in verdicts if v == worst))
+    return verdicts_result("device-map", verdicts)
 
 
 def cmd_tp(args: argparse.Namespace) -> int:
@@ -521,10 +521,7 @@ def cmd_tp(args: argparse.Namespace) -> int:
     verdicts.append(
         ("PASS" if same else "FAIL", f"TP=3 greedy tokens {'equal' if same else 'DIFFER from'} TP=1's")
     )
-    for verdict, why in verdicts:
-        print(f"  {verdict}  {why}")
-    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in verdicts)), "FAIL")
-    return result("tp", worst, "; ".join(why for v, why in verdicts if v == worst))
+    return verdicts_result("tp", verdicts)
 
 
 def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
@@ -661,10 +658,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
         )
     elif "on" in rates:
         outcomes.append(("PASS", f"tokens/s on {rates['on']:.1f}"))
-    for verdict, why in outcomes:
-        print(f"  {verdict}  {why}")
-    worst = next((v for v in ("FAIL", "WARN", "PASS") if any(x == v for x, _ in outcomes)), "FAIL")
-    return result("e2e", worst, "; ".join(why for v, why in outcomes if v == worst))
+    return verdicts_result("e2e", outcomes)
 
 
 CONCURRENT, THROUGHPUT_TOKENS = 8, 32
