@@ -25,6 +25,10 @@ class ReadyPieces:
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._held: Item | None = None  # taken from the queue, not yet merged: the next one to go
 
+    def __len__(self) -> int:
+        """How many pieces (or the ending exception) are queued and not yet taken."""
+        return self._queue.qsize() + (self._held is not None)
+
     def put(self, item: Item) -> None:
         """On the caller's event loop: queue a piece, or the exception that ends the request."""
         self._queue.put_nowait(item)

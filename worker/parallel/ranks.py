@@ -18,7 +18,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -68,7 +67,12 @@ class RankGroup:
         """Spawn ranks 1..world-1 (`python -m kvpact.worker.startup.follower`), each with `threads` // world
         torch threads (None: the CPUs this process may use), and join them; raises ModelLoadError naming a
         rank that exits first. `visible`: the worker's CUDA_VISIBLE_DEVICES as it started (claim_gpus)."""
-        address = f"127.0.0.1:{_free_port()}"
+        # The store is bound here on port 0 and handed to init_process_group: a port picked free and bound
+        # later could be taken meanwhile by another process (rank 0's join then fails, the ranks with it).
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False
+        )
+        address = f"127.0.0.1:{store.port}"
         threads = max(1, (threads or len(os.sched_getaffinity(0))) // world)
         group = cls(world)
         for rank in range(1, world):
@@ -79,10 +83,10 @@ class RankGroup:
         pids = [p.pid for p in group.procs]
         log.info("tensor-parallel ranks started", world=world, pids=pids, address=address)
         atexit.register(group.close)
-        group._startup(lambda: group._join(address))
+        group._startup(lambda: group._join(store))
         return group
 
-    def _join(self, address: str) -> None:
+    def _join(self, store: dist.TCPStore) -> None:
         """init_process_group in a thread, so a rank that exits before it joins fails the start at once."""
         outcome: list[BaseException | None] = []
 
@@ -90,7 +94,7 @@ class RankGroup:
             try:
                 dist.init_process_group(
                     "gloo",
-                    init_method=f"tcp://{address}",
+                    store=store,
                     rank=0,
                     world_size=self.world,
                     timeout=GROUP_TIMEOUT,
@@ -273,12 +277,6 @@ def claim_gpus(world: int) -> str | None:
     if own is not None and own != visible:
         os.environ["CUDA_VISIBLE_DEVICES"] = own
     return visible
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -101,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     configure_logging("json", "ERROR", fields={"rank": str(a.rank)})  # rank 0 logs the plan, fallbacks
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{a.address}", rank=a.rank, world_size=a.world,
-            timeout=timedelta(seconds=GROUP_TIMEOUT.total_seconds()),
-        )  # fmt: skip
+        host, port = a.address.rsplit(":", 1)
+        timeout = timedelta(seconds=GROUP_TIMEOUT.total_seconds())
+        # A client of the store rank 0 bound (worker/parallel/ranks.py RankGroup.start), as rank 0 joins
+        store = dist.TCPStore(host, int(port), a.world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timeout)
         given = step_message.broadcast()
         if given is None:  # the worker stopped before asking
             return 0
