@@ -46,9 +46,15 @@ HTTP_LISTENING = "router http listening on "
 WARMUP = (WorkItem(tuple(range(100, 124)), 4), WorkItem(tuple(range(200, 208)), 4))
 
 
-def open_engine(model: Path, cache: str, max_model_len: int, max_num_seqs: int) -> Engine:
-    """`cache`: "paged" (--paged-attn on) or "eager" (off). The caller closes it (`with engine:`)."""
-    spec = WorkerSpec(model=str(model), device="cpu", max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+def open_engine(
+    model: Path, cache: str, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int = 0
+) -> Engine:
+    """`cache`: "paged" (--paged-attn on) or "eager" (off); `max_num_batched_tokens`: as the worker flag
+    (0: the device default). The caller closes it (`with engine:`)."""
+    spec = WorkerSpec(
+        model=str(model), device="cpu", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )  # fmt: skip
     engine = build_engine(replace(spec, cache=cache_intent(MODES[cache])))
     run_engine(engine, [_fold(w, engine.vocab_size) for w in WARMUP])
     return engine

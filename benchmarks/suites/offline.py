@@ -12,6 +12,12 @@ each submitted all at once. Every system generates exactly the same tokens per r
     processed tok/s  = (prompt + output tokens) / the same wall time (padding is never counted)
     % of bound       = processed tok/s / compute bound (benchmarks/compute_bound.py)
 
+Every kvpact row but one runs the throughput step budget (`--max-num-batched-tokens 2048`, THROUGHPUT_BUDGET):
+these are batch jobs. The server's default budget is ITL-first (on the CPU at most 48 prompt tokens in a
+step that carries decodes; the online and step_budget suites judge it), and a burst pays for it: the row
+"paged, router + worker, server default budget" shows what, on the mixed workload. vLLM makes the same
+split (its offline `LLM` class takes a larger default budget than its API server).
+
 Wall times exclude loading and a short warm-up of each system. The router + worker runs go through real
 processes and a streaming client (kvpact.client.AsyncClient, token ids in, token ids out). Greedy
 outputs are compared with transformers' one padded batch token by token (same dequantized weights,
@@ -34,18 +40,30 @@ from benchmarks.peers import Run
 from benchmarks.workloads import WorkItem
 
 ROUTER_PAGED = "kvpact paged, router + worker"
+ROUTER_PAGED_DEFAULT = "kvpact paged, router + worker, server default budget"
 ROUTER_EAGER = "kvpact eager, router + worker"
 INPROC_PAGED = "kvpact paged, in-process"
 INPROC_EAGER = "kvpact eager, in-process"
 HF_PADDED = "transformers generate, one padded batch"
 HF_BATCH8 = "transformers generate, batches of 8"
 HF_CB = "transformers continuous batching"
-SYSTEMS = (ROUTER_PAGED, ROUTER_EAGER, INPROC_PAGED, INPROC_EAGER, HF_PADDED, HF_BATCH8, HF_CB)
+SYSTEMS = (
+    ROUTER_PAGED,
+    ROUTER_PAGED_DEFAULT,
+    ROUTER_EAGER,
+    INPROC_PAGED,
+    INPROC_EAGER,
+    HF_PADDED,
+    HF_BATCH8,
+    HF_CB,
+)
 MAX_NUM_SEQS = 32
-# Goals from issue 13, mixed workload through router + worker with --paged-attn on.
-GOAL_VS_PADDED = 3.5
-GOAL_VS_CB = 2.5
-GOAL_BOUND = 0.60
+THROUGHPUT_BUDGET = 2048  # --max-num-batched-tokens for the batch rows (an explicit budget: no ITL bound)
+GOAL_BOUND = 0.60  # issue 13: mixed, router + worker, paged
+# Issue 25, on every workload, router + worker with --paged-attn on:
+GOAL_SERVED = 0.95  # of the same engine in-process
+GOAL_OF_CEILING = 0.9  # vs one padded batch, of its ceiling (padded tokens / useful tokens)
+GOAL_VS_CB = 1.6  # vs transformers' continuous batching
 GOAL_SHARED = 0.9  # issue 25, target 0: two workers sharing the machine deliver what one alone does
 
 
@@ -67,9 +85,9 @@ class Workload:
 def plan(ctx: BenchContext, vocab_size: int, max_positions: int) -> list[Workload]:
     """Sized so the full suite stays near its 9-minute budget on the bundled model: mixed keeps the issue's
     32 requests and every system; long_prompt (4 requests) and shared_prefix (8) run kvpact through the
-    router (paged and eager: the paged >= eager target) and transformers' padded batch and continuous
-    batching."""
-    others = (ROUTER_PAGED, ROUTER_EAGER, HF_PADDED, HF_CB)
+    router (paged and eager: the paged >= eager target), paged in-process (served vs in-process) and
+    transformers' padded batch and continuous batching."""
+    others = (ROUTER_PAGED, ROUTER_EAGER, INPROC_PAGED, HF_PADDED, HF_CB)
     if ctx.quick:
         sizes, cap = {"mixed": 4, "long_prompt": 2, "shared_prefix": 3}, min(max_positions, 96)
     else:
@@ -96,10 +114,13 @@ def run(ctx: BenchContext) -> SuiteResult:
     runs: dict[tuple[str, str], Run] = {}
     with ExitStack() as stack:
         clusters = {}
-        for cache in ("paged", "eager"):  # both start at once (loading overlaps), run one at a time
-            cluster = Cluster(ctx.model, cache, max_model_len, MAX_NUM_SEQS).start()
+        budget = ("--max-num-batched-tokens", str(THROUGHPUT_BUDGET))
+        configs = ((ROUTER_PAGED, "paged", budget), (ROUTER_EAGER, "eager", budget))
+        configs += ((ROUTER_PAGED_DEFAULT, "paged", ()),)
+        for system, cache, flags in configs:  # all start at once (loading overlaps), run one at a time
+            cluster = Cluster(ctx.model, cache, max_model_len, MAX_NUM_SEQS, worker_args=flags).start()
             stack.callback(cluster.stop)
-            clusters[cache] = cluster
+            clusters[system] = cluster
         hf_model = peers.load_transformers_model(ctx.model)
         parameters = compute_bound.count_parameters(hf_model)
         for cluster in clusters.values():
@@ -107,11 +128,12 @@ def run(ctx: BenchContext) -> SuiteResult:
         bound_seconds = 1.0 if ctx.quick else 3.0
         bounds = [compute_bound.measure(parameters, seconds=bound_seconds)]
         for w in plans:  # paged and eager alternate, workload by workload
-            runs[w.name, ROUTER_PAGED] = stream_run(clusters["paged"].address, w.items)
-            runs[w.name, ROUTER_EAGER] = stream_run(clusters["eager"].address, w.items)
+            for system, cluster in clusters.items():
+                if system in w.systems:
+                    runs[w.name, system] = stream_run(cluster.address, w.items)
     shared = shared_machine(ctx, plans[0].items, max_model_len)
     for cache, system in (("paged", INPROC_PAGED), ("eager", INPROC_EAGER)):
-        with open_engine(ctx.model, cache, max_model_len, MAX_NUM_SEQS) as engine:
+        with open_engine(ctx.model, cache, max_model_len, MAX_NUM_SEQS, THROUGHPUT_BUDGET) as engine:
             for w in plans:
                 if system in w.systems:
                     runs[w.name, system] = run_engine(engine, w.items)
@@ -265,7 +287,9 @@ def report(
         },
         figure=_figure(plans, runs, bound),
         notes=[
-            f"max_model_len {max_model_len}, --max-num-seqs {MAX_NUM_SEQS} for both kvpact caches; "
+            f"max_model_len {max_model_len}, --max-num-seqs {MAX_NUM_SEQS} for both kvpact caches, "
+            f"--max-num-batched-tokens {THROUGHPUT_BUDGET} (the throughput budget) for every kvpact row but "
+            f"'{ROUTER_PAGED_DEFAULT}' (the worker's default: ITL-first); "
             f"fp32, {torch.get_num_threads()} torch threads everywhere; transformers under "
             "torch.inference_mode with SDPA attention."
         ],
@@ -301,30 +325,60 @@ def _speedup(runs: dict[tuple[str, str], Run], workload: str, system: str, peer:
     return runs[workload, peer].wall_s / runs[workload, system].wall_s
 
 
+def padded_ceiling(items: Sequence[WorkItem]) -> float:
+    """What a system that computes only useful tokens can gain on a compute-bound machine over one padded
+    batch: the tokens that batch computes (every row padded to the longest prompt, run for the longest
+    output) / the useful ones."""
+    width, new = max(len(i.prompt) for i in items), max(i.max_tokens for i in items)
+    return len(items) * (width + new) / sum(len(i.prompt) + i.max_tokens for i in items)
+
+
 def _targets(
     plans: Sequence[Workload], runs: dict[tuple[str, str], Run], bound: compute_bound.ComputeBound
 ) -> list[Target]:
     mixed = next(w for w in plans if w.name == "mixed")
-    vs_padded = _speedup(runs, "mixed", ROUTER_PAGED, HF_PADDED)
-    vs_cb = _speedup(runs, "mixed", ROUTER_PAGED, HF_CB)
     fraction = (mixed.prompt_tokens + mixed.output_tokens) / runs["mixed", ROUTER_PAGED].wall_s
     fraction /= bound.tokens_per_s
     paged_vs_eager = {w.name: _speedup(runs, w.name, ROUTER_PAGED, ROUTER_EAGER) for w in plans}
     in_process = {
-        w.name: _speedup(runs, w.name, INPROC_PAGED, INPROC_EAGER) for w in plans if INPROC_PAGED in w.systems
+        w.name: _speedup(runs, w.name, INPROC_PAGED, INPROC_EAGER) for w in plans if INPROC_EAGER in w.systems
     }
+    served = {w.name: _speedup(runs, w.name, ROUTER_PAGED, INPROC_PAGED) for w in plans}
+    served_eager = {
+        w.name: _speedup(runs, w.name, ROUTER_EAGER, INPROC_EAGER) for w in plans if INPROC_EAGER in w.systems
+    }
+    ceiling = {w.name: padded_ceiling(w.items) for w in plans}
+    vs_padded = {w.name: _speedup(runs, w.name, ROUTER_PAGED, HF_PADDED) for w in plans}
+    vs_cb = {w.name: _speedup(runs, w.name, ROUTER_PAGED, HF_CB) for w in plans}
+    default_cost = _speedup(runs, "mixed", ROUTER_PAGED_DEFAULT, ROUTER_PAGED)
+
+    def each(values: dict[str, float]) -> str:
+        return ", ".join(f"{k} {v:.2f}x" for k, v in values.items())
+
     return [
         Target(
-            "offline mixed, router + worker, paged vs transformers one padded batch",
-            f">= {GOAL_VS_PADDED}x",
-            f"{vs_padded:.2f}x",
-            vs_padded >= GOAL_VS_PADDED,
+            "served >= in-process on every offline workload (paged, router + worker / in-process, tok/s)",
+            f">= {GOAL_SERVED:.2f}x on each",
+            each(served),
+            all(v >= GOAL_SERVED for v in served.values()),
+            f"eager: {each(served_eager)}; at the server default budget (ITL-first) the mixed burst runs"
+            f" {default_cost:.2f}x the throughput budget's tok/s",
         ),
         Target(
-            "offline mixed, router + worker, paged vs transformers continuous batching",
-            f">= {GOAL_VS_CB}x",
-            f"{vs_cb:.2f}x",
-            vs_cb >= GOAL_VS_CB,
+            "vs transformers' one padded batch, of its ceiling (router + worker, paged)",
+            f">= {GOAL_OF_CEILING:.1f}x the ceiling on each",
+            ", ".join(
+                f"{k} {vs_padded[k]:.2f}x of {ceiling[k]:.2f}x ({vs_padded[k] / ceiling[k]:.2f})"
+                for k in ceiling
+            ),
+            all(vs_padded[k] >= GOAL_OF_CEILING * ceiling[k] for k in ceiling),
+            "ceiling = the padded batch's tokens (each row: longest prompt + longest output) / useful tokens",
+        ),
+        Target(
+            "vs transformers continuous batching (router + worker, paged)",
+            f">= {GOAL_VS_CB}x on each",
+            each(vs_cb),
+            all(v >= GOAL_VS_CB for v in vs_cb.values()),
         ),
         Target(
             "offline mixed, router + worker, paged: processed tokens / compute bound",
@@ -336,9 +390,9 @@ def _targets(
         Target(
             "paged >= eager on every offline workload (router + worker)",
             ">= 1.00x on each",
-            ", ".join(f"{k} {v:.2f}x" for k, v in paged_vs_eager.items()),
+            each(paged_vs_eager),
             all(v >= 1.0 for v in paged_vs_eager.values()),
-            "in-process: " + ", ".join(f"{k} {v:.2f}x" for k, v in in_process.items()),
+            "in-process: " + each(in_process),
         ),
     ]
 

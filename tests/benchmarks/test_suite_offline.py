@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.suites.offline import padded_ceiling
+from benchmarks.workloads import WorkItem
 from tests.benchmarks.quick_suite import run_quick_suite
 
 TIMEOUT_S = 240
@@ -24,6 +26,7 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
     mixed = throughput["Offline throughput, mixed workload"]
     assert [row[0] for row in mixed["rows"]] == [
         "kvpact paged, router + worker",
+        "kvpact paged, router + worker, server default budget",
         "kvpact eager, router + worker",
         "kvpact paged, in-process",
         "kvpact eager, in-process",
@@ -41,8 +44,9 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
 
     names = [t["name"] for t in report["targets"]]
     assert names == [
-        "offline mixed, router + worker, paged vs transformers one padded batch",
-        "offline mixed, router + worker, paged vs transformers continuous batching",
+        "served >= in-process on every offline workload (paged, router + worker / in-process, tok/s)",
+        "vs transformers' one padded batch, of its ceiling (router + worker, paged)",
+        "vs transformers continuous batching (router + worker, paged)",
         "offline mixed, router + worker, paged: processed tokens / compute bound",
         "paged >= eager on every offline workload (router + worker)",
         "two hand-started workers on this machine vs one alone (output tok/s, no thread flags)",
@@ -57,3 +61,8 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
     # The tiny model's logits are far from ties: every system generates transformers' tokens exactly.
     agreement = report["data"]["agreement"]
     assert agreement and all(a["identical"] == a["of"] for a in agreement), agreement
+
+
+def test_the_padded_ceiling_counts_every_row_at_the_longest_prompt_and_output():
+    # one padded batch computes 2 rows x (4 + 6) tokens; 2 + 3 and 4 + 6 are useful
+    assert padded_ceiling([WorkItem((1, 2), 3), WorkItem((1, 2, 3, 4), 6)]) == 20 / 15
