@@ -34,7 +34,9 @@ class SchedulerOutput:
 
 
 class Scheduler(ABC):
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_num_batched_tokens: int, prompt_tokens_beside_decodes: int | None = None
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens ({max_num_batched_tokens}) "
@@ -42,7 +44,9 @@ class Scheduler(ABC):
             )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.prompt_tokens_beside_decodes: int | None = None  # sizing.DeviceDefaults' (None: no bound)
+        self.prompt_tokens_beside_decodes = (
+            prompt_tokens_beside_decodes  # sizing.DeviceDefaults' (None: no bound)
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0

@@ -14,8 +14,10 @@ from kvpact.worker.scheduler.base import Scheduler, SchedulerOutput
 
 
 class EagerScheduler(Scheduler):
-    def __init__(self, num_slots: int, max_num_batched_tokens: int) -> None:
-        super().__init__(max_num_seqs=num_slots, max_num_batched_tokens=max_num_batched_tokens)
+    def __init__(
+        self, num_slots: int, max_num_batched_tokens: int, prompt_tokens_beside_decodes: int | None = None
+    ) -> None:
+        super().__init__(num_slots, max_num_batched_tokens, prompt_tokens_beside_decodes)
         self.num_slots = num_slots
         self.free_slots: deque[int] = deque(range(num_slots))
 

@@ -21,8 +21,14 @@ from kvpact.worker.scheduler.block_manager import BlockManager, BlockTable
 
 
 class PagedScheduler(Scheduler):
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        super().__init__(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prompt_tokens_beside_decodes: int | None = None,
+    ) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, prompt_tokens_beside_decodes)
         self.block_manager = block_manager
         self._num_reserved = 0  # seats held for the pending forks of running sequences
 

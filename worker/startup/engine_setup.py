@@ -370,10 +370,13 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     if scheduler_kind is CacheKind.PAGED:
         assert isinstance(cache, PagedCache)
         manager = BlockManager(cache.num_blocks, cache.block_size, plan.realizes(PREFIX_CACHING))
-        scheduler = PagedScheduler(manager, plan.max_num_seqs, plan.max_num_batched_tokens)
+        scheduler = PagedScheduler(
+            manager, plan.max_num_seqs, plan.max_num_batched_tokens, plan.prompt_tokens_beside_decodes
+        )
     else:
-        scheduler = EagerScheduler(plan.max_num_seqs, plan.max_num_batched_tokens)
-    scheduler.prompt_tokens_beside_decodes = plan.prompt_tokens_beside_decodes
+        scheduler = EagerScheduler(
+            plan.max_num_seqs, plan.max_num_batched_tokens, plan.prompt_tokens_beside_decodes
+        )
     features, graphs = plan.features, None
     if plan.realizes(CUDA_GRAPHS):
         assert isinstance(cache, PagedCache)  # the plan's cuda_graphs_triton check
