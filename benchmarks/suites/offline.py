@@ -115,8 +115,11 @@ def run(ctx: BenchContext) -> SuiteResult:
     with ExitStack() as stack:
         clusters = {}
         budget = ("--max-num-batched-tokens", str(THROUGHPUT_BUDGET))
-        configs = ((ROUTER_PAGED, "paged", budget), (ROUTER_EAGER, "eager", budget))
-        configs += ((ROUTER_PAGED_DEFAULT, "paged", ()),)
+        configs: list[tuple[str, str, tuple[str, ...]]] = [
+            (ROUTER_PAGED, "paged", budget),
+            (ROUTER_EAGER, "eager", budget),
+            (ROUTER_PAGED_DEFAULT, "paged", ()),
+        ]
         for system, cache, flags in configs:  # all start at once (loading overlaps), run one at a time
             cluster = Cluster(ctx.model, cache, max_model_len, MAX_NUM_SEQS, worker_args=flags).start()
             stack.callback(cluster.stop)

@@ -30,6 +30,9 @@ from typing import TypeVar
 import structlog
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    TCPStore,  # the public name (torch.distributed) is not exported to typing
+)
 
 from kvpact.shared.child_process import parent_death_signal
 from kvpact.shared.errors import ModelLoadError
@@ -69,9 +72,7 @@ class RankGroup:
         rank that exits first. `visible`: the worker's CUDA_VISIBLE_DEVICES as it started (claim_gpus)."""
         # The store is bound here on port 0 and handed to init_process_group: a port picked free and bound
         # later could be taken meanwhile by another process (rank 0's join then fails, the ranks with it).
-        store = dist.TCPStore(
-            "127.0.0.1", 0, world, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False
-        )
+        store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
         address = f"127.0.0.1:{store.port}"
         threads = max(1, (threads or len(os.sched_getaffinity(0))) // world)
         group = cls(world)
@@ -86,7 +87,7 @@ class RankGroup:
         group._startup(lambda: group._join(store))
         return group
 
-    def _join(self, store: dist.TCPStore) -> None:
+    def _join(self, store: TCPStore) -> None:
         """init_process_group in a thread, so a rank that exits before it joins fails the start at once."""
         outcome: list[BaseException | None] = []
 

@@ -22,6 +22,9 @@ from typing import Any
 import structlog
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    TCPStore,  # the public name (torch.distributed) is not exported to typing
+)
 
 from kvpact.shared.intent import PagedBackend
 from kvpact.shared.log import configure_logging
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         host, port = a.address.rsplit(":", 1)
         timeout = timedelta(seconds=GROUP_TIMEOUT.total_seconds())
         # A client of the store rank 0 bound (worker/parallel/ranks.py RankGroup.start), as rank 0 joins
-        store = dist.TCPStore(host, int(port), a.world, is_master=False, timeout=timeout)
+        store = TCPStore(host, int(port), a.world, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timeout)
         given = step_message.broadcast()
         if given is None:  # the worker stopped before asking
