@@ -193,9 +193,11 @@ def run_load(
     requests: int = 0,
     watch: dict[str, int] | None = None,
     http_client: str = "",
+    stagger: float = 0.02,
 ) -> LoadResult:
-    """`streams` streams against `target` from `num_clients` client processes; the processes in
-    `watch` (name -> pid) have their CPU time sampled over the counted window."""
+    """`streams` streams against `target` from `num_clients` client processes, their first requests
+    spread over `stagger` seconds; the processes in `watch` (name -> pid) have their CPU time sampled
+    over the counted window."""
     watch = watch or {}
     per_client = [streams // num_clients + (i < streams % num_clients) for i in range(num_clients)]
     handles = []
@@ -211,6 +213,7 @@ def run_load(
                 str(max_tokens),
             ]
             argv += ["--seconds", f"{seconds:g}", "--warmup", f"{warmup:g}", "--requests", str(requests)]
+            argv += ["--stagger", f"{stagger:g}"]
             argv += ["--prompt-text", prompt_text] if prompt_text else []
             argv += ["--http-client", http_client] if http_client else []
             argv += ["--latency", "--keep-latencies"] if latency else []

@@ -42,11 +42,8 @@ def test_quick_router_suite_writes_its_tables_targets_and_plot(tmp_path):
         assert target["met"] in (True, False) or "not judged" in target["note"], target
     tables = {t["title"].split(":", 1)[1].split(",")[0].strip(): t for t in result["tables"]}
     latency = tables["added latency per token"]
-    assert [r[0] for r in latency["rows"]] == [
-        "direct to the worker",
-        "through the router",
-        "through the router, HTTP/SSE",
-    ]
+    paths = ["direct to the worker", "through the router", "through the router, HTTP/SSE"]
+    assert [r[0] for r in latency["rows"]] == paths + [p + ", lockstep" for p in paths]
     assert all(r[1] > 0 and r[2] > 0 for r in latency["rows"])  # tokens, p50 latency
     capacity = tables["capacity"]
     uvloop = {(256, "router, uvloop")} if importlib.util.find_spec("uvloop") else set()
