@@ -26,7 +26,7 @@ def test_engine_steps_merge_what_piled_up_behind_a_slow_write_and_send_the_first
                 if len(chunks) == 1:  # this "write" is slow: the steps go on without it
                     [stream] = steps.streams.values()
                     # on this loop, not just stepped: the step thread counts a token before it hands it over
-                    await eventually_async(lambda s=stream: len(s.pieces) >= 9, what="nine pieces queued")
+                    await eventually_async(lambda s=stream: s.pieces.num_queued() >= 9, what="9 queued")
         finally:
             steps.stopped.set()
             steps.thread.join(timeout=5)

@@ -25,8 +25,9 @@ class ReadyPieces:
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._held: Item | None = None  # taken from the queue, not yet merged: the next one to go
 
-    def __len__(self) -> int:
-        """How many pieces (or the ending exception) are queued and not yet taken."""
+    def num_queued(self) -> int:
+        """How many pieces (or the ending exception) are queued and not yet taken. (Not __len__: an
+        empty ReadyPieces must stay truthy where callers test `if pieces`.)"""
         return self._queue.qsize() + (self._held is not None)
 
     def put(self, item: Item) -> None:
