@@ -68,7 +68,10 @@ class HttpFront:
     def bind(self) -> int:
         """Bind the port (BindError naming --http-listen); returns the bound port. Before anything starts."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP
+        # (base_events._set_nodelay), and an accepted socket takes its listener's proto. With proto 0 every
+        # SSE event after the headers waited for the client's delayed ACK: ~40 ms (docs/openai.md).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))
