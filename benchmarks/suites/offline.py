@@ -130,16 +130,23 @@ def run(ctx: BenchContext) -> SuiteResult:
             cluster.wait_ready()
         bound_seconds = 1.0 if ctx.quick else 3.0
         bounds = [compute_bound.measure(parameters, seconds=bound_seconds)]
-        for w in plans:  # paged and eager alternate, workload by workload
+        engines = {
+            system: stack.enter_context(
+                open_engine(ctx.model, cache, max_model_len, MAX_NUM_SEQS, THROUGHPUT_BUDGET)
+            )
+            for cache, system in (("paged", INPROC_PAGED), ("eager", INPROC_EAGER))
+        }
+        # Workload by workload, every served system and then every in-process one, back to back: this
+        # shared machine's speed drifts by tens of percent over minutes, so served / in-process compares
+        # runs a minute apart, not the served ones of the first minutes with in-process ones ten later.
+        for w in plans:
             for system, cluster in clusters.items():
                 if system in w.systems:
                     runs[w.name, system] = stream_run(cluster.address, w.items)
-    shared = shared_machine(ctx, plans[0].items, max_model_len)
-    for cache, system in (("paged", INPROC_PAGED), ("eager", INPROC_EAGER)):
-        with open_engine(ctx.model, cache, max_model_len, MAX_NUM_SEQS, THROUGHPUT_BUDGET) as engine:
-            for w in plans:
+            for system, engine in engines.items():
                 if system in w.systems:
                     runs[w.name, system] = run_engine(engine, w.items)
+    shared = shared_machine(ctx, plans[0].items, max_model_len)
     warm = [WorkItem(item.prompt[:16], 4) for item in plans[0].items[:2]]
     peers.generate_padded(hf_model, warm, 2)  # warm-up
     for w in plans:
