@@ -109,34 +109,54 @@ def _head_argv(temp_dir: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[Head]:
-    temp_dir = short_temp_dir("kvh-")
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    argv = _head_argv(temp_dir)
-    dashboard = f"http://127.0.0.1:{argv[argv.index('--dashboard-port') + 1]}"
     # A stopped job's driver gets SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (default 3 s): long
     # enough for the launcher's ordered stop (kvpact-launch warns when it is not; docs/ray.md).
     env = {**os.environ, **auth, "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}
     env.pop("RAY_ADDRESS", None)
-    with open(Path(temp_dir) / "head.log", "wb") as log:
+    # `ray start` gives its GCS and raylet a hard-coded 30 s and exits when they miss it: a CI machine
+    # stalled for those seconds gets one more try (tests/factories/ray_launch.py start_local_ray).
+    failures: list[str] = []
+    for _ in range(2):
+        process, head = _start_head(env, auth, failures)
+        if head is not None:
+            break
+    else:
+        raise AssertionError("ray head did not come up twice:\n" + "\n---\n".join(failures))
+    try:
+        yield head
+    finally:
+        _stop_group(process)
+
+
+def _start_head(
+    env: dict[str, str], auth: dict[str, str], failures: list[str]
+) -> tuple[subprocess.Popen[bytes], Head | None]:
+    """A `ray start --head --block` and its Head once its job API answers; None (the failure noted, the
+    process group stopped) when it exits first. Raises when it neither answers nor exits in HEAD_START_S."""
+    temp_dir = short_temp_dir("kvh-")
+    argv = _head_argv(temp_dir)
+    dashboard = f"http://127.0.0.1:{argv[argv.index('--dashboard-port') + 1]}"
+    log_path = Path(temp_dir) / "head.log"
+    with open(log_path, "wb") as log:
         process = subprocess.Popen(
             argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     head = Head(dashboard, auth)
-    try:
-        deadline = time.monotonic() + HEAD_START_S
-        while True:
-            try:
-                head.jobs().list_jobs()
-                break
-            except Exception:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"ray head did not come up: {(Path(temp_dir) / 'head.log').read_text()[-3000:]}"
-                    ) from None
-                time.sleep(0.5)
-        yield head
-    finally:
-        _stop_group(process)
+    deadline = time.monotonic() + HEAD_START_S
+    while True:
+        try:
+            head.jobs().list_jobs()
+            return process, head
+        except Exception:
+            if process.poll() is not None:
+                _stop_group(process)
+                failures.append(log_path.read_text()[-3000:])
+                return process, None
+            if time.monotonic() > deadline:
+                _stop_group(process)
+                raise AssertionError(f"ray head did not come up: {log_path.read_text()[-3000:]}") from None
+            time.sleep(0.5)
 
 
 def _stop_group(process: subprocess.Popen[bytes]) -> None:

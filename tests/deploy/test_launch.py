@@ -34,7 +34,7 @@ from tests.factories.ray_launch import (
     launched,
     placement_group_name,
     ray_auth_env,
-    short_temp_dir,
+    start_local_ray,
     wait_serving,
     worker_group,
 )
@@ -55,14 +55,13 @@ class RayCluster:
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
     with ray_auth_env():
-        context = ray.init(
+        context = start_local_ray(
             num_cpus=4,
             num_gpus=2,
             include_dashboard=True,
             dashboard_host="127.0.0.1",
             dashboard_port=0,
             object_store_memory=100 * 1024 * 1024,
-            _temp_dir=short_temp_dir(),
             log_to_driver=False,
         )
         try:

@@ -12,7 +12,7 @@ import pytest
 from kvpact.deploy.processes import free_port
 from kvpact.deploy.supervision import Health, Poller, observe
 from kvpact.deploy.worker_actor import WorkerActor, visible_devices
-from tests.factories.ray_launch import ray_auth_env, short_temp_dir
+from tests.factories.ray_launch import ray_auth_env, start_local_ray
 from tests.factories.tiny_models import make_tiny_llama
 
 ray = pytest.importorskip("ray")
@@ -22,12 +22,11 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     with ray_auth_env():
-        ray.init(
+        start_local_ray(
             num_cpus=2,
             num_gpus=1,
             include_dashboard=False,
             object_store_memory=80 * 1024 * 1024,
-            _temp_dir=short_temp_dir(),
             log_to_driver=False,
         )
         try:

@@ -57,6 +57,34 @@ def short_temp_dir(prefix: str = "kvr-") -> str:
     return tempfile.mkdtemp(prefix=prefix, dir=base if len(base) <= 48 else "/tmp")
 
 
+def start_local_ray(**init_kwargs: Any) -> Any:
+    """`ray.init(**init_kwargs, _temp_dir=<a new short dir>)`, tried twice.
+
+    Ray waits a hard-coded 30 s for its GCS and raylet to come up ("The current node timed out during
+    startup", "Timed out waiting for file .../gcs_server_port_..."); a CI machine stalled for those seconds
+    fails the start, not the test. So a start that times out is shut down and tried once more in a fresh
+    session dir; a second time-out raises with the tail of the first session's logs."""
+    import ray
+
+    failures: list[str] = []
+    for _ in range(2):
+        temp_dir = short_temp_dir()
+        try:
+            return ray.init(**init_kwargs, _temp_dir=temp_dir)
+        except Exception as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            ray.shutdown()
+            failures.append(f"{exc}\n{_session_logs_tail(temp_dir)}")
+    raise RuntimeError("ray did not start twice:\n" + "\n---\n".join(failures))
+
+
+def _session_logs_tail(temp_dir: str, chars: int = 2000) -> str:
+    logs = sorted(Path(temp_dir).glob("session_*/logs/*"))
+    picked = [log for log in logs if log.name.startswith(("raylet", "gcs_server")) and log.is_file()]
+    return "\n".join(f"{log.name}: {log.read_text(errors='replace')[-chars:]}" for log in picked)
+
+
 @contextmanager
 def private_ray_temp_dir() -> Iterator[str]:
     """A short temp dir that is also Ray's default temp root ($RAY_TMPDIR) for the block, yielded as the
