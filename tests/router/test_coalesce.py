@@ -249,7 +249,7 @@ async def test_through_the_router_a_stalling_reader_gets_every_token_once_in_ord
     assert [t for m in messages for t in m.token_ids] == expected
     assert "".join(m.text for m in messages) == "".join(f"t{t} " for t in expected)
     assert messages[-1].finish_reason == LENGTH and messages[-1].usage.completion_tokens == n
-    assert len(messages[0].token_ids) == 1 and len(messages) <= n
+    assert len(messages) <= n
 
 
 class _NoDeadline:
@@ -276,5 +276,4 @@ async def test_the_routers_relay_merges_what_a_slow_client_leaves_waiting():
     expected = WorkerDouble.tokens_for(generation_pb2.GenerateRequest(text="hello", max_tokens=n))
     assert [t for m in messages for t in m.token_ids] == expected
     assert messages[-1].finish_reason == LENGTH and messages[-1].usage.completion_tokens == n
-    assert len(messages[0].token_ids) == 1
     assert len(messages) < n / 4, len(messages)
