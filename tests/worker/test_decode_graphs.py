@@ -53,7 +53,9 @@ def test_static_decode_steps_give_the_eager_steps_tokens(make_engine, tiny_llama
     engine, graphs, replayed = static_engine(make_engine, tiny_llama)
     got = run_staggered(engine, requests) if staggered else engine.run(requests)
     assert [r.token_ids for r in got] == want, f"prompts of {PROMPT_LENGTHS} tokens diverged"
-    assert set(replayed) - {1, 2, 3, 4, 5, 6} == set() and {3, 5, 6} & set(replayed), replayed  # padded sizes
+    assert replayed and set(replayed) <= {1, 2, 3, 4, 5, 6}, replayed
+    if not staggered:  # all queued before the first step: batches of 3, 5 or 6 pad to a captured size
+        assert {3, 5, 6} & set(replayed), replayed  # (staggered, a stalled machine saw only 1 and 2)
     assert graphs.eager_steps == 0
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
