@@ -248,11 +248,12 @@ class Scaler:
     def _drain(self, worker: PlacedWorker) -> None:
         worker_id = worker.slot.worker_id
         self.leaving[worker_id] = time.monotonic() + placement.stop_grace_s(worker) + LEAVE_MARGIN_S
-        state = self._ask_router_to_drain(worker_id)
+        state, in_flight = self._ask_router_to_drain(worker_id)
         if state == "draining":
+            then = "they finish first, then it exits 0" if in_flight else "it exits 0"
             self.launch.say(
-                f"scale: worker {worker_id} in {worker.where()} leaves: the router drains it (its in-flight "
-                "streams finish, then it exits 0)"
+                f"scale: worker {worker_id} in {worker.where()} leaves: the router drains it ({in_flight} "
+                f"streams in flight: {then})"
             )
             return
         self.launch.say(
@@ -261,8 +262,8 @@ class Scaler:
         )
         self._stop(worker)
 
-    def _ask_router_to_drain(self, worker_id: str) -> str:
-        """Registry.Drain: "draining", or what happened instead."""
+    def _ask_router_to_drain(self, worker_id: str) -> tuple[str, int]:
+        """Registry.Drain: ("draining", the streams in flight on it then), or what happened instead."""
         import grpc
 
         from kvpact.v1 import worker_pb2, worker_pb2_grpc
@@ -273,13 +274,13 @@ class Scaler:
         try:
             with grpc.insecure_channel(self.launch.router_address) as channel:
                 reply = worker_pb2_grpc.RegistryStub(channel).Drain(request, timeout=DRAIN_CALL_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            return f"the router could not be asked to drain it ({exc.code().name})"  # e.g. a TLS router
+        except grpc.RpcError as exc:  # e.g. a TLS router
+            return f"the router could not be asked to drain it ({exc.code().name})", 0
         if not reply.known:
-            return "the router does not know it (not registered yet)"
+            return "the router does not know it (not registered yet)", 0
         if reply.state != "draining":
-            return f"the router knows it as {reply.state}, not serving"
-        return "draining"
+            return f"the router knows it as {reply.state}, not serving", 0
+        return "draining", reply.num_outstanding
 
     def _stop(self, worker: PlacedWorker) -> None:
         """SIGTERM through the actor (its drain), SIGKILL after its grace; the exit is seen by supervision."""

@@ -326,7 +326,9 @@ class Cluster:
         )
         await self.refresh_health()
         self.write_report()
-        return worker_pb2.DrainReply(known=True, state=entry.state.value)
+        return worker_pb2.DrainReply(
+            known=True, state=entry.state.value, num_outstanding=entry.num_outstanding
+        )
 
     async def deregister(self, request: worker_pb2.DeregisterRequest) -> worker_pb2.DeregisterReply:
         entry = self.registry.remove(request.worker_id, request.registration_id)

@@ -640,19 +640,23 @@ class DrainReply(_message.Message):
 
     KNOWN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    NUM_OUTSTANDING_FIELD_NUMBER: _builtins.int
     known: _builtins.bool
     """false: no worker with this id is registered (nothing to drain)"""
     state: _builtins.str
     """the worker's state now (e.g. "draining")"""
+    num_outstanding: _builtins.int
+    """streams the router had sent it and not yet seen end, when it drained it"""
     def __init__(
         self,
         *,
         known: _builtins.bool = ...,
         state: _builtins.str = ...,
+        num_outstanding: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "num_outstanding", b"num_outstanding", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
