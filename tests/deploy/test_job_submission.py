@@ -27,7 +27,7 @@ import pytest
 from kvpact.client import Client, render_cluster_status
 from kvpact.deploy.processes import free_port, health_status
 from kvpact.v1 import router_pb2
-from tests.factories.ray_launch import cluster_file, short_temp_dir, worker_group
+from tests.factories.ray_launch import cluster_file, short_temp_dir, tried_twice, worker_group
 from tests.factories.tiny_models import make_tiny_llama
 
 ray = pytest.importorskip("ray")
@@ -114,26 +114,17 @@ def head() -> Iterator[Head]:
     # enough for the launcher's ordered stop (kvpact-launch warns when it is not; docs/ray.md).
     env = {**os.environ, **auth, "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}
     env.pop("RAY_ADDRESS", None)
-    # `ray start` gives its GCS and raylet a hard-coded 30 s and exits when they miss it: a CI machine
-    # stalled for those seconds gets one more try (tests/factories/ray_launch.py start_local_ray).
-    failures: list[str] = []
-    for _ in range(2):
-        process, head = _start_head(env, auth, failures)
-        if head is not None:
-            break
-    else:
-        raise AssertionError("ray head did not come up twice:\n" + "\n---\n".join(failures))
+    # `ray start` exits when its GCS or raylet miss Ray's hard-coded 30 s: one more try
+    process, head = tried_twice(lambda: _start_head(env, auth), "the ray head")
     try:
         yield head
     finally:
         _stop_group(process)
 
 
-def _start_head(
-    env: dict[str, str], auth: dict[str, str], failures: list[str]
-) -> tuple[subprocess.Popen[bytes], Head | None]:
-    """A `ray start --head --block` and its Head once its job API answers; None (the failure noted, the
-    process group stopped) when it exits first. Raises when it neither answers nor exits in HEAD_START_S."""
+def _start_head(env: dict[str, str], auth: dict[str, str]) -> tuple[subprocess.Popen[bytes], Head] | str:
+    """A `ray start --head --block` and its Head once its job API answers; its log's tail (the process
+    group stopped) when it exits first. Raises when it neither answers nor exits in HEAD_START_S."""
     temp_dir = short_temp_dir("kvh-")
     argv = _head_argv(temp_dir)
     dashboard = f"http://127.0.0.1:{argv[argv.index('--dashboard-port') + 1]}"
@@ -151,8 +142,7 @@ def _start_head(
         except Exception:
             if process.poll() is not None:
                 _stop_group(process)
-                failures.append(log_path.read_text()[-3000:])
-                return process, None
+                return log_path.read_text()[-3000:]
             if time.monotonic() > deadline:
                 _stop_group(process)
                 raise AssertionError(f"ray head did not come up: {log_path.read_text()[-3000:]}") from None

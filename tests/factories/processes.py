@@ -57,6 +57,14 @@ WORKER_LISTENING = r"^worker \S+ listening on (\S+)$"
 WORKER_START_TIMEOUT_S = 60.0
 
 
+def rss_bytes(pid: int) -> int:
+    """The process's resident set (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def module_argv(module: str, *args: str) -> list[str]:
     """`python -m module args...` with this interpreter (no console script needed)."""
     return [sys.executable, "-m", module, *args]

@@ -14,14 +14,16 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from kvpact.deploy.processes import ProcessHandle, running, wait_for_line
+
+T = TypeVar("T")
 
 # The cluster's Ray processes (raylet, GCS) take unix sockets under the temp dir: keep the path short.
 RAY_AUTH = {"RAY_AUTH_MODE": "disabled"}
@@ -57,17 +59,27 @@ def short_temp_dir(prefix: str = "kvr-") -> str:
     return tempfile.mkdtemp(prefix=prefix, dir=base if len(base) <= 48 else "/tmp")
 
 
-def start_local_ray(**init_kwargs: Any) -> Any:
-    """`ray.init(**init_kwargs, _temp_dir=<a new short dir>)`, tried twice.
+def tried_twice(start: Callable[[], T | str], what: str) -> T:
+    """What `start()` started, trying once more when it returns a failure's text instead.
 
     Ray waits a hard-coded 30 s for its GCS and raylet to come up ("The current node timed out during
     startup", "Timed out waiting for file .../gcs_server_port_..."); a CI machine stalled for those seconds
-    fails the start, not the test. So a start that times out is shut down and tried once more in a fresh
-    session dir; a second time-out raises with the tail of the first session's logs."""
-    import ray
-
+    fails the start, not the test. Raises naming both failures."""
     failures: list[str] = []
     for _ in range(2):
+        got = start()
+        if not isinstance(got, str):
+            return got
+        failures.append(got)
+    raise RuntimeError(f"{what} did not start, twice:\n" + "\n---\n".join(failures))
+
+
+def start_local_ray(**init_kwargs: Any) -> Any:
+    """`ray.init(**init_kwargs)` in a new short session dir, tried twice when Ray's start times out (shut
+    down in between; the failure's text carries the tail of the raylet's and GCS's logs)."""
+    import ray
+
+    def start() -> Any:
         temp_dir = short_temp_dir()
         try:
             return ray.init(**init_kwargs, _temp_dir=temp_dir)
@@ -75,8 +87,9 @@ def start_local_ray(**init_kwargs: Any) -> Any:
             if "timed out" not in str(exc).lower():
                 raise
             ray.shutdown()
-            failures.append(f"{exc}\n{_session_logs_tail(temp_dir)}")
-    raise RuntimeError("ray did not start twice:\n" + "\n---\n".join(failures))
+            return f"{exc}\n{_session_logs_tail(temp_dir)}"
+
+    return tried_twice(start, "ray")
 
 
 def _session_logs_tail(temp_dir: str, chars: int = 2000) -> str:

@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -27,7 +26,7 @@ from hypothesis import strategies as st
 
 from kvpact.client import AsyncClient, Client, KvpactRpcError
 from kvpact.v1 import generation_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.factories.processes import running, started_worker, wait_for_health
+from tests.factories.processes import rss_bytes, running, started_worker, wait_for_health
 from tests.factories.tiny_models import make_tiny_llama
 from tests.integration.test_cluster import (
     MAX_MODEL_LEN,
@@ -69,13 +68,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             wait_for_health(address, START_S, watch=[r, a.handle, b.handle])
             yield Cluster(address, {ids[0]: (a.address, a.handle.pid), ids[1]: (b.address, b.handle.pid)})
             assert r.returncode is None and a.handle.returncode is None and b.handle.returncode is None
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def soak(cluster: Cluster, num_requests: int, max_new_tokens: int, seed: int = 11) -> None:

@@ -62,19 +62,17 @@ def test_paged_step_equals_contiguous_attention_for_mixed_decode_prefill_and_ext
 
 
 RESIDENT_PROBE = """
-from pathlib import Path
+import os
 import torch
 from kvpact.shared.intent import PagedBackend
 from kvpact.worker.kv.paged import PagedCache
+from tests.factories.processes import rss_bytes
 
-def rss():
-    status = Path("/proc/self/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
-
-before = rss()
+before = rss_bytes(os.getpid())
 cache = PagedCache(2, 2048, 16, 4, 64, torch.float32, torch.device("cpu"), PagedBackend.TORCH)
-print(cache.memory_bytes, rss() - before)
+print(cache.memory_bytes, rss_bytes(os.getpid()) - before)
 """
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
@@ -82,7 +80,8 @@ def test_the_pool_is_resident_when_the_cache_is_built_not_during_the_first_reque
     """A fresh pool's pages fault in at the first writes, in the first requests' steps (the offline
     suite's long prompts ran 1.6x slower); built, the pool is already in memory. In a fresh process: a
     long-lived one may hand the cache memory that an earlier test already touched."""
-    done = subprocess.run([sys.executable, "-c", RESIDENT_PROBE], capture_output=True, text=True, timeout=120)
+    probe = [sys.executable, "-c", RESIDENT_PROBE]
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     pool, grown = map(int, done.stdout.split())
     assert pool == 128 * 2**20
