@@ -77,8 +77,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
 def test_the_pool_is_resident_when_the_cache_is_built_not_during_the_first_requests():
-    """A fresh pool's pages fault in at the first writes, in the first requests' steps (the offline
-    suite's long prompts ran 1.6x slower); built, the pool is already in memory. In a fresh process: a
+    """A fresh pool's pages fault in at the first writes, in the first requests' steps (docs/performance.md
+    "A cold KV pool"); built, the pool is already in memory. In a fresh process: a
     long-lived one may hand the cache memory that an earlier test already touched."""
     probe = [sys.executable, "-c", RESIDENT_PROBE]
     done = subprocess.run(probe, capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -135,8 +135,9 @@ class PagedCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not for the values (the kernels never read past a sequence's context) but to touch
         # every page now: on a CPU an untouched pool faults its pages in during the first requests'
-        # steps (the offline suite's long prompts ran 1.6x slower on a fresh pool than on a touched
-        # one, docs/performance.md "A cold KV pool"), and the eager cache's zeros already paid this.
+        # steps (4 long prompts in-process took 17.5 s on a fresh pool against 11.8 s on a touched one,
+        # on a VM half an hour after boot; docs/performance.md "A cold KV pool"), and the eager cache's
+        # zeros already paid this at startup.
         self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
