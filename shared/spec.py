@@ -86,6 +86,16 @@ class WorkerSpec:
     max_num_batched_tokens: int = option(
         0, "--max-num-batched-tokens", "most tokens in one engine step (0 = default)", minimum=0, group=MODEL
     )
+    prompt_tokens_beside_decodes: int = option(
+        0,
+        "--prompt-tokens-beside-decodes",
+        "most prompt tokens in a step that also carries decodes: each decode waits for the whole step, so "
+        "a smaller N bounds inter-token latency, a larger one prefills a newcomer in fewer steps (0 = "
+        "default: the device's, none with an explicit --max-num-batched-tokens)",
+        metavar="N",
+        minimum=0,
+        group=MODEL,
+    )
     tensor_parallel_size: int = option(
         1,
         "--tensor-parallel-size",

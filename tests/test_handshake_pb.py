@@ -91,6 +91,7 @@ def test_every_worker_spec_field_travels():
         "max_num_batched_tokens": 64,
         "threads": 1,
         "tensor_parallel_size": 3,
+        "prompt_tokens_beside_decodes": 16,
         "cache": cache_intent(PagedAttentionMode.ON),
         "max_model_len_auto": True,
         "features": FeatureIntents(prefix_caching=FeatureMode.OFF),

@@ -83,7 +83,8 @@ def epilog() -> str:
         f"  --max-num-batched-tokens 0  {cpu.max_num_batched_tokens} (longer prompts are prefilled in "
         f"chunks); at most {cpu.prompt_tokens_beside_decodes}",
         "                              prompt tokens in a step while a sequence decodes (an explicit N: the",
-        "                              step's budget whatever runs)",
+        "                              step's budget whatever runs; --prompt-tokens-beside-decodes sets the",
+        "                              bound, with either)",
         f"  paged budget (no --pa-*)    min({CPU_PAGED_BUDGET_BYTES / GiB:g} GiB, "
         f"{CPU_PAGED_BUDGET_RAM_FRACTION:.0%} of system RAM), at most max-num-seqs x max-model-len tokens",
     ]

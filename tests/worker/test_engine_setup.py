@@ -4,6 +4,7 @@ and scheduler follow what was built."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from dataclasses import replace
@@ -93,21 +94,64 @@ def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_ll
 
 
 @pytest.mark.parametrize(
-    ("mode", "flag", "budget", "beside_decodes"),
+    ("mode", "flag", "beside_flag", "budget", "beside_decodes"),
     [
-        ("on", 0, 2048, 48),  # the CPU default: 2048 a step, at most 48 prompt tokens beside decodes
-        ("off", 0, 2048, 48),
-        ("on", 64, 64, None),  # an explicit budget is the step's budget whatever runs
-        ("off", 4096, 4096, None),
+        ("on", 0, 0, 2048, 48),  # the CPU default: 2048 a step, at most 48 prompt tokens beside decodes
+        ("off", 0, 0, 2048, 48),
+        ("on", 64, 0, 64, None),  # an explicit budget is the step's budget whatever runs
+        ("off", 4096, 0, 4096, None),
+        ("on", 0, 24, 2048, 24),  # --prompt-tokens-beside-decodes sets the bound, with either budget
+        ("off", 4096, 32, 4096, 32),
     ],
 )
 def test_cpu_step_token_budget_and_its_prompt_share_beside_decodes(
-    tiny_llama, no_loading, mode, flag, budget, beside_decodes
+    tiny_llama, no_loading, mode, flag, beside_flag, budget, beside_decodes
 ):
-    spec = worker_spec(tiny_llama, mode, max_num_batched_tokens=flag)
+    spec = replace(
+        worker_spec(tiny_llama, mode, max_num_batched_tokens=flag), prompt_tokens_beside_decodes=beside_flag
+    )
     plan = engine_setup.plan_startup(spec)
     assert (plan.max_num_batched_tokens, plan.prompt_tokens_beside_decodes) == (budget, beside_decodes)
     assert plan.log_fields()["prompt_tokens_beside_decodes"] == beside_decodes
+
+
+def test_the_prompt_bound_beside_decodes_reaches_the_scheduler(tiny_llama):
+    """Two sequences decode, a 100-token prompt arrives: --prompt-tokens-beside-decodes 8 prefills it
+    8 tokens a step beside them."""
+    spec = replace(worker_spec(tiny_llama, "on", context_tokens=1024), prompt_tokens_beside_decodes=8)
+    engine = engine_setup.build_engine(engine_setup.plan_startup(spec))
+    try:
+        scheduler = engine.step_loop.scheduler
+        assert scheduler.prompt_tokens_beside_decodes == 8
+        chunks: list[int] = []
+        schedule = scheduler.schedule
+
+        def recorded():
+            out = schedule()
+            decodes = [c for c in out.chunks if c.num_tokens == 1 and c.seq.request_id.startswith("d")]
+            if decodes:
+                chunks.extend(c.num_tokens for c in out.chunks if c.seq.request_id == "long")
+            return out
+
+        scheduler.schedule = recorded
+
+        async def drain(request) -> None:
+            async for _ in engine.generate(request):
+                pass
+
+        async def long_prompt_after_two_decoders() -> None:
+            decoders = [asyncio.ensure_future(drain(greedy(f"d{n}x", [5 + n, 6, 7], 30))) for n in range(2)]
+            for _ in range(500):  # until both decode (bounded: 5 s)
+                if sum(s.num_uncomputed_tokens == 1 for s in scheduler.running) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.wait_for(drain(greedy("long", list(range(1, 101)), 2)), 60)
+            await asyncio.wait_for(asyncio.gather(*decoders), 60)
+
+        asyncio.run(long_prompt_after_two_decoders())
+        assert chunks and max(chunks) <= 8 and sum(chunks) >= 64, chunks  # most of it beside decodes
+    finally:
+        engine.close()
 
 
 # ---- the cache budget ----

@@ -10,6 +10,8 @@ Defaults (quoted by `worker --help`):
                                CPU/MPS: at most 48 of them prompt tokens while a sequence decodes
                                (`DeviceDefaults.prompt_tokens_beside_decodes`); an explicit N is the step's
                                budget whatever runs
+  --prompt-tokens-beside-decodes 0   that bound: the device default (none with an explicit
+                               --max-num-batched-tokens); an explicit N bounds every step carrying decodes
   PAGED budget, no --pa-* flag:
       CPU/MPS  min(1 GiB, 10% of system RAM)
       CUDA     0.9 x free memory - weights - activation headroom

@@ -194,7 +194,8 @@ def _plan(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=p.max_num_batched_tokens,
         prompt_tokens_beside_decodes=(
-            None if p.spec.max_num_batched_tokens else p.defaults.prompt_tokens_beside_decodes
+            p.spec.prompt_tokens_beside_decodes
+            or (None if p.spec.max_num_batched_tokens else p.defaults.prompt_tokens_beside_decodes)
         ),
         weight_bytes=p.weight_bytes,
         bytes_per_token=p.bytes_per_token,

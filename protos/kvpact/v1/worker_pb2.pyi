@@ -116,6 +116,7 @@ class WorkerSpec(_message.Message):
     THREADS_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_BESIDE_DECODES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """path to an HF directory or .gguf file"""
     device: _builtins.str
@@ -134,6 +135,8 @@ class WorkerSpec(_message.Message):
     """--threads; unset = the worker's share of the machine"""
     tensor_parallel_size: _builtins.int
     """--tensor-parallel-size; 0 = 1 (one rank)"""
+    prompt_tokens_beside_decodes: _builtins.int
+    """--prompt-tokens-beside-decodes; 0 = the default"""
     @_builtins.property
     def device_map(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerPlacement]:
         """empty = every layer on `device`"""
@@ -159,10 +162,11 @@ class WorkerSpec(_message.Message):
         threads: _builtins.int | None = ...,
         features: _abc.Mapping[_builtins.str, _cache_pb2.FeatureMode.ValueType] | None = ...,
         tensor_parallel_size: _builtins.int = ...,
+        prompt_tokens_beside_decodes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_threads", b"_threads", "cache", b"cache", "threads", b"threads"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_threads", b"_threads", "cache", b"cache", "device", b"device", "device_map", b"device_map", "dtype", b"dtype", "features", b"features", "max_model_len", b"max_model_len", "max_model_len_auto", b"max_model_len_auto", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model", b"model", "tensor_parallel_size", b"tensor_parallel_size", "threads", b"threads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_threads", b"_threads", "cache", b"cache", "device", b"device", "device_map", b"device_map", "dtype", b"dtype", "features", b"features", "max_model_len", b"max_model_len", "max_model_len_auto", b"max_model_len_auto", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model", b"model", "prompt_tokens_beside_decodes", b"prompt_tokens_beside_decodes", "tensor_parallel_size", b"tensor_parallel_size", "threads", b"threads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__threads: _TypeAlias = _typing.Literal["threads"]  # noqa: Y015
     _WhichOneofArgType__threads: _TypeAlias = _typing.Literal["_threads", b"_threads"]  # noqa: Y015
