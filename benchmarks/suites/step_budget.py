@@ -1,18 +1,19 @@
-"""The step's token budget (`--max-num-batched-tokens`) against decode stalls, at 1.5x capacity.
+"""The step's prompt share against decode stalls, at 1.5x capacity.
 
     python -m benchmarks.run --suites step_budget [--quick]
 
-A prefill chunk shares its step with every running decode, so a large chunk makes every decoding
-stream wait for it: ITL p99 grows with the budget, while a small budget spends more steps on each
-prompt (TTFT, throughput). One paged worker behind a router per budget in BUDGETS and one started
-without the flag (the default); each gets the same seeded mixed workload (suite `online`'s) arriving
-as a Poisson process at 1.5x the capacity measured with the default (a burst, as `online` probes it).
+A prompt chunk shares its step with every running decode, so a large chunk makes every decoding
+stream wait for it: ITL p99 grows with the prompt tokens a step carries beside decodes, while a small
+share spends more steps on each prompt (TTFT, throughput). One paged worker behind a router per row of
+ROWS: the worker started with no flag (the default), the old default (`--max-num-batched-tokens 2048`,
+every prompt in one chunk), and `--prompt-tokens-beside-decodes N` for each N in BESIDE; each gets the
+same seeded mixed workload (suite `online`'s) arriving as a Poisson process at 1.5x the capacity
+measured with the default (a burst, as `online` probes it).
 
     median decode step   ITL p50 of the same run: nearly every gap between two tokens is one step
-    target               p99 ITL <= 2x the median decode step, at the default budget (the worker started
-                         without the flag: CPU_DEFAULTS' 2048 a step, at most 48 of them prompt tokens
-                         while a sequence decodes); an explicit --max-num-batched-tokens N is N for
-                         every step, so the 2048 row is the old default
+    target               p99 ITL <= 2x the median decode step, for the worker started without a flag
+                         (CPU_DEFAULTS: 2048 tokens a step, at most `prompt_tokens_beside_decodes` of
+                         them prompt tokens while a sequence decodes)
 """
 
 from __future__ import annotations
@@ -36,22 +37,35 @@ from benchmarks.suites.online import (
 )
 from benchmarks.workloads import WorkItem
 
-BUDGETS, QUICK_BUDGETS = (2048, 256, 64, 32), (2048,)  # explicit flags; and the default (DEFAULT)
-DEFAULT = 0  # the row of the worker started without the flag
+BESIDE_FLAG = "--prompt-tokens-beside-decodes"
+OLD_DEFAULT = ("--max-num-batched-tokens", "2048")  # no bound beside decodes: every prompt in one chunk
+BESIDE, QUICK_BESIDE = (48, 32, 24, 16), ()  # --prompt-tokens-beside-decodes N, one row each
 LOAD_FACTOR = 1.5
 WINDOW_S, QUICK_WINDOW_S = 15.0, 3.0
 MAX_REQUESTS, QUICK_MAX_REQUESTS = 24, 8
 ITL_LIMIT = 2.0  # p99 ITL / median decode step
 
 
+def rows(quick: bool) -> list[tuple[str, tuple[str, ...]]]:
+    """(label, worker flags) per row: the default (no flag) first, then the old default, then BESIDE
+    without the default's own value (the default row is that one)."""
+    from kvpact.worker.kv.sizing import CPU_DEFAULTS
+
+    own = CPU_DEFAULTS.prompt_tokens_beside_decodes
+    flagged = [n for n in (QUICK_BESIDE if quick else BESIDE) if n != own]
+    return [
+        (f"default (at most {own} prompt tokens beside decodes)", ()),
+        ("--max-num-batched-tokens 2048 (the old default: no bound)", OLD_DEFAULT),
+        *((f"--prompt-tokens-beside-decodes {n}", (BESIDE_FLAG, str(n))) for n in flagged),
+    ]
+
+
 @contextmanager
 def _worker(
-    ctx: BenchContext, budget: int | None, max_model_len: int, probe: list[WorkItem]
+    ctx: BenchContext, flags: tuple[str, ...], max_model_len: int, probe: list[WorkItem]
 ) -> Iterator[str]:
-    """A router and one paged worker with this step budget (None: no flag, the worker's default), warmed
-    by one burst; yields its address."""
-    args = () if budget is None else ("--max-num-batched-tokens", str(budget))
-    cluster = Cluster(ctx.model, "paged", max_model_len, MAX_NUM_SEQS, worker_args=args).start()
+    """A router and one paged worker with these flags, warmed by one burst; yields its address."""
+    cluster = Cluster(ctx.model, "paged", max_model_len, MAX_NUM_SEQS, worker_args=flags).start()
     try:
         cluster.wait_ready()
         asyncio.run(stream(cluster.address, probe))
@@ -67,88 +81,65 @@ def _timed(address: str, items: list[WorkItem]) -> tuple[list[Streamed], float]:
 
 
 def run(ctx: BenchContext) -> SuiteResult:
-    from kvpact.worker.kv.sizing import CPU_DEFAULTS
-
     config, cap, max_model_len = model_scale(ctx)
     window = QUICK_WINDOW_S if ctx.quick else WINDOW_S
     most = QUICK_MAX_REQUESTS if ctx.quick else MAX_REQUESTS
     probe = _items(
         QUICK_PROBE_REQUESTS if ctx.quick else PROBE_REQUESTS, ctx.seed + 999, config.vocab_size, cap
     )
-    default = DEFAULT
-    cpu = CPU_DEFAULTS
-    described = (
-        f"default ({cpu.max_num_batched_tokens}, at most {cpu.prompt_tokens_beside_decodes} prompt tokens "
-        "beside decodes)"
-    )
-    runs: dict[int, tuple[list[Streamed], float]] = {}
-    with _worker(ctx, None, max_model_len, probe) as address:  # the default's worker sets the rate
+    table_rows = rows(ctx.quick)
+    runs: list[tuple[list[Streamed], float]] = []
+    with _worker(ctx, table_rows[0][1], max_model_len, probe) as address:  # the default sets the rate
         probed = _timed(address, probe)
         capacity = len(probe) / probed[1]
         rate = round(LOAD_FACTOR * capacity, 3)
         n = max(3, min(most, round(rate * window)))
         items = workloads.with_poisson_arrivals(_items(n, ctx.seed, config.vocab_size, cap), rate, ctx.seed)
-        runs[default] = _timed(address, items)
-    budgets = [default, *sorted(QUICK_BUDGETS if ctx.quick else BUDGETS, reverse=True)]
-    for budget in budgets:
-        if budget not in runs:
-            with _worker(ctx, budget, max_model_len, probe) as address:
-                runs[budget] = _timed(address, items)
-    rows: list[list[Any]] = []
+        runs.append(_timed(address, items))
+    for _, flags in table_rows[1:]:
+        with _worker(ctx, flags, max_model_len, probe) as address:
+            runs.append(_timed(address, items))
+    cells: list[list[Any]] = []
     data: list[dict[str, Any]] = []
-    base_tok_s = None
-    for budget in budgets[1:] + budgets[:1]:  # tok/s against the largest explicit budget
-        streamed, wall = runs[budget]
+    old_tok_s = sum(len(s.tokens) for s in runs[1][0]) / runs[1][1]
+    for (label, flags), (streamed, wall) in zip(table_rows, runs, strict=True):
         itl = [g for s in streamed for g in s.inter_token()]
         ttft = [s.ttft for s in streamed]
         tok_s = sum(len(s.tokens) for s in streamed) / wall
-        base_tok_s = base_tok_s or tok_s
         p50, p99 = 1000 * _pct(itl, 50), 1000 * _pct(itl, 99)
-        rows.append(
-            [
-                described if budget == default else str(budget),
-                p50,
-                p99,
-                p99 / p50,
-                _pct(ttft, 50),
-                _pct(ttft, 99),
-                tok_s,
-                tok_s / base_tok_s,
-            ]
-        )
+        cells.append([label, p50, p99, p99 / p50, _pct(ttft, 50), _pct(ttft, 99), tok_s, tok_s / old_tok_s])
         data.append(
             {
-                "budget": budget,
+                "label": label,
+                "flags": list(flags),
                 "itl_ms": {50: p50, 99: p99},
                 "ttft_s": {50: _pct(ttft, 50), 99: _pct(ttft, 99)},
                 "output_tok_s": tok_s,
             }
         )
     command = "python -m benchmarks.run --suites step_budget" + (" --quick" if ctx.quick else "")
-    at_default = next(d for d in data if d["budget"] == default)
-    ratio = at_default["itl_ms"][99] / at_default["itl_ms"][50]
-    first = data[0]
-    rows, data = rows[-1:] + rows[:-1], data[-1:] + data[:-1]  # the default's row first
+    default = data[0]
+    ratio = default["itl_ms"][99] / default["itl_ms"][50]
     target = Target(
-        f"p99 ITL at {LOAD_FACTOR:g}x capacity, default --max-num-batched-tokens ({described})",
+        f"p99 ITL at {LOAD_FACTOR:g}x capacity, the worker's default ({table_rows[0][0]})",
         f"<= {ITL_LIMIT:g}x the median decode step",
-        f"{ratio:.2f}x (p99 {at_default['itl_ms'][99]:.0f} ms, "
-        f"median step {at_default['itl_ms'][50]:.0f} ms); "
-        f"output tok/s {at_default['output_tok_s'] / first['output_tok_s']:.2f}x budget {first['budget']}'s",
+        f"{ratio:.2f}x (p99 {default['itl_ms'][99]:.0f} ms, median step {default['itl_ms'][50]:.0f} ms); "
+        f"output tok/s {default['output_tok_s'] / old_tok_s:.2f}x the old default's, "
+        f"TTFT p99 {default['ttft_s'][99]:.2f} s",
         ratio <= ITL_LIMIT,
     )
     table = Table(
-        f"Step token budget at {LOAD_FACTOR:g}x capacity (one paged worker, Poisson arrivals)",
-        ["--max-num-batched-tokens", "ITL p50 ms", "ITL p99 ms", "p99 / p50", "TTFT p50 s", "TTFT p99 s"]
-        + ["output tok/s", f"tok/s vs {budgets[1]}"],
-        rows,
+        f"Prompt tokens beside decodes at {LOAD_FACTOR:g}x capacity (one paged worker, Poisson arrivals)",
+        ["worker flags", "ITL p50 ms", "ITL p99 ms", "p99 / p50", "TTFT p50 s", "TTFT p99 s"]
+        + ["output tok/s", "tok/s vs the old default"],
+        cells,
         command,
         [
-            f"capacity ({described}, a burst of {len(probe)} mixed requests): "
-            f"{capacity:.2f} req/s; "
-            f"rate {rate:g} req/s, {n} requests, the same for every budget",
+            f"capacity (the default, a burst of {len(probe)} mixed requests): {capacity:.2f} req/s; "
+            f"rate {rate:g} req/s, {n} requests, the same for every row",
             f"mixed workload fitted to {max_model_len} tokens, greedy, ignore_eos, "
-            f"--max-num-seqs {MAX_NUM_SEQS}",
+            f"--max-num-seqs {MAX_NUM_SEQS}; rows run one after another (a load change mid-run shows as "
+            "a row's difference)",
         ],
     )
     return SuiteResult(
@@ -162,11 +153,11 @@ def run(ctx: BenchContext) -> SuiteResult:
 
 def _figure(data: list[dict]):
     fig, (ax,) = new_figure(width=6.5, height=4.0)
-    budgets = [d["budget"] for d in data]
+    labels = [d["label"].split(" (")[0].replace("--prompt-tokens-beside-decodes ", "beside ") for d in data]
+    x = range(len(data))
     for q, marker in ((99, "o"), (50, "s")):
-        ax.plot(budgets, [d["itl_ms"][q] for d in data], marker=marker, label=f"ITL p{q}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("--max-num-batched-tokens (tokens per step)")
+        ax.plot(x, [d["itl_ms"][q] for d in data], marker=marker, linestyle="", label=f"ITL p{q}")
+    ax.set_xticks(list(x), labels, fontsize=7, rotation=15)
     ax.set_ylabel("inter-token latency (ms)")
     ax.set_title(f"Decode stalls at {LOAD_FACTOR:g}x capacity (lower is better)")
     ax.legend(fontsize=8)
