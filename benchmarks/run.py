@@ -112,16 +112,18 @@ def _summary(ctx: BenchContext, failed: list[str]) -> str:
         "# Benchmark summary",
         "",
         f"- model: {ctx.model.name}",
-        f"- machine: {ctx.machine.line()}",
+        f"- this run's machine: {ctx.machine.line()}",
+        "- each suite's own machine is in its row (ratios are only compared within one suite's run)",
         "",
-        "| suite | run | seconds | targets met | report |",
-        "|---|---|---:|---:|---|",
+        "| suite | run | machine | seconds | targets met | report |",
+        "|---|---|---|---:|---:|---|",
     ]
     targets: list[Target] = []
     for name in SUITES:
         path = ctx.out_dir / f"{name}.json"
         if name in failed:
-            lines.append(f"| {name} | `{ctx.command}` | - | FAILED | (see the run's output) |")
+            cells = f"`{ctx.command}` | {ctx.machine.cpu} | - | FAILED | (see the run's output)"
+            lines.append(f"| {name} | {cells} |")
             continue
         if not path.exists():
             continue
@@ -130,7 +132,8 @@ def _summary(ctx: BenchContext, failed: list[str]) -> str:
         checked = [t for t in suite_targets if t.met is not None]
         met = sum(1 for t in checked if t.met)
         lines.append(
-            f"| {name} | `{saved['command']}` | {saved['seconds']:.0f} | {met}/{len(checked)} "
+            f"| {name} | `{saved['command']}` | {saved['machine']['cpu']} | {saved['seconds']:.0f} "
+            f"| {met}/{len(checked)} "
             f"| [{name}.md]({name}.md) |"
         )
         targets += suite_targets

@@ -260,7 +260,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     lengths = [longest // 5 + (longest * 4 // 5 * i) // (NUM_SEQS - 1) for i in range(NUM_SEQS)]
     single = [min(192, longest)]
     # An explicit step budget: every prompt is prefilled before the first has decoded its tokens, so steps
-    # with all NUM_SEQS decoding exist (the CPU default carries only 48 prompt tokens beside decodes).
+    # with all NUM_SEQS decoding exist (the CPU default carries only 32 prompt tokens beside decodes).
     base = WorkerSpec(
         model=str(ctx.model), device=ctx.device, max_num_seqs=NUM_SEQS, max_model_len=max_model_len,
         max_num_batched_tokens=2048,

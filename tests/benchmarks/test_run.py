@@ -37,6 +37,9 @@ def test_the_summary_keeps_every_suite_already_in_the_folder(tmp_path: Path) -> 
         if line.startswith("| offline |") or line.startswith("| failfast |")
     ]
     assert len(rows) == 2, summary
+    for row in rows:  # each suite's own machine, whatever machine wrote the summary
+        name = row.split("|")[1].strip()
+        assert f"| {json.loads((tmp_path / f'{name}.json').read_text())['machine']['cpu']} |" in row
     for name in ("offline", "failfast"):
         saved = json.loads((tmp_path / f"{name}.json").read_text())
         for target in saved["targets"]:
