@@ -70,7 +70,7 @@ def test_a_killed_worker_fails_only_the_streams_that_had_tokens_and_the_rest_are
                 want = list(client.complete(PROMPT, max_tokens=NUM_TOKENS, temperature=0.0,
                                             ignore_eos=True).token_ids)  # fmt: skip
             results: dict[int, tuple[str, list[int], str, float]] = {}
-            progress: dict[int, int] = {}
+            progress: dict[int, str] = {}  # stream -> the worker its tokens came from
 
             def one(i: int) -> None:
                 tokens: list[int] = []
@@ -81,7 +81,7 @@ def test_a_killed_worker_fails_only_the_streams_that_had_tokens_and_the_rest_are
                                                      ignore_eos=True):  # fmt: skip
                             tokens += chunk.token_ids
                             worker = chunk.worker_id
-                            progress[i] = len(tokens)
+                            progress[i] = worker
                         results[i] = ("OK", tokens, worker, time.monotonic())
                     except KvpactRpcError as exc:
                         results[i] = (exc.code.name, tokens, exc.details, time.monotonic())
@@ -90,15 +90,24 @@ def test_a_killed_worker_fails_only_the_streams_that_had_tokens_and_the_rest_are
             for t in threads:
                 t.start()
             # 3 requests go to each worker (fewest in flight first); the doomed one runs one of its three
-            # and the other two wait, having produced nothing.
-            with grpc.insecure_channel(doomed.address) as channel:
-                stub = worker_pb2_grpc.WorkerStub(channel)
+            # (it has streamed tokens) and the other two wait, having produced nothing. The other worker
+            # need only have its 3 (every request routed before the kill): waiting for its tokens too
+            # let a stalled CI run see the doomed one finish its first stream before they came.
+            with (
+                grpc.insecure_channel(doomed.address) as doomed_channel,
+                grpc.insecure_channel(other.address) as other_channel,
+            ):
+                stats = [worker_pb2_grpc.WorkerStub(c).Stats for c in (doomed_channel, other_channel)]
                 deadline = time.monotonic() + 30
                 while True:
-                    load = stub.Stats(worker_pb2.StatsRequest(), timeout=5)
-                    if (load.num_running, load.num_waiting) == (1, 2) and len(progress) >= 4:
+                    load, other_load = (stat(worker_pb2.StatsRequest(), timeout=5) for stat in stats)
+                    if (
+                        (load.num_running, load.num_waiting) == (1, 2)
+                        and other_load.num_running + other_load.num_waiting == 3
+                        and "w-doomed" in progress.values()
+                    ):
                         break
-                    assert time.monotonic() < deadline, (load, progress)
+                    assert time.monotonic() < deadline, (load, other_load, progress)
                     time.sleep(0.02)
             doomed.handle.popen.kill()
             killed_at = time.monotonic()
