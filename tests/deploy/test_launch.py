@@ -214,7 +214,7 @@ def test_on_with_a_worker_that_cannot_honor_it_fails_78_naming_it(
     # torch-0 did not keep loading: told to stop by the router (0), refused when it announced its plan to
     # the failed cluster (78), or stopped by the teardown (0).
     assert re.search(
-        r"^kvpact-launch: teardown: workers stopped \(exit codes\): torch-0 (0|78), triton-0 78$", out, re.M
+        r"kvpact-launch: teardown: workers stopped \(exit codes\): torch-0 (0|78), triton-0 78$", out, re.M
     )
     if 'worker "torch-0" at ' in err:  # it announced its plan in time: the router told it to stop
         torch_block = err[err.index('worker "torch-0" at ') :].split("\n\n")[0]
@@ -249,7 +249,7 @@ def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitte
     config = cluster_file(tmp_path, workers=[group])
     with launched(config, ray_cluster.address, log_dir=tmp_path) as launch:
         address = wait_serving(launch)
-        pid = int(wait_for_line(launch, r"^kvpact-launch: worker cpu-0 \(pid (\d+)\) started", 5).group(1))
+        pid = int(wait_for_line(launch, r"kvpact-launch: worker cpu-0 \(pid (\d+)\) started", 5).group(1))
         with Client(address, timeout=30) as client:
             before = client.cluster_status().workers[0].address
         os.kill(pid, signal.SIGKILL)  # the worker process this test's launcher started, by its pid
@@ -262,7 +262,7 @@ def test_a_worker_that_dies_after_serving_is_restarted_in_its_bundle_and_admitte
         # Its own last lines came first, fetched through its actor (its node's files may be elsewhere).
         crash = launch.output().split("exited with code -9; worker cpu-0 in ", 1)[1]
         assert "its last output lines" in crash and "worker cpu-0 serving" in crash, crash[:3000]
-        wait_for_line(launch, rf"^kvpact-launch: worker cpu-0 \(pid (?!{pid}\))\d+\) started in bundle 0", 30)
+        wait_for_line(launch, rf"kvpact-launch: worker cpu-0 \(pid (?!{pid}\))\d+\) started in bundle 0", 30)
 
         def admitted_again() -> bool:
             with Client(address, timeout=10) as client:
@@ -296,7 +296,7 @@ def test_a_killed_actor_is_restarted_after_its_backoff_and_a_sigterm_meanwhile_s
         os.kill(actor.pid, signal.SIGKILL)  # the actor this test's launcher started, by its pid
         wait_for_line(
             launch,
-            r"^kvpact-launch: worker cpu-0 in bundle 0 on node \S+ \(\S+\) its Ray actor is dead \(.+\); "
+            r"kvpact-launch: worker cpu-0 in bundle 0 on node \S+ \(\S+\) its Ray actor is dead \(.+\); "
             r"restarting it in its bundle in 1 s \(restart 1 of 2 within 600 s\)$",
             60,
         )
@@ -304,7 +304,7 @@ def test_a_killed_actor_is_restarted_after_its_backoff_and_a_sigterm_meanwhile_s
         assert wait_for_exit(launch, 60) == 0, launch.output()
     out = launch.stdout()
     assert out.rstrip().endswith("kvpact-launch: stopped"), out[-2000:]
-    assert len(re.findall(r"^kvpact-launch: worker cpu-0 \(pid \d+\) started", out, re.M)) == 1, out[-3000:]
+    assert len(re.findall(r"kvpact-launch: worker cpu-0 \(pid \d+\) started", out, re.M)) == 1, out[-3000:]
     assert_nothing_left(ray_cluster, group_name)
 
 
@@ -347,7 +347,7 @@ def test_a_tensor_parallel_worker_runs_its_ranks_in_its_bundle_and_a_killed_rank
         address = wait_serving(launch)
         out = launch.stdout()
         assert "placing 1 workers: tp x1 {CPU: 0.5} tp 2, strategy PACK" in out, out[-3000:]
-        line = r"^kvpact-launch: worker tp-0 \(pid (\d+)\) started in bundle 0 .*; it starts its 1 other "
+        line = r"kvpact-launch: worker tp-0 \(pid (\d+)\) started in bundle 0 .*; it starts its 1 other "
         started = wait_for_line(launch, line + "tensor-parallel ranks in this bundle$", 5)
         pid = int(started.group(1))
         [rank1] = rank_pids(pid)
@@ -376,7 +376,7 @@ def test_a_tensor_parallel_worker_runs_its_ranks_in_its_bundle_and_a_killed_rank
                 return client.cluster_status().workers[0].state == router_pb2.WORKER_STATE_DEAD
 
         eventually(dead, 30, "tp-0 marked DEAD by the router", interval=0.2)
-        again = wait_for_line(launch, rf"^kvpact-launch: worker tp-0 \(pid (?!{pid}\))(\d+)\) started", 30)
+        again = wait_for_line(launch, rf"kvpact-launch: worker tp-0 \(pid (?!{pid}\))(\d+)\) started", 30)
         assert not alive(pid) and not alive(rank1), "a process of the killed worker is left"
         eventually(lambda: len(rank_pids(int(again.group(1)))) == 1, 60, "the new worker's rank 1")
         launch.popen.send_signal(signal.SIGTERM)
@@ -540,7 +540,7 @@ def test_autoscaling_adds_a_worker_under_a_burst_and_removes_it_when_idle(
         loaders = [threading.Thread(target=_load, args=(router, streams, stop_load)) for _ in range(6)]
         for thread in loaders:
             thread.start()
-        wait_for_line(launch, r"^kvpact-launch: autoscale: group cpu from 1 to 2 workers: waiting \S+ above "
+        wait_for_line(launch, r"kvpact-launch: autoscale: group cpu from 1 to 2 workers: waiting \S+ above "
                       r"its target 0.5 for 2 s$", 60)  # fmt: skip
         with Client(router, timeout=30) as kvpact:
             deadline = time.monotonic() + 120
@@ -553,7 +553,7 @@ def test_autoscaling_adds_a_worker_under_a_burst_and_removes_it_when_idle(
         stop_load.set()
         for thread in loaders:
             thread.join(120)
-        wait_for_line(launch, r"^kvpact-launch: autoscale: group cpu from 2 to 1 workers: waiting 0.00 below "
+        wait_for_line(launch, r"kvpact-launch: autoscale: group cpu from 2 to 1 workers: waiting 0.00 below "
                       r"its target 0.5 for 4 s$", 60)  # fmt: skip
         wait_for_line(launch, r"scale: worker cpu-1 left \(exited with code 0\)", 60)
         control = ray.get_actor("kvpact-launcher", namespace="kvpact")

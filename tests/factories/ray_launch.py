@@ -27,7 +27,10 @@ T = TypeVar("T")
 
 # The cluster's Ray processes (raylet, GCS) take unix sockets under the temp dir: keep the path short.
 RAY_AUTH = {"RAY_AUTH_MODE": "disabled"}
-SERVING_LINE = r"^kvpact-launch: the cluster is SERVING on (\S+)$"
+# Not anchored at a line's start: Ray forwards an actor's output from a thread of the launcher's process,
+# writing a line's text and its newline apart, so a launcher line can land right after an actor's text
+# (seen in CI: "...serving tiny on 192.0.2.2:38091kvpact-launch: the cluster is SERVING on ...").
+SERVING_LINE = r"kvpact-launch: the cluster is SERVING on (\S+)$"
 PLACEMENT_GROUP_LINE = r"\(placement group (kvpact-[0-9a-f]+);"
 MAX_MODEL_LEN = 256
 
