@@ -47,13 +47,20 @@ WARMUP = (WorkItem(tuple(range(100, 124)), 4), WorkItem(tuple(range(200, 208)), 
 
 
 def open_engine(
-    model: Path, cache: str, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int = 0
+    model: Path,
+    cache: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int = 0,
+    prompt_tokens_beside_decodes: int = 0,
 ) -> Engine:
-    """`cache`: "paged" (--paged-attn on) or "eager" (off); `max_num_batched_tokens`: as the worker flag
-    (0: the device default). The caller closes it (`with engine:`)."""
+    """`cache`: "paged" (--paged-attn on) or "eager" (off); `max_num_batched_tokens` and
+    `prompt_tokens_beside_decodes`: as the worker flags (0: the device default). The caller closes it
+    (`with engine:`)."""
     spec = WorkerSpec(
         model=str(model), device="cpu", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        prompt_tokens_beside_decodes=prompt_tokens_beside_decodes,
     )  # fmt: skip
     engine = build_engine(replace(spec, cache=cache_intent(MODES[cache])))
     run_engine(engine, [_fold(w, engine.vocab_size) for w in WARMUP])

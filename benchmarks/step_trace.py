@@ -1,9 +1,10 @@
 """Where the ITL tail comes from: suite step_budget's load on an in-process engine, every step traced.
 
-    python -m benchmarks.step_trace [--budget 0] [--load 1.5] [--requests 24] [--model PATH]
+    python -m benchmarks.step_trace [--budget 0] [--beside 0] [--load 1.5] [--requests 24] [--model PATH]
 
 One paged engine built as a worker builds it (benchmarks/kvpact_systems.py `open_engine`, --max-num-seqs
-32, the workload's --max-model-len, `--budget` as --max-num-batched-tokens: 0 is the device default)
+32, the workload's --max-model-len, `--budget` as --max-num-batched-tokens and `--beside` as
+--prompt-tokens-beside-decodes: 0 is the device default)
 gets suite step_budget's seeded mixed workload: a burst of 16 sets the capacity, then `--requests`
 requests arrive as a Poisson process at `--load` x that capacity. The model runner's `run` is timed on
 the step thread (start, end, decoding sequences, prompt tokens), and each request's pieces are timed
@@ -79,6 +80,7 @@ async def _arrivals(engine: Engine, items: list[WorkItem]) -> list[list[float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=int, default=0, help="--max-num-batched-tokens (0: the default)")
+    parser.add_argument("--beside", type=int, default=0, help="--prompt-tokens-beside-decodes (0: default)")
     parser.add_argument("--load", type=float, default=1.5, help="arrival rate / the burst's capacity")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     config = read_model_config(model)
     cap = min(config.max_position_embeddings, CAP)
     probe = workloads.fit(workloads.mixed(PROBE, SEED + 999, config.vocab_size), cap)
-    with open_engine(model, "paged", -(-cap // 64) * 64, MAX_NUM_SEQS, args.budget) as engine:
+    max_model_len = -(-cap // 64) * 64
+    with open_engine(model, "paged", max_model_len, MAX_NUM_SEQS, args.budget, args.beside) as engine:
         run_engine(engine, probe)  # warm, as the suite's burst does
         capacity = PROBE / run_engine(engine, probe).wall_s
         rate = args.load * capacity
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = np.asarray([s.ended - s.began for s in steps])
     run_p50, run_p99 = 1000 * np.percentile(runs, 50), 1000 * np.percentile(runs, 99)
     print(
-        f"budget {args.budget or 'default'}; capacity {capacity:.2f} req/s, rate {rate:.2f} req/s, "
+        f"budget {args.budget or 'default'}, beside decodes {args.beside or 'default'}; "
+        f"capacity {capacity:.2f} req/s, rate {rate:.2f} req/s, "
         f"{len(items)} requests, {len(steps)} steps, {len(itl)} gaps"
     )
     print(

@@ -30,7 +30,7 @@ from kvpact.worker.scheduler.paged import PagedScheduler
 from kvpact.worker.startup import checks, engine_setup
 from kvpact.worker.startup.device import KERNEL_SUPPORT, DeviceProbe
 from tests.factories.tiny_models import make_tiny_llama
-from tests.worker.conftest import greedy, worker_spec
+from tests.worker.conftest import collect, greedy, worker_spec
 
 GiB = 2**30
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x 2 layers x 2 kv heads x head_dim 16 x fp32
@@ -115,6 +115,11 @@ def test_cpu_step_token_budget_and_its_prompt_share_beside_decodes(
     assert plan.log_fields()["prompt_tokens_beside_decodes"] == beside_decodes
 
 
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
 def test_the_prompt_bound_beside_decodes_reaches_the_scheduler(tiny_llama):
     """Two sequences decode, a 100-token prompt arrives: --prompt-tokens-beside-decodes 8 prefills it
     8 tokens a step beside them."""
@@ -135,18 +140,13 @@ def test_the_prompt_bound_beside_decodes_reaches_the_scheduler(tiny_llama):
 
         scheduler.schedule = recorded
 
-        async def drain(request) -> None:
-            async for _ in engine.generate(request):
-                pass
-
         async def long_prompt_after_two_decoders() -> None:
-            decoders = [asyncio.ensure_future(drain(greedy(f"d{n}x", [5 + n, 6, 7], 30))) for n in range(2)]
-            for _ in range(500):  # until both decode (bounded: 5 s)
-                if sum(s.num_uncomputed_tokens == 1 for s in scheduler.running) == 2:
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.wait_for(drain(greedy("long", list(range(1, 101)), 2)), 60)
-            await asyncio.wait_for(asyncio.gather(*decoders), 60)
+            decoders = [engine.generate(greedy(f"d{n}x", [5 + n, 6, 7], 30)) for n in range(2)]
+            for stream in decoders:  # each has its first token: both decode from here on
+                await asyncio.wait_for(anext(stream), 60)
+            await asyncio.wait_for(collect(engine, greedy("long", list(range(1, 101)), 2)), 60)
+            for stream in decoders:
+                await asyncio.wait_for(_drain(stream), 60)
 
         asyncio.run(long_prompt_after_two_decoders())
         assert chunks and max(chunks) <= 8 and sum(chunks) >= 64, chunks  # most of it beside decodes
