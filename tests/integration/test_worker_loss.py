@@ -72,9 +72,14 @@ def test_a_killed_worker_fails_only_the_streams_that_had_tokens_and_the_rest_are
             results: dict[int, tuple[str, list[int], str, float]] = {}
             progress: dict[int, str] = {}  # stream -> the worker its tokens came from
 
+            # Every stream is sent at once: threads started one after another on a stalled CI machine sent
+            # the doomed worker's third request after its first had finished (it never held 1 + 2).
+            ready = threading.Barrier(NUM_REQUESTS, timeout=30)
+
             def one(i: int) -> None:
                 tokens: list[int] = []
                 with Client(address, timeout=120) as client:
+                    ready.wait()
                     try:
                         worker = ""
                         for chunk in client.generate(PROMPT, max_tokens=NUM_TOKENS, temperature=0.0,
