@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpact.shared.child_process import parent_death_signal
+from kvpact.shared.child_process import die_with_parent as die_with_parent_argv
 
 POLL_INTERVAL_S = 0.05
 
@@ -98,23 +98,23 @@ def start_process(
     """Start `argv` in a new session with stdout/stderr written to `<log_dir>/<name>.{stdout,stderr}`.
 
     `env` is added to (not substituted for) this process's environment. `log_dir` defaults to a new
-    temporary directory. `die_with_parent` (Linux): the process gets SIGKILL when the thread that started
-    it ends, so a parent that is itself killed (a Ray actor, a launcher stopped with SIGKILL) leaves
-    nothing behind; start it from a thread that lives as long as the parent (the main thread)."""
+    temporary directory. `die_with_parent` (Linux, shared/child_process.py): the process gets SIGKILL when
+    the thread that started it ends, so a parent that is itself killed (a Ray actor, a launcher stopped
+    with SIGKILL) leaves nothing behind; start it from a thread that lives as long as the parent (the main
+    thread)."""
     name = name or Path(argv[0]).name
     directory = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvpact-"))
     directory.mkdir(parents=True, exist_ok=True)
     stdout_path, stderr_path = directory / f"{name}.stdout", directory / f"{name}.stderr"
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         popen = subprocess.Popen(
-            list(argv),
+            die_with_parent_argv(argv) if die_with_parent else list(argv),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,
             env={**os.environ, **(env or {})},
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=parent_death_signal() if die_with_parent else None,
         )
     return ProcessHandle(name, list(argv), popen, stdout_path, stderr_path)
 

@@ -173,7 +173,7 @@ def test_a_rank_killed_while_starting_fails_the_start_and_the_report_names_it(mo
             (pid,) = events[0]["pids"]
             try:
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # seen once in a stalled CI run: say what the worker said
+            except ProcessLookupError:  # CI once saw a rank abort at its start (tests/test_child_process.py)
                 said = w.output()[-4000:]
                 pytest.fail(f"rank 1 (pid {pid}) was gone before the kill; the worker said:\n{said}")
             assert wait_for_exit(w, 60) == 1

@@ -34,7 +34,7 @@ from torch._C._distributed_c10d import (
     TCPStore,  # the public name (torch.distributed) is not exported to typing
 )
 
-from kvpact.shared.child_process import parent_death_signal
+from kvpact.shared.child_process import die_with_parent
 from kvpact.shared.errors import ModelLoadError
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.sequence import ScheduledChunk
@@ -228,7 +228,7 @@ class RankGroup:
 
     def _watch(self, rank: int, argv: list[str], env: dict[str, str], started: threading.Event) -> None:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, preexec_fn=parent_death_signal()
+            die_with_parent(argv), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
         )
         self.procs.append(proc)
         tail = self.tails[rank] = deque(maxlen=3)

@@ -1,0 +1,100 @@
+"""shared/child_process.die_with_parent: the child runs as asked, dies with its parent, and starts safely
+from a process whose other threads are inside gRPC (a worker leading tensor-parallel ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvpact.shared.child_process import die_with_parent
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+def test_the_child_keeps_its_pid_output_and_exit_code():
+    code = "import os, sys; print(os.getpid(), sys.argv[1:]); sys.exit(3)"
+    child = subprocess.Popen(
+        die_with_parent([sys.executable, "-c", code, "a b", "c"]), stdout=subprocess.PIPE
+    )
+    out, _ = child.communicate(timeout=30)
+    assert child.returncode == 3
+    pid, args = out.decode().split(" ", 1)
+    assert (int(pid), args.strip()) == (child.pid, "['a b', 'c']")  # exec'd in the process Popen started
+
+
+def test_a_child_is_killed_when_its_parent_is_killed():
+    parent_code = (
+        "import subprocess, sys, time\n"
+        "from kvpact.shared.child_process import die_with_parent\n"
+        "child = subprocess.Popen(die_with_parent(['sleep', '60']))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10
+        # the trampoline has exec'd sleep once it shows as sleep: the signal is set by then
+        while not Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep"):
+            assert time.monotonic() < deadline, "the child never exec'd sleep"
+            time.sleep(0.02)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), f"child {child} outlived its SIGKILLed parent"
+    finally:
+        parent.kill()
+        parent.wait(10)
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_children_start_while_other_threads_call_into_grpc():
+    """With a preexec_fn (fork, gRPC's fork handlers in the child) 0-3 of 40 starts aborted (SIGABRT,
+    'epoll_wait error: Bad file descriptor'), as a CI worker's tensor-parallel rank once did."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+
+    def call_until_stopped() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not stop.is_set():
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+
+    callers = [threading.Thread(target=call_until_stopped, daemon=True) for _ in range(4)]
+    for caller in callers:
+        caller.start()
+    try:
+        failures = []
+        for _ in range(80):
+            done = subprocess.run(die_with_parent(["true"]), capture_output=True, timeout=30)
+            if done.returncode != 0:
+                failures.append((done.returncode, done.stderr.decode(errors="replace")[-300:]))
+        assert not failures, failures
+    finally:
+        stop.set()
+        for caller in callers:
+            caller.join(15)
+        server.stop(0)
