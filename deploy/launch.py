@@ -53,6 +53,7 @@ from kvpact.deploy.restarts import RestartBudget
 from kvpact.deploy.scaling import Scaler
 from kvpact.deploy.stop import stop_wait_warning
 from kvpact.deploy.supervision import Health, Observation, Poller
+from kvpact.deploy.whole_lines import keep_lines_whole
 from kvpact.shared.address import join_host_port
 from kvpact.shared.auth import read_token
 from kvpact.shared.errors import EXIT_FATAL, EXIT_POLICY, ConfigError
@@ -111,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvpact.deploy.plan import run_plan
 
         return run_plan(cluster)
+    keep_lines_whole()  # Ray's forwarded actor output and the launcher's own lines, each line whole
     return Launch(cluster, auth_token).run()
 
 
