@@ -1,6 +1,5 @@
 """The suite's processes fork Ray's GCS and raylets (ray.init, ray.cluster_utils.Cluster) while their own
-gRPC channels run: gRPC's fork handlers are off, as in deploy/__init__.py (its NOTE), before grpc loads."""
+gRPC channels run: kvpact.deploy switches gRPC's fork handlers off (its NOTE), imported here before any
+test module loads grpc."""
 
-import os
-
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+import kvpact.deploy  # noqa: F401

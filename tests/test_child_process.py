@@ -7,18 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from kvpact.shared.child_process import die_with_parent
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+from tests.factories.eventually import eventually
+from tests.factories.processes import alive
 
 
 def test_the_child_keeps_its_pid_output_and_exit_code():
@@ -45,21 +38,17 @@ def test_a_child_is_killed_when_its_parent_is_killed():
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
-        deadline = time.monotonic() + 10
         # the trampoline has exec'd sleep once it shows as sleep: the signal is set by then
-        while not Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep"):
-            assert time.monotonic() < deadline, "the child never exec'd sleep"
-            time.sleep(0.02)
+        eventually(
+            lambda: Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep"), 10, "sleep exec'd"
+        )
         parent.kill()
         parent.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child), f"child {child} outlived its SIGKILLed parent"
+        eventually(lambda: not alive(child), 10, f"child {child} gone after its parent's SIGKILL")
     finally:
         parent.kill()
         parent.wait(10)
-        if child and _alive(child):
+        if child and alive(child):
             os.kill(child, signal.SIGKILL)
 
 

@@ -28,6 +28,7 @@ from kvpact.deploy.processes import free_port, health_status, wait_for_exit, wai
 from kvpact.v1 import cache_pb2, router_pb2
 from tests.factories.certs import CertificateAuthority
 from tests.factories.eventually import eventually
+from tests.factories.processes import alive
 from tests.factories.ray_launch import (
     RAY_AUTH,
     cluster_file,
@@ -322,14 +323,6 @@ def rank_pids(worker_pid: int) -> list[int]:
         if ppid == worker_pid and b"kvpact.worker.startup.follower" in cmdline:
             found.append(int(entry.name))
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
 def test_a_tensor_parallel_worker_runs_its_ranks_in_its_bundle_and_a_killed_rank_restarts_it_whole(

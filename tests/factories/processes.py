@@ -57,6 +57,15 @@ WORKER_LISTENING = r"^worker \S+ listening on (\S+)$"
 WORKER_START_TIMEOUT_S = 60.0
 
 
+def alive(pid: int) -> bool:
+    """The process `pid` exists and has not exited (a zombie, exited but not yet reaped, is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def rss_bytes(pid: int) -> int:
     """The process's resident set (VmRSS), in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

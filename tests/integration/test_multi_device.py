@@ -23,6 +23,7 @@ from kvpact.v1 import cache_pb2, router_pb2, router_pb2_grpc
 from tests.factories.eventually import eventually
 from tests.factories.processes import (
     ProcessHandle,
+    alive,
     module_argv,
     running,
     started_worker,
@@ -161,7 +162,7 @@ def test_a_killed_rank_takes_its_worker_down_and_leaves_no_process(cluster: Clus
     os.kill(pid, signal.SIGKILL)
     assert wait_for_exit(worker, 20) == 1
     assert "tensor-parallel rank 1" in worker.output() and "exited with code -9" in worker.output()
-    eventually(lambda: not _alive(pid), 10, f"rank 1 (pid {pid}) to be gone")
+    eventually(lambda: not alive(pid), 10, f"rank 1 (pid {pid}) to be gone")
 
 
 def test_a_rank_killed_while_starting_fails_the_start_and_the_report_names_it(model: Path, tmp_path: Path):
@@ -196,7 +197,7 @@ def test_a_rank_that_cannot_honor_on_fails_the_worker_78_naming_the_rank_and_sto
     ) in w.output()
     (pid,) = log_events(w, "tensor-parallel ranks started")[0]["pids"]
     assert not log_events(w, "model_loaded")  # refused before any weight was read
-    eventually(lambda: not _alive(pid), 10, f"rank 1 (pid {pid}) to be gone")
+    eventually(lambda: not alive(pid), 10, f"rank 1 (pid {pid}) to be gone")
 
 
 def assert_greedy_parity(address: str, prompt: str, want_model: str, got_model: str) -> int:
@@ -247,22 +248,10 @@ def test_a_killed_rank_0_leaves_no_rank_running(model: Path, tmp_path: Path):
     argv = ["--model", str(model), "--tensor-parallel-size", "2", "--max-model-len", "256"]
     with started_worker(argv, log_dir=tmp_path, name="tp2-alone", timeout_s=START_S) as w:
         (pid,) = log_events(w.handle, "tensor-parallel ranks started")[0]["pids"]
-        assert _alive(pid)
+        assert alive(pid)
         os.kill(w.handle.pid, signal.SIGKILL)
         wait_for_exit(w.handle, 10)
-        eventually(lambda: not _alive(pid), 10, f"rank 1 (pid {pid}) to exit once rank 0 is gone")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for this purpose
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
+        eventually(lambda: not alive(pid), 10, f"rank 1 (pid {pid}) to exit once rank 0 is gone")
 
 
 @pytest.mark.slow  # the same verdict in-process: tests/worker/test_stages.py

@@ -3,7 +3,6 @@ model."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 
@@ -11,7 +10,15 @@ import openai
 import pytest
 
 from kvpact.client import Client
-from tests.factories.processes import free_port, module_argv, running, stop, wait_for_exit, wait_for_line
+from tests.factories.processes import (
+    alive,
+    free_port,
+    module_argv,
+    running,
+    stop,
+    wait_for_exit,
+    wait_for_line,
+)
 from tests.factories.tiny_models import make_tiny_llama
 
 START_TIMEOUT_S = 90.0
@@ -20,14 +27,6 @@ START_TIMEOUT_S = 90.0
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_serve_starts_both_prints_how_to_use_them_and_ctrl_c_stops_both(model_dir, tmp_path):
