@@ -1,4 +1,5 @@
-/* Paged KV cache kernels for the CPU worker (fp32), reading each sequence's blocks where they lie.
+/* The CPU worker's C kernels (fp32): paged KV cache write and decode, reading each sequence's blocks
+ * where they lie, and the linear layers of small batches (decode steps of a few sequences).
  *
  * Built at worker startup by kernels/cpu_paged.py (cc -O3 -march=native, no torch headers) and called
  * through ctypes with raw pointers; the layouts are kernels/reference.py's:
@@ -7,8 +8,9 @@
  *   slot                    block_id * block_size + offset; < 0 = skip
  * Query head h reads KV head h / (q_heads / kv_heads) (GQA).
  *
- * Work is split over sequences across `num_threads` POSIX threads, balanced by tokens (no OpenMP
- * runtime, so nothing competes with torch's own thread pool between calls).
+ * Work is split across `num_threads` POSIX threads (decode: over sequences, balanced by tokens; linear:
+ * over output features) where it is worth a thread's start; no OpenMP runtime, so nothing competes with
+ * torch's own thread pool between calls.
  */
 #include <math.h>
 #include <pthread.h>
@@ -49,6 +51,16 @@ static inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
+/* Asks for the block holding token `start` (when < ctx) to be brought into cache while the current one is
+ * computed: blocks lie anywhere in the pool, so the hardware prefetcher restarts at every block. */
+static inline void prefetch_block(const float *pool, const int32_t *table, int64_t start, int64_t ctx,
+                                  int64_t bs, int64_t row) {
+    if (start >= ctx) return;
+    const int64_t n = ctx - start < bs ? ctx - start : bs;
+    const float *p = pool + (int64_t)table[start / bs] * bs * row;
+    for (int64_t off = 0; off < n * row; off += 16) __builtin_prefetch(p + off);
+}
+
 typedef struct {
     const float *query;  /* [num_seqs, q_heads, head_dim], rows `query_stride` floats apart per seq */
     int64_t query_stride;
@@ -64,10 +76,12 @@ typedef struct {
 } DecodeJob;
 
 /* All query heads of one sequence: each block's rows are read once, front to back, for every KV head
- * (a block is contiguous, so the reads stream). scores holds q_heads x ctx floats. */
-static void decode_seq(const DecodeJob *j, int64_t seq, float *scores) {
+ * (a block is contiguous, so the reads stream). scores holds q_heads x ctx floats. Inlined per head
+ * size (decode_seq), so the common ones run with a constant trip count: measured 10% faster. */
+static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob *j, int64_t seq,
+                                                                 float *scores, const int64_t dim) {
     const int64_t q_heads = j->q_heads, kv_heads = j->kv_heads, group = q_heads / kv_heads;
-    const int64_t dim = j->head_dim, bs = j->block_size;
+    const int64_t bs = j->block_size;
     const int64_t ctx = j->context_lens[seq];
     const int32_t *table = j->block_tables + seq * j->table_stride;
     const float *q = j->query + seq * j->query_stride;
@@ -77,13 +91,17 @@ static void decode_seq(const DecodeJob *j, int64_t seq, float *scores) {
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
         const float *k = j->key_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
+        prefetch_block(j->key_cache, table, start + bs, ctx, bs, kv_heads * dim);
         for (int64_t i = 0; i < n; i++) {
-            for (int64_t h = 0; h < q_heads; h++) {
-                const float *qh = q + h * dim, *kh = k + (h / group) * dim;
-                float acc = 0.0f;
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const float *kh = k + g * dim;
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    const float *qh = q + h * dim;
+                    float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < dim; d++) acc += qh[d] * kh[d];
-                scores[h * ctx + start + i] = acc * j->scale;
+                    for (int64_t d = 0; d < dim; d++) acc += qh[d] * kh[d];
+                    scores[h * ctx + start + i] = acc * j->scale;
+                }
             }
             k += kv_heads * dim;
         }
@@ -109,16 +127,27 @@ static void decode_seq(const DecodeJob *j, int64_t seq, float *scores) {
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
         const float *v = j->value_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
+        prefetch_block(j->value_cache, table, start + bs, ctx, bs, kv_heads * dim);
         for (int64_t i = 0; i < n; i++) {
-            for (int64_t h = 0; h < q_heads; h++) {
-                const float p = scores[h * ctx + start + i];
-                const float *vh = v + (h / group) * dim;
-                float *o = out + h * dim;
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const float *restrict vh = v + g * dim;
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    const float p = scores[h * ctx + start + i];
+                    float *restrict o = out + h * dim;
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) o[d] += p * vh[d];
+                    for (int64_t d = 0; d < dim; d++) o[d] += p * vh[d];
+                }
             }
             v += kv_heads * dim;
         }
+    }
+}
+
+static void decode_seq(const DecodeJob *j, int64_t seq, float *scores) {
+    switch (j->head_dim) {
+    case 64: decode_seq_dim(j, seq, scores, 64); break;
+    case 128: decode_seq_dim(j, seq, scores, 128); break;
+    default: decode_seq_dim(j, seq, scores, j->head_dim);
     }
 }
 
@@ -199,4 +228,84 @@ int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_ca
         }
     }
     return status;
+}
+
+/* y[m, n] = x[m, :] . w[n, :] + bias[n] for a few rows m: the weights stream once, each row of w dotted
+ * with every row of x while it is in cache, so the call runs at memory bandwidth where a batch of a few
+ * tokens is all weight reads (measured: torch's matmul, MKL, reached 5-10 GB/s at 1-8 rows on an AMD
+ * EPYC, this 20 GB/s and more on one thread). */
+typedef struct {
+    const float *x, *w, *bias; /* x [rows, k], w [n, k], bias [n] or NULL, all contiguous */
+    float *y;                  /* [rows, n] contiguous */
+    int64_t rows, n, k;
+    int64_t first_n, end_n; /* this thread's output features */
+} LinearJob;
+
+static inline __attribute__((always_inline)) void linear_features(const LinearJob *j, const int64_t k) {
+    const int64_t rows = j->rows, n_total = j->n;
+    for (int64_t n = j->first_n; n < j->end_n; n++) {
+        const float *restrict wr = j->w + n * k;
+        const float b = j->bias ? j->bias[n] : 0.0f;
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4) { /* four rows per pass over the weight row */
+            const float *restrict x0 = j->x + m * k, *restrict x1 = x0 + k;
+            const float *restrict x2 = x1 + k, *restrict x3 = x2 + k;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t i = 0; i < k; i++) {
+                const float wi = wr[i];
+                a0 += x0[i] * wi;
+                a1 += x1[i] * wi;
+                a2 += x2[i] * wi;
+                a3 += x3[i] * wi;
+            }
+            j->y[m * n_total + n] = a0 + b;
+            j->y[(m + 1) * n_total + n] = a1 + b;
+            j->y[(m + 2) * n_total + n] = a2 + b;
+            j->y[(m + 3) * n_total + n] = a3 + b;
+        }
+        for (; m < rows; m++) {
+            const float *restrict xm = j->x + m * k;
+            float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+            for (int64_t i = 0; i < k; i++) a += xm[i] * wr[i];
+            j->y[m * n_total + n] = a + b;
+        }
+    }
+}
+
+static void *linear_range(void *arg) {
+    const LinearJob *j = (const LinearJob *)arg;
+    switch (j->k) { /* the common hidden sizes with a constant trip count */
+    case 576: linear_features(j, 576); break;
+    case 1536: linear_features(j, 1536); break;
+    case 2048: linear_features(j, 2048); break;
+    case 4096: linear_features(j, 4096); break;
+    default: linear_features(j, j->k);
+    }
+    return NULL;
+}
+
+void kvp_linear_f32(const float *x, int64_t rows, const float *w, const float *bias, int64_t n, int64_t k,
+                    float *y, int64_t num_threads) {
+    enum { MAX_THREADS = 64 };
+    /* Split only matrices of 4 MB and more: a thread's start costs about what 1 MB of weights takes. */
+    int64_t threads = n * k < (1 << 20) ? 1 : num_threads;
+    if (threads > n) threads = n;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    LinearJob jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (LinearJob){x, w, bias, y, rows, n, k, n * t / threads, n * (t + 1) / threads};
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, linear_range, &jobs[t]) == 0;
+    linear_range(&jobs[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            linear_range(&jobs[t]); /* no thread: do its share here */
+    }
 }

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
 from benchmarks.kvpact_systems import greedy_request
@@ -48,7 +47,7 @@ WAIT_S = 600.0
 
 # Profiled op -> group. Anything not listed is "other ops"; the rest of the step is "host (Python)".
 GROUPS = {
-    "matmul (linear)": ("aten::mm", "aten::addmm"),
+    "matmul (linear)": ("aten::mm", "aten::addmm", "kvpact::cpu_linear"),
     "attention kernel": (
         "aten::_scaled_dot_product_flash_attention_for_cpu",
         "aten::_scaled_dot_product_attention_math",
@@ -158,22 +157,24 @@ def _prompts(n: int, lengths: list[int], vocab: int, seed: int) -> list[list[int
 
 @torch.inference_mode()
 def matmul_alone_ms(model: Any, rows: int, reps: int) -> float:
-    """Median ms of the model's linear layers alone on `rows` tokens (and the LM head on `rows`)."""
+    """Median ms of the model's linear layers alone on `rows` tokens (and the LM head on `rows`), each
+    run the way the model runs it (its `matmul`: torch's, or the C kernels' small-batch linear)."""
     weights = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            weights.append((lin.weight, lin.bias))
+            weights.append((lin.matmul, lin.weight, lin.bias))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    weights.append((head, None))
+    weights.append((model.head_matmul, head, None))
     dtype = head.dtype
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=w.device) for w, _ in weights}
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=w.device) for _, w, _ in weights}
     times = []
-    F.linear(inputs[weights[0][0].shape[1]], *weights[0])  # warm
+    matmul, w, b = weights[0]
+    matmul(inputs[w.shape[1]], w, b)  # warm
     for _ in range(reps):
         start = time.perf_counter()
-        for w, b in weights:
-            F.linear(inputs[w.shape[1]], w, b)
+        for matmul, w, b in weights:
+            matmul(inputs[w.shape[1]], w, b)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 

@@ -170,3 +170,43 @@ def test_load_says_why_the_kernels_cannot_run(monkeypatch, tmp_path):
     reason = cpu_paged.load(torch.float32, torch.device("cpu"))
     assert isinstance(reason, str) and "could not build cpu_paged.c" in reason
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
+
+
+@pytest.mark.parametrize("in_features", [576, 37])  # a size with a constant trip count, and an odd one
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_torch_on_small_batches_and_leaves_larger_ones_to_torch(ops, in_features, with_bias):
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(1300, in_features, generator=gen)  # 1300 x 576 floats: split over threads
+    bias = torch.randn(1300, generator=gen) if with_bias else None
+    for rows in (0, 1, 3, 4, 5, cpu_paged.SMALL_BATCH_ROWS, cpu_paged.SMALL_BATCH_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        want = torch.nn.functional.linear(x, weight, bias)
+        for threads in (1, 4):
+            got = cpu_paged.CpuPagedOps(ops.library, ops.path, num_threads=threads).linear(x, weight, bias)
+            assert got.shape == (rows, 1300)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # x a strided view (every other row): read as its rows, not as its storage
+    x = torch.randn(6, in_features, generator=gen)[::2]
+    want = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(ops.linear(x, weight, bias), want, atol=1e-4, rtol=1e-5)
+
+
+def test_linear_refuses_what_torch_refuses():
+    # mismatched sizes reach F.linear, whose error names the shapes
+    loaded = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert not isinstance(loaded, str)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        loaded.linear(torch.ones(1, 5), torch.ones(3, 4))
+
+
+def test_linear_runs_in_c_up_to_the_small_batch_size_and_on_torch_past_it(ops):
+    weight = torch.randn(64, 32)
+
+    def ran(rows: int) -> set[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ops.linear(torch.randn(rows, 32), weight)
+        return {e.key for e in prof.key_averages()}
+
+    assert "kvpact::cpu_linear" in ran(cpu_paged.SMALL_BATCH_ROWS)
+    past = ran(cpu_paged.SMALL_BATCH_ROWS + 1)
+    assert "kvpact::cpu_linear" not in past and "aten::linear" in past

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvpact.kernels import cpu_paged
 from kvpact.shared import reasons
 from kvpact.shared.capability import DeviceInfo
 from kvpact.shared.describe import realized_table
@@ -418,3 +419,24 @@ def test_cpu_kernels_off_builds_the_torch_path(make_engine, tiny_llama):
     assert engine.step_loop.runner.cache.kernels == "pure-torch reference kernels (cpu-kernels realized off)"
     built = {f.name: f for f in engine.realized.features}
     assert not built["cpu-kernels"].realized and built["prefix-caching"].realized
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_realized_cpu_kernels_run_every_projection_and_the_lm_head_in_c(make_engine, tiny_llama, mode):
+    on = make_engine(tiny_llama, mode)
+    off = make_engine(tiny_llama, mode, features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
+    for engine, in_c in ((on, True), (off, False)):
+        model = engine.step_loop.runner.model
+        layer = model.model.layers[-1]
+        projections = (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+        for matmul in (*(p.matmul for p in projections), model.head_matmul):
+            assert isinstance(getattr(matmul, "__self__", None), cpu_paged.CpuPagedOps) is in_c
+    # the same greedy tokens either way (the parity tests hold both against transformers)
+    prompt = tuple(range(5, 30))
+    (a,), (b,) = on.run([greedy("c", prompt, 12)], timeout=60), off.run([greedy("t", prompt, 12)], timeout=60)
+    assert a.token_ids == b.token_ids

@@ -1,4 +1,5 @@
-"""The decoder's small building blocks: RMSNorm and the SwiGLU MLP (gate and up fused in one matmul)."""
+"""The decoder's small building blocks: RMSNorm, the SwiGLU MLP (gate and up fused in one matmul), and
+the Linear every projection uses."""
 
 from __future__ import annotations
 
@@ -7,6 +8,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul can be swapped: `matmul` is F.linear unless the model's `use_linear`
+    installed another (the C kernels' small-batch linear, kernels/cpu_paged.py)."""
+
+    matmul: LinearFn = staticmethod(F.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -33,8 +46,8 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         # tensor parallel (worker/model/tensor_parallel.py): sums down_proj's partial output over the ranks
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from kvpact.shared.errors import ModelLoadError
 from kvpact.worker.model.config import ModelConfig
-from kvpact.worker.model.layers import RMSNorm, SwiGLU
+from kvpact.worker.model.layers import Linear, LinearFn, RMSNorm, SwiGLU
 from kvpact.worker.model.rope import RotaryEmbedding, apply_rotary
 from kvpact.worker.model.stages import Stage, single_stage
 
@@ -47,10 +47,8 @@ class LlamaAttention(nn.Module):
         )
         self.q_size, self.kv_size = config.q_size, config.kv_size
         # Rows: q (num_heads * head_dim), then k, then v (num_kv_heads * head_dim each).
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
         # tensor parallel (worker/model/tensor_parallel.py): sums o_proj's partial output over the ranks
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -100,12 +98,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.stages: tuple[Stage, ...] = ()  # set by build_model; () = every layer where its weights are
+        self.head_matmul: LinearFn = F.linear  # compute_logits'; use_linear swaps it with every Linear's
+
+    def use_linear(self, matmul: LinearFn) -> None:
+        """Every projection and the LM head run `matmul` (F.linear's arguments) from now on."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = matmul
+        self.head_matmul = matmul
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -121,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         """On the LM head's device: the last stage's, or a tied embedding's (the first stage's): moving
         the sampled rows there is cheaper than a second copy of the vocabulary matrix."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden.to(weight.device), weight).float()
+        return self.head_matmul(hidden.to(weight.device), weight, None).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
