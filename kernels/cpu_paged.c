@@ -51,16 +51,6 @@ static inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
-/* Asks for the block holding token `start` (when < ctx) to be brought into cache while the current one is
- * computed: blocks lie anywhere in the pool, so the hardware prefetcher restarts at every block. */
-static inline void prefetch_block(const float *pool, const int32_t *table, int64_t start, int64_t ctx,
-                                  int64_t bs, int64_t row) {
-    if (start >= ctx) return;
-    const int64_t n = ctx - start < bs ? ctx - start : bs;
-    const float *p = pool + (int64_t)table[start / bs] * bs * row;
-    for (int64_t off = 0; off < n * row; off += 16) __builtin_prefetch(p + off);
-}
-
 typedef struct {
     const float *query;  /* [num_seqs, q_heads, head_dim], rows `query_stride` floats apart per seq */
     int64_t query_stride;
@@ -91,7 +81,6 @@ static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
         const float *k = j->key_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
-        prefetch_block(j->key_cache, table, start + bs, ctx, bs, kv_heads * dim);
         for (int64_t i = 0; i < n; i++) {
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *kh = k + g * dim;
@@ -127,7 +116,6 @@ static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
         const float *v = j->value_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
-        prefetch_block(j->value_cache, table, start + bs, ctx, bs, kv_heads * dim);
         for (int64_t i = 0; i < n; i++) {
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *restrict vh = v + g * dim;
