@@ -297,3 +297,18 @@ void kvp_linear_f32(const float *x, int64_t rows, const float *w, const float *b
             linear_range(&jobs[t]); /* no thread: do its share here */
     }
 }
+
+/* out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight, per row (x, out [rows, dim] contiguous):
+ * one call where torch.rms_norm dispatches about 18 ops (21 us a call at one row, measured). */
+void kvp_rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *weight, float eps, float *out) {
+    for (int64_t m = 0; m < rows; m++) {
+        const float *restrict xr = x + m * dim;
+        float *restrict o = out + m * dim;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * weight[i];
+    }
+}

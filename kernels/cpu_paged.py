@@ -63,6 +63,7 @@ CFLAGS = (
 BUILD_TIMEOUT_S = 120.0
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_FLOAT32 = torch.float32
 SMALL_BATCH_ROWS = 8  # `linear` takes batches up to this many rows (measured faster than torch's at 1-8)
 
 
@@ -98,22 +99,25 @@ class CpuPagedOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear for x [rows <= SMALL_BATCH_ROWS, in] and float32 CPU weights [out, in] (contiguous,
-        as a loaded model's are); any other call goes to F.linear itself."""
+        as a loaded model's are); any other call goes to F.linear itself. Called for every projection
+        of a small step, so the checks are the cheap ones that keep the C code's reads in bounds."""
         rows = x.shape[0]
+        out_features, in_features = weight.shape
         if (
-            x.dim() != 2
-            or rows > SMALL_BATCH_ROWS
-            or x.shape[1] != weight.shape[1]
-            or x.dtype != torch.float32
-            or weight.dtype != torch.float32
-            or x.device.type != "cpu"
-            or weight.device.type != "cpu"
-            or not weight.is_contiguous()
-            or (bias is not None and not bias.is_contiguous())
+            rows > SMALL_BATCH_ROWS
+            or x.dim() != 2
+            or x.shape[1] != in_features
+            or x.dtype is not _FLOAT32
+            or weight.dtype is not _FLOAT32
+            or not (x.is_cpu and weight.is_cpu and weight.is_contiguous())
+            or (
+                bias is not None
+                and (bias.dtype is not _FLOAT32 or not bias.is_cpu or not bias.is_contiguous())
+            )
         ):
             return F.linear(x, weight, bias)
         x = x.contiguous()
-        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        out = torch.empty(rows, out_features, dtype=_FLOAT32)
         if rows:
             with _traced("kvpact::cpu_linear"):
                 self.library.kvp_linear_f32(
@@ -121,11 +125,32 @@ class CpuPagedOps:
                     rows,
                     weight.data_ptr(),
                     None if bias is None else bias.data_ptr(),
-                    weight.shape[0],
-                    weight.shape[1],
+                    out_features,
+                    in_features,
                     out.data_ptr(),
                     self.num_threads or torch.get_num_threads(),
                 )
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """torch.rms_norm over x's last dimension for a contiguous float32 CPU x [rows, dim] and weight
+        [dim]; anything else goes to torch.rms_norm itself."""
+        if (
+            x.dim() != 2
+            or x.dtype is not _FLOAT32
+            or weight.dtype is not _FLOAT32
+            or not x.is_cpu
+            or not weight.is_cpu
+            or not x.is_contiguous()
+            or not weight.is_contiguous()
+            or weight.shape[0] != x.shape[1]
+        ):
+            return torch.rms_norm(x, weight.shape, weight, eps)
+        out = torch.empty_like(x)
+        with _traced("kvpact::cpu_rms_norm"):
+            self.library.kvp_rms_norm_f32(
+                x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr()
+            )
         return out
 
     def decode(  # noqa: ANN001 - the reference's arguments
@@ -313,6 +338,8 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_decode_f32.restype = ctypes.c_int
     library.kvp_linear_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
     library.kvp_linear_f32.restype = None
+    library.kvp_rms_norm_f32.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
+    library.kvp_rms_norm_f32.restype = None
     return CpuPagedOps(library, path)
 
 

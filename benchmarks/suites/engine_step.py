@@ -55,7 +55,7 @@ GROUPS = {
         "aten::baddbmm",
         "aten::_softmax",
         "aten::_safe_softmax",
-        "kvpact::",
+        "kvpact::cpu_paged_",
     ),
     "KV gather / scatter": (
         "aten::index",
@@ -66,6 +66,7 @@ GROUPS = {
     "copies / casts": ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::contiguous"),
     "masks / fills": ("aten::masked_fill_", "aten::fill_", "aten::zero_", "aten::le", "aten::ge", "aten::lt"),
     "norm, RoPE, SiLU, residual": (
+        "kvpact::cpu_rms_norm",
         "aten::mul",
         "aten::add",
         "aten::sub",

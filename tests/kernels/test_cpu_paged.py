@@ -210,3 +210,18 @@ def test_linear_runs_in_c_up_to_the_small_batch_size_and_on_torch_past_it(ops):
     assert "kvpact::cpu_linear" in ran(cpu_paged.SMALL_BATCH_ROWS)
     past = ran(cpu_paged.SMALL_BATCH_ROWS + 1)
     assert "kvpact::cpu_linear" not in past and "aten::linear" in past
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 600])
+def test_rms_norm_equals_torch(ops, rows):
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(rows, 576, generator=gen) * 4, torch.randn(576, generator=gen)
+    want = torch.rms_norm(x, weight.shape, weight, 1e-5)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = ops.rms_norm(x, weight, 1e-5)
+    assert "kvpact::cpu_rms_norm" in {e.key for e in prof.key_averages()}
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # a strided x goes to torch's, with the same result
+    strided = torch.randn(2 * rows, 576, generator=gen)[::2]
+    want = torch.rms_norm(strided, weight.shape, weight, 1e-5)
+    torch.testing.assert_close(ops.rms_norm(strided, weight, 1e-5), want)

@@ -422,7 +422,7 @@ def test_cpu_kernels_off_builds_the_torch_path(make_engine, tiny_llama):
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
-def test_realized_cpu_kernels_run_every_projection_and_the_lm_head_in_c(make_engine, tiny_llama, mode):
+def test_realized_cpu_kernels_run_every_projection_norm_and_the_lm_head_in_c(make_engine, tiny_llama, mode):
     on = make_engine(tiny_llama, mode)
     off = make_engine(tiny_llama, mode, features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
     for engine, in_c in ((on, True), (off, False)):
@@ -434,8 +434,9 @@ def test_realized_cpu_kernels_run_every_projection_and_the_lm_head_in_c(make_eng
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
         )
-        for matmul in (*(p.matmul for p in projections), model.head_matmul):
-            assert isinstance(getattr(matmul, "__self__", None), cpu_paged.CpuPagedOps) is in_c
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm)
+        for kernel in (*(p.matmul for p in projections), model.head_matmul, *(n.norm for n in norms)):
+            assert isinstance(getattr(kernel, "__self__", None), cpu_paged.CpuPagedOps) is in_c
     # the same greedy tokens either way (the parity tests hold both against transformers)
     prompt = tuple(range(5, 30))
     (a,), (b,) = on.run([greedy("c", prompt, 12)], timeout=60), off.run([greedy("t", prompt, 12)], timeout=60)

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # F.linear's
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose matmul can be swapped: `matmul` is F.linear unless the model's `use_linear`
+    """nn.Linear whose matmul can be swapped: `matmul` is F.linear unless the model's `use_kernels`
     installed another (the C kernels' small-batch linear, kernels/cpu_paged.py)."""
 
     matmul: LinearFn = staticmethod(F.linear)
@@ -22,8 +23,21 @@ class Linear(nn.Linear):
         return self.matmul(x, self.weight, self.bias)
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)`, the variance computed in float32, the result in x's dtype."""
+    if x.dtype == torch.float32:  # the same math as below, one op instead of six
+        return torch.rms_norm(x, weight.shape, weight, eps)  # F.rms_norm, less a check
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """`norm(x, weight, eps)`: `rms_norm` unless the model's `use_kernels` installed another (the C
+    kernels' RMSNorm for float32 weights, kernels/cpu_paged.py)."""
+
+    norm: NormFn = staticmethod(rms_norm)
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -31,12 +45,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the same math as below, one op instead of six
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)  # F.rms_norm, less a check
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.norm(x, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):

@@ -28,7 +28,7 @@ from torch import nn
 
 from kvpact.shared.errors import ModelLoadError
 from kvpact.worker.model.config import ModelConfig
-from kvpact.worker.model.layers import Linear, LinearFn, RMSNorm, SwiGLU
+from kvpact.worker.model.layers import Linear, LinearFn, NormFn, RMSNorm, SwiGLU
 from kvpact.worker.model.rope import RotaryEmbedding, apply_rotary
 from kvpact.worker.model.stages import Stage, single_stage
 
@@ -102,13 +102,16 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.stages: tuple[Stage, ...] = ()  # set by build_model; () = every layer where its weights are
-        self.head_matmul: LinearFn = F.linear  # compute_logits'; use_linear swaps it with every Linear's
+        self.head_matmul: LinearFn = F.linear  # compute_logits'; use_kernels swaps it with every Linear's
 
-    def use_linear(self, matmul: LinearFn) -> None:
-        """Every projection and the LM head run `matmul` (F.linear's arguments) from now on."""
+    def use_kernels(self, matmul: LinearFn, norm: NormFn) -> None:
+        """From now on every projection and the LM head run `matmul` (F.linear's arguments), and every
+        RMSNorm `norm` (x, weight, eps)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.matmul = matmul
+            elif isinstance(module, RMSNorm):
+                module.norm = norm
         self.head_matmul = matmul
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:

@@ -324,7 +324,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype, stages=stages)
     if ranks is not None:  # rank 0's shard; `config` below then counts this rank's heads
         loaded.model = shard_model(loaded.model, 0, ranks.world, ranks.all_reduce)
-    use_cpu_linear(loaded.model, plan.realizes(CPU_KERNELS))
+    use_cpu_kernels(loaded.model, plan.realizes(CPU_KERNELS))
     config = loaded.model.config
     cache: PagedCache | EagerCache | StagedCache
     if plan.kind is CacheKind.PAGED:
@@ -440,12 +440,14 @@ def _capture_graphs(
     return features, None
 
 
-def use_cpu_linear(model: LlamaForCausalLM, cpu_kernels: bool) -> None:
-    """Where --cpu-kernels realized and the weights are float32, the projections and the LM head of
-    small batches run the C kernels' linear (kernels/cpu_paged.py); the rest stays on torch's."""
+def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> None:
+    """Where --cpu-kernels realized and the weights are float32, the model runs the C kernels
+    (kernels/cpu_paged.py): every RMSNorm, and the projections and LM head of small batches (larger
+    ones stay on torch's matmul)."""
     weight = model.model.embed_tokens.weight
     if cpu_kernels and weight.dtype == torch.float32 and weight.device.type == "cpu":
-        model.use_linear(cpu_paged.required(torch.float32, weight.device).linear)
+        ops = cpu_paged.required(torch.float32, weight.device)
+        model.use_kernels(ops.linear, ops.rms_norm)
 
 
 def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:

@@ -39,7 +39,7 @@ from kvpact.worker.parallel.rank_verdict import RankBuild, RankProblem, RankVerd
 from kvpact.worker.parallel.ranks import GROUP_TIMEOUT
 from kvpact.worker.parallel.step_message import KEEPALIVE, StepMessage
 from kvpact.worker.startup.device import DeviceProbe, probe_device
-from kvpact.worker.startup.engine_setup import plan_startup, use_cpu_linear
+from kvpact.worker.startup.engine_setup import plan_startup, use_cpu_kernels
 
 
 def _watch_parent(parent: int) -> None:
@@ -76,7 +76,7 @@ def own_verdict(
 def build(rank: int, world: int, orders: RankBuild) -> tuple[object, EagerCache | PagedCache]:
     loaded = load_model(orders.model, device="cpu", dtype=orders.dtype)
     model = shard_model(loaded.model, rank, world, _all_reduce)
-    use_cpu_linear(model, orders.cpu_kernels)
+    use_cpu_kernels(model, orders.cpu_kernels)
     del loaded
     c = model.config
     dtype = getattr(torch, orders.cache_dtype)
