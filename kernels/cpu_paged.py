@@ -1,8 +1,8 @@
 """The CPU worker's C kernels (the `cpu-kernels` feature): paged decode that reads each sequence's blocks
-where they lie, and the linear layers of small batches.
+where they lie, RMSNorm, and the linear layers of small batches.
 
 `kernels/reference.py` is the readable oracle; this is what the torch backend runs on a CPU (tests
-hold the two equal, tests/kernels/test_cpu_paged.py). Three operations, the reference's signatures:
+hold the two equal, tests/kernels/test_cpu_paged.py). Three cache operations, the reference's signatures:
 
 - `write`: each token's K/V row copied into its slot (a C loop of memcpy; skips slot < 0).
 - `decode`: one query per sequence over its first context_lens[i] tokens, in C
@@ -16,6 +16,8 @@ And `linear` (F.linear's arguments) for a batch of at most SMALL_BATCH_ROWS rows
 weights stream once, each row dotted with every input row while it is in cache. A decode step of a
 few sequences is all weight reads, and torch's matmul (MKL) read them at 5-10 GB/s at 1-8 rows on an
 AMD EPYC where this reads 20 GB/s on one thread (docs/performance.md); larger batches stay on torch.
+And `rms_norm` (x, weight, eps): one call where torch.rms_norm dispatches about 18 ops. The model takes
+both through `use_kernels` (worker/startup/engine_setup.py `use_cpu_kernels`).
 
 The C file is compiled once per machine and source (`cc -O3 -march=native`, never -ffast-math,
 about a second, no torch headers) into a cache folder ($KVPACT_CACHE_DIR, else $XDG_CACHE_HOME/kvpact, else
@@ -112,7 +114,12 @@ class CpuPagedOps:
             or not (x.is_cpu and weight.is_cpu and weight.is_contiguous())
             or (
                 bias is not None
-                and (bias.dtype is not _FLOAT32 or not bias.is_cpu or not bias.is_contiguous())
+                and (
+                    bias.dtype is not _FLOAT32
+                    or bias.shape != (out_features,)
+                    or not bias.is_cpu
+                    or not bias.is_contiguous()
+                )
             )
         ):
             return F.linear(x, weight, bias)

@@ -197,6 +197,8 @@ def test_linear_refuses_what_torch_refuses():
     assert not isinstance(loaded, str)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         loaded.linear(torch.ones(1, 5), torch.ones(3, 4))
+    with pytest.raises(RuntimeError, match="size"):  # a bias of the wrong length is never read past its end
+        loaded.linear(torch.ones(1, 4), torch.ones(3, 4), torch.ones(2))
 
 
 def test_linear_runs_in_c_up_to_the_small_batch_size_and_on_torch_past_it(ops):
