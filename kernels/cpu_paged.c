@@ -51,6 +51,34 @@ static inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
+enum { MAX_THREADS = 64 };
+
+/* How many threads to split `items` over: one while `work` is below `worth` (a thread costs tens of
+ * microseconds to start), else num_threads, at most one per item and MAX_THREADS. */
+static int64_t thread_count(int64_t work, int64_t worth, int64_t items, int64_t num_threads) {
+    int64_t threads = work < worth ? 1 : num_threads;
+    if (threads > items) threads = items;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    return threads < 1 ? 1 : threads;
+}
+
+/* Runs fn on each of `threads` jobs laid out `size` bytes apart: jobs 1.. on threads of their own, job 0
+ * on the caller's; a job whose thread could not be started runs on the caller's too. */
+static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t threads) {
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    char *job = (char *)jobs;
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, fn, job + t * size) == 0;
+    fn(job);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            fn(job + t * size);
+    }
+}
+
 typedef struct {
     const float *query;  /* [num_seqs, q_heads, head_dim], rows `query_stride` floats apart per seq */
     int64_t query_stride;
@@ -162,19 +190,12 @@ int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_ca
                    const float *value_cache, const int32_t *block_tables, int64_t table_stride,
                    const int32_t *context_lens, int64_t num_seqs, int64_t q_heads, int64_t kv_heads,
                    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads) {
-    enum { MAX_THREADS = 64 };
     const int64_t items = num_seqs;
     int64_t total_tokens = 0;
     for (int64_t s = 0; s < num_seqs; s++) total_tokens += context_lens[s];
-    /* A thread costs tens of microseconds to start: only split work worth more than that. */
-    int64_t threads = total_tokens * q_heads * head_dim < (1 << 18) ? 1 : num_threads;
-    if (threads > items) threads = items;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
+    const int64_t threads = thread_count(total_tokens * q_heads * head_dim, 1 << 18, items, num_threads);
 
     DecodeJob jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     /* Balance by tokens: item boundaries where the running token count crosses k / threads. */
     int64_t item = 0, seen = 0;
     for (int64_t t = 0; t < threads; t++) {
@@ -202,19 +223,9 @@ int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_ca
         }
         j->end_item = item;
     }
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, decode_range, &jobs[t]) == 0;
-    decode_range(&jobs[0]);
-    int status = jobs[0].status;
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) {
-            pthread_join(tids[t], NULL);
-            status |= jobs[t].status;
-        } else {
-            decode_range(&jobs[t]); /* no thread: do its share here */
-            status |= jobs[t].status;
-        }
-    }
+    run_jobs(decode_range, jobs, sizeof jobs[0], threads);
+    int status = 0;
+    for (int64_t t = 0; t < threads; t++) status |= jobs[t].status;
     return status;
 }
 
@@ -276,26 +287,12 @@ static void *linear_range(void *arg) {
 
 void kvp_linear_f32(const float *x, int64_t rows, const float *w, const float *bias, int64_t n, int64_t k,
                     float *y, int64_t num_threads) {
-    enum { MAX_THREADS = 64 };
     /* Split only matrices of 4 MB and more: a thread's start costs about what 1 MB of weights takes. */
-    int64_t threads = n * k < (1 << 20) ? 1 : num_threads;
-    if (threads > n) threads = n;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
+    const int64_t threads = thread_count(n * k, 1 << 20, n, num_threads);
     LinearJob jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int64_t t = 0; t < threads; t++)
         jobs[t] = (LinearJob){x, w, bias, y, rows, n, k, n * t / threads, n * (t + 1) / threads};
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, linear_range, &jobs[t]) == 0;
-    linear_range(&jobs[0]);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            linear_range(&jobs[t]); /* no thread: do its share here */
-    }
+    run_jobs(linear_range, jobs, sizeof jobs[0], threads);
 }
 
 /* out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight, per row (x, out [rows, dim] contiguous):

@@ -1,0 +1,82 @@
+"""The C kernels' small-batch linear (kernels/cpu_paged.py `linear`) against torch's matmul, on a
+model's own weight shapes: where `SMALL_BATCH_ROWS` comes from.
+
+    python -m benchmarks.small_linear [--model PATH] [--rows 1,4,8,12,16,32] [--rounds 3]
+
+Every projection of every layer and the LM head, random float32 weights of the model's shapes, one
+batch of ROWS random inputs; the best of ROUNDS passes over all of them (best, not mean: on a shared
+machine the best round is the closest to what the cores can do), torch's threads as set. Rows past
+SMALL_BATCH_ROWS are measured in C too (the limit lifted for this script), so the crossover shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvpact.kernels import cpu_paged
+from kvpact.worker.loader import read_model_config
+
+
+def weight_shapes(model: Path) -> list[tuple[int, int]]:
+    c = read_model_config(model)
+    layer = [
+        (c.q_size + 2 * c.kv_size, c.hidden_size),
+        (c.hidden_size, c.q_size),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ]
+    return layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
+
+
+def measure(shapes: list[tuple[int, int]], rows: int, rounds: int) -> tuple[float, float]:
+    """(C ms, torch ms): the best pass over every shape."""
+    loaded = cpu_paged.load(torch.float32, torch.device("cpu"))
+    if isinstance(loaded, str):
+        raise SystemExit(f"the C kernels cannot run here: {loaded}")
+    weights = [torch.randn(shape) for shape in shapes]
+    inputs = {k: torch.randn(rows, k) for _, k in shapes}
+    limit, cpu_paged.SMALL_BATCH_ROWS = cpu_paged.SMALL_BATCH_ROWS, max(rows, cpu_paged.SMALL_BATCH_ROWS)
+    try:
+        best = {"C": float("inf"), "torch": float("inf")}
+        for _ in range(rounds):
+            for name, matmul in (("C", loaded.linear), ("torch", F.linear)):
+                start = time.perf_counter()
+                for w in weights:
+                    matmul(inputs[w.shape[1]], w, None)
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    finally:
+        cpu_paged.SMALL_BATCH_ROWS = limit
+    return best["C"], best["torch"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
+    parser.add_argument("--rows", default="1,4,8,12,16,32", help="batch sizes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3, help="passes per batch size (the best counts)")
+    args = parser.parse_args(argv)
+    if args.model:
+        path = Path(args.model)
+    else:
+        from kvpact.worker.loader.load import default_model_path
+
+        path = default_model_path()
+    shapes = weight_shapes(path)
+    print(f"{len(shapes)} weight matrices of {path.name}, {torch.get_num_threads()} torch threads")
+    print("| rows | C ms | torch ms | C / torch |")
+    print("|---:|---:|---:|---:|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        c, t = measure(shapes, rows, args.rounds)
+        print(f"| {rows} | {c:.1f} | {t:.1f} | {c / t:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
