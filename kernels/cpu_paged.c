@@ -309,3 +309,71 @@ void kvp_rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *we
         for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * weight[i];
     }
 }
+
+/* The weights and KV pools of one decoder layer (a Llama block: RMSNorm, fused q/k/v projection, RoPE,
+ * attention, output projection, residual; RMSNorm, fused gate/up projection, SiLU(gate) * up, down
+ * projection, residual). Biases may be NULL. The pools are kvp_decode_f32's. */
+typedef struct {
+    const float *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;
+    float *key_cache, *value_cache;
+} DecoderLayer;
+
+/* A decode step of `rows` sequences (one new token each) through `num_layers` layers in one call: what
+ * the model's Python would do layer by layer with the kernels above, without a dispatch between them
+ * (at one row that dispatch was a quarter of the step). x [rows, hidden] is the residual stream, updated
+ * in place. cos, sin [rows, head_dim]: RotaryEmbedding.cos_sin's (sin negated on the first half), so
+ * dimension i rotates as x[i] * cos[i] + x[i +- head_dim / 2] * sin[i]. Each token's rotated K and its V
+ * go to its slot, then it attends over its context (kvp_decode_f32's tables). Returns 0, or 1 when
+ * memory could not be had (x is then incomplete). */
+int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
+                          int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                          int64_t intermediate, float eps, float scale, const float *cos, const float *sin,
+                          const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
+                          const int32_t *context_lens, int64_t block_size, int64_t num_threads) {
+    const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, half = head_dim / 2;
+    const int64_t floats = rows * (hidden * 2 + qkv_size + q_size * 2 + intermediate * 3);
+    float *buffer = (float *)malloc((size_t)floats * sizeof(float));
+    if (buffer == NULL) return 1;
+    float *normed = buffer, *delta = normed + rows * hidden, *qkv = delta + rows * hidden;
+    float *query = qkv + rows * qkv_size, *attended = query + rows * q_size;
+    float *gate_up = attended + rows * q_size, *act = gate_up + rows * 2 * intermediate;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && status == 0; l++) {
+        const DecoderLayer *L = &layers[l];
+        kvp_rms_norm_f32(x, rows, hidden, L->input_norm, eps, normed);
+        kvp_linear_f32(normed, rows, L->qkv, L->qkv_bias, qkv_size, hidden, qkv, num_threads);
+        for (int64_t m = 0; m < rows; m++) {
+            const float *c = cos + m * head_dim, *s = sin + m * head_dim;
+            const float *src = qkv + m * qkv_size;
+            const int64_t slot = slots[m];
+            /* q heads into `query`, k heads into the cache slot (q and k are adjacent in qkv) */
+            const int64_t rotated = slot < 0 ? q_heads : q_heads + kv_heads;
+            for (int64_t h = 0; h < rotated; h++) {
+                const float *in = src + h * head_dim;
+                float *out = h < q_heads ? query + m * q_size + h * head_dim
+                                         : L->key_cache + slot * kv_size + (h - q_heads) * head_dim;
+                for (int64_t i = 0; i < half; i++) out[i] = in[i] * c[i] + in[i + half] * s[i];
+                for (int64_t i = half; i < head_dim; i++) out[i] = in[i] * c[i] + in[i - half] * s[i];
+            }
+            if (slot >= 0)
+                memcpy(L->value_cache + slot * kv_size, src + q_size + kv_size, (size_t)kv_size * sizeof(float));
+        }
+        status = kvp_decode_f32(query, q_size, L->key_cache, L->value_cache, block_tables, table_stride,
+                                context_lens, rows, q_heads, kv_heads, head_dim, block_size, scale, attended,
+                                num_threads);
+        kvp_linear_f32(attended, rows, L->o, L->o_bias, hidden, q_size, delta, num_threads);
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
+        kvp_rms_norm_f32(x, rows, hidden, L->post_norm, eps, normed);
+        kvp_linear_f32(normed, rows, L->gate_up, NULL, 2 * intermediate, hidden, gate_up, num_threads);
+        for (int64_t m = 0; m < rows; m++) {
+            const float *g = gate_up + m * 2 * intermediate, *u = g + intermediate;
+            float *a = act + m * intermediate;
+            for (int64_t i = 0; i < intermediate; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        kvp_linear_f32(act, rows, L->down, NULL, hidden, intermediate, delta, num_threads);
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
+    }
+    free(buffer);
+    return status;
+}

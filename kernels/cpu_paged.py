@@ -19,6 +19,11 @@ AMD EPYC where this reads 20 GB/s on one thread (docs/performance.md); larger ba
 And `rms_norm` (x, weight, eps): one call where torch.rms_norm dispatches about 18 ops. The model takes
 both through `use_kernels` (worker/startup/engine_setup.py `use_cpu_kernels`).
 
+And `decode_layers`: a decode step of at most SMALL_BATCH_ROWS sequences through every decoder layer in
+one C call (the kernels above, RoPE and the K/V write, SiLU and the residual adds between them), where
+the Python between the kernels was a quarter of a batch-1 step; worker/engine/fused_decode.py decides
+when a step takes it.
+
 The C file is compiled once per machine and source (`cc -O3 -march=native`, never -ffast-math,
 about a second, no torch headers) into a cache folder ($KVPACT_CACHE_DIR, else $XDG_CACHE_HOME/kvpact, else
 ~/.cache/kvpact) and loaded with ctypes. `load()` returns the operations, or the reason they
@@ -67,6 +72,40 @@ BUILD_TIMEOUT_S = 120.0
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _FLOAT32 = torch.float32
 SMALL_BATCH_ROWS = 8  # `linear` takes batches up to this many rows (measured faster than torch's at 1-8)
+
+
+class DecoderLayer(ctypes.Structure):
+    """cpu_paged.c's DecoderLayer: one layer's weights (float32, contiguous; a bias may be None) and its
+    K/V pools, as raw pointers. The tensors must outlive every call that reads them."""
+
+    _fields_ = [
+        (name, _ptr)
+        for name in (
+            "input_norm",
+            "qkv",
+            "qkv_bias",
+            "o",
+            "o_bias",
+            "post_norm",
+            "gate_up",
+            "down",
+            "key_cache",
+            "value_cache",
+        )
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderShape:
+    """What kvp_decode_layers_f32 needs to know of the model besides its pointers."""
+
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +198,65 @@ class CpuPagedOps:
                 x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr()
             )
         return out
+
+    def decode_layers(  # noqa: PLR0913 - the C function's arguments
+        self,
+        x: torch.Tensor,
+        layers: ctypes.Array[DecoderLayer],
+        shape: DecoderShape,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        """x [rows, hidden] (the residual stream after the embedding, updated in place) through every
+        layer of `layers` for a decode step: one new token per sequence, written to its slot
+        (slot_mapping int64 [rows]), then attending over its first context_lens[i] tokens through
+        block_tables (decode's). cos, sin: RotaryEmbedding.cos_sin's [rows, 1, head_dim] float32.
+        The caller (worker/engine/fused_decode.py) built `layers` from tensors it checked and keeps
+        alive; here the step's own tensors are checked, as decode and write check theirs."""
+        rows = x.shape[0]
+        for name, t, dtype, shape_ in (
+            ("x", x, _FLOAT32, (rows, shape.hidden)),
+            ("cos", cos, _FLOAT32, (rows, 1, shape.head_dim)),
+            ("sin", sin, _FLOAT32, (rows, 1, shape.head_dim)),
+            ("slot_mapping", slot_mapping, torch.int64, (rows,)),
+            ("block_tables", block_tables, torch.int32, (rows, block_tables.shape[-1])),
+            ("context_lens", context_lens, torch.int32, (rows,)),
+        ):
+            if t.dtype != dtype or tuple(t.shape) != shape_ or not t.is_cpu or not t.is_contiguous():
+                raise ValueError(
+                    f"decode_layers: {name} must be a contiguous {dtype} CPU tensor of shape {shape_}, "
+                    f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
+        if rows == 0:
+            return
+        with _traced("kvpact::cpu_decode_layers"):
+            status = self.library.kvp_decode_layers_f32(
+                x.data_ptr(),
+                rows,
+                layers,
+                len(layers),
+                shape.hidden,
+                shape.q_heads,
+                shape.kv_heads,
+                shape.head_dim,
+                shape.intermediate,
+                shape.eps,
+                shape.scale,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                slot_mapping.data_ptr(),
+                block_tables.data_ptr(),
+                block_tables.stride(0),
+                context_lens.data_ptr(),
+                block_size,
+                self.num_threads or torch.get_num_threads(),
+            )
+        if status:
+            raise MemoryError("the C decode layers could not allocate their step buffers")
 
     def decode(  # noqa: ANN001 - the reference's arguments
         self,
@@ -347,6 +445,10 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_linear_f32.restype = None
     library.kvp_rms_norm_f32.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     library.kvp_rms_norm_f32.restype = None
+    library.kvp_decode_layers_f32.argtypes = [_ptr, _i64, ctypes.POINTER(DecoderLayer), _i64]
+    library.kvp_decode_layers_f32.argtypes += [_i64] * 5 + [_f32, _f32, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
+    library.kvp_decode_layers_f32.argtypes += [_i64, _i64]
+    library.kvp_decode_layers_f32.restype = ctypes.c_int
     return CpuPagedOps(library, path)
 
 

@@ -48,6 +48,7 @@ WAIT_S = 600.0
 # Profiled op -> group. Anything not listed is "other ops"; the rest of the step is "host (Python)".
 GROUPS = {
     "matmul (linear)": ("aten::mm", "aten::addmm", "kvpact::cpu_linear"),
+    "decoder layers in C (their matmuls inside)": ("kvpact::cpu_decode_layers",),
     "attention kernel": (
         "aten::_scaled_dot_product_flash_attention_for_cpu",
         "aten::_scaled_dot_product_attention_math",

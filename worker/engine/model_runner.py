@@ -31,6 +31,7 @@ from kvpact.worker.model import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from kvpact.worker.engine.decode_graphs import DecodeGraphs
+    from kvpact.worker.engine.fused_decode import FusedDecode
     from kvpact.worker.parallel.ranks import RankGroup
 
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self.keep_logits = False  # tests compare per-step logits with a reference
         self.ranks: RankGroup | None = None  # --tensor-parallel-size > 1: this is rank 0, leading the rest
         self.graphs: DecodeGraphs | None = None  # --cuda-graphs realized: decode steps replay
+        self.fused: FusedDecode | None = None  # C kernels: small decode steps' layers in one C call
 
     def kernel_compiles_after_ready(self) -> int:
         """Triton kernel variants compiled since the startup warm-up (0 without Triton kernels)."""
@@ -106,6 +108,8 @@ class ModelRunner:
         ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
         pos = to_device(torch.tensor(positions, dtype=torch.long), self.device)
         attn = self.cache.attention_step(ordered, num_decodes)
+        if self.fused is not None and (hidden := self.fused.run(ids, pos, attn)) is not None:
+            return hidden
         # Tensor parallel: the other ranks run the same forward on their shards (worker/parallel/).
         # With a paged cache, rank 0's block tables drive every rank's pool.
         lead = (

@@ -32,6 +32,7 @@ from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.cpu_share import CpuShare
 from kvpact.worker.engine.decode_graphs import PARITY_TOLERANCE, DecodeGraphs
 from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.fused_decode import fused_decode
 from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.kv import sizing
 from kvpact.worker.kv.eager import EagerCache
@@ -392,6 +393,13 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     )
     runner = ModelRunner(loaded.model, cache, stages[0].device)
     runner.graphs = graphs
+    if ranks is None and len(stages) == 1:
+        runner.fused = fused_decode(loaded.model, cache)
+        if runner.fused is not None:
+            log.info(
+                "small decode steps run every decoder layer in one C call",
+                max_sequences=cpu_paged.SMALL_BATCH_ROWS,
+            )
     if ranks is not None:
         ranks.ready()
         runner.ranks = ranks

@@ -1,0 +1,80 @@
+"""Small decode steps through every decoder layer in one C call (worker/engine/fused_decode.py): which
+steps take it, and that they compute what the model's layer-by-layer forward computes (same tokens,
+logits within float32 rounding), on both caches, with and without attention biases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpact.kernels import cpu_paged
+from kvpact.shared.features import FeatureIntents, FeatureMode
+from kvpact.worker.engine.engine import Engine
+from tests.worker.conftest import greedy
+from tests.worker.test_parity import record_logits
+
+LOGITS_ATOL = 1e-4  # measured ~1e-6: RoPE's fused multiply-adds and libm's expf round differently
+
+
+def fused_rows(engine: Engine) -> list[int]:
+    """The row count of every step the C decode layers ran (steps they declined are not listed)."""
+    fused = engine.step_loop.runner.fused
+    assert fused is not None, "the C decode layers were not installed"
+    ran: list[int] = []
+    run = fused.run
+
+    def spy(input_ids, positions, attn):  # type: ignore[no-untyped-def]
+        hidden = run(input_ids, positions, attn)
+        if hidden is not None:
+            ran.append(input_ids.shape[0])
+        return hidden
+
+    fused.run = spy  # type: ignore[method-assign]
+    return ran
+
+
+def prompts(count: int) -> list[tuple[int, ...]]:
+    gen = torch.Generator().manual_seed(7)
+    return [tuple(torch.randint(3, 384, (5 + 9 * i,), generator=gen).tolist()) for i in range(count)]
+
+
+def generate(
+    engine: Engine, count: int, new_tokens: int
+) -> tuple[list[list[int]], dict[str, list[torch.Tensor]]]:
+    logits = record_logits(engine)
+    requests = [greedy(f"r{i}", p, new_tokens) for i, p in enumerate(prompts(count))]
+    results = engine.run(requests, timeout=120)
+    return [r.token_ids for r in results], logits
+
+
+@pytest.mark.parametrize("mode", ["on", "off"], ids=["paged", "eager"])
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+def test_fused_decode_computes_what_the_layers_compute(make_engine, request, mode, model):
+    model_dir = request.getfixturevalue(model)
+    fused, plain = make_engine(model_dir, mode), make_engine(model_dir, mode)
+    plain.step_loop.runner.fused = None  # the model's own forward for every step
+    ran = fused_rows(fused)
+    tokens, logits = generate(fused, 4, 12)
+    want_tokens, want_logits = generate(plain, 4, 12)
+    assert tokens == want_tokens
+    for rid, rows in want_logits.items():
+        torch.testing.assert_close(torch.stack(logits[rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0)
+    # all four decode together after their prefill: at least the last 10 steps ran in C, 4 rows each
+    assert ran.count(4) >= 10, ran
+    stats = fused.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_more_sequences_than_the_small_batch_run_the_model(make_engine, tiny_llama):
+    over = cpu_paged.SMALL_BATCH_ROWS + 1
+    engine = make_engine(tiny_llama, "on", max_num_seqs=over)
+    ran = fused_rows(engine)
+    tokens, _ = generate(engine, over, 6)
+    assert len(tokens) == over and all(len(t) == 6 for t in tokens)
+    assert ran == [], f"steps of {over} sequences ran the C decode layers: {ran}"
+
+
+def test_cpu_kernels_off_installs_no_c_decode_layers(make_engine, tiny_llama):
+    for mode in ("on", "off"):
+        engine = make_engine(tiny_llama, mode, features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
+        assert engine.step_loop.runner.fused is None

@@ -1,0 +1,114 @@
+"""Small decode steps through every decoder layer in one C call (part of the `cpu-kernels` feature).
+
+A decode step of a few sequences is all weight reads, and the C kernels read the weights at memory
+speed (kernels/cpu_paged.py); what was left of a batch-1 step outside its matmuls was the Python
+between them: per layer, five module calls, the views of the fused projections, RoPE's four ops, two
+residual adds and the attention step (docs/performance.md). So a step that is
+
+- decodes only (one new token per sequence), at most SMALL_BATCH_ROWS of them,
+- on a cache whose decodes run the C decode kernel (paged or eager, float32 on the CPU),
+- of a single-device model with float32 CPU weights and no tensor-parallel reduce,
+
+runs the embedding and the final norm in torch and every layer in between with
+`kvp_decode_layers_f32`: the same kernels the layer-by-layer path calls (C linear, RMSNorm, decode),
+with RoPE, the K/V write, SiLU and the residual adds written out in C. RoPE and SiLU round differently
+from torch's ops (a fused multiply-add, libm's expf), so the two paths agree within float32 rounding,
+not bit for bit (tests/worker/test_fused_decode.py holds them together). Every other step runs the
+model's Python forward.
+
+The weights' and pools' pointers are gathered once, when the engine is built: nothing replaces a
+parameter or a pool after that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpact.kernels import cpu_paged
+from kvpact.kernels.cpu_paged import CpuPagedOps, DecoderLayer, DecoderShape
+from kvpact.worker.kv.eager import EagerAttentionStep, EagerCache
+from kvpact.worker.kv.paged import PagedAttentionStep, PagedCache
+from kvpact.worker.model import LlamaForCausalLM
+
+
+class FusedDecode:
+    """`run` a step through the C decode layers, or None where it does not qualify (the caller then
+    runs the model). Build with `fused_decode`, which says whether this model and cache qualify."""
+
+    def __init__(self, ops: CpuPagedOps, model: LlamaForCausalLM, cache: PagedCache | EagerCache) -> None:
+        c = model.config
+        self.ops, self.model, self.cache = ops, model, cache
+        self.shape = DecoderShape(
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            cache.scale,
+        )
+        self.block_size = cache.key[0].shape[1]  # the eager cache's "block" is a slot of max_model_len
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self.layers = (DecoderLayer * c.num_layers)(
+            *(
+                DecoderLayer(
+                    ptr(layer.input_layernorm.weight),
+                    ptr(layer.self_attn.qkv_proj.weight),
+                    ptr(layer.self_attn.qkv_proj.bias),
+                    ptr(layer.self_attn.o_proj.weight),
+                    ptr(layer.self_attn.o_proj.bias),
+                    ptr(layer.post_attention_layernorm.weight),
+                    ptr(layer.mlp.gate_up_proj.weight),
+                    ptr(layer.mlp.down_proj.weight),
+                    ptr(cache.key[i]),
+                    ptr(cache.value[i]),
+                )
+                for i, layer in enumerate(model.model.layers)
+            )
+        )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: object) -> torch.Tensor | None:
+        """The final hidden states [rows, hidden] of a qualifying decode step, else None."""
+        rows = input_ids.shape[0]
+        batch = _decode_batch(attn)
+        if batch is None or not 0 < rows <= cpu_paged.SMALL_BATCH_ROWS:
+            return None
+        model = self.model
+        x = model.model.embed_tokens(input_ids)  # a new tensor: the C code updates it in place
+        cos, sin = model.rotary.cos_sin(positions, x.dtype)
+        self.ops.decode_layers(x, self.layers, self.shape, cos, sin, *batch, self.block_size)
+        return model.model.norm(x)
+
+
+def _decode_batch(attn: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(slot_mapping, block_tables, context_lens) of a decodes-only step on the C decode kernel."""
+    if isinstance(attn, PagedAttentionStep):
+        if attn.has_prefills or not attn.cache.cpu_kernels:
+            return None
+        return attn.slot_mapping, attn.decode_tables, attn.decode_context_lens
+    if isinstance(attn, EagerAttentionStep):
+        if attn.prefills or attn.cache.native is None or not attn.num_decodes:
+            return None
+        return attn.decode_flat_slots, attn.decode_tables, attn.decode_context_lens
+    return None
+
+
+def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
+    """The C decode layers for this model and cache, or None where they do not apply: a cache without
+    the C decode kernel (--cpu-kernels off or fallen back, a staged map), weights not float32 on the
+    CPU, or tensor parallel (a rank's layers reduce over the others')."""
+    weights = list(model.parameters())
+    if (
+        not isinstance(cache, PagedCache | EagerCache)
+        or not cache.cpu_kernels
+        or cache.key[0].dtype != torch.float32
+        or any(w.dtype != torch.float32 or not w.is_cpu or not w.is_contiguous() for w in weights)
+        or any(
+            layer.self_attn.reduce is not None or layer.mlp.reduce is not None for layer in model.model.layers
+        )
+    ):
+        return None
+    return FusedDecode(cpu_paged.required(torch.float32, torch.device("cpu")), model, cache)
