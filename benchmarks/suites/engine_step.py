@@ -12,7 +12,9 @@ and a few steps run under `torch.profiler` there for the breakdown by op group.
 - matmuls alone: the model's own linear layers (every layer's qkv, o, gate_up, down, then the LM head
   on the sampled rows) run back to back on inputs of the step's shape, in the engine's dtype and
   threads, on the step thread right after each timed step (so both see the same machine load): the
-  floor a step cannot go under without faster matrix multiplies.
+  floor a step cannot go under without faster matrix multiplies. On the C kernels a step of up to 8
+  sequences runs its decoder layers in one C call (worker/engine/fused_decode.py): the profile shows
+  that call as one group with its matmuls inside, and the matmuls alone are the same C linear.
 
 Reported: median step ms, matmul-alone ms, the share of the step outside the matmuls
 (1 - matmul / step), batch-1 step / matmul ratio, paged / eager step ratio, and the profiled op
@@ -46,9 +48,11 @@ BATCH1_GOAL = 1.10  # batch-1 decode step / its matmuls (issue 25, item 4)
 WAIT_S = 600.0
 
 # Profiled op -> group. Anything not listed is "other ops"; the rest of the step is "host (Python)".
+MATMULS = "matmul (linear)"
+FUSED = "decoder layers in C (their matmuls inside)"  # worker/engine/fused_decode.py: one op a step
 GROUPS = {
-    "matmul (linear)": ("aten::mm", "aten::addmm", "kvpact::cpu_linear"),
-    "decoder layers in C (their matmuls inside)": ("kvpact::cpu_decode_layers",),
+    MATMULS: ("aten::mm", "aten::addmm", "kvpact::cpu_linear"),
+    FUSED: ("kvpact::cpu_decode_layers",),
     "attention kernel": (
         "aten::_scaled_dot_product_flash_attention_for_cpu",
         "aten::_scaled_dot_product_attention_math",
@@ -437,7 +441,7 @@ def _best(times: list[float]) -> float:
 
 
 def _top_groups(s: Scenario) -> str:
-    outside = {g: ms for g, ms in s.groups.items() if g != "matmul (linear)"}
+    outside = {g: ms for g, ms in s.groups.items() if g not in (MATMULS, FUSED)}
     top = sorted(outside.items(), key=lambda kv: -kv[1])[:3]
     return "profile, outside the matmuls: " + ", ".join(f"{g} {ms / s.profiled_ms:.0%}" for g, ms in top)
 

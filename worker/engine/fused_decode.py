@@ -22,6 +22,8 @@ parameter or a pool after that.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kvpact.kernels import cpu_paged
@@ -29,6 +31,7 @@ from kvpact.kernels.cpu_paged import CpuPagedOps, DecoderLayer, DecoderShape
 from kvpact.worker.kv.eager import EagerAttentionStep, EagerCache
 from kvpact.worker.kv.paged import PagedAttentionStep, PagedCache
 from kvpact.worker.model import LlamaForCausalLM
+from kvpact.worker.model.llama import LlamaDecoderLayer
 
 
 class FusedDecode:
@@ -66,7 +69,7 @@ class FusedDecode:
                     ptr(cache.key[i]),
                     ptr(cache.value[i]),
                 )
-                for i, layer in enumerate(model.model.layers)
+                for i, layer in enumerate(decoder_layers(model))
             )
         )
 
@@ -107,8 +110,13 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
         or cache.key[0].dtype != torch.float32
         or any(w.dtype != torch.float32 or not w.is_cpu or not w.is_contiguous() for w in weights)
         or any(
-            layer.self_attn.reduce is not None or layer.mlp.reduce is not None for layer in model.model.layers
+            layer.self_attn.reduce is not None or layer.mlp.reduce is not None
+            for layer in decoder_layers(model)
         )
     ):
         return None
     return FusedDecode(cpu_paged.required(torch.float32, torch.device("cpu")), model, cache)
+
+
+def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
+    return [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]
