@@ -199,10 +199,12 @@ def test_abort_mid_generation_ends_the_stream_and_frees_every_block(engine):
 
 
 def test_abort_of_a_waiting_request(make_engine, tiny_llama):
-    engine = make_engine(tiny_llama, mode="on", max_model_len=128, max_num_seqs=1, context_tokens=512)
+    engine = make_engine(tiny_llama, mode="on", max_model_len=512, max_num_seqs=1, context_tokens=1024)
 
     async def main() -> None:
-        running = asyncio.create_task(collect(engine, greedy("run", TEXT, 60)))
+        # "run" holds the only sequence slot for up to 480 tokens (a tiny model decodes 60 in a few
+        # ms, so a short one could end before "wait" is queued and aborted), and is aborted last.
+        running = asyncio.create_task(collect(engine, greedy("run", TEXT, 480)))
         # "run" first: two prepare threads would otherwise race to queue first, and "wait" could run.
         assert await eventually_async(lambda: engine.stats().num_running == 1)
         waiting = asyncio.create_task(collect(engine, greedy("wait", TEXT, 60)))
@@ -210,7 +212,9 @@ def test_abort_of_a_waiting_request(make_engine, tiny_llama):
         assert engine.abort("wait")
         aborted = await waiting
         assert (aborted.finish_reason, aborted.token_ids) == (FinishReason.ABORT, [])
-        assert (await running).usage.completion_tokens == 60
+        assert engine.abort("run")
+        ran = await running
+        assert ran.finish_reason is FinishReason.ABORT and 0 < ran.usage.completion_tokens < 480
 
     asyncio.run(main())
     assert all_blocks_free(engine)
