@@ -210,13 +210,15 @@ class CpuPagedOps:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         block_size: int,
+        num_slots: int,
     ) -> None:
         """x [rows, hidden] (the residual stream after the embedding, updated in place) through every
         layer of `layers` for a decode step: one new token per sequence, written to its slot
         (slot_mapping int64 [rows]), then attending over its first context_lens[i] tokens through
         block_tables (decode's). cos, sin: RotaryEmbedding.cos_sin's [rows, 1, head_dim] float32.
-        The caller (worker/engine/fused_decode.py) built `layers` from tensors it checked and keeps
-        alive; here the step's own tensors are checked, as decode and write check theirs."""
+        num_slots: the pools' blocks x block_size. The caller (worker/engine/fused_decode.py) built
+        `layers` from tensors it checked and keeps alive; here the step's own tensors are checked, as
+        decode and write check theirs on a step's first layer."""
         rows = x.shape[0]
         for name, t, dtype, shape_ in (
             ("x", x, _FLOAT32, (rows, shape.hidden)),
@@ -233,6 +235,10 @@ class CpuPagedOps:
                 )
         if rows == 0:
             return
+        if int(slot_mapping.max()) >= num_slots:
+            raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())}, past the cache's end")
+        if int(context_lens.min()) < 1:
+            raise ValueError("context_lens must be >= 1 (the decoded token is in the cache)")
         with _traced("kvpact::cpu_decode_layers"):
             status = self.library.kvp_decode_layers_f32(
                 x.data_ptr(),

@@ -227,3 +227,25 @@ def test_rms_norm_equals_torch(ops, rows):
     strided = torch.randn(2 * rows, 576, generator=gen)[::2]
     want = torch.rms_norm(strided, weight.shape, weight, 1e-5)
     torch.testing.assert_close(ops.rms_norm(strided, weight, 1e-5), want)
+
+
+def test_decode_layers_refuse_step_tensors_the_c_code_would_misread(ops):
+    """Checked before any layer runs (so no layers are needed here): a slot past the pools' end, a
+    context of 0 tokens, and a slot mapping of the wrong dtype, each named."""
+    shape = cpu_paged.DecoderShape(
+        hidden=8, q_heads=2, kv_heads=1, head_dim=4, intermediate=16, eps=1e-5, scale=0.5
+    )
+    no_layers = (cpu_paged.DecoderLayer * 0)()
+    x, rope = torch.zeros(1, 8), torch.zeros(1, 1, 4)
+    table, one = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+
+    def call(slots: torch.Tensor, context_lens: torch.Tensor) -> None:
+        ops.decode_layers(x, no_layers, shape, rope, rope, slots, table, context_lens, 16, 64)
+
+    with pytest.raises(ValueError, match="slot 64, past the cache's end"):
+        call(torch.tensor([64]), one)
+    with pytest.raises(ValueError, match="context_lens must be >= 1"):
+        call(torch.tensor([3]), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="slot_mapping must be a contiguous torch.int64"):
+        call(torch.tensor([3], dtype=torch.int32), one)
+    call(torch.tensor([63]), one)  # the last slot, no layers: nothing to do, nothing refused

@@ -50,7 +50,8 @@ class FusedDecode:
             c.rms_norm_eps,
             cache.scale,
         )
-        self.block_size = cache.key[0].shape[1]  # the eager cache's "block" is a slot of max_model_len
+        # the eager cache's "block" is a sequence slot of max_model_len tokens
+        self.num_blocks, self.block_size = cache.key[0].shape[:2]
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
@@ -82,7 +83,9 @@ class FusedDecode:
         model = self.model
         x = model.model.embed_tokens(input_ids)  # a new tensor: the C code updates it in place
         cos, sin = model.rotary.cos_sin(positions, x.dtype)
-        self.ops.decode_layers(x, self.layers, self.shape, cos, sin, *batch, self.block_size)
+        self.ops.decode_layers(
+            x, self.layers, self.shape, cos, sin, *batch, self.block_size, self.num_blocks * self.block_size
+        )
         return model.model.norm(x)
 
 
