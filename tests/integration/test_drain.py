@@ -110,11 +110,19 @@ def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_dr
         # nothing new is routed to it, its next heartbeat reply says `drain`, it runs its SIGTERM drain
         # (its in-flight stream finishes), deregisters and exits 0.
         with Client(address, timeout=60) as client, grpc.insecure_channel(address) as channel:
-            streams = [client.generate(f"s{i}", max_tokens=200, ignore_eos=True) for i in range(2)]
-            firsts = [next(stream) for stream in streams]  # least outstanding: one on each worker
-            [(on_w2, first_w2)] = [
-                (s, f) for s, f in zip(streams, firsts, strict=True) if f.worker_id == "w-2"
-            ]
+            # A stream on w-2. Least outstanding sends the second stream to the other worker while the
+            # first is in flight, but a tiny model's 200 tokens can all be sent before the next stream
+            # is routed, so open streams until one is on w-2.
+            streams, routed = [], []
+            on_w2, first_w2 = None, None
+            while on_w2 is None:
+                assert len(streams) < 8, f"8 streams, none routed to w-2: {routed}"
+                stream = client.generate(f"s{len(streams)}", max_tokens=200, ignore_eos=True)
+                first = next(stream)
+                streams.append(stream)
+                routed.append(first.worker_id)
+                if first.worker_id == "w-2":
+                    on_w2, first_w2 = stream, first
             registry = worker_pb2_grpc.RegistryStub(channel)
             reply = registry.Drain(worker_pb2.DrainRequest(worker_id="w-2", reason="scale-down"), timeout=5)
             assert (reply.known, reply.state) == (True, "draining")
@@ -128,7 +136,9 @@ def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_dr
             assert "the router asked it to drain (scale-down)" in handles["w-2"].stdout()
             assert set(states(client)) == {"w-1"}  # it deregistered
             assert [e["worker_id"] for e in log_events(r, "worker_drain_requested")] == ["w-2"]
-            list(streams[1 - streams.index(on_w2)])
+            for other in streams:
+                if other is not on_w2:
+                    list(other)
 
         # The router, SIGTERM with a stream in flight.
         with Client(address, timeout=60) as client:

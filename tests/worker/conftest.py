@@ -4,6 +4,7 @@ real startup path (`kvpact.worker.startup.engine_setup.build_engine`), closed at
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -90,3 +91,19 @@ def run_staggered(
         return await asyncio.gather(*(collect(engine, r, i * gap_s) for i, r in enumerate(requests)))
 
     return asyncio.run(main())
+
+
+def paced_steps(engine: Engine, step_s: float = 0.005) -> None:
+    """From now on each of the engine's steps takes at least `step_s`. A tiny model decodes a token in
+    well under a millisecond on the C kernels, so a test that acts while a request is still running (a
+    second request with its id, a cancel, close, a caller that falls behind) paces the steps rather
+    than race them: 60 tokens then last at least 0.3 s, whatever the machine."""
+    run = engine.step_loop.runner.run
+
+    def paced(chunks):  # type: ignore[no-untyped-def]
+        started = time.monotonic()
+        result = run(chunks)
+        time.sleep(max(0.0, step_s - (time.monotonic() - started)))
+        return result
+
+    engine.step_loop.runner.run = paced  # type: ignore[method-assign]

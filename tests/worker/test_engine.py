@@ -20,7 +20,7 @@ from kvpact.worker.engine.request import (
     SamplingParams,
 )
 from tests.factories.eventually import eventually, eventually_async
-from tests.worker.conftest import collect, greedy, run_staggered
+from tests.worker.conftest import collect, greedy, paced_steps, run_staggered
 
 MODES = {"eager": dict(mode="off"), "paged": dict(mode="on", context_tokens=2048)}
 TEXT = "Hello, world! How are you today?"
@@ -88,6 +88,8 @@ def test_max_tokens_defaults_to_what_fits(engine):
 
 
 def test_a_request_id_already_in_flight_is_refused(engine):
+    paced_steps(engine)
+
     async def main() -> None:
         first = asyncio.create_task(collect(engine, greedy("same", (5, 6, 7), 60)))
         assert await eventually_async(lambda: engine.stats().num_running == 1)
@@ -222,6 +224,8 @@ def test_abort_of_a_waiting_request(make_engine, tiny_llama):
 
 @pytest.mark.parametrize("how", ["break", "cancel"])
 def test_a_consumer_that_goes_away_aborts_its_request(engine, how):
+    paced_steps(engine)
+
     async def main() -> None:
         if how == "break":
             stream = engine.generate(greedy("gone", TEXT, 100))
@@ -291,6 +295,8 @@ def test_a_failing_step_fails_its_requests_clearly_and_the_engine_keeps_serving(
 
 
 def test_close_fails_in_flight_requests_and_refuses_new_ones(engine):
+    paced_steps(engine)
+
     async def main() -> None:
         task = asyncio.create_task(collect(engine, greedy("inflight", TEXT, 100)))
         await eventually_async(lambda: engine.stats().num_running == 1)
@@ -345,6 +351,7 @@ def test_whoever_receives_a_piece_sees_that_steps_counts(engine):
 def test_past_max_waiting_a_new_request_is_refused_at_once_naming_the_flag(make_engine, tiny_llama):
     engine = make_engine(tiny_llama, mode="on", max_model_len=256, max_num_seqs=1, context_tokens=512)
     engine.max_waiting = 2
+    paced_steps(engine)
 
     async def main() -> None:
         # long enough to still be running while the two waiters queue, however fast a decode step is
@@ -369,6 +376,7 @@ def test_a_caller_that_falls_behind_gets_the_queued_tokens_merged(engine):
     """The pieces queued while the caller was busy go out as one (fewer messages), in order, with their
     logprobs; the stream says what an unhurried one says. (The first piece is whatever had queued when the
     caller first looked: one token on a quiet machine, more when its event loop was late; CI saw 3.)"""
+    paced_steps(engine)  # else all 24 tokens can be ready before the caller first looks
     request = GenerationRequest(
         "slow", TEXT, SamplingParams(temperature=0, logprobs=True), max_tokens=24, ignore_eos=True
     )
