@@ -32,8 +32,9 @@ from tests.integration.test_cluster import (
 )
 
 PROMPT = "Once upon a time"
-NUM_TOKENS = 600  # long enough that the doomed worker is still on its first when killed (200 was not,
-# once the CPU decode read the cache in place)
+NUM_TOKENS = 2000  # long enough that the doomed worker is still on its first when killed (200 was not
+# once the CPU decode read the cache in place, 600 not once a small decode step ran in one C call), and
+# within MAX_MODEL_LEN with the prompt
 NUM_REQUESTS = 6
 
 
