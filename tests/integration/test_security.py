@@ -28,8 +28,8 @@ from tests.integration.test_cluster import MAX_MODEL_LEN, START_S, router_addres
 
 KEY, NEW_KEY = "client-key-1", "client-key-2"
 TOKEN = "worker-token-1"
-LONG = 2000  # tokens: long enough that a stream is surely in flight while the keys rotate (400 took
-# under 0.3 s once a small decode step ran in one C call)
+LONG = 2000  # tokens: long enough that a stream is surely in flight while the keys rotate (400 could
+# all be sent before the reload once small decode steps ran in one C call)
 
 
 @dataclass(slots=True)
