@@ -339,7 +339,7 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
     float *query = qkv + rows * qkv_size, *attended = query + rows * q_size;
     float *gate_up = attended + rows * q_size, *act = gate_up + rows * 2 * intermediate;
     int status = 0;
-    for (int64_t l = 0; l < num_layers && status == 0; l++) {
+    for (int64_t l = 0; l < num_layers; l++) {
         const DecoderLayer *L = &layers[l];
         kvp_rms_norm_f32(x, rows, hidden, L->input_norm, eps, normed);
         kvp_linear_f32(normed, rows, L->qkv, L->qkv_bias, qkv_size, hidden, qkv, num_threads);
@@ -362,6 +362,7 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
         status = kvp_decode_f32(query, q_size, L->key_cache, L->value_cache, block_tables, table_stride,
                                 context_lens, rows, q_heads, kv_heads, head_dim, block_size, scale, attended,
                                 num_threads);
+        if (status) break; /* no score buffer: the attention output is incomplete */
         kvp_linear_f32(attended, rows, L->o, L->o_bias, hidden, q_size, delta, num_threads);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
         kvp_rms_norm_f32(x, rows, hidden, L->post_norm, eps, normed);

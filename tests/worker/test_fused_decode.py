@@ -1,8 +1,11 @@
 """Small decode steps through every decoder layer in one C call (worker/engine/fused_decode.py): which
 steps take it, and that they compute what the model's layer-by-layer forward computes (same tokens,
-logits within float32 rounding), on both caches, with and without attention biases."""
+logits within float32 rounding), on both caches, with no biases, q/k/v biases (Qwen2) and q/k/v and output
+biases (Llama's attention_bias)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from kvpact.kernels import cpu_paged
 from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.worker.engine.engine import Engine
+from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import greedy
 from tests.worker.test_parity import record_logits
 
@@ -47,8 +51,14 @@ def generate(
     return [r.token_ids for r in results], logits
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with attention_bias: the q/k/v and the output projections both have biases."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-biased"), attention_bias=True)
+
+
 @pytest.mark.parametrize("mode", ["on", "off"], ids=["paged", "eager"])
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_llama_biased"])
 def test_fused_decode_computes_what_the_layers_compute(make_engine, request, mode, model):
     model_dir = request.getfixturevalue(model)
     fused, plain = make_engine(model_dir, mode), make_engine(model_dir, mode)
@@ -63,6 +73,44 @@ def test_fused_decode_computes_what_the_layers_compute(make_engine, request, mod
     assert ran.count(4) >= 10, ran
     stats = fused.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def smollm_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's layer shapes (hidden 576, 9 heads of 64, 3 KV heads, intermediate 1536), 2
+    layers: the sizes the C code inlines, and large enough that its linear (gate_up) and its decode (4
+    contexts of ~300 tokens) split over threads where torch has more than one."""
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("smollm-shaped"),
+        hidden_size=576,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        std=0.05,
+    )
+
+
+@pytest.mark.parametrize("mode", ["on", "off"], ids=["paged", "eager"])
+def test_at_the_default_models_shapes_the_c_layers_compute_what_the_layers_compute(
+    make_engine, smollm_shaped, mode
+):
+    fused, plain = (
+        make_engine(smollm_shaped, mode, max_model_len=512),
+        make_engine(smollm_shaped, mode, max_model_len=512),
+    )
+    plain.step_loop.runner.fused = None
+    ran = fused_rows(fused)
+    gen = torch.Generator().manual_seed(11)
+    long_prompts = [tuple(torch.randint(3, 384, (290 + 7 * i,), generator=gen).tolist()) for i in range(4)]
+    got, want = (
+        (record_logits(e), e.run([greedy(f"r{i}", p, 6) for i, p in enumerate(long_prompts)], timeout=120))
+        for e in (fused, plain)
+    )
+    assert [r.token_ids for r in got[1]] == [r.token_ids for r in want[1]]
+    for rid, rows in want[0].items():
+        torch.testing.assert_close(torch.stack(got[0][rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0)
+    assert ran.count(4) >= 4, ran
 
 
 def test_more_sequences_than_the_small_batch_run_the_model(make_engine, tiny_llama):

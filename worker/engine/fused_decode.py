@@ -53,6 +53,8 @@ class FusedDecode:
         # the eager cache's "block" is a sequence slot of max_model_len tokens
         self.num_blocks, self.block_size = cache.key[0].shape[:2]
 
+        _check_shapes(model, cache)
+
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
@@ -119,6 +121,39 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
     ):
         return None
     return FusedDecode(cpu_paged.required(torch.float32, torch.device("cpu")), model, cache)
+
+
+def _check_shapes(model: LlamaForCausalLM, cache: PagedCache | EagerCache) -> None:
+    """What the C code reads through the pointers, held to the config it is told: every weight's and
+    pool's shape (contiguous, float32 checked by `fused_decode`). A mismatch is a bug in how the engine
+    was built, raised here rather than read out of bounds in C."""
+    c = model.config
+    q, kv, hd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+    want = {
+        "input_layernorm.weight": (c.hidden_size,),
+        "self_attn.qkv_proj.weight": (q + 2 * kv, c.hidden_size),
+        "self_attn.qkv_proj.bias": (q + 2 * kv,),
+        "self_attn.o_proj.weight": (c.hidden_size, q),
+        "self_attn.o_proj.bias": (c.hidden_size,),
+        "post_attention_layernorm.weight": (c.hidden_size,),
+        "mlp.gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size),
+        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+    }
+    layers = decoder_layers(model)
+    if len(cache.key) != len(layers) or len(cache.value) != len(layers):
+        raise ValueError(f"the cache has {len(cache.key)} layers' pools, the model {len(layers)} layers")
+    for i, layer in enumerate(layers):
+        for name, tensor in layer.named_parameters():
+            if name in want and tuple(tensor.shape) != want[name]:
+                raise ValueError(
+                    f"layer {i} {name}: shape {tuple(tensor.shape)}, the config says {want[name]}"
+                )
+        for pool in (cache.key[i], cache.value[i]):
+            if pool.dim() != 4 or tuple(pool.shape[2:]) != (c.num_kv_heads, hd) or not pool.is_contiguous():
+                raise ValueError(
+                    f"layer {i}'s KV pool: shape {tuple(pool.shape)} strides {pool.stride()}, the C decode "
+                    f"layers need a contiguous [blocks, block_size, {c.num_kv_heads}, {hd}]"
+                )
 
 
 def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
