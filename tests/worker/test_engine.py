@@ -187,6 +187,7 @@ def test_a_seeded_request_gives_the_same_tokens_whatever_else_is_in_the_batch(en
 
 def test_abort_mid_generation_ends_the_stream_and_frees_every_block(engine):
     paced_steps(engine)
+
     async def main() -> None:
         pieces = []
         async for piece in engine.generate(greedy("a", TEXT, 100)):
