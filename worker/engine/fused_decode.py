@@ -40,7 +40,7 @@ class FusedDecode:
 
     def __init__(self, ops: CpuPagedOps, model: LlamaForCausalLM, cache: PagedCache | EagerCache) -> None:
         c = model.config
-        self.ops, self.model, self.cache = ops, model, cache
+        self.ops, self.model = ops, model
         self.shape = DecoderShape(
             c.hidden_size,
             c.num_heads,
@@ -92,22 +92,19 @@ class FusedDecode:
 
 
 def _decode_batch(attn: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(slot_mapping, block_tables, context_lens) of a decodes-only step on the C decode kernel."""
-    if isinstance(attn, PagedAttentionStep):
-        if attn.has_prefills or not attn.cache.cpu_kernels:
-            return None
+    """(slot_mapping, block_tables, context_lens) of a decodes-only step (its cache runs the C decode
+    kernel: `fused_decode` built this for no other)."""
+    if isinstance(attn, PagedAttentionStep) and not attn.has_prefills:
         return attn.slot_mapping, attn.decode_tables, attn.decode_context_lens
-    if isinstance(attn, EagerAttentionStep):
-        if attn.prefills or attn.cache.native is None or not attn.num_decodes:
-            return None
+    if isinstance(attn, EagerAttentionStep) and not attn.prefills and attn.num_decodes:
         return attn.decode_flat_slots, attn.decode_tables, attn.decode_context_lens
     return None
 
 
 def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
     """The C decode layers for this model and cache, or None where they do not apply: a cache without
-    the C decode kernel (--cpu-kernels off or fallen back, a staged map), weights not float32 on the
-    CPU, or tensor parallel (a rank's layers reduce over the others')."""
+    the C decode kernel (--cpu-kernels off or fallen back, a staged --device-map), weights not float32
+    on the CPU, or tensor parallel (a rank's layers reduce over the others')."""
     weights = list(model.parameters())
     if (
         not isinstance(cache, PagedCache | EagerCache)

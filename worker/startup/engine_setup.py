@@ -393,13 +393,12 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     )
     runner = ModelRunner(loaded.model, cache, stages[0].device)
     runner.graphs = graphs
-    if ranks is None and len(stages) == 1:
-        runner.fused = fused_decode(loaded.model, cache)
-        if runner.fused is not None:
-            log.info(
-                "small decode steps run every decoder layer in one C call",
-                max_sequences=cpu_paged.SMALL_BATCH_ROWS,
-            )
+    runner.fused = fused_decode(loaded.model, cache)  # None under tensor parallel or a staged map
+    if runner.fused is not None:
+        log.info(
+            "small decode steps run every decoder layer in one C call",
+            max_sequences=cpu_paged.SMALL_BATCH_ROWS,
+        )
     if ranks is not None:
         ranks.ready()
         runner.ranks = ranks
