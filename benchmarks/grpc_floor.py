@@ -1,7 +1,8 @@
 """What a gRPC aio process spends per streamed message on this CPU: the floor under the router's relay
 (issue 25, item 6), with nothing of kvpact's in the way.
 
-    python -m benchmarks.grpc_floor [--modes write,relay,mux] [--streams 256] [--seconds 6] [--rounds 2]
+    python -m benchmarks.grpc_floor [--modes write,relay,mux,...] [--streams 256] [--seconds 6] [--rounds 2]
+    python -m benchmarks.grpc_floor --modes relay,relay-read,relay-4-channels --rounds 3
 
 Four processes on 127.0.0.1: an upstream server, the measured front server, two client processes
 holding `--streams` streams between them, each reading as fast as it can. The front is one of:
@@ -9,6 +10,8 @@ holding `--streams` streams between them, each reading as fast as it can. The fr
     write   yields ready bytes, no upstream: the client-facing write alone
     relay   reads each message from its own upstream stream and yields it: the router's shape (one
             worker stream per request)
+    relay-read         `relay` reading with `await call.read()` instead of `async for`
+    relay-4-channels   `relay` with its upstream streams spread over 4 channels instead of one
     mux     reads ONE upstream stream whose every message carries a message for each of its client
             streams (what a worker step produces) and hands them out through asyncio queues: the shape
             of a multiplexed worker -> router stream
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import multiprocessing
 import struct
 import time
@@ -32,8 +36,9 @@ import grpc
 from benchmarks.router_tier import cpu_seconds
 
 CHUNK = b"\x0a\x05hello\x10\x07" + b"x" * 20  # about a one-token GenerateChunk's size
-MODES = ("write", "relay", "mux")
-START_S, WARMUP_S = 20.0, 1.0
+MODES = ("write", "relay", "mux", "relay-read", "relay-4-channels")
+START_S = 20.0
+OPEN_S = 3.0  # from starting the clients to the window: their spawn, their streams opening, a warm-up
 
 
 def _raw(b: bytes) -> bytes:
@@ -72,6 +77,13 @@ async def _upstream(ready: Any) -> None:
 async def _front(mode: str, up_port: int, streams: int, ready: Any) -> None:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{up_port}")
     per_stream = channel.unary_stream("/up/Stream", request_serializer=_raw, response_deserializer=None)
+    spread = [  # relay-4-channels: distinct channel args, so gRPC does not share one connection
+        grpc.aio.insecure_channel(f"127.0.0.1:{up_port}", options=[("kvpact.floor_channel", i)]).unary_stream(
+            "/up/Stream", request_serializer=_raw, response_deserializer=None
+        )
+        for i in range(4)
+    ]
+    opened = itertools.count()  # relay-4-channels: round robin over `spread`
     steps = channel.unary_stream("/up/Steps", request_serializer=_raw, response_deserializer=None)
     queues: dict[int, asyncio.Queue[bytes]] = {}
 
@@ -91,6 +103,13 @@ async def _front(mode: str, up_port: int, streams: int, ready: Any) -> None:
                 yield CHUNK
         elif mode == "relay":
             async for message in per_stream(b""):
+                yield message
+        elif mode == "relay-read":
+            call = per_stream(b"")
+            while (message := await call.read()) is not grpc.aio.EOF:
+                yield message
+        elif mode == "relay-4-channels":
+            async for message in spread[next(opened) % 4](b""):
                 yield message
         else:
             queue = queues[len(queues)] = asyncio.Queue()
@@ -143,7 +162,7 @@ def measure(mode: str, streams: int, seconds: float) -> tuple[float, float]:
         procs[1].start()
         front_port, front_pid = ready.get(timeout=START_S), procs[1].pid
         assert front_pid is not None  # started
-        start = time.monotonic() + WARMUP_S + 2.0  # the clients' spawn and their streams' opening
+        start = time.monotonic() + OPEN_S
         window = (start, start + seconds)
         for share in (streams // 2, streams - streams // 2):
             procs.append(

@@ -12,11 +12,14 @@ from benchmarks import grpc_floor
 
 def test_each_mode_delivers_messages_and_stops_its_processes(capsys):
     assert (
-        grpc_floor.main(["--modes", "relay,mux", "--streams", "8", "--seconds", "0.5", "--rounds", "1"]) == 0
+        grpc_floor.main(
+            ["--modes", ",".join(grpc_floor.MODES), "--streams", "8", "--seconds", "0.5", "--rounds", "1"]
+        )
+        == 0
     )
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     measured = {r[0].strip(): (float(r[2].replace(",", "")), float(r[3].replace(",", ""))) for r in rows[1:]}
-    assert set(measured) == {"relay", "mux"}
+    assert set(measured) == set(grpc_floor.MODES)
     assert all(wall > 0 and per_cpu > 0 for wall, per_cpu in measured.values()), measured
     assert multiprocessing.active_children() == []
 
