@@ -26,18 +26,19 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this folder would come first on sys.path and its kernels.py shadow the package.
+# Run as a script, this folder would come first on sys.path and its kernels.py shadow the package; the
+# checkout's root instead (benchmarks.*, tests.*). kvpact itself comes from the install or, on a bare GPU
+# image, from gpu_check.sh's link tree on PYTHONPATH: never put protos/ on the path, whose kvpact/ (the
+# wire modules alone) would shadow the whole package there.
 if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(ROOT)
-for extra in (ROOT, ROOT / "protos"):
-    if str(extra) not in sys.path:
-        sys.path.insert(1, str(extra))
 
 # module -> what needs it (the env step lists the missing ones; gpu_check.sh skips their steps)
 REQUIRED = {
@@ -253,6 +254,14 @@ def record_logits(engine) -> dict[str, list[Any]]:
     return seen
 
 
+def stop_recording(engine) -> None:
+    """Undo record_logits: the runner's own run again (the spy is an instance attribute over the method),
+    no logits kept. Its `.cpu()` a row is a sync of the harness's, not the engine's."""
+    runner = engine.step_loop.runner
+    runner.__dict__.pop("run", None)
+    runner.keep_logits = False
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from kvpact.shared.describe import realized_table
     from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
@@ -308,6 +317,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
                     compare_runs(f"{dtype} {backend.value} prefix-cached vs fresh", again, batch, rtol)
                 )
                 if dtype == "bfloat16" and audit is None:
+                    stop_recording(engine)
                     audit = sync_audit(engine, cuda)
             runs.append(batch)
         if len(runs) == 2:
@@ -335,10 +345,12 @@ GRAPH_NEW_TOKENS = 64
 
 def cmd_graphs(args: argparse.Namespace) -> int:
     """CUDA graphs for decode: `--cuda-graphs on` realizes (capture + the startup parity check) with the
-    Triton paged cache, its greedy tokens equal `--cuda-graphs off`'s at batch 1, 8 and 64, no decode step
-    runs eagerly, and tokens/s with and without graphs. Dry run (CPU): auto realizes off with
-    no-cuda-device, on fails naming it, and the uncaptured static path (the same buffers and padding)
-    gives the eager tokens."""
+    Triton paged cache; at batch 1, 8 and 64, in float32 and bfloat16, its greedy tokens equal
+    `--cuda-graphs off`'s or part only at a near tie (compare_runs: the logits agree up to the first
+    parting; the captured step fixes its decode split count from the full table width, so its sums run in
+    another order than the eager step's); no decode step runs eagerly; tokens/s with and without graphs
+    (bfloat16). Dry run (CPU): auto realizes off with no-cuda-device, on fails naming it, and the
+    uncaptured static path (the same buffers and padding) gives the eager tokens (float32)."""
     from kvpact.shared.errors import FeatureRequiredError
     from kvpact.shared.features import FeatureIntents, FeatureMode
     from kvpact.shared.intent import PagedAttentionConfig, PagedAttentionMode, PagedBackend, cache_intent
@@ -354,11 +366,11 @@ def cmd_graphs(args: argparse.Namespace) -> int:
     new_tokens = GRAPH_NEW_TOKENS if cuda else 12
     verdicts: list[tuple[str, str]] = []
 
-    def spec(graphs: FeatureMode) -> WorkerSpec:
+    def spec(graphs: FeatureMode, dtype: str) -> WorkerSpec:
         return WorkerSpec(
             model=args.model,
             device=args.device,
-            dtype="bfloat16" if cuda else "float32",
+            dtype=dtype,
             max_model_len=512,
             max_num_seqs=max(batches),
             cache=cache_intent(
@@ -367,60 +379,71 @@ def cmd_graphs(args: argparse.Namespace) -> int:
             features=FeatureIntents(cuda_graphs=graphs),
         )
 
-    def timed_batches(engine) -> dict[int, tuple[list[list[int]], float]]:
+    def requests(tag: str, b: int) -> list[GenerationRequest]:
         greedy = SamplingParams(temperature=0.0)
-        out = {}
-        for b in batches:
-            reqs = [
-                GenerationRequest(
-                    f"g{b}-{i}", tuple(PROMPTS[i % len(PROMPTS)]), greedy,
-                    max_tokens=new_tokens, ignore_eos=True,
-                )
-                for i in range(b)
-            ]  # fmt: skip
-            began = time.perf_counter()
-            tokens = [r.token_ids for r in engine.run(reqs, timeout=300)]
-            out[b] = (tokens, b * new_tokens / (time.perf_counter() - began))
-        return out
+        return [
+            GenerationRequest(
+                f"{tag}{b}-{i}", tuple(PROMPTS[i % len(PROMPTS)]), greedy,
+                max_tokens=new_tokens, ignore_eos=True,
+            )
+            for i in range(b)
+        ]  # fmt: skip
 
-    started = time.monotonic()
-    with build_engine(spec(FeatureMode.OFF)) as engine:
-        off = timed_batches(engine)
-    if cuda:
-        started = time.monotonic()
-        with build_engine(spec(FeatureMode.ON)) as engine:
-            ready = time.monotonic() - started
-            (state,) = [f for f in engine.realized.features if f.name == "cuda-graphs"]
-            graphs = engine.step_loop.runner.graphs
-            print(f"--cuda-graphs on: realized {state.realized}, sizes {graphs.sizes if graphs else ()}, "
-                  f"ready in {ready:.1f}s")  # fmt: skip
-            on = timed_batches(engine)
-            eager_steps = engine.stats().eager_steps_under_graphs
-        verdicts.append(("PASS" if eager_steps == 0 else "FAIL", f"{eager_steps} decode steps ran eagerly"))
-    else:
-        for mode, want in ((FeatureMode.AUTO, "no-cuda-device"), (FeatureMode.ON, "exit 78")):
-            try:
-                with build_engine(spec(mode)) as engine:
-                    (state,) = [f for f in engine.realized.features if f.name == "cuda-graphs"]
-                    got = state.code
-            except FeatureRequiredError as e:
-                got = f"exit 78 ({e})"
-            ok = got.startswith(want)
-            verdicts.append(("PASS" if ok else "FAIL", f"cpu --cuda-graphs {mode.value}: {got}"))
-        with build_engine(spec(FeatureMode.OFF)) as engine:  # the static path, uncaptured
-            runner = engine.step_loop.runner
-            assert isinstance(runner.cache, PagedCache)
-            runner.graphs = DecodeGraphs(runner.model, runner.cache, max(batches), engine.max_model_len)
-            runner.graphs.build(capture=False)
-            on = timed_batches(engine)
-    print(f"{'batch':>6} {'tok/s graphs off':>17} {'tok/s graphs on':>16} {'on/off':>7}  tokens")
-    for b in batches:
-        same = on[b][0] == off[b][0]
-        print(f"{b:>6} {off[b][1]:>17.1f} {on[b][1]:>16.1f} {on[b][1] / off[b][1]:>7.2f}  "
-              f"{'identical' if same else 'DIFFER'}")  # fmt: skip
-        verdicts.append(
-            ("PASS" if same else "FAIL", f"batch {b}: greedy tokens {'equal' if same else 'differ'}")
-        )
+    def batch_runs(engine) -> dict[int, tuple[Run, float]]:
+        """Per batch size: tokens/s of a plain run, then the same requests again with their logits
+        recorded (the spy reads each row back: not timed)."""
+        rates = {}
+        for b in batches:
+            began = time.perf_counter()
+            engine.run(requests("timed", b), timeout=300)
+            rates[b] = b * new_tokens / (time.perf_counter() - began)
+        logits = record_logits(engine)
+        runs = {}
+        for b in batches:
+            tokens = [r.token_ids for r in engine.run(requests("logits", b), timeout=300)]
+            runs[b] = (Run(tokens, [logits[f"logits{b}-{i}"] for i in range(b)]), rates[b])
+        stop_recording(engine)
+        return runs
+
+    for dtype in ("float32", "bfloat16") if cuda else ("float32",):
+        with build_engine(spec(FeatureMode.OFF, dtype)) as engine:
+            off = batch_runs(engine)
+        if cuda:
+            started = time.monotonic()
+            with build_engine(spec(FeatureMode.ON, dtype)) as engine:
+                ready = time.monotonic() - started
+                (state,) = [f for f in engine.realized.features if f.name == "cuda-graphs"]
+                graphs = engine.step_loop.runner.graphs
+                print(f"{dtype} --cuda-graphs on: realized {state.realized}, sizes "
+                      f"{graphs.sizes if graphs else ()}, ready in {ready:.1f}s")  # fmt: skip
+                on = batch_runs(engine)
+                eager_steps = engine.stats().eager_steps_under_graphs
+            verdicts.append(
+                ("PASS" if eager_steps == 0 else "FAIL", f"{dtype}: {eager_steps} decode steps ran eagerly")
+            )
+        else:
+            for mode, want in ((FeatureMode.AUTO, "no-cuda-device"), (FeatureMode.ON, "exit 78")):
+                try:
+                    with build_engine(spec(mode, dtype)) as engine:
+                        (state,) = [f for f in engine.realized.features if f.name == "cuda-graphs"]
+                        got = state.code
+                except FeatureRequiredError as e:
+                    got = f"exit 78 ({e})"
+                ok = got.startswith(want)
+                verdicts.append(("PASS" if ok else "FAIL", f"cpu --cuda-graphs {mode.value}: {got}"))
+            with build_engine(spec(FeatureMode.OFF, dtype)) as engine:  # the static path, uncaptured
+                runner = engine.step_loop.runner
+                assert isinstance(runner.cache, PagedCache)
+                runner.graphs = DecodeGraphs(runner.model, runner.cache, max(batches), engine.max_model_len)
+                runner.graphs.build(capture=False)
+                on = batch_runs(engine)
+        print(f"{dtype}: {'batch':>6} {'tok/s graphs off':>17} {'tok/s graphs on':>16} {'on/off':>7}  tokens")
+        for b in batches:
+            (on_run, on_rate), (off_run, off_rate) = on[b], off[b]
+            same = on_run.tokens == off_run.tokens
+            print(f"{dtype}: {b:>6} {off_rate:>17.1f} {on_rate:>16.1f} {on_rate / off_rate:>7.2f}  "
+                  f"{'identical' if same else 'PART'}")  # fmt: skip
+            verdicts.append(compare_runs(f"{dtype} batch {b} graphs on vs off", on_run, off_run, RTOL[dtype]))
     return verdicts_result("graphs", verdicts)
 
 
@@ -524,9 +547,23 @@ def cmd_tp(args: argparse.Namespace) -> int:
     return verdicts_result("tp", verdicts)
 
 
+def product_path(filename: str) -> str | None:
+    """worker/engine/sampling.py for a file of kvpact's own (through the link tree or not), else None."""
+    try:
+        rel = Path(filename).resolve().relative_to(ROOT)
+    except ValueError:
+        return None
+    return str(rel) if rel.parts[0] in {"router", "worker", "shared", "kernels", "deploy", "protos"} else None
+
+
+HARNESS = " (no kvpact frame on the stack: this harness's, not counted)"
+
+
 def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
     """Synchronizing CUDA calls while the engine decodes one request (the engine thread included:
-    the warnings machinery is process-wide). Expected: one a step, reading the sampled ids back.
+    the warnings machinery is process-wide), counted where kvpact's code is on the issuing stack (those
+    with no kvpact frame on the stack, the harness's or torch's own, are listed apart: torch 2.11 on an
+    H200 showed one, at torch/cuda/__init__.py:1270). Expected: one a step, reading the sampled ids back.
     Without CUDA there is nothing to count (0); the request still runs."""
     import torch
 
@@ -539,8 +576,22 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
     engine.run(
         [GenerationRequest("warm", (9, 8, 7), SamplingParams(temperature=0.0), max_tokens=4, ignore_eos=True)]
     )
-    with warnings.catch_warnings(record=True) as caught:
+    sites: dict[str, int] = {}
+
+    def count(message, category, filename, lineno, file=None, line=None) -> None:
+        """A sync's site: the warning's frame and, when that is not kvpact's, the innermost kvpact frame
+        of the issuing thread's stack (which of the product's lines made torch sync)."""
+        if "synchroniz" not in str(message):
+            return
+        site = f"{product_path(filename) or os.path.relpath(filename, ROOT)}:{lineno}"
+        if product_path(filename) is None:
+            ours = [f for f in traceback.extract_stack()[:-1] if product_path(f.filename)]
+            site += f" <- {product_path(ours[-1].filename)}:{ours[-1].lineno}" if ours else HARNESS
+        sites[site] = sites.get(site, 0) + 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = count
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -548,12 +599,7 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    sites: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            site = f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}"
-            sites[site] = sites.get(site, 0) + 1
-    return sum(sites.values()), steps, sites
+    return sum(n for site, n in sites.items() if not site.endswith(HARNESS)), steps, sites
 
 
 # ---- e2e: router + worker processes --------------------------------------------------------------

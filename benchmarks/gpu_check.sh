@@ -3,6 +3,8 @@
 #
 #   HERE, first (PyPI):  bash benchmarks/gpu_wheels.sh     -> .whl/ (structlog, gguf, grpcio, ... for cp312)
 #   THEN, on the device: bash benchmarks/gpu_check.sh      (run tool: carry [".whl"], timeout_s 600)
+#     Its 10 output files are more than a run brings back (8): run it with OUT=/tmp/gc and pack them,
+#     R=$OUT; OUT=/tmp/gc bash benchmarks/gpu_check.sh; rc=$?; tar czf $R/gpu_check.tgz -C /tmp/gc .; exit $rc
 #   Dry run, no GPU:     PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --dry-run
 #
 # It installs nothing from a network: it uses the machine's python3 (torch and triton must be there;
@@ -37,9 +39,11 @@
 #   summary.txt     one line a step (PASS / WARN / FAIL / SKIP, exit code, seconds); also printed last
 # The model is a tiny Llama with SmolLM2's attention shapes built on the fly (the SmolLM2 GGUF is 98 MB,
 # more than a run can carry); KVPACT_GPU_CHECK_MODEL=PATH uses another.
+# GPU_CHECK_ONLY="d i": run only those steps (the letters before the ')'); a rerun after a fix.
 # --dry-run: the same steps on this machine's CPU with CPU expectations (interpreter for the kernels,
 # a subset of the kernel tests, float32 only in c), the torch paged backend, auto staying eager), and no
-# run that would repeat another on a CPU (on --pa-backend torch is on; torch vs torch in d).
+# run that would repeat another on a CPU (on --pa-backend torch is on; torch vs torch in d); kvpact is
+# imported through the link tree alone, as there (a sitecustomize drops an editable install's hook).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -64,6 +68,10 @@ left() { echo $((BUDGET - ($(date +%s) - START))); }
 step() {
     local name=$1 file=$2 max=$3
     shift 3
+    if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" ${name%%)*} "* ]]; then
+        note "SKIP  $name: not in GPU_CHECK_ONLY=$GPU_CHECK_ONLY"
+        return
+    fi
     local limit
     limit=$(left)
     limit=$((limit - 10 < max ? limit - 10 : max))
@@ -104,6 +112,15 @@ if ! TREE=$("$PY" tools/link_tree.py "$WORK/tree" 2> "$WORK/tree.txt"); then
     exit 1
 fi
 export PYTHONPATH="${SITE:+$SITE:}$TREE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if [ $DRY = 1 ]; then
+    # Import kvpact as the GPU machine does, through the link tree alone: an editable install's import
+    # hook (a .venv's) would answer first and hide a path that works only here.
+    mkdir -p "$WORK/no_editable"
+    printf '%s\n' 'import sys' \
+        'sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]' \
+        > "$WORK/no_editable/sitecustomize.py"
+    export PYTHONPATH="$WORK/no_editable:$PYTHONPATH"
+fi
 
 # ---- a) environment ----
 {

@@ -43,6 +43,7 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
     assert "RESULT e2e: PASS on: paged/torch; auto: eager/None" in summary  # on-torch is on, on a CPU
     graphs = "RESULT graphs: PASS cpu --cuda-graphs auto: no-cuda-device; cpu --cuda-graphs on: exit 78"
     assert graphs in summary
+    assert "float32 batch 4 graphs on vs off: max logit diff" in summary  # the static path, judged by logits
     assert "tokens/s on " in summary and "RESULT host: PASS 0 compiles after the warm-up" in summary
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "a_env.txt",
@@ -56,3 +57,22 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
         "i_graphs.txt",
         "summary.txt",
     ]
+
+
+def test_gpu_check_only_runs_the_steps_it_names(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "GPU_CHECK_ONLY": "f"}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    summary = (tmp_path / "summary.txt").read_text()
+    assert proc.returncode == 0, summary + proc.stderr[-4000:]
+    lines = summary.splitlines()
+    assert any(line.startswith("PASS  f) host time") for line in lines), summary
+    for step in ("b) kernel tests", "d) engine", "e) end to end", "i) cuda graphs"):
+        assert any(line.startswith(f"SKIP  {step}") and "not in GPU_CHECK_ONLY=f" in line for line in lines)
+    assert not (tmp_path / "d_engine.txt").exists()
