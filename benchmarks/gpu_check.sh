@@ -22,8 +22,9 @@
 #                   and bf16, chunked prefill, prefix cache; logits compared), and a sync audit
 #   e_e2e.txt       benchmarks/gpu_check.py e2e: a router + one worker `--device cuda` for each of
 #                   `on` (must realize PAGED/TRITON), `on --pa-backend torch`, `auto` (PAGED/TRITON),
-#                   ClusterStatus read and one greedy request through the router each, then 8
-#                   concurrent requests (tokens/s, on vs on-torch) and the worker's compiles after ready
+#                   `off` (EAGER), ClusterStatus read and one greedy request through the router each, then 8
+#                   concurrent requests (tokens/s, on vs on-torch and vs off) and the worker's compiles
+#                   after ready
 #   i_graphs.txt    benchmarks/gpu_check.py graphs: `--cuda-graphs on` realized (captured, parity-checked at
 #                   startup), greedy tokens equal to `off` at batch 1/8/64, no decode step run eagerly, tok/s
 #                   on vs off (dry run: auto off with no-cuda-device, on exit 78, the uncaptured static path)
@@ -221,7 +222,7 @@ fi
 
 # ---- e) router + worker processes ----
 if needs "e) end to end" "${SERVING[@]}"; then
-    step "e) end to end: router + worker (on, on-torch, auto)" e_e2e.txt 150 \
+    step "e) end to end: router + worker (on, on-torch, auto, off)" e_e2e.txt 150 \
         "$PY" benchmarks/gpu_check.py e2e --device "$DEVICE" --model "$MODEL" --workdir "$WORK"
 fi
 
