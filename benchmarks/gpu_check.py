@@ -19,6 +19,7 @@ every line of this file has run before the one try on a GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -547,16 +548,21 @@ def cmd_tp(args: argparse.Namespace) -> int:
     return verdicts_result("tp", verdicts)
 
 
+@functools.cache
+def product_folders() -> frozenset[str]:
+    """kvpact's top-level folders: pyproject's package-dir (tools/link_tree.py reads it)."""
+    from tools.link_tree import package_dirs
+
+    return frozenset(folder.relative_to(ROOT).parts[0] for folder in package_dirs().values())
+
+
 def product_path(filename: str) -> str | None:
     """worker/engine/sampling.py for a file of kvpact's own (through the link tree or not), else None."""
     try:
         rel = Path(filename).resolve().relative_to(ROOT)
     except ValueError:
         return None
-    return str(rel) if rel.parts[0] in {"router", "worker", "shared", "kernels", "deploy", "protos"} else None
-
-
-HARNESS = " (no kvpact frame on the stack: this harness's, not counted)"
+    return str(rel) if rel.parts[0] in product_folders() else None
 
 
 def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
@@ -577,16 +583,22 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
         [GenerationRequest("warm", (9, 8, 7), SamplingParams(temperature=0.0), max_tokens=4, ignore_eos=True)]
     )
     sites: dict[str, int] = {}
+    uncounted: set[str] = set()
 
     def count(message, category, filename, lineno, file=None, line=None) -> None:
         """A sync's site: the warning's frame and, when that is not kvpact's, the innermost kvpact frame
         of the issuing thread's stack (which of the product's lines made torch sync)."""
         if "synchroniz" not in str(message):
             return
-        site = f"{product_path(filename) or os.path.relpath(filename, ROOT)}:{lineno}"
-        if product_path(filename) is None:
-            ours = [f for f in traceback.extract_stack()[:-1] if product_path(f.filename)]
-            site += f" <- {product_path(ours[-1].filename)}:{ours[-1].lineno}" if ours else HARNESS
+        ours = product_path(filename)
+        site = f"{ours or os.path.relpath(filename, ROOT)}:{lineno}"
+        if ours is None:
+            frames = [(f, p) for f in traceback.extract_stack()[:-1] if (p := product_path(f.filename))]
+            if frames:
+                site += f" <- {frames[-1][1]}:{frames[-1][0].lineno}"
+            else:
+                site += " (no kvpact frame on the stack: not counted)"
+                uncounted.add(site)
         sites[site] = sites.get(site, 0) + 1
 
     with warnings.catch_warnings():
@@ -599,7 +611,7 @@ def sync_audit(engine, cuda: bool) -> tuple[int, int, dict[str, int]]:
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    return sum(n for site, n in sites.items() if not site.endswith(HARNESS)), steps, sites
+    return sum(n for site, n in sites.items() if site not in uncounted), steps, sites
 
 
 # ---- e2e: router + worker processes --------------------------------------------------------------

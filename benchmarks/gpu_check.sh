@@ -26,8 +26,10 @@
 #                   concurrent requests (tokens/s, on vs on-torch and vs off) and the worker's compiles
 #                   after ready
 #   i_graphs.txt    benchmarks/gpu_check.py graphs: `--cuda-graphs on` realized (captured, parity-checked at
-#                   startup), greedy tokens equal to `off` at batch 1/8/64, no decode step run eagerly, tok/s
-#                   on vs off (dry run: auto off with no-cuda-device, on exit 78, the uncaptured static path)
+#                   startup), fp32 and bf16 greedy runs against `off` at batch 1/8/64 (tokens equal, or
+#                   parted at a near tie with the logits agreeing up to it), no decode step run eagerly,
+#                   tok/s on vs off (dry run: auto off with no-cuda-device, on exit 78, the uncaptured
+#                   static path in fp32)
 #   f_host.txt      benchmarks/gpu_perf.py: a serving PagedAttentionStep's host time per layer at decode
 #                   batch 1/16/64 (context 2k) and the kernel compiles after the startup warm-up (must be 0)
 #   g_device_map.txt  benchmarks/gpu_check.py device-map: `--device-map cuda:0=N-1,cpu=1` in-process (fp32):

@@ -24,19 +24,23 @@ STEPS = [
 ]
 
 
-@pytest.mark.timeout(600)
-def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
-    pytest.importorskip("triton")
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "GPU_CHECK_BUDGET_S": "480"}
+def dry_run(out: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """gpu_check.sh --dry-run writing to `out`, with `env` added: the process and its summary.txt."""
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env},
         capture_output=True,
         text=True,
         timeout=540,
     )
-    summary = (tmp_path / "summary.txt").read_text()
+    return proc, (out / "summary.txt").read_text()
+
+
+@pytest.mark.timeout(600)
+def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
+    pytest.importorskip("triton")
+    proc, summary = dry_run(tmp_path, GPU_CHECK_BUDGET_S="480")
     assert proc.returncode == 0, summary + proc.stdout[-4000:] + proc.stderr[-4000:]
     for step in STEPS:
         assert any(line.startswith(f"PASS  {step}") for line in summary.splitlines()), (step, summary)
@@ -60,16 +64,7 @@ def test_the_gpu_check_dry_run_passes_every_step(tmp_path):
 
 
 def test_gpu_check_only_runs_the_steps_it_names(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "GPU_CHECK_ONLY": "f"}
-    proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    summary = (tmp_path / "summary.txt").read_text()
+    proc, summary = dry_run(tmp_path, GPU_CHECK_ONLY="f")
     assert proc.returncode == 0, summary + proc.stderr[-4000:]
     lines = summary.splitlines()
     assert any(line.startswith("PASS  f) host time") for line in lines), summary
