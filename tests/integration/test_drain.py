@@ -162,7 +162,7 @@ def test_a_rolling_restart_under_steady_load_loses_no_request_then_the_router_dr
             )
             rest = list(stream)
             num_tokens = len(first.token_ids) + sum(len(c.token_ids) for c in rest)
-            assert rest[-1].finish_reason == "length" and num_tokens == LAST_STREAM_TOKENS  # it finished whole
+            assert rest[-1].finish_reason == "length" and num_tokens == LAST_STREAM_TOKENS  # whole
             assert wait_for_exit(r, 30) == 0
             print(f"router drain: NOT_SERVING after {not_serving_s} s, exit 0 after "
                   f"{round(time.monotonic() - sent, 2)} s")  # fmt: skip
