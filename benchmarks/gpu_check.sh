@@ -17,7 +17,7 @@
 #   b_kernels.txt   tests/kernels/triton_cases.py compiled on the GPU (KVPACT_KERNEL_DEVICE=cuda, -m '':
 #                   the slow grid too; native bf16 tl.dot), except the ptxas-only cuda_compile cases
 #   c_bench.txt     python benchmarks/kernels.py: a compiled correctness pass, then the Triton vs torch
-#                   decode bandwidth table (the batch 64 / context 2k share of peak in the summary)
+#                   decode bandwidth table, launched and graph-replayed (batch 64 / 2k in the summary)
 #   d_engine.txt    benchmarks/gpu_check.py engine: the engine in-process, Triton vs torch backend (fp32
 #                   and bf16, chunked prefill, prefix cache; logits compared), and a sync audit
 #   e_e2e.txt       benchmarks/gpu_check.py e2e: a router + one worker `--device cuda` for each of
