@@ -107,7 +107,8 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _summary(ctx: BenchContext, failed: list[str]) -> str:
     """Every suite whose results are in ctx.out_dir (this run's and earlier runs' of the others,
-    each with its own command and date), so running one suite again keeps the others' lines."""
+    each with its own command and date), so running one suite again keeps the others' lines; then each
+    GPU check's targets (gpu_*/targets.json, the Target fields read from that run's files)."""
     lines = [
         "# Benchmark summary",
         "",
@@ -119,8 +120,10 @@ def _summary(ctx: BenchContext, failed: list[str]) -> str:
         "|---|---|---|---:|---:|---|",
     ]
     targets: list[Target] = []
-    for name in SUITES:
-        path = ctx.out_dir / f"{name}.json"
+    results = [(name, ctx.out_dir / f"{name}.json", f"{name}.md") for name in SUITES]  # row, JSON, report
+    for path in sorted(ctx.out_dir.glob("gpu_*/targets.json")):  # gpu_check.sh's runs, when lent a GPU
+        results.append((f"gpu_check ({path.parent.name})", path, f"{path.parent.name}/README.md"))
+    for name, path, report in results:
         if name in failed:
             cells = f"`{ctx.command}` | {ctx.machine.cpu} | - | FAILED | (see the run's output)"
             lines.append(f"| {name} | {cells} |")
@@ -128,15 +131,14 @@ def _summary(ctx: BenchContext, failed: list[str]) -> str:
         if not path.exists():
             continue
         saved = json.loads(path.read_text())
-        suite_targets = [Target(**t) for t in saved["targets"]]
-        checked = [t for t in suite_targets if t.met is not None]
+        saved_targets = [Target(**t) for t in saved["targets"]]
+        checked = [t for t in saved_targets if t.met is not None]
         met = sum(1 for t in checked if t.met)
         lines.append(
             f"| {name} | `{saved['command']}` | {saved['machine']['cpu']} | {saved['seconds']:.0f} "
-            f"| {met}/{len(checked)} "
-            f"| [{name}.md]({name}.md) |"
+            f"| {met}/{len(checked)} | [{report}]({report}) |"
         )
-        targets += suite_targets
+        targets += saved_targets
     if targets:
         lines += ["", "## Every target", "", targets_table(targets)]
     return "\n".join(lines) + "\n"

@@ -28,6 +28,7 @@ def test_an_unknown_suite_is_a_usage_error_naming_the_suites() -> None:
 def test_the_summary_keeps_every_suite_already_in_the_folder(tmp_path: Path) -> None:
     for name in ("offline", "failfast"):
         shutil.copy(RESULTS / f"{name}.json", tmp_path / f"{name}.json")
+    shutil.copytree(RESULTS / "gpu_h200", tmp_path / "gpu_h200")
     proc = run("--suites", "", "--out", str(tmp_path), "--model", str(tmp_path / "model.gguf"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = (tmp_path / "summary.md").read_text()
@@ -45,3 +46,7 @@ def test_the_summary_keeps_every_suite_already_in_the_folder(tmp_path: Path) -> 
         for target in saved["targets"]:
             assert f"| {target['name']} | {target['goal']} |" in summary
     assert "[failfast.md](failfast.md)" in summary and "engine_step" not in summary
+    gpu = json.loads((tmp_path / "gpu_h200" / "targets.json").read_text())  # the GPU check's row and targets
+    assert f"| gpu_check (gpu_h200) | `{gpu['command']}` | {gpu['machine']['cpu']} | 177 | 2/3 |" in summary
+    for target in gpu["targets"]:
+        assert f"| {target['name']} | {target['goal']} | {target['measured']}" in summary
