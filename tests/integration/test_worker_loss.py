@@ -135,17 +135,24 @@ def test_a_killed_worker_fails_only_the_streams_that_had_tokens_and_the_rest_are
             kill_to_error = [round(res[3] - killed_at, 2) for res in failed.values()]
             retried = log_events(r, "request_retried")
             hops = [(e["failed_worker"], e["next_worker"]) for e in retried]
+            # The doomed worker runs its requests one after another. Its running stream can still finish
+            # between the sample and the kill on a stalled machine (a CI run saw it: 1 retry for 2
+            # waiting); the next one then runs, and is the one cut off. Whatever finished there is
+            # counted, so every request that was on it is accounted for exactly once.
+            done_on_doomed = [i for i, res in results.items() if res[0] == "OK" and res[2] == "w-doomed"]
             print(f"kill: {len(results)} requests, {len(failed)} failed, kill-to-error {kill_to_error} s, "
-                  f"{len(retried)} retried: {hops}")  # fmt: skip
+                  f"{len(retried)} retried: {hops}, finished on w-doomed before the kill: "
+                  f"{len(done_on_doomed)}")  # fmt: skip
             assert len(results) == NUM_REQUESTS
             assert len(failed) == 1, results  # only the stream that was running on the doomed worker
             [(code, tokens, details, _)] = failed.values()
             assert code == "UNAVAILABLE" and 'worker "w-doomed"' in details and 0 < len(tokens) < NUM_TOKENS
             assert max(kill_to_error) < 5.0
-            assert len(retried) == waiting_on_doomed and {e["failed_worker"] for e in retried} == {"w-doomed"}
+            assert len(retried) == waiting_on_doomed - len(done_on_doomed) >= 1, (hops, waiting_on_doomed)
+            assert set(hops) == {("w-doomed", "w-other")}
             for i, (code, tokens, worker, _) in results.items():
-                if code == "OK":
-                    assert tokens == want and worker == "w-other", (i, worker)  # one clean stream each
+                if code == "OK":  # one clean stream each: the exact greedy tokens, no duplicate
+                    assert tokens == want and worker == ("w-doomed" if i in done_on_doomed else "w-other")
             with Client(address, timeout=30) as client:
                 by_id = {w.worker_id: w for w in client.cluster_status().workers}
                 assert by_id["w-doomed"].state == router_pb2.WORKER_STATE_DEAD  # within 30 s of heartbeats
