@@ -7,9 +7,14 @@ kvpact.worker.registration.RouterLink, then heartbeats with its load). Benchmark
 
 Two loads:
 
-- per token (the default): each Generate streams `max_tokens` tokens (default 16), one GenerateChunk
-  per token, at `--tokens-per-s` per stream (0: as fast as the server writes, so it never has two
-  tokens ready at once). A prompt text of the form `tokens_per_s=R` overrides the rate for that request,
+Requests come as a real worker's do: from the router on Worker.Stream, many on one call, through the
+real kvpact.worker.stream_server (so a write carries every chunk that was ready), or one per
+Worker.Generate call (the load clients' direct path).
+
+- per token (the default): each request streams `max_tokens` tokens (default 16), one GenerateChunk
+  per token, at `--tokens-per-s` per stream (0: as fast as it can, yielding to the event loop between
+  two tokens; on Worker.Generate that is as fast as the server writes, so it never has two tokens ready
+  at once). A prompt text of the form `tokens_per_s=R` overrides the rate for that request,
   so one worker serves paced and full-speed streams. Tokens are on an absolute schedule
   (start + i / rate), so a late write does not slow the stream that follows.
 - engine steps (`--step-ms MS`): what a real worker's engine does, without the model. A step thread,
@@ -38,7 +43,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -57,6 +62,7 @@ from kvpact.worker.engine.ready_pieces import ReadyPieces
 from kvpact.worker.engine.request import FinishReason, GenerationOutput, Usage
 from kvpact.worker.generate_pb import chunk_to_pb
 from kvpact.worker.registration import RouterLink
+from kvpact.worker.stream_server import StreamServer
 
 DEFAULT_MAX_TOKENS = 16
 NUM_SLOTS = 4096  # what the handshake reports: the router never finds this worker full
@@ -134,6 +140,19 @@ class SyntheticWorker(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        async for chunk in self._chunks(request, None):
+            yield chunk
+
+    async def Stream(
+        self, requests: AsyncIterator[worker_pb2.StreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StreamReply]:
+        """The router's way to a worker, served as the real worker serves it (worker/stream_server.py)."""
+        async for reply in StreamServer(self._chunks, _internal).serve(requests):
+            yield reply
+
+    async def _chunks(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None
+    ) -> AsyncGenerator[generation_pb2.GenerateChunk]:
         n = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         self.num_running += 1
         try:
@@ -154,6 +173,8 @@ class SyntheticWorker(worker_pb2_grpc.WorkerServicer):
                 delay = start + i / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+            else:  # as fast as it can, one token at a time: on Worker.Stream, another's turn in between
+                await asyncio.sleep(0)
             chunk = generation_pb2.GenerateChunk(
                 request_id=rid, text=f"{time.monotonic_ns()};", token_ids=[i % 32000], worker_id=wid
             )
@@ -206,6 +227,10 @@ class SyntheticWorker(worker_pb2_grpc.WorkerServicer):
         if not self.stopped.is_set():
             self.stop_reason = reason
             self.stopped.set()
+
+
+def _internal(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    return grpc.StatusCode.INTERNAL, f"the synthetic worker failed: {exc!r}"
 
 
 def ready_handshake(worker_id: str, address: str, model: str) -> worker_pb2.Handshake:

@@ -1,4 +1,5 @@
-"""One router->worker channel per worker; it carries every concurrent stream to that worker.
+"""One router->worker channel per worker, and on it one Worker.Stream call that carries every request to
+that worker (router/worker_stream.py).
 With --tls-cert it is TLS (mutual with --tls-ca: shared/tls.py).
 
 Nothing here caps concurrent streams (`grpc.max_concurrent_streams`): a cap below what a worker can
@@ -14,20 +15,22 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpact.router.registry import WorkerEntry, WorkerState
+from kvpact.router.worker_stream import WorkerStream
 from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS
 from kvpact.shared.tls import TlsConfig, aio_channel
-from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
 CHANNEL_OPTIONS = GRPC_MESSAGE_OPTIONS  # as the router's and the workers' servers (shared/limits.py)
-GENERATE_METHOD = "/kvpact.v1.Worker/Generate"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Open:
     address: str
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
-    generate: grpc.aio.UnaryStreamMultiCallable  # GenerateRequest -> the chunks' bytes
+    stream: WorkerStream | None = (
+        None  # the Worker.Stream call every request goes on (router/worker_stream.py)
+    )
 
 
 class WorkerChannels:
@@ -39,24 +42,22 @@ class WorkerChannels:
         """The stub for `entry`'s current address (re-registered elsewhere -> a new channel)."""
         return self._channel(entry).stub
 
-    def generate(self, entry: WorkerEntry) -> grpc.aio.UnaryStreamMultiCallable:
-        """Worker.Generate on `entry`'s channel, streaming each chunk as the bytes the worker sent."""
-        return self._channel(entry).generate
+    def stream(self, entry: WorkerEntry) -> WorkerStream:
+        """The Worker.Stream call to `entry` that requests go on: the open one, or a new one when there is
+        none or it ended (the worker restarted, its connection dropped)."""
+        opened = self._channel(entry)
+        if opened.stream is None or opened.stream.ended is not None:
+            opened.stream = WorkerStream(opened.channel)
+        return opened.stream
 
     def _channel(self, entry: WorkerEntry) -> _Open:
         current = self._open.get(entry.worker_id)
         if current is not None and current.address == entry.address:
             return current
-        if current is not None:
+        if current is not None:  # its calls end with it (a stream's requests: UNAVAILABLE, cut off)
             asyncio.get_running_loop().create_task(current.channel.close(grace=None))
         channel = aio_channel(entry.address, self._tls, CHANNEL_OPTIONS)
-        generate = channel.unary_stream(
-            GENERATE_METHOD,
-            request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-            response_deserializer=None,  # bytes, as they came
-            _registered_method=True,
-        )
-        opened = _Open(entry.address, channel, worker_pb2_grpc.WorkerStub(channel), generate)
+        opened = _Open(entry.address, channel, worker_pb2_grpc.WorkerStub(channel))
         self._open[entry.worker_id] = opened
         return opened
 
@@ -95,6 +96,8 @@ class WorkerChannels:
         return {e.worker_id: r for e, r in zip(entries, results, strict=True)}
 
     async def close_all(self) -> None:
-        channels = [opened.channel for opened in self._open.values()]
+        opened = list(self._open.values())
         self._open.clear()
+        await asyncio.gather(*(o.stream.close() for o in opened if o.stream is not None))
+        channels = [o.channel for o in opened]
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)

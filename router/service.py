@@ -1,16 +1,17 @@
 """The client-facing Generation service: a thin relay to the chosen worker.
 
-Generate forwards the request to one worker's Worker.Generate and relays its chunks, merging the ones
-that are ready together when the client's side falls behind (router/coalesce.py); Complete does the
-same and aggregates. The client's remaining deadline becomes the worker call's timeout, and a client
-that cancels cancels the worker call (the worker aborts the request and frees its cache). The relay
-is closed with `aclosing`, so the worker call ends when the client's call does, not whenever the
-garbage collector finalizes an abandoned generator.
+Generate sends the request to one worker, on the router's one Worker.Stream call to that worker
+(router/worker_stream.py), and relays its chunks, merging the ones that are ready together when the
+client's side falls behind (router/coalesce.py); Complete does the same and aggregates. The client's
+remaining deadline travels with the request (the worker ends it DEADLINE_EXCEEDED when it passes), and a
+client that cancels aborts the request on the worker (which frees its cache). The relay is closed with
+`aclosing`, so the request ends when the client's call does, not whenever the garbage collector
+finalizes an abandoned generator.
 
-The relay is a byte relay where it can be (router/relayed.py): the worker's chunks arrive as bytes,
-are parsed once (token counts for the metrics, what coalescing and Complete read), and Generate writes the
-worker's bytes to the client as they came, never re-encoded (its serializer is `relayed_bytes`,
-router/server.py); only a merged chunk is encoded, once.
+The relay is a byte relay (router/relayed.py): the worker's chunks arrive as bytes, are parsed once
+(token counts for the metrics, what merging and Complete read), and Generate writes the worker's bytes
+to the client as they came, never re-encoded (its serializer is `relayed_bytes`, router/server.py);
+only a merged chunk is encoded, once.
 
 A worker's error reaches the client naming the worker id only: its address, and whatever transport detail
 the call failed with, go to the router's log with the request id the client can quote (`_worker_error`).
@@ -18,7 +19,6 @@ the call failed with, go to the router's log with the request id the client can 
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
@@ -31,11 +31,12 @@ import structlog
 from kvpact.router.balancing import make_balance, resolve_model, route
 from kvpact.router.cluster import Cluster
 from kvpact.router.cluster_state import ClusterState
-from kvpact.router.coalesce import coalesced
+from kvpact.router.coalesce import ready_chunks
 from kvpact.router.errors import NoLiveWorker, NotServing, Overloaded, WorkerCallFailed
 from kvpact.router.metrics import RouterMetrics
 from kvpact.router.registry import WorkerEntry
-from kvpact.router.relayed import RelayedChunk, fill_worker_id
+from kvpact.router.relayed import RelayedChunk
+from kvpact.router.worker_stream import CUT_OFF
 from kvpact.shared.errors import RequestError
 from kvpact.shared.limits import check_request_limits
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
@@ -57,7 +58,6 @@ REQUEST_CODES = frozenset(
     }
 )
 _ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.]+\]|\d{1,3}(?:\.\d{1,3}){3}|[\w.-]+\.[A-Za-z]\w*):\d+")
-parse_chunk = generation_pb2.GenerateChunk.FromString
 MAX_RETRIES_GONE = 1  # a request whose worker was gone before it produced anything is retried once
 
 
@@ -70,7 +70,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     async def Generate(  # type: ignore[override]  # RelayedChunks: the server writes their bytes
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[RelayedChunk]:
-        async with aclosing(coalesced(self.relay(request, context.time_remaining()))) as chunks:
+        async with aclosing(self.relay(request, context.time_remaining())) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -193,20 +193,21 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     async def _forward(
         self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, timeout: float | None, api: str
     ) -> AsyncGenerator[RelayedChunk, None]:
-        generate = self.cluster.channels.generate(entry)
+        """The request's chunks from `entry`, on the router's one Worker.Stream call to it
+        (router/worker_stream.py). Each time the relay is free it takes every chunk that arrived and
+        yields them merged, within one message's limits (router/coalesce.py): one at a time while its
+        client keeps up (the first token always alone), several once its writes fell behind."""
+        stream = self.cluster.channels.stream(entry)
         code = grpc.StatusCode.OK
         num_tokens = 0
         entry.num_outstanding += 1
         started = last = time.monotonic()
         timings = self.metrics.stream(request.model, api) if self.metrics is not None else None
-        call = generate(request, timeout=timeout)
+        tag, inbox = stream.start(request, timeout)
+        chunks = ready_chunks(inbox, entry.worker_id)
         try:
-            async for data in call:
-                message = parse_chunk(data)  # inline, not RelayedChunk.parse: this runs once per message
-                if not message.worker_id:
-                    data = fill_worker_id(data, message, entry.worker_id)
-                chunk = RelayedChunk(data, message)
-                num_chunk_tokens = len(message.token_ids)
+            async for chunk in chunks:
+                num_chunk_tokens = len(chunk.message.token_ids)
                 if num_chunk_tokens and timings is not None:
                     now = time.monotonic()
                     timings.chunk(now - last, num_chunk_tokens, num_tokens == 0)
@@ -221,29 +222,22 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                         "another router, or give the router a longer --drain-timeout"
                     )
                 yield chunk
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            raise _worker_error(entry, request.request_id, exc) from None
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # the client cancelled, or its deadline passed
-                code = grpc.StatusCode.CANCELLED
-                raise
-            # The worker call was cut off here (its channel was closed): the client still gets a status.
-            code = grpc.StatusCode.UNAVAILABLE
-            raise WorkerCallFailed(
-                code,
-                f'worker "{entry.worker_id}": the call to it was cut off (request id '
-                f"{request.request_id}); retry",
-            ) from None
+            assert inbox.end is not None  # ready_chunks ends at the end
+            code, details = inbox.end
+            if code is not grpc.StatusCode.OK:
+                raise _worker_error(entry, request.request_id, code, details, stream.ended is not None)
         except NotServing:  # the router's drain ran out (above)
+            raise
+        except WorkerCallFailed:
             raise
         except BaseException:  # the client cancelled (or its deadline passed): stop the worker's work too
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
+            await chunks.aclose()
             entry.num_outstanding -= 1
-            call.cancel()
+            if inbox.end is None:
+                stream.abort(tag)
             log.debug(
                 "request_done",
                 request_id=request.request_id,
@@ -257,10 +251,12 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 self.metrics.observe_duration(request.model, time.monotonic() - started, api)
 
 
-def _worker_error(entry: WorkerEntry, request_id: str, exc: grpc.aio.AioRpcError) -> WorkerCallFailed:
-    """What the client hears when the worker call failed: the worker id, never its address; the whole
-    detail is logged with the request id."""
-    code, details = exc.code(), exc.details() or ""
+def _worker_error(
+    entry: WorkerEntry, request_id: str, code: grpc.StatusCode, details: str, call_ended: bool
+) -> WorkerCallFailed:
+    """What the client hears when the worker failed the request (`call_ended`: its whole Worker.Stream
+    call failed, not this request alone): the worker id, never its address; the whole detail is logged
+    with the request id."""
     log.warning(
         "worker_call_failed",
         request_id=request_id,
@@ -268,8 +264,13 @@ def _worker_error(entry: WorkerEntry, request_id: str, exc: grpc.aio.AioRpcError
         address=entry.address,
         code=code.name,
         details=details,
+        call_ended=call_ended,
     )
-    if code in REQUEST_CODES:
+    if call_ended and details == CUT_OFF:
+        return WorkerCallFailed(
+            code, f'worker "{entry.worker_id}": {CUT_OFF} (request id {request_id}); retry'
+        )
+    if code in REQUEST_CODES and not call_ended:
         relayed = redact_addresses(details, entry.address)
         return WorkerCallFailed(code, f'worker "{entry.worker_id}": {relayed} (request id {request_id})')
     return WorkerCallFailed(

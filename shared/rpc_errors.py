@@ -103,16 +103,20 @@ class ErrorInterceptor(_WrappingInterceptor):
                 return self._statuses[cls]
         return None
 
-    async def _abort(self, name: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    def status_of(self, name: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status a call of `name` that raised `exc` ends with, logged (see the module docstring).
+        Also what a request on Worker.Stream ends with (worker/stream_server.py)."""
         code = self.status_for(exc)
         if code is None:
-            log.exception("unexpected error", rpc=name, error_type=type(exc).__name__)
+            log.error("unexpected error", rpc=name, error_type=type(exc).__name__, exc_info=exc)
             code = grpc.StatusCode.INTERNAL
-            message = f"internal error in {name}: {type(exc).__name__} (see the {self._process}'s log)"
-        else:
-            message = str(exc)
-            log.info("request failed", rpc=name, status=code.name, error=message)
-        await context.abort(code, message)
+            return code, f"internal error in {name}: {type(exc).__name__} (see the {self._process}'s log)"
+        message = str(exc)
+        log.info("request failed", rpc=name, status=code.name, error=message)
+        return code, message
+
+    async def _abort(self, name: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(*self.status_of(name, exc))
 
     def wrap_unary(self, name: str, behavior: Unary) -> Unary:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:

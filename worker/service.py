@@ -6,16 +6,17 @@ before the model is loaded and answers UNAVAILABLE until `attach(engine)`. Stand
 NOT_SERVING while loading, SERVING once admitted by the router (standalone: once loaded), NOT_SERVING
 again when its engine loop stops or while the worker stops (drains).
 
-A call that ends early (client cancel, deadline) closes the engine's generator, which aborts the
-sequence and frees its KV blocks. The server sets no `grpc.max_concurrent_streams`: one
-router->worker channel carries as many streams as the engine can run. With --tls-cert it serves TLS; with
---tls-ca too, only peers holding a certificate that CA signed (the router) get through (shared/tls.py).
+The router sends its requests on Worker.Stream, many on one call (worker/stream_server.py); Worker.Generate
+is the same request alone, for direct callers (grpcurl, benchmarks, tests). A call that ends early
+(client cancel, deadline) closes the engine's generator, which aborts the sequence and frees its KV
+blocks. The server sets no `grpc.max_concurrent_streams`. With --tls-cert it serves TLS; with --tls-ca
+too, only peers holding a certificate that CA signed (the router) get through (shared/tls.py).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from kvpact.shared.tls import TlsConfig, add_port
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from kvpact.worker.engine.request import EngineClosedError, EngineOverloadedError, GenerationError
 from kvpact.worker.generate_pb import chunk_to_pb, request_from_pb
+from kvpact.worker.stream_server import StreamServer
 
 if TYPE_CHECKING:
     from kvpact.worker.engine.engine import Engine
@@ -70,6 +72,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._engine: Engine | None = None
         self._model_name = ""
         self.draining = False  # set on SIGTERM: new requests are refused, in-flight ones finish
+        self.errors = ErrorInterceptor(STATUS_FOR_ERROR, "worker")  # also each Stream request's status
+        self._streams: set[StreamServer] = set()
+        self._closing = False
 
     def attach(self, engine: Engine, model_name: str) -> None:
         self._engine, self._model_name = engine, model_name
@@ -89,6 +94,39 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        async with aclosing(self._chunks(request)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def Stream(
+        self, requests: AsyncIterator[worker_pb2.StreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StreamReply]:
+        """Many Generates on one call (worker/stream_server.py); the router's way to this worker."""
+        server = StreamServer(lambda request, _timeout: self._chunks(request), self._stream_status)
+        self._streams.add(server)
+        if self._closing:
+            server.close()
+        try:
+            with structlog.contextvars.bound_contextvars(worker_id=self.worker_id, rpc="Stream"):
+                async with aclosing(server.serve(requests)) as replies:
+                    async for reply in replies:
+                        yield reply
+        finally:
+            self._streams.discard(server)
+
+    def _stream_status(self, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        return self.errors.status_of("Generate", exc)
+
+    def close_streams(self) -> None:
+        """The worker stops: every Stream call ends once nothing is in flight on it."""
+        self._closing = True
+        for server in self._streams:
+            server.close()
+
+    async def _chunks(
+        self, request: generation_pb2.GenerateRequest
+    ) -> AsyncGenerator[generation_pb2.GenerateChunk]:
+        """One request's chunks, as Worker.Generate and each request on Worker.Stream send them."""
         check_request_limits(request)  # before anything reads, renders or tokenizes the request
         engine = self._accepting()
         if request.model and request.model != self._model_name:
@@ -149,7 +187,7 @@ class WorkerServer:
         self._server = grpc.aio.server(
             interceptors=[
                 LogContextInterceptor(worker_id=service.worker_id),
-                ErrorInterceptor(STATUS_FOR_ERROR, "worker"),
+                service.errors,
             ],
             options=GRPC_MESSAGE_OPTIONS,  # deliberate, and documented in shared/limits.py
         )
@@ -191,7 +229,9 @@ class WorkerServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
-        """NOT_SERVING at once, let in-flight calls finish for `grace_s`, then cancel them."""
+        """NOT_SERVING at once, let in-flight calls finish for `grace_s`, then cancel them (a Stream call
+        ends as soon as nothing is in flight on it)."""
+        self.service.close_streams()
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
 

@@ -17,7 +17,6 @@ import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from kvpact.router.coalesce import coalesced
 from kvpact.router.service import GenerationService
 from kvpact.v1 import generation_pb2
 
@@ -31,7 +30,7 @@ async def choice_chunks(
     service: GenerationService, requests: list[generation_pb2.GenerateRequest], n: int
 ) -> AsyncGenerator[Item, None]:
     if len(requests) == 1:
-        async with aclosing(coalesced(service.relay(requests[0], None, API))) as chunks:
+        async with aclosing(service.relay(requests[0], None, API)) as chunks:
             async for chunk in chunks:
                 yield chunk.message.index, chunk.message
         return
@@ -39,7 +38,7 @@ async def choice_chunks(
 
     async def pump(prompt_index: int, request: generation_pb2.GenerateRequest) -> None:
         try:
-            async with aclosing(coalesced(service.relay(request, None, API))) as chunks:
+            async with aclosing(service.relay(request, None, API)) as chunks:
                 async for chunk in chunks:
                     await queue.put((prompt_index * n + chunk.message.index, chunk.message))
         except asyncio.CancelledError:

@@ -35,8 +35,10 @@ from kvpact.shared.intent import (
     cache_intent,
 )
 from kvpact.shared.realized import RealizedCache
+from kvpact.shared.rpc_errors import StatusError
 from kvpact.shared.spec import WorkerSpec
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvpact.worker.stream_server import StreamServer
 
 ASYNC_TEST_TIMEOUT_S = 60.0
 
@@ -61,8 +63,9 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
         self.cancelled: list[str] = []
         self.shutdown_reasons: list[str] = []
         self.timeouts: list[float | None] = []
+        self.num_calls = 0  # Worker.Stream calls opened to it
         self.address = ""
-        self.refuse: tuple[grpc.StatusCode, str] | None = None  # answer every Generate with this status
+        self.refuse: tuple[grpc.StatusCode, str] | None = None  # end every request with this status
 
     @staticmethod
     def tokens_for(request: generation_pb2.GenerateRequest) -> list[int]:
@@ -70,20 +73,39 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
         n = request.max_tokens if request.HasField("max_tokens") else 8
         return [(base + i) % 1000 for i in range(n)]
 
+    async def Stream(
+        self, requests: AsyncIterator[worker_pb2.StreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StreamReply]:
+        """The router's way to a worker, as the real worker serves it (worker/stream_server.py)."""
+        self.num_calls += 1
+        async for reply in StreamServer(lambda r, t: self.chunks(r, t), _status_of).serve(requests):
+            yield reply
+
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        """One request alone, for tests that call the worker directly."""
+        try:
+            async for chunk in self.chunks(request, context.time_remaining()):
+                yield chunk
+        except StatusError as exc:
+            await context.abort(exc.code, exc.details)
+
+    async def chunks(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         rid = request.request_id
         self.requests.append(request)
         if self.refuse is not None:
-            await context.abort(*self.refuse)
-        self.timeouts.append(context.time_remaining())
+            raise status_error(*self.refuse)
+        self.timeouts.append(timeout)
         self.active.add(rid)
         tokens = self.tokens_for(request)
         try:
             for i, token in enumerate(tokens):
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
+                await asyncio.sleep(
+                    self.delay_s
+                )  # 0: the next token is ready at once, as after an engine step
                 chunk = generation_pb2.GenerateChunk(request_id=rid, text=f"t{token} ", token_ids=[token])
                 if request.sampling.top_logprobs:  # the token, then its successors, at -0.5, -1.5, ...
                     ids = [token + k for k in range(request.sampling.top_logprobs)]
@@ -112,6 +134,19 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.ShutdownReply:
         self.shutdown_reasons.append(request.reason)
         return worker_pb2.ShutdownReply()
+
+
+def status_error(code: grpc.StatusCode, details: str) -> StatusError:
+    """What a double raises to end a request with `code` and `details`."""
+    error = StatusError(details)
+    error.code = code
+    return error
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, StatusError):
+        return exc.code, exc.details
+    return grpc.StatusCode.INTERNAL, f"the double failed: {exc!r}"
 
 
 @asynccontextmanager

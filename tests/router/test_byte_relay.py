@@ -10,7 +10,7 @@ import pytest
 
 from kvpact.router.relayed import RelayedChunk, relayed_bytes
 from kvpact.v1 import generation_pb2, router_pb2
-from tests.router.doubles import WorkerDouble, one_worker_router, run_async
+from tests.router.doubles import WorkerDouble, one_worker_router, run_async, status_error
 
 GenerateChunk = generation_pb2.GenerateChunk
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
@@ -40,10 +40,10 @@ class FailsAfter(WorkerDouble):
         super().__init__(worker_id)
         self.num_chunks, self.code = num_chunks, code
 
-    async def Generate(self, request, context):
+    async def chunks(self, request, timeout):
         for token in self.tokens_for(request)[: self.num_chunks]:
             yield GenerateChunk(request_id=request.request_id, text=f"t{token} ", token_ids=[token])
-        await context.abort(self.code, "no room left at 10.1.2.3:7000")
+        raise status_error(self.code, "no room left at 10.1.2.3:7000")
 
 
 @run_async
@@ -78,11 +78,11 @@ async def test_a_streamed_generate_is_the_workers_bytes_with_the_routers_worker_
 async def test_a_worker_that_sets_its_worker_id_is_relayed_byte_for_byte():
     double = WorkerDouble("a")
 
-    async def with_id(request, context):
+    async def with_id(request, timeout):
         for token in double.tokens_for(request):
             yield GenerateChunk(request_id=request.request_id, token_ids=[token], worker_id="a")
 
-    double.Generate = with_id  # the generated servicer registers the bound method it finds
+    double.chunks = with_id
     request = generation_pb2.GenerateRequest(request_id="rid-2", text="hi", max_tokens=5)
     async with one_worker_router(double) as (router, client):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:

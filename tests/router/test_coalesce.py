@@ -1,7 +1,7 @@
-"""Coalescing a relayed stream (router/coalesce.py): a client that falls behind gets the ready chunks
-merged, every token exactly once and in order, the first token never held back, the final status
-unchanged; a client that keeps up gets the chunks as they came; and through a real router, a reader
-that stalls gets fewer messages than tokens."""
+"""Merging a relayed stream (router/coalesce.py): a relay that falls behind gets the ready chunks merged,
+every token exactly once and in order, the first token never held back, the end read after every
+chunk; a relay that keeps up gets the chunks as they came; and through a real router, a reader that
+stalls gets fewer messages than tokens, and does not hold back the other streams on its worker's call."""
 
 from __future__ import annotations
 
@@ -11,21 +11,14 @@ import grpc
 import pytest
 
 from kvpact.router import coalesce
-from kvpact.router.coalesce import (
-    BEHIND_AFTER_S,
-    MAX_READY,
-    MAX_TOKENS_PER_MESSAGE,
-    coalesced,
-    merge_chunks,
-)
-from kvpact.router.errors import WorkerCallFailed
+from kvpact.router.coalesce import MAX_TOKENS_PER_MESSAGE, merge_chunks, ready_chunks
 from kvpact.router.service import GenerationService
+from kvpact.router.worker_stream import Inbox
 from kvpact.v1 import generation_pb2, router_pb2_grpc
-from tests.factories.eventually import eventually_async
 from tests.router.doubles import WorkerDouble, one_worker_router, run_async
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
-STALL_S = 2 * BEHIND_AFTER_S  # a client this slow to take one message has fallen behind
+STALL_S = 0.1  # a relay this slow to take one message has fallen behind a worker that streams at once
 
 
 def chunk(i: int, *, last: bool = False) -> generation_pb2.GenerateChunk:
@@ -36,19 +29,31 @@ def chunk(i: int, *, last: bool = False) -> generation_pb2.GenerateChunk:
     return c
 
 
-async def fast_source(n: int):
-    for i in range(n):
-        yield chunk(i, last=i == n - 1)
-        await asyncio.sleep(0)  # ready at once, one after another
+def fill(inbox: Inbox, chunks, *, end: grpc.StatusCode | None = grpc.StatusCode.OK) -> asyncio.Task[None]:
+    """A task that puts `chunks` into `inbox` one per loop turn, as a worker's step events arrive, then
+    ends it with `end` (None: no end)."""
+
+    async def run() -> None:
+        for c in chunks:
+            inbox.put(c.SerializeToString())
+            await asyncio.sleep(0)
+        if end is not None:
+            inbox.finish(end, "" if end is grpc.StatusCode.OK else "it failed")
+
+    return asyncio.get_running_loop().create_task(run())
 
 
-def flatten(messages: list[generation_pb2.GenerateChunk]) -> tuple[list[int], list[float], str]:
+def stream_of(n: int) -> list[generation_pb2.GenerateChunk]:
+    return [chunk(i, last=i == n - 1) for i in range(n)]
+
+
+def flatten(messages) -> tuple[list[int], list[float], str]:
     tokens = [t for m in messages for t in m.token_ids]
     logprobs = [p for m in messages for p in m.logprobs]
     return tokens, logprobs, "".join(m.text for m in messages)
 
 
-def assert_whole_stream(messages: list[generation_pb2.GenerateChunk], n: int) -> None:
+def assert_whole_stream(messages, n: int) -> None:
     tokens, logprobs, text = flatten(messages)
     assert tokens == list(range(n))
     assert logprobs == pytest.approx([-i / 10 for i in range(n)])
@@ -56,120 +61,81 @@ def assert_whole_stream(messages: list[generation_pb2.GenerateChunk], n: int) ->
     assert [m.finish_reason for m in messages] == [0] * (len(messages) - 1) + [LENGTH]
     assert [m.HasField("usage") for m in messages] == [False] * (len(messages) - 1) + [True]
     assert messages[-1].usage.completion_tokens == n and {m.request_id for m in messages} == {"r"}
+    assert {m.worker_id for m in messages} == {"w"}  # filled in: the worker sent none
 
 
 @run_async
-async def test_a_slow_consumer_gets_every_token_once_in_order_in_fewer_messages():
+async def test_a_slow_relay_gets_every_token_once_in_order_in_fewer_messages():
+    inbox = Inbox()
+    producer = fill(inbox, stream_of(300))
     messages = []
-    async for message in coalesced(fast_source(300)):
+    async for message in ready_chunks(inbox, "w"):
         messages.append(message)
         await asyncio.sleep(STALL_S if len(messages) == 1 else 0.002)  # stalls, then stays behind
+    await producer
     assert_whole_stream(messages, 300)
     assert len(messages) < 300 / 4, len(messages)
     assert len(messages[0].token_ids) == 1  # the first token went out alone, at once
+    assert inbox.end == (grpc.StatusCode.OK, "")
 
 
 @run_async
 async def test_the_first_token_is_not_held_back_for_a_second():
-    first_seen = asyncio.Event()
-
-    async def source():
-        yield chunk(0)
-        await first_seen.wait()  # a coalescer that waited for more would never see another chunk
-        yield chunk(1, last=True)
-
-    stream = coalesced(source())
-    first = await asyncio.wait_for(anext(stream), 5)
+    inbox = Inbox()
+    stream = ready_chunks(inbox, "w")
+    waiting = asyncio.get_running_loop().create_task(anext(stream))
+    await asyncio.sleep(0.01)
+    inbox.put(chunk(0).SerializeToString())  # and nothing more until the relay has it
+    first = await asyncio.wait_for(waiting, 5)
     assert list(first.token_ids) == [0]
-    first_seen.set()
+    await fill(inbox, [chunk(1, last=True)])
     assert_whole_stream([first, *[m async for m in stream]], 2)
 
 
 @run_async
-async def test_a_consumer_that_keeps_up_gets_one_message_per_chunk():
+async def test_a_relay_that_keeps_up_gets_one_message_per_chunk():
+    inbox = Inbox()
     received = asyncio.Event()
 
-    async def lockstep():
+    async def lockstep() -> None:
         for i in range(20):
             received.clear()
-            yield chunk(i, last=i == 19)
+            inbox.put(chunk(i, last=i == 19).SerializeToString())
             await received.wait()
+        inbox.finish(grpc.StatusCode.OK, "")
 
+    producer = asyncio.get_running_loop().create_task(lockstep())
     messages = []
-    async for message in coalesced(lockstep()):
+    async for message in ready_chunks(inbox, "w"):
         messages.append(message)
         received.set()
+    await producer
     assert [list(m.token_ids) for m in messages] == [[i] for i in range(20)]
 
 
 @run_async
-async def test_the_sources_error_comes_after_every_chunk_read_before_it():
-    async def failing():
-        for i in range(50):
-            yield chunk(i)
-            await asyncio.sleep(0)
-        raise WorkerCallFailed(grpc.StatusCode.INTERNAL, 'worker "a" could not serve request r')
-
+async def test_the_end_is_read_after_every_chunk_that_came_before_it():
+    inbox = Inbox()
+    producer = fill(inbox, [chunk(i) for i in range(50)], end=grpc.StatusCode.INTERNAL)
     messages = []
-    with pytest.raises(WorkerCallFailed) as err:
-        async for message in coalesced(failing()):
-            messages.append(message)
-            await asyncio.sleep(STALL_S if len(messages) == 1 else 0.002)
-    assert err.value.code is grpc.StatusCode.INTERNAL
+    async for message in ready_chunks(inbox, "w"):
+        messages.append(message)
+        await asyncio.sleep(STALL_S if len(messages) == 1 else 0.002)
+    await producer
     assert flatten(messages)[0] == list(range(50)) and len(messages) < 50
+    assert inbox.end == (grpc.StatusCode.INTERNAL, "it failed")
 
 
 @run_async
-async def test_closing_the_stream_ends_the_source_before_close_returns():
-    ended = []
-
-    async def endless():
-        try:
-            i = 0
-            while True:
-                yield chunk(i)
-                i += 1
-                await asyncio.sleep(0.001)
-        finally:
-            ended.append(True)
-
-    stream = coalesced(endless())  # the client keeps up: no reader task
-    await anext(stream)
-    await stream.aclose()
-    assert ended == [True]
-
-    ended.clear()
-    stream = coalesced(endless())
-    await anext(stream)
-    await asyncio.sleep(STALL_S)  # behind: the reader task reads ahead
-    await anext(stream)
-    await asyncio.sleep(0.02)
-    await stream.aclose()
-    assert ended == [True]
-
-
-@run_async
-async def test_a_backlog_goes_out_in_bounded_messages_and_a_stuck_client_pushes_back():
-    produced = []
-
-    async def counted(n: int):
-        for i in range(n):
-            produced.append(i)
-            yield chunk(i, last=i == n - 1)
-            await asyncio.sleep(0)
-
-    n = MAX_READY + 500
-    stream = coalesced(counted(n))
-    assert list((await anext(stream)).token_ids) == [0]
-    assert len(produced) == 1  # keeping up, the relay reads only what it writes
-    await asyncio.sleep(STALL_S)
-    second = await anext(stream)  # behind from here: the reader reads ahead while nobody takes
-    await eventually_async(lambda: len(produced) >= MAX_READY, what="the reader to fill its read-ahead")
-    await asyncio.sleep(0.05)
-    assert len(produced) <= MAX_READY + len(second.token_ids) + 1  # it stopped: the worker's stream waits
-    rest = [m async for m in stream]
-    assert max(len(m.token_ids) for m in rest) == MAX_TOKENS_PER_MESSAGE
-    assert_whole_stream([chunk(0), second, *rest], n)
+async def test_a_backlog_goes_out_in_bounded_messages():
+    n = 2 * MAX_TOKENS_PER_MESSAGE + 500
+    inbox = Inbox()
+    for c in stream_of(n):  # all there before the relay looks
+        inbox.put(c.SerializeToString())
+    inbox.finish(grpc.StatusCode.OK, "")
+    messages = [m async for m in ready_chunks(inbox, "w")]
+    assert [len(m.token_ids) for m in messages] == [MAX_TOKENS_PER_MESSAGE, MAX_TOKENS_PER_MESSAGE, 500]
+    assert_whole_stream(messages, n)
 
 
 def test_merge_keeps_one_chunk_as_it_is_and_joins_several():
@@ -197,18 +163,19 @@ def test_merge_carries_top_logprobs_in_order_and_never_joins_two_completions():
 
 
 @run_async
-async def test_a_slow_consumer_of_n_completions_never_gets_two_indexes_in_one_message():
-    async def interleaved(n: int):  # two completions (n=2) whose chunks arrive in runs of 3
-        for i in range(n):
-            c = chunk(i, last=i >= n - 2)
-            c.index = (i // 3) % 2
-            yield c
-            await asyncio.sleep(0)
-
+async def test_a_slow_relay_of_n_completions_never_gets_two_indexes_in_one_message():
+    interleaved = []  # two completions (n=2) whose chunks arrive in runs of 3
+    for i in range(120):
+        c = chunk(i, last=i >= 118)
+        c.index = (i // 3) % 2
+        interleaved.append(c)
+    inbox = Inbox()
+    producer = fill(inbox, interleaved)
     messages = []
-    async for message in coalesced(interleaved(120)):
+    async for message in ready_chunks(inbox, "w"):
         messages.append(message)
         await asyncio.sleep(STALL_S if len(messages) == 1 else 0.002)
+    await producer
     assert len(messages) < 120  # it did merge
     for message in messages:  # never across completions: every token of a message has its index
         assert {(t // 3) % 2 for t in message.token_ids} == {message.index}
@@ -277,3 +244,32 @@ async def test_the_routers_relay_merges_what_a_slow_client_leaves_waiting():
     assert [t for m in messages for t in m.token_ids] == expected
     assert messages[-1].finish_reason == LENGTH and messages[-1].usage.completion_tokens == n
     assert len(messages) < n / 4, len(messages)
+
+
+@run_async
+async def test_a_client_that_stops_reading_does_not_hold_back_the_other_streams_on_its_worker():
+    """Both streams go to one worker on one Worker.Stream call: the one whose client stopped reading
+    piles up in its own inbox (bounded by its max_tokens), and the other still gets all of its tokens."""
+    double = WorkerDouble("a", delay_s=0.001)
+    async with one_worker_router(double) as (router, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}", options=SMALL_WINDOW) as channel:
+            stub = router_pb2_grpc.GenerationStub(channel)
+            stuck = stub.Generate(generation_pb2.GenerateRequest(text="stuck", max_tokens=3000), timeout=30)
+            assert len((await stuck.read()).token_ids) >= 1  # started; then nobody reads it
+            other = stub.Generate(generation_pb2.GenerateRequest(text="other", max_tokens=300), timeout=30)
+            tokens = [t async for m in other for t in m.token_ids]
+            assert await other.code() is grpc.StatusCode.OK
+            assert tokens == WorkerDouble.tokens_for(
+                generation_pb2.GenerateRequest(text="other", max_tokens=300)
+            )
+            assert {r.text for r in double.requests} == {"stuck", "other"}
+            stuck.cancel()
+        await eventually_cancelled(double, 1)
+
+
+async def eventually_cancelled(double: WorkerDouble, n: int) -> None:
+    for _ in range(200):
+        if len(double.cancelled) >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the worker saw {len(double.cancelled)} aborts, not {n}")

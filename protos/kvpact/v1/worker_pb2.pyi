@@ -9,6 +9,7 @@ from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kvpact.v1 import cache_pb2 as _cache_pb2
+from kvpact.v1 import generation_pb2 as _generation_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -802,3 +803,141 @@ class ShutdownReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShutdownReply: _TypeAlias = ShutdownReply  # noqa: Y015
+
+@_typing.final
+class StreamRequest(_message.Message):
+    """One router->worker call carrying many requests both ways (Worker.Stream): the router's StreamRequests
+    start and abort requests, each under a tag the router chose for it on this call; the worker's
+    StreamReplies carry, per message, every event that was ready when it wrote (typically one engine
+    step's chunks for all its streams). worker/stream_server.py and router/worker_stream.py hold its rules.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    abort: _builtins.int
+    """the tag of a started request the router no longer wants (its client left)"""
+    @_builtins.property
+    def start(self) -> Global___StreamStart: ...
+    def __init__(
+        self,
+        *,
+        start: Global___StreamStart | None = ...,
+        abort: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "kind", b"kind", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "kind", b"kind", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["start", "abort"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StreamRequest: _TypeAlias = StreamRequest  # noqa: Y015
+
+@_typing.final
+class StreamStart(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAG_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    tag: _builtins.int
+    """unique among this call's requests in flight"""
+    timeout_s: _builtins.float
+    """the client's remaining deadline; 0: none"""
+    @_builtins.property
+    def request(self) -> _generation_pb2.GenerateRequest: ...
+    def __init__(
+        self,
+        *,
+        tag: _builtins.int = ...,
+        request: _generation_pb2.GenerateRequest | None = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "tag", b"tag", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamStart: _TypeAlias = StreamStart  # noqa: Y015
+
+@_typing.final
+class StreamReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamEvent]:
+        """one request's events keep their order"""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___StreamEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamReply: _TypeAlias = StreamReply  # noqa: Y015
+
+@_typing.final
+class StreamEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAG_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    tag: _builtins.int
+    chunk: _builtins.bytes
+    """a serialized GenerateChunk, relayed to the client as it is"""
+    @_builtins.property
+    def end(self) -> Global___StreamEnd:
+        """the request is over: its last event, after its last chunk"""
+
+    def __init__(
+        self,
+        *,
+        tag: _builtins.int = ...,
+        chunk: _builtins.bytes = ...,
+        end: Global___StreamEnd | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "end", b"end", "kind", b"kind"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "end", b"end", "kind", b"kind", "tag", b"tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["chunk", "end"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StreamEvent: _TypeAlias = StreamEvent  # noqa: Y015
+
+@_typing.final
+class StreamEnd(_message.Message):
+    """How a request ended: what Worker.Generate's status would have been."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """a grpc.StatusCode value; 0: OK"""
+    details: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        details: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamEnd: _TypeAlias = StreamEnd  # noqa: Y015

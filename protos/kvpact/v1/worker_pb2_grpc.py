@@ -41,6 +41,11 @@ class WorkerStub:
                 request_serializer=kvpact_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvpact_dot_v1_dot_generation__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/kvpact.v1.Worker/Stream',
+                request_serializer=kvpact_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
+                response_deserializer=kvpact_dot_v1_dot_worker__pb2.StreamReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvpact.v1.Worker/Abort',
                 request_serializer=kvpact_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -64,6 +69,13 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
+        """many Generates on one call
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -93,6 +105,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvpact_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=kvpact_dot_v1_dot_generation__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=kvpact_dot_v1_dot_worker__pb2.StreamRequest.FromString,
+                    response_serializer=kvpact_dot_v1_dot_worker__pb2.StreamReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -138,6 +155,33 @@ class Worker:
             '/kvpact.v1.Worker/Generate',
             kvpact_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             kvpact_dot_v1_dot_generation__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpact.v1.Worker/Stream',
+            kvpact_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
+            kvpact_dot_v1_dot_worker__pb2.StreamReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,8 @@ class WorkerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> WorkerAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateChunk]
+    Stream: _grpc.StreamStreamMultiCallable[_worker_pb2.StreamRequest, _worker_pb2.StreamReply]
+    """many Generates on one call"""
     Abort: _grpc.UnaryUnaryMultiCallable[_worker_pb2.AbortRequest, _worker_pb2.AbortReply]
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.WorkerLoad]
     Shutdown: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ShutdownRequest, _worker_pb2.ShutdownReply]
@@ -45,6 +47,8 @@ class WorkerAsyncStub(WorkerStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateChunk]  # type: ignore[assignment]
+    Stream: _aio.StreamStreamMultiCallable[_worker_pb2.StreamRequest, _worker_pb2.StreamReply]  # type: ignore[assignment]
+    """many Generates on one call"""
     Abort: _aio.UnaryUnaryMultiCallable[_worker_pb2.AbortRequest, _worker_pb2.AbortReply]  # type: ignore[assignment]
     Stats: _aio.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.WorkerLoad]  # type: ignore[assignment]
     Shutdown: _aio.UnaryUnaryMultiCallable[_worker_pb2.ShutdownRequest, _worker_pb2.ShutdownReply]  # type: ignore[assignment]
@@ -58,6 +62,14 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         request: _generation_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateChunk], _abc.AsyncIterator[_generation_pb2.GenerateChunk]]: ...
+
+    @_abc_1.abstractmethod
+    def Stream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.StreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.StreamReply], _abc.AsyncIterator[_worker_pb2.StreamReply]]:
+        """many Generates on one call"""
 
     @_abc_1.abstractmethod
     def Abort(

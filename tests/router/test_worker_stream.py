@@ -1,0 +1,84 @@
+"""The router's one Worker.Stream call per worker (router/worker_stream.py): every request to a worker
+goes on it, each gets exactly its own tokens, a client that leaves aborts only its own request, and a
+call that ended is replaced by a new one for the next request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvpact.client import KvpactRpcError
+from kvpact.v1 import generation_pb2
+from tests.factories.eventually import eventually_async
+from tests.router.doubles import WorkerDouble, one_worker_router, run_async
+
+
+def expected(text: str, n: int) -> list[int]:
+    return WorkerDouble.tokens_for(generation_pb2.GenerateRequest(text=text, max_tokens=n))
+
+
+@run_async
+async def test_concurrent_requests_to_one_worker_share_one_call_and_each_gets_its_own_tokens():
+    double = WorkerDouble("a", delay_s=0.001)
+    async with one_worker_router(double) as (_, client):
+
+        async def one(i: int) -> list[int]:
+            return [t async for c in client.generate("x" * i, max_tokens=20 + i) for t in c.token_ids]
+
+        results = await asyncio.gather(*(one(i) for i in range(1, 33)))
+    assert results == [expected("x" * i, 20 + i) for i in range(1, 33)]
+    assert double.num_calls == 1 and len(double.requests) == 32
+
+
+@run_async
+async def test_a_client_that_leaves_aborts_its_request_only():
+    double = WorkerDouble("a", delay_s=0.005)
+    async with one_worker_router(double) as (router, client):
+        leaver = client.generate("leaves", max_tokens=1000)
+        assert len((await anext(leaver)).token_ids) >= 1
+        stayer = asyncio.get_running_loop().create_task(
+            asyncio.wait_for(_tokens(client.generate("stays", max_tokens=100)), 30)
+        )
+        await leaver.aclose()  # the client went away
+        await eventually_async(lambda: double.cancelled, what="the worker's request to be aborted")
+        assert await stayer == expected("stays", 100)
+        assert [r.text for r in double.requests] == ["leaves", "stays"]
+        assert double.cancelled == [double.requests[0].request_id]
+        assert double.num_calls == 1 and router.cluster.registry.get("a").num_outstanding == 0
+
+
+@run_async
+async def test_a_call_that_ended_is_replaced_by_a_new_one_for_the_next_request():
+    double = WorkerDouble("a")
+    async with one_worker_router(double) as (router, client):
+        assert [t async for c in client.generate("one", max_tokens=5) for t in c.token_ids] == expected(
+            "one", 5
+        )
+        entry = router.cluster.registry.get("a")
+        await router.cluster.channels.stream(entry).close()  # as when the connection drops between requests
+        assert [t async for c in client.generate("two", max_tokens=5) for t in c.token_ids] == expected(
+            "two", 5
+        )
+    assert double.num_calls == 2
+
+
+@run_async
+async def test_requests_on_a_call_that_is_cut_off_end_unavailable_naming_the_worker():
+    double = WorkerDouble("a", delay_s=0.01)
+    async with one_worker_router(double) as (router, client):
+        stream = client.generate("long", max_tokens=1000)
+        assert len((await anext(stream)).token_ids) >= 1
+        await router.cluster.channels.stream(router.cluster.registry.get("a")).close()
+        try:
+            async for _ in stream:
+                pass
+        except KvpactRpcError as exc:
+            assert exc.code is grpc.StatusCode.UNAVAILABLE
+            assert exc.details.startswith('worker "a": the call to it was cut off (request id ')
+        else:
+            raise AssertionError("the stream ended without an error")
+
+
+async def _tokens(chunks) -> list[int]:
+    return [t async for c in chunks for t in c.token_ids]

@@ -1,0 +1,140 @@
+"""Worker.Stream, the worker's half: many requests on one router->worker call (issue 25, item 6).
+
+The router opens one Stream call per worker and keeps it (router/worker_stream.py holds its half). On it
+the router starts requests, each under a tag of its choosing, and aborts the ones whose client left; the
+worker answers with StreamReplies, each carrying every event that was ready when it wrote: a request's
+chunks (its GenerateChunk's bytes, relayed to the client as they are) and, last, its end (the status
+Worker.Generate would have ended with). One engine step's chunks for all its streams go out as one
+message, so the router reads one message per step instead of one per stream per step: what one gRPC
+message costs to read is most of what a relayed token costs the router (docs/performance.md, "Router").
+
+Each request runs as the same async generator Worker.Generate runs (`generate`), in a task of its own;
+what it yields and how it ends are queued as events, in order. The writer takes everything queued each
+time it is free, so a writer held back by HTTP/2 flow control sends more per message, never less, and
+never waits for company. A request's task is cancelled by its abort, by its timeout (ending
+DEADLINE_EXCEEDED), or when the call ends (the router went away): the generator is closed, which aborts
+the engine's sequence and frees its blocks, as a cancelled Worker.Generate does.
+
+The call ends when the router closes its side and nothing is in flight, or once `close()` was called
+(the worker stops, after its drain) and nothing is in flight; events already queued are sent first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+
+import grpc
+
+from kvpact.v1 import generation_pb2, worker_pb2
+
+# A request's chunks: the GenerateRequest and its timeout (None: none) in, the chunks out, in order.
+Generate = Callable[
+    [generation_pb2.GenerateRequest, float | None], AsyncGenerator[generation_pb2.GenerateChunk]
+]
+# The status a request that raised ends with (the worker's ErrorInterceptor.status_of, for Stream).
+StatusOf = Callable[[BaseException], tuple[grpc.StatusCode, str]]
+
+MAX_REPLY_BYTES = 1 << 20  # events beyond this go in the next reply (far below the gRPC message cap)
+
+
+class StreamServer:
+    """One Worker.Stream call: `serve(requests)` is the handler's reply stream."""
+
+    def __init__(self, generate: Generate, status_of: StatusOf) -> None:
+        self._generate = generate
+        self._status_of = status_of
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._events: list[worker_pb2.StreamEvent] = []
+        self._size = 0  # bytes of the chunks in _events
+        self._wake = asyncio.Event()
+        self._reading = True  # the router's side is open
+        self._closing = False
+
+    def close(self) -> None:
+        """End the call once nothing is in flight on it (the worker is stopping)."""
+        self._closing = True
+        self._wake.set()
+
+    async def serve(
+        self, requests: AsyncIterator[worker_pb2.StreamRequest]
+    ) -> AsyncGenerator[worker_pb2.StreamReply]:
+        reader = asyncio.get_running_loop().create_task(self._read(requests))
+        try:
+            while True:
+                if self._events:
+                    yield self._take()
+                elif self._tasks or (self._reading and not self._closing):
+                    self._wake.clear()
+                    await self._wake.wait()
+                else:
+                    break
+            if reader.done():
+                reader.result()  # the router's side failed: raise it here
+        finally:
+            reader.cancel()
+            tasks = [reader, *self._tasks.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[worker_pb2.StreamRequest]) -> None:
+        try:
+            async for message in requests:
+                if message.HasField("start"):
+                    self._start(message.start)
+                elif (task := self._tasks.get(message.abort)) is not None:
+                    task.cancel()
+        finally:
+            self._reading = False
+            self._wake.set()
+
+    def _start(self, start: worker_pb2.StreamStart) -> None:
+        tag = start.tag
+        if tag in self._tasks:
+            details = (
+                f"tag {tag} is already in flight on this call (a router fault); the new request is refused"
+            )
+            self._end(tag, grpc.StatusCode.ALREADY_EXISTS, details)
+            return
+        timeout = start.timeout_s if start.timeout_s > 0 else None
+        task = asyncio.get_running_loop().create_task(self._run(tag, start.request, timeout))
+        self._tasks[tag] = task
+
+    async def _run(self, tag: int, request: generation_pb2.GenerateRequest, timeout: float | None) -> None:
+        code, details = grpc.StatusCode.OK, ""
+        try:
+            async with asyncio.timeout(timeout), aclosing(self._generate(request, timeout)) as chunks:
+                async for chunk in chunks:
+                    data = chunk.SerializeToString()
+                    self._events.append(worker_pb2.StreamEvent(tag=tag, chunk=data))
+                    self._size += len(data)
+                    self._wake.set()
+        except TimeoutError:
+            code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        except asyncio.CancelledError:  # aborted, or the call is ending: nobody waits for its end
+            del self._tasks[tag]
+            raise
+        except Exception as exc:  # noqa: BLE001 - the request's own status, as Worker.Generate's would be
+            code, details = self._status_of(exc)
+        del self._tasks[tag]
+        self._end(tag, code, details)
+
+    def _end(self, tag: int, code: grpc.StatusCode, details: str) -> None:
+        end = worker_pb2.StreamEnd(code=code.value[0], details=details)
+        self._events.append(worker_pb2.StreamEvent(tag=tag, end=end))
+        self._wake.set()
+
+    def _take(self) -> worker_pb2.StreamReply:
+        """The queued events, up to MAX_REPLY_BYTES of chunks (at least one event)."""
+        events = self._events
+        if self._size <= MAX_REPLY_BYTES:
+            self._events, self._size = [], 0
+            return worker_pb2.StreamReply(events=events)
+        size = end = 0
+        while end < len(events) and (end == 0 or size + len(events[end].chunk) <= MAX_REPLY_BYTES):
+            size += len(events[end].chunk)
+            end += 1
+        self._events, self._size = events[end:], self._size - size
+        return worker_pb2.StreamReply(events=events[:end])
