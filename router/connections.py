@@ -83,6 +83,8 @@ class WorkerChannels:
         async def one(entry: WorkerEntry) -> str:
             if not entry.address:
                 return "not asked (it reported no address)"
+            if entry.state is WorkerState.REFUSED:  # a Shutdown could reach it before its refusal (exit 78)
+                return "not asked (its refusal tells it to stop)"
             try:
                 await self.stub(entry).Shutdown(worker_pb2.ShutdownRequest(reason=reason), timeout=timeout_s)
                 return "sent"
