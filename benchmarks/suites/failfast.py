@@ -25,8 +25,8 @@ Every time comes from this machine's one clock (UTC wall time), at these well-de
                    placement group, then the report and the verdict)
 
 and the report must say `shutdown:  sent` for each worker it names (or, for the worker that reported
-its own failure and exits on its own, `already gone` / `not asked`): every known worker was told to
-stop. Target (issue 13): report - worker report < 2 s.
+its own failure or that the router refused, which exit on their own, `already gone` / `not asked`):
+every known worker was told to stop. Target (issue 13): report - worker report < 2 s.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class FailRun:
     @property
     def all_told(self) -> bool:
         return bool(self.shutdown) and all(
-            line == "sent" or line.startswith(("already gone", "not asked (its startup failed"))
+            line == "sent"
+            or line.startswith(("already gone", "not asked (its startup failed", "not asked (its refusal"))
             for line in self.shutdown.values()
         )
 
