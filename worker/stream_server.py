@@ -11,9 +11,13 @@ message costs to read is most of what a relayed token costs the router (docs/per
 Each request runs as the same async generator Worker.Generate runs (`generate`), in a task of its own;
 what it yields and how it ends are queued as events, in order. The writer takes everything queued each
 time it is free, so a writer held back by HTTP/2 flow control sends more per message, never less, and
-never waits for company. A request's task is cancelled by its abort, by its timeout (ending
-DEADLINE_EXCEEDED), or when the call ends (the router went away): the generator is closed, which aborts
-the engine's sequence and frees its blocks, as a cancelled Worker.Generate does.
+never waits for company. A request takes its next chunk from its generator only once its last one was
+written, as on its own call: while the writer is held back, the engine merges what piles up for that
+request into one piece (worker/engine/ready_pieces.py), so a slow router reads fewer, larger chunks.
+
+A request's task is cancelled by its abort, by its timeout (ending DEADLINE_EXCEEDED), or when the call
+ends (the router went away): the generator is closed, which aborts the engine's sequence and frees its
+blocks, as a cancelled Worker.Generate does.
 
 The call ends when the router closes its side and nothing is in flight, or once `close()` was called
 (the worker stops, after its drain) and nothing is in flight; events already queued are sent first.
@@ -49,6 +53,7 @@ class StreamServer:
         self._events: list[worker_pb2.StreamEvent] = []
         self._size = 0  # bytes of the chunks in _events
         self._wake = asyncio.Event()
+        self._written = asyncio.Event()  # set once the reply that takes the events queued now is written
         self._reading = True  # the router's side is open
         self._closing = False
 
@@ -64,7 +69,9 @@ class StreamServer:
         try:
             while True:
                 if self._events:
-                    yield self._take()
+                    reply, written = self._take()
+                    yield reply
+                    written.set()
                 elif self._tasks or (self._reading and not self._closing):
                     self._wake.clear()
                     await self._wake.wait()
@@ -111,6 +118,8 @@ class StreamServer:
                     self._events.append(worker_pb2.StreamEvent(tag=tag, chunk=data))
                     self._size += len(data)
                     self._wake.set()
+                    if not chunk.HasField("usage"):  # not its last: take the next once this one is written
+                        await self._written.wait()
         except TimeoutError:
             code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
         except asyncio.CancelledError:  # aborted, or the call is ending: nobody waits for its end
@@ -126,15 +135,17 @@ class StreamServer:
         self._events.append(worker_pb2.StreamEvent(tag=tag, end=end))
         self._wake.set()
 
-    def _take(self) -> worker_pb2.StreamReply:
-        """The queued events, up to MAX_REPLY_BYTES of chunks (at least one event)."""
-        events = self._events
+    def _take(self) -> tuple[worker_pb2.StreamReply, asyncio.Event]:
+        """The queued events, up to MAX_REPLY_BYTES of chunks (at least one event), and the event to set
+        once they are written."""
+        events, written = self._events, self._written
+        self._written = asyncio.Event()
         if self._size <= MAX_REPLY_BYTES:
             self._events, self._size = [], 0
-            return worker_pb2.StreamReply(events=events)
+            return worker_pb2.StreamReply(events=events), written
         size = end = 0
         while end < len(events) and (end == 0 or size + len(events[end].chunk) <= MAX_REPLY_BYTES):
             size += len(events[end].chunk)
             end += 1
         self._events, self._size = events[end:], self._size - size
-        return worker_pb2.StreamReply(events=events[:end])
+        return worker_pb2.StreamReply(events=events[:end]), written

@@ -243,3 +243,46 @@ async def test_a_large_backlog_is_split_over_replies_under_the_cap(monkeypatch):
     assert sorted(call.events()) == sorted(
         [(t, "chunk [7]") for t in range(1, 41)] + [(t, "end OK") for t in range(1, 41)]
     )
+
+
+@run_async
+async def test_a_request_takes_its_next_chunk_only_once_its_last_was_written():
+    """While the writer is held back (HTTP/2 flow control, a slow router), no request's generator is
+    advanced past one unwritten chunk: the engine's queue holds the rest, where it merges them."""
+    engine = Engine()
+    taken: list[int] = []
+
+    async def counting(request, timeout):
+        async for chunk in engine.generate(request, timeout):
+            taken.append(chunk.token_ids[0])
+            yield chunk
+
+    server = StreamServer(counting, status_of)
+    sent: asyncio.Queue[worker_pb2.StreamRequest] = asyncio.Queue()
+
+    async def requests():
+        while True:
+            yield await sent.get()
+
+    replies = server.serve(requests())
+    sent.put_nowait(start(1, "hi", 4))
+    pending = asyncio.get_running_loop().create_task(anext(replies))
+    await settle()
+    engine.step(1)
+    first = await asyncio.wait_for(pending, 5)  # the writer now holds this reply (not yet written)
+    for token in (2, 3, 4):
+        engine.step(token)
+    await settle()
+    assert taken == [1] and engine.running["r1"].qsize() == 3  # held in the engine, not taken
+    rest = []
+    while not any(e.HasField("end") for r in rest for e in r.events):
+        rest.append(await asyncio.wait_for(anext(replies), 5))
+    assert taken == [1, 2, 3, 4]
+    tokens = [
+        generation_pb2.GenerateChunk.FromString(e.chunk).token_ids[0]
+        for r in [first, *rest]
+        for e in r.events
+        if not e.HasField("end")
+    ]
+    assert tokens == [1, 2, 3, 4]
+    await replies.aclose()
