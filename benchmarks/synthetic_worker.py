@@ -12,9 +12,9 @@ real kvpact.worker.stream_server (so a write carries every chunk that was ready)
 Worker.Generate call (the load clients' direct path).
 
 - per token (the default): each request streams `max_tokens` tokens (default 16), one GenerateChunk
-  per token, at `--tokens-per-s` per stream (0: as fast as it can, yielding to the event loop between
-  two tokens; on Worker.Generate that is as fast as the server writes, so it never has two tokens ready
-  at once). A prompt text of the form `tokens_per_s=R` overrides the rate for that request,
+  per token, at `--tokens-per-s` per stream (0: as fast as its writes go, so it never has two tokens
+  ready at once: a request's next chunk is made once its last was written, on either call). A prompt
+  text of the form `tokens_per_s=R` overrides the rate for that request,
   so one worker serves paced and full-speed streams. Tokens are on an absolute schedule
   (start + i / rate), so a late write does not slow the stream that follows.
 - engine steps (`--step-ms MS`): what a real worker's engine does, without the model. A step thread,
@@ -173,8 +173,6 @@ class SyntheticWorker(worker_pb2_grpc.WorkerServicer):
                 delay = start + i / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            else:  # as fast as it can, one token at a time: on Worker.Stream, another's turn in between
-                await asyncio.sleep(0)
             chunk = generation_pb2.GenerateChunk(
                 request_id=rid, text=f"{time.monotonic_ns()};", token_ids=[i % 32000], worker_id=wid
             )
