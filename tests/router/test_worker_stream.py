@@ -22,11 +22,9 @@ def expected(text: str, n: int) -> list[int]:
 async def test_concurrent_requests_to_one_worker_share_one_call_and_each_gets_its_own_tokens():
     double = WorkerDouble("a", delay_s=0.001)
     async with one_worker_router(double) as (_, client):
-
-        async def one(i: int) -> list[int]:
-            return [t async for c in client.generate("x" * i, max_tokens=20 + i) for t in c.token_ids]
-
-        results = await asyncio.gather(*(one(i) for i in range(1, 33)))
+        results = await asyncio.gather(
+            *(_tokens(client.generate("x" * i, max_tokens=20 + i)) for i in range(1, 33))
+        )
     assert results == [expected("x" * i, 20 + i) for i in range(1, 33)]
     assert double.num_calls == 1 and len(double.requests) == 32
 
@@ -52,14 +50,10 @@ async def test_a_client_that_leaves_aborts_its_request_only():
 async def test_a_call_that_ended_is_replaced_by_a_new_one_for_the_next_request():
     double = WorkerDouble("a")
     async with one_worker_router(double) as (router, client):
-        assert [t async for c in client.generate("one", max_tokens=5) for t in c.token_ids] == expected(
-            "one", 5
-        )
+        assert await _tokens(client.generate("one", max_tokens=5)) == expected("one", 5)
         entry = router.cluster.registry.get("a")
         await router.cluster.channels.stream(entry).close()  # as when the connection drops between requests
-        assert [t async for c in client.generate("two", max_tokens=5) for t in c.token_ids] == expected(
-            "two", 5
-        )
+        assert await _tokens(client.generate("two", max_tokens=5)) == expected("two", 5)
     assert double.num_calls == 2
 
 

@@ -87,6 +87,11 @@ class Call:
         for message in messages:
             self.sent.put_nowait(message)
 
+    async def finish(self) -> None:
+        """The router closes its side; the call ends once nothing is in flight."""
+        self.sent.put_nowait(None)
+        await asyncio.wait_for(self.task, 5)
+
     def events(self) -> list[tuple[int, str]]:
         """(tag, "chunk <tokens>" or "end <CODE> <details>") for every event so far, in order."""
         out = []
@@ -122,8 +127,7 @@ async def test_one_steps_chunks_for_every_request_go_out_in_one_reply_and_each_e
         (1, "chunk [6]"), (1, "end OK"), (2, "chunk [6]"), (2, "end OK"), (3, "chunk [6]"), (3, "end OK")
     ]  # fmt: skip
     assert [e for e in call.events() if e[0] == 2] == [(2, "chunk [5]"), (2, "chunk [6]"), (2, "end OK")]
-    call.send(None)  # the router closes its side: nothing in flight, so the call ends
-    await asyncio.wait_for(call.task, 5)
+    await call.finish()  # nothing in flight: the call ends
 
 
 @run_async
@@ -142,8 +146,7 @@ async def test_an_abort_closes_that_requests_generator_only_and_it_sends_no_end(
     await settle()
     assert [e for e in call.events() if e[0] == 1] == [(1, "chunk [7]")]
     assert [e[1] for e in call.events() if e[0] == 2] == ["chunk [7]", "chunk [7]", "chunk [7]", "end OK"]
-    call.send(None)
-    await asyncio.wait_for(call.task, 5)
+    await call.finish()
 
 
 @run_async
@@ -167,8 +170,7 @@ async def test_a_failure_ends_the_request_with_its_status_after_its_chunks_and_t
     engine.step(9)
     await settle()
     assert call.events()[-2:] == [(4, "chunk [9]"), (4, "end OK")]
-    call.send(None)
-    await asyncio.wait_for(call.task, 5)
+    await call.finish()
 
 
 @run_async
@@ -182,8 +184,7 @@ async def test_a_timeout_ends_the_request_deadline_exceeded_and_closes_its_gener
     assert engine.closed == ["r1"]
     assert call.events() == [(1, "end DEADLINE_EXCEEDED Deadline Exceeded")]
     engine.step()
-    call.send(None)
-    await asyncio.wait_for(call.task, 5)
+    await call.finish()
     assert call.events()[1:] == [(2, "chunk [7]"), (2, "end OK")]
 
 
@@ -195,8 +196,7 @@ async def test_a_tag_in_flight_twice_is_refused_and_the_first_goes_on():
     await settle()
     assert call.events()[0][0] == 1 and call.events()[0][1].startswith("end ALREADY_EXISTS tag 1 is already")
     engine.step()
-    call.send(None)
-    await asyncio.wait_for(call.task, 5)
+    await call.finish()
     assert call.events()[1:] == [(1, "chunk [7]"), (1, "end OK")]
 
 
@@ -235,8 +235,7 @@ async def test_a_large_backlog_is_split_over_replies_under_the_cap(monkeypatch):
     call.send(*(start(tag, "hi", 1) for tag in range(1, 41)))
     await settle()
     engine.step()
-    call.send(None)
-    await asyncio.wait_for(call.task, 5)
+    await call.finish()
     assert len(call.replies) > 1
     for reply in call.replies:
         assert sum(len(e.chunk) for e in reply.events) <= 100
