@@ -1,7 +1,7 @@
 """The chunks of one HTTP request's GenerateRequests, as (choice index, chunk), from the router's own relay.
 
 The HTTP front calls the same `GenerationService.relay` as the gRPC front (routing, retries, limits,
-overload bounds, metrics with api="http"), coalesced the same way (router/coalesce.py); it renders
+overload bounds, metrics with api="http"), merged the same way (router/coalesce.py); it renders
 each chunk's parse (RelayedChunk.message) as JSON, so the worker's bytes are not relayed here. One request
 (a chat, a single prompt) is read in the caller's task, so an SSE client that goes away cancels the
 worker call directly. Several prompts (completions with a list of prompts) are read concurrently, one
