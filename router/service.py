@@ -128,6 +128,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
     def _prepare(self, request: generation_pb2.GenerateRequest) -> None:
         self._check_serving()
         check_request_limits(request)  # before the request is routed, logged or echoed
+        request.DiscardUnknownFields()  # nothing the worker would read; they could only make it too big
         if not request.model:
             request.model, _ = resolve_model(self.cluster.registry, "")
         if not request.request_id:
@@ -225,7 +226,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             assert inbox.end is not None  # ready_chunks ends at the end
             code, details = inbox.end
             if code is not grpc.StatusCode.OK:
-                raise _worker_error(entry, request.request_id, code, details, stream.ended is not None)
+                raise _worker_error(entry, request.request_id, code, details, inbox.call_ended)
         except NotServing:  # the router's drain ran out (above)
             raise
         except WorkerCallFailed:

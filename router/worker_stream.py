@@ -11,7 +11,10 @@ What a per-request call gave, and where it is now:
 - cancel: a relay that ends before its request did (client cancel, deadline, a failed write) sends an
   abort with the request's tag; the worker cancels the request, which frees its blocks;
 - deadline: the client's remaining deadline travels in the start and the worker ends the request with
-  DEADLINE_EXCEEDED when it passes, as a timed-out call did;
+  DEADLINE_EXCEEDED when it passes, as a timed-out call did (the gRPC front's handler is also cancelled
+  by gRPC at the client's deadline, which aborts the request, should the worker not answer);
+- size: a start that would not fit one message is refused on its own (INVALID_ARGUMENT) rather than
+  fail the call and every request on it (the router drops a request's unknown fields first);
 - status: each request ends with the status Worker.Generate would have had (code and detail), mapped for
   the client as before (router/service.py `_worker_error`);
 - a worker that is gone: when the call fails (the worker was killed, its connection dropped, the channel
@@ -32,6 +35,7 @@ import itertools
 
 import grpc
 
+from kvpact.shared.limits import MAX_MESSAGE_BYTES
 from kvpact.v1 import generation_pb2, worker_pb2
 
 STREAM_METHOD = "/kvpact.v1.Worker/Stream"
@@ -42,20 +46,22 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class Inbox:
     """One request's chunks (the worker's bytes) as they arrive, then its end (code, details)."""
 
-    __slots__ = ("chunks", "end", "_waiter")
+    __slots__ = ("call_ended", "chunks", "end", "_waiter")
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
         self.end: tuple[grpc.StatusCode, str] | None = None
+        self.call_ended = False  # the end is the whole call's (it failed or was cut off), not the request's
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, data: bytes) -> None:
         self.chunks.append(data)
         self._wake()
 
-    def finish(self, code: grpc.StatusCode, details: str) -> None:
+    def finish(self, code: grpc.StatusCode, details: str, *, call_ended: bool = False) -> None:
         if self.end is None:
             self.end = (code, details)
+            self.call_ended = call_ended
             self._wake()
 
     def take(self) -> list[bytes]:
@@ -105,13 +111,22 @@ class WorkerStream:
         """Send `request` (its deadline `timeout` seconds from now, None: none); its tag and inbox."""
         inbox = Inbox()
         if self.ended is not None:
-            inbox.finish(*self.ended)
+            inbox.finish(*self.ended, call_ended=True)
             return 0, inbox
-        tag = next(self._tags)
-        self._inboxes[tag] = inbox
-        start = worker_pb2.StreamStart(tag=tag, request=request, timeout_s=timeout or 0.0)
-        self._outgoing.put_nowait(worker_pb2.StreamRequest(start=start))
-        return tag, inbox
+        # A deadline already passed still travels as one (0 would mean none).
+        timeout_s = 0.0 if timeout is None else max(timeout, 1e-6)
+        message = worker_pb2.StreamRequest(
+            start=worker_pb2.StreamStart(tag=next(self._tags), request=request, timeout_s=timeout_s)
+        )
+        if message.ByteSize() > MAX_MESSAGE_BYTES:  # it would fail the whole call, every request on it
+            details = (
+                f"the request is {request.ByteSize()} bytes, over the {MAX_MESSAGE_BYTES} a message may be"
+            )
+            inbox.finish(grpc.StatusCode.INVALID_ARGUMENT, details)
+            return 0, inbox
+        self._inboxes[message.start.tag] = inbox
+        self._outgoing.put_nowait(message)
+        return message.start.tag, inbox
 
     def abort(self, tag: int) -> None:
         """The request under `tag` is no longer wanted: the worker stops it (nothing if it ended)."""
@@ -159,4 +174,4 @@ class WorkerStream:
             self._writer.cancel()
             inboxes, self._inboxes = self._inboxes, {}
             for inbox in inboxes.values():
-                inbox.finish(code, details)
+                inbox.finish(code, details, call_ended=True)

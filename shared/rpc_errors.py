@@ -11,7 +11,9 @@
 Only `/kvpact.v1.` methods are wrapped (standard health and reflection pass untouched), unary-unary
 and unary-stream. Streams are wrapped with `aclosing`, so when a call ends early (client cancel,
 deadline) closing the outermost generator closes the handler's, which closes what it relays (the
-engine's, which frees the sequence; the router's call to the worker, which cancels it).
+engine's, which frees the sequence; the router's relay, which aborts the request on the worker).
+Worker.Stream (stream-stream) is not wrapped: worker/stream_server.py ends each request on it with
+`status_of`.
 """
 
 from __future__ import annotations

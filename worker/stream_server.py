@@ -11,16 +11,20 @@ message costs to read is most of what a relayed token costs the router (docs/per
 Each request runs as the same async generator Worker.Generate runs (`generate`), in a task of its own;
 what it yields and how it ends are queued as events, in order. The writer takes everything queued each
 time it is free, so a writer held back by HTTP/2 flow control sends more per message, never less, and
-never waits for company. A request takes its next chunk from its generator only once its last one was
-written, as on its own call: while the writer is held back, the engine merges what piles up for that
-request into one piece (worker/engine/ready_pieces.py), so a slow router reads fewer, larger chunks.
+never waits for company. A request takes its next chunk from its generator only once the reply that
+took its last one was written, as on its own call: while the writer is held back, the engine merges what
+piles up for that request into one piece (worker/engine/ready_pieces.py), so a slow router reads fewer,
+larger chunks. (A backlog over MAX_REPLY_BYTES goes out in several replies; the first one's write lets
+every waiting request go on, which only loosens that hold, never the order.)
 
 A request's task is cancelled by its abort, by its timeout (ending DEADLINE_EXCEEDED), or when the call
 ends (the router went away): the generator is closed, which aborts the engine's sequence and frees its
 blocks, as a cancelled Worker.Generate does.
 
 The call ends when the router closes its side and nothing is in flight, or once `close()` was called
-(the worker stops, after its drain) and nothing is in flight; events already queued are sent first.
+(the worker stops) and nothing is in flight; events already queued are sent first. After `close()` a new
+request ends at once UNAVAILABLE, as a stopping server refuses a new call, so the router retries it on
+another worker.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ Generate = Callable[
 StatusOf = Callable[[BaseException], tuple[grpc.StatusCode, str]]
 
 MAX_REPLY_BYTES = 1 << 20  # events beyond this go in the next reply (far below the gRPC message cap)
+STOPPING = "the worker is stopping: it takes no new requests; send this one to another worker"
 
 
 class StreamServer:
@@ -99,6 +104,9 @@ class StreamServer:
 
     def _start(self, start: worker_pb2.StreamStart) -> None:
         tag = start.tag
+        if self._closing:  # as a stopping server refuses a new call: the router sends it elsewhere
+            self._end(tag, grpc.StatusCode.UNAVAILABLE, STOPPING)
+            return
         if tag in self._tasks:
             details = (
                 f"tag {tag} is already in flight on this call (a router fault); the new request is refused"
@@ -108,6 +116,13 @@ class StreamServer:
         timeout = start.timeout_s if start.timeout_s > 0 else None
         task = asyncio.get_running_loop().create_task(self._run(tag, start.request, timeout))
         self._tasks[tag] = task
+        task.add_done_callback(lambda done: self._forget(tag, done))
+
+    def _forget(self, tag: int, task: asyncio.Task[None]) -> None:
+        """`task` is over (ended, aborted, or cancelled before it ran): it is no longer in flight."""
+        if self._tasks.get(tag) is task:
+            del self._tasks[tag]
+            self._wake.set()
 
     async def _run(self, tag: int, request: generation_pb2.GenerateRequest, timeout: float | None) -> None:
         code, details = grpc.StatusCode.OK, ""
@@ -122,12 +137,13 @@ class StreamServer:
                         await self._written.wait()
         except TimeoutError:
             code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
-        except asyncio.CancelledError:  # aborted, or the call is ending: nobody waits for its end
-            del self._tasks[tag]
-            raise
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # aborted, or the call is ending: nobody waits
+                raise
+            code, details = self._status_of(exc)  # raised inside the request's work: it still ends
         except Exception as exc:  # noqa: BLE001 - the request's own status, as Worker.Generate's would be
             code, details = self._status_of(exc)
-        del self._tasks[tag]
         self._end(tag, code, details)
 
     def _end(self, tag: int, code: grpc.StatusCode, details: str) -> None:

@@ -181,7 +181,7 @@ class _Stream(StreamingResponse):
 async def _events(
     chunks: AsyncGenerator[Item, None], first: Item, rendering: Rendering, fields: dict[str, str]
 ) -> AsyncGenerator[str, None]:
-    """The SSE body; closing it (the client went away) closes `chunks`, which cancels the worker calls."""
+    """The SSE body; closing it (the client went away) closes `chunks`, which aborts the worker requests."""
     with structlog.contextvars.bound_contextvars(**fields):
         worker_id = first[1].worker_id
         try:

@@ -9,6 +9,7 @@ import asyncio
 import grpc
 
 from kvpact.client import KvpactRpcError
+from kvpact.shared.limits import MAX_MESSAGE_BYTES
 from kvpact.v1 import generation_pb2
 from tests.factories.eventually import eventually_async
 from tests.router.doubles import WorkerDouble, one_worker_router, run_async
@@ -76,3 +77,38 @@ async def test_requests_on_a_call_that_is_cut_off_end_unavailable_naming_the_wor
 
 async def _tokens(chunks) -> list[int]:
     return [t async for c in chunks for t in c.token_ids]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+@run_async
+async def test_a_request_swollen_by_unknown_fields_is_served_and_fails_no_other_stream_on_the_call():
+    """A client's GenerateRequest just under gRPC's message cap, nearly all of it a field the router does
+    not know: the router drops what it does not know before it goes on the worker's call (wrapped, it
+    would no longer fit one message and would fail every request on the call)."""
+    double = WorkerDouble("a", delay_s=0.002)
+    async with one_worker_router(double) as (router, client):
+        other = asyncio.get_running_loop().create_task(_tokens(client.generate("other", max_tokens=300)))
+        while not double.requests:
+            await asyncio.sleep(0.01)
+        known = generation_pb2.GenerateRequest(text="big", max_tokens=5).SerializeToString()
+        pad = b"x" * (MAX_MESSAGE_BYTES - len(known) - 16)
+        swollen = known + b"\xba\x3e" + _varint(len(pad)) + pad  # field 999, length-delimited: unknown
+        assert len(swollen) <= MAX_MESSAGE_BYTES
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+            generate = channel.unary_stream(
+                "/kvpact.v1.Generation/Generate",
+                request_serializer=None,  # the bytes as they are
+                response_deserializer=generation_pb2.GenerateChunk.FromString,
+            )
+            tokens = [t async for c in generate(swollen, timeout=30) for t in c.token_ids]
+        assert tokens == expected("big", 5)
+        assert await asyncio.wait_for(other, 30) == expected("other", 300)  # its call was not failed
+        assert double.requests[-1].ByteSize() < 100 and double.num_calls == 1

@@ -285,3 +285,45 @@ async def test_a_request_takes_its_next_chunk_only_once_its_last_was_written():
     ]
     assert tokens == [1, 2, 3, 4]
     await replies.aclose()
+
+
+@run_async
+async def test_after_close_a_new_request_ends_unavailable_at_once_and_the_call_ends():
+    engine = Engine()
+    server = StreamServer(engine.generate, status_of)
+    call = Call(server)
+    call.send(start(1, "hi", 1))
+    await settle()
+    server.close()  # the worker stops (any way: drain, Shutdown, a second signal)
+    call.send(start(2, "hi", 1))  # the router has not heard yet
+    await settle()
+    assert "r2" not in engine.running
+    assert call.events() == [(2, f"end UNAVAILABLE {stream_server.STOPPING}")]  # the router retries it
+    engine.step()
+    await asyncio.wait_for(call.task, 5)
+    assert call.events()[1:] == [(1, "chunk [7]"), (1, "end OK")]
+
+
+@run_async
+async def test_a_request_aborted_before_its_task_ran_is_not_left_in_flight():
+    engine = Engine()
+    server = StreamServer(engine.generate, status_of)
+    call = Call(server)
+    call.send(start(1, "hi", 3), worker_pb2.StreamRequest(abort=1))  # read back to back, no turn between
+    await settle()
+    server.close()
+    await asyncio.wait_for(call.task, 5)  # nothing in flight: the call ended
+    assert call.events() == [] and not engine.running
+
+
+@run_async
+async def test_a_cancelled_error_from_inside_the_request_still_ends_it():
+    async def broken(request, timeout):
+        yield generation_pb2.GenerateChunk(token_ids=[1])
+        raise asyncio.CancelledError  # e.g. a shut-down executor's future; not this task's cancel
+
+    call = Call(StreamServer(broken, status_of))
+    call.send(start(1, "hi", 3))
+    await settle()
+    await call.finish()
+    assert call.events() == [(1, "chunk [1]"), (1, "end INTERNAL internal error: CancelledError")]
