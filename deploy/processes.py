@@ -169,11 +169,13 @@ def wait_for_line(
 def health_status(
     address: str,
     service: str = "",
-    timeout_s: float = 1.0,
+    timeout_s: float = 5.0,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> str:
     """One standard gRPC health check: "SERVING", "NOT_SERVING", ..., or "UNREACHABLE".
-    `credentials`: TLS for a router that serves it (None = plaintext)."""
+    `credentials`: TLS for a router that serves it (None = plaintext). The default timeout is for a check
+    that asserts a state: a busy process on a loaded machine can take over a second to answer (a CI run
+    read UNREACHABLE from a worker at 1 s); a closed port answers UNREACHABLE at once whatever it is."""
     channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
     with channel:
         try:
