@@ -28,9 +28,9 @@ from typing import TypeVar
 
 from kvpact.router.relayed import RelayedChunk, fill_worker_id
 from kvpact.router.worker_stream import Inbox
+from kvpact.shared.limits import MAX_TOKENS_PER_MESSAGE
 from kvpact.v1 import generation_pb2
 
-MAX_TOKENS_PER_MESSAGE = 1024
 MAX_TEXT_PER_MESSAGE = 64 * 1024  # characters; far below the gRPC message cap (shared/limits.py)
 parse_chunk = generation_pb2.GenerateChunk.FromString
 
@@ -83,7 +83,7 @@ async def ready_chunks(inbox: Inbox, worker_id: str) -> AsyncGenerator[RelayedCh
     ready: list[RelayedChunk] = []
     while True:
         for data in inbox.take():
-            message = parse_chunk(data)  # inline, not RelayedChunk.parse: this runs once per message
+            message = parse_chunk(data)  # inline: this runs once per message (a classmethod cost ~1 us more)
             if not message.worker_id:
                 data = fill_worker_id(data, message, worker_id)
             ready.append(RelayedChunk(data, message))

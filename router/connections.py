@@ -28,9 +28,7 @@ class _Open:
     address: str
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
-    stream: WorkerStream | None = (
-        None  # the Worker.Stream call every request goes on (router/worker_stream.py)
-    )
+    stream: WorkerStream | None = None  # the call every request goes on (router/worker_stream.py)
 
 
 class WorkerChannels:

@@ -24,15 +24,6 @@ class RelayedChunk:
         self.message = message
 
     @classmethod
-    def parse(cls, data: bytes, worker_id: str) -> RelayedChunk:
-        """The worker's serialized chunk `data`; `worker_id` filled in when the worker left it empty.
-        (The relay's loop, router/service.py, does the same inline.)"""
-        message = generation_pb2.GenerateChunk.FromString(data)
-        if not message.worker_id:
-            data = fill_worker_id(data, message, worker_id)
-        return cls(data, message)
-
-    @classmethod
     def of(cls, message: generation_pb2.GenerateChunk) -> RelayedChunk:
         """A chunk the router built itself (a merge): encoded once here."""
         return cls(message.SerializeToString(), message)

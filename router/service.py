@@ -197,7 +197,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         """The request's chunks from `entry`, on the router's one Worker.Stream call to it
         (router/worker_stream.py). Each time the relay is free it takes every chunk that arrived and
         yields them merged, within one message's limits (router/coalesce.py): one at a time while its
-        client keeps up (the first token always alone), several once its writes fell behind."""
+        client keeps up, several once its writes fell behind; a chunk is never held back for company."""
         stream = self.cluster.channels.stream(entry)
         code = grpc.StatusCode.OK
         num_tokens = 0

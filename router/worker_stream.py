@@ -103,10 +103,6 @@ class WorkerStream:
         self._writer = loop.create_task(self._write())
         self._reader = loop.create_task(self._read())
 
-    @property
-    def num_open(self) -> int:
-        return len(self._inboxes)
-
     def start(self, request: generation_pb2.GenerateRequest, timeout: float | None) -> tuple[int, Inbox]:
         """Send `request` (its deadline `timeout` seconds from now, None: none); its tag and inbox."""
         inbox = Inbox()

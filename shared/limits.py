@@ -44,6 +44,9 @@ MAX_REQUEST_COMPLETION_TOKENS = 1 << 16  # n x max_tokens: what one request may 
 # largest request the caps allow (1 MiB of text, or 256 Ki token ids at up to 5 bytes each) and its
 # framing, far below what would let one message cost much memory.
 MAX_MESSAGE_BYTES = 4 << 20
+# Tokens in one streamed chunk when ready ones are merged (the worker's ReadyPieces, the router's relay):
+# a long backlog with top_logprobs stays one message far below MAX_MESSAGE_BYTES.
+MAX_TOKENS_PER_MESSAGE = 1024
 QUOTE_CHARS = 40
 
 GRPC_MESSAGE_OPTIONS = [

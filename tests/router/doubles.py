@@ -78,7 +78,7 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.StreamReply]:
         """The router's way to a worker, as the real worker serves it (worker/stream_server.py)."""
         self.num_calls += 1
-        async for reply in StreamServer(lambda r, t: self.chunks(r, t), _status_of).serve(requests):
+        async for reply in StreamServer(self.chunks, _status_of).serve(requests):
             yield reply
 
     async def Generate(

@@ -8,7 +8,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvpact.router.coalesce import ready_chunks
 from kvpact.router.relayed import RelayedChunk, relayed_bytes
+from kvpact.router.worker_stream import Inbox
 from kvpact.v1 import generation_pb2, router_pb2
 from tests.router.doubles import WorkerDouble, one_worker_router, run_async, status_error
 
@@ -165,9 +167,14 @@ async def test_every_generation_method_is_served():
                     assert await call(request, timeout=10) is not None
 
 
-def test_a_relayed_chunk_reads_as_its_message_and_serializes_to_its_bytes():
+@run_async
+async def test_a_relayed_chunk_reads_as_its_message_and_serializes_to_its_bytes():
     data = GenerateChunk(request_id="r", token_ids=[5, 6], text="ab").SerializeToString()
-    chunk = RelayedChunk.parse(data, "w")
+    inbox = Inbox()  # the relay's own path: the worker's bytes into an inbox, out as a RelayedChunk
+    inbox.put(data)
+    inbox.finish(grpc.StatusCode.OK, "")
+    [chunk] = [c async for c in ready_chunks(inbox, "w")]
+    assert isinstance(chunk, RelayedChunk)
     assert list(chunk.token_ids) == [5, 6] and chunk.text == "ab" and chunk.worker_id == "w"
     assert GenerateChunk.FromString(relayed_bytes(chunk)) == chunk.message
     with pytest.raises(AttributeError):

@@ -11,9 +11,10 @@ import grpc
 import pytest
 
 from kvpact.router import coalesce
-from kvpact.router.coalesce import MAX_TOKENS_PER_MESSAGE, merge_chunks, ready_chunks
+from kvpact.router.coalesce import merge_chunks, ready_chunks
 from kvpact.router.service import GenerationService
 from kvpact.router.worker_stream import Inbox
+from kvpact.shared.limits import MAX_TOKENS_PER_MESSAGE
 from kvpact.v1 import generation_pb2, router_pb2_grpc
 from tests.router.doubles import WorkerDouble, one_worker_router, run_async
 

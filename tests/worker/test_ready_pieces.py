@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvpact.worker.engine.ready_pieces import MAX_MERGED_TOKENS, ReadyPieces
+from kvpact.shared.limits import MAX_TOKENS_PER_MESSAGE
+from kvpact.worker.engine.ready_pieces import ReadyPieces
 from kvpact.worker.engine.request import FinishReason, GenerationOutput, Usage
 
 
@@ -84,10 +85,10 @@ def test_an_error_comes_after_every_piece_queued_before_it_and_is_returned_not_m
 
 
 def test_a_long_backlog_goes_out_in_pieces_of_at_most_the_merge_cap():
-    n = 2 * MAX_MERGED_TOKENS + 10
+    n = 2 * MAX_TOKENS_PER_MESSAGE + 10
     pieces = ReadyPieces()
     for i in range(n):
         pieces.put(piece(i, last=i == n - 1, usage=i == n - 1))
     taken = take_all(pieces, 3)
-    assert [len(p.token_ids) for p in taken] == [MAX_MERGED_TOKENS, MAX_MERGED_TOKENS, 10]
+    assert [len(p.token_ids) for p in taken] == [MAX_TOKENS_PER_MESSAGE, MAX_TOKENS_PER_MESSAGE, 10]
     assert [t for p in taken for t in p.token_ids] == list(range(n)) and taken[-1].usage is not None

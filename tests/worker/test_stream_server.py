@@ -98,7 +98,7 @@ class Call:
         for reply in self.replies:
             for event in reply.events:
                 if event.HasField("end"):
-                    code = grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == event.end.code))
+                    code = next(c for c in grpc.StatusCode if c.value[0] == event.end.code)
                     out.append((event.tag, f"end {code.name} {event.end.details}".strip()))
                 else:
                     chunk = generation_pb2.GenerateChunk.FromString(event.chunk)

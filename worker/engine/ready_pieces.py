@@ -5,8 +5,8 @@ piece)`); the caller takes them with `next()`. A caller that keeps up gets each 
 caller whose writes fell behind finds several queued and gets them as one (`merge_pieces`): fewer
 messages, never a wait, so the first token always goes alone. Pieces of different completions (`index`)
 are never merged, nor is anything merged past a completion's last piece or an error, nor beyond
-MAX_MERGED_TOKENS: every piece arrives once, in order, and an error comes after every piece queued
-before it.
+MAX_TOKENS_PER_MESSAGE (shared/limits.py): every piece arrives once, in order, and an error comes after
+every piece queued before it.
 
 The engine (worker/engine/engine.py) streams through this, and so does the router suite's synthetic
 worker (benchmarks/synthetic_worker.py), so the load it offers the router merges as a real worker's does.
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import asyncio
 
+from kvpact.shared.limits import MAX_TOKENS_PER_MESSAGE
 from kvpact.worker.engine.request import GenerationOutput, merge_pieces
 
 Item = GenerationOutput | BaseException
-# A merge stops at this many tokens (the rest go in the next piece): a long backlog with top_logprobs must
-# stay one gRPC message well under its cap (shared/limits.py), on a call that carries every stream.
-MAX_MERGED_TOKENS = 1024
 
 
 class ReadyPieces:
@@ -45,7 +43,9 @@ class ReadyPieces:
         if isinstance(item, BaseException):
             return item
         queue = self._queue
-        while item.finish_reason is None and len(item.token_ids) < MAX_MERGED_TOKENS and not queue.empty():
+        while (
+            item.finish_reason is None and len(item.token_ids) < MAX_TOKENS_PER_MESSAGE and not queue.empty()
+        ):
             then = queue.get_nowait()
             if isinstance(then, BaseException) or then.index != item.index:
                 self._held = then
