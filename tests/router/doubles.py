@@ -101,6 +101,7 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
         self.timeouts.append(timeout)
         self.active.add(rid)
         tokens = self.tokens_for(request)
+        finished = False
         try:
             for i, token in enumerate(tokens):
                 await asyncio.sleep(
@@ -113,12 +114,12 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
                 if i == len(tokens) - 1:
                     chunk.finish_reason = generation_pb2.FINISH_REASON_LENGTH
                     chunk.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=3, completion_tokens=len(tokens)))
+                    finished = True
                 yield chunk
-        except asyncio.CancelledError:
-            self.cancelled.append(rid)
-            raise
-        finally:
+        finally:  # closed before its last chunk (cancelled, or aclose()d while its caller waited): aborted
             self.active.discard(rid)
+            if not finished:
+                self.cancelled.append(rid)
 
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
