@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.suites.offline import padded_ceiling
+from benchmarks.peers import Run
+from benchmarks.suites.offline import padded_ceiling, shifted_prompts, speedup
 from benchmarks.workloads import WorkItem
 from tests.benchmarks.quick_suite import run_quick_suite
 
@@ -66,3 +67,27 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
 def test_the_padded_ceiling_counts_every_row_at_the_longest_prompt_and_output():
     # one padded batch computes 2 rows x (4 + 6) tokens; 2 + 3 and 4 + 6 are useful
     assert padded_ceiling([WorkItem((1, 2), 3), WorkItem((1, 2, 3, 4), 6)]) == 20 / 15
+
+
+def test_a_ratio_is_the_median_of_its_rounds_paired_and_transformers_single_run_uses_the_median():
+    def rounds(*walls: float) -> list[Run]:
+        return [Run(w, []) for w in walls]
+
+    runs = {
+        ("mixed", "a"): rounds(10.0, 20.0, 30.0),
+        ("mixed", "b"): rounds(11.0, 18.0, 33.0),  # per round 1.1, 0.9, 1.1 as slow as a
+        ("mixed", "hf"): rounds(40.0),
+    }
+    # paired round by round: the median of 1.1, 0.9, 1.1 (the ratio of medians would say 0.9)
+    assert speedup(runs, "mixed", "a", "b") == pytest.approx(1.1)
+    assert speedup(runs, "mixed", "a", "hf") == pytest.approx(40.0 / 20.0)  # one run: a's median wall
+
+
+def test_each_round_shifts_every_prompt_token_and_keeps_the_lengths():
+    items = [WorkItem((1, 2, 3), 4), WorkItem((5,), 6)]
+    assert shifted_prompts(items, 0, 100) == items
+    later = shifted_prompts(items, 1, 100)
+    assert [len(i.prompt) for i in later] == [3, 1] and [i.max_tokens for i in later] == [4, 6]
+    assert all(
+        a != b for x, y in zip(items, later, strict=True) for a, b in zip(x.prompt, y.prompt, strict=True)
+    )
