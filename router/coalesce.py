@@ -24,7 +24,6 @@ contract: a client that needs per-token timing reads the token ids.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import TypeVar
 
 from kvpact.router.relayed import RelayedChunk, fill_worker_id
 from kvpact.router.worker_stream import Inbox
@@ -34,38 +33,27 @@ from kvpact.v1 import generation_pb2
 MAX_TEXT_PER_MESSAGE = 64 * 1024  # characters; far below the gRPC message cap (shared/limits.py)
 parse_chunk = generation_pb2.GenerateChunk.FromString
 
-Chunk = TypeVar("Chunk", generation_pb2.GenerateChunk, RelayedChunk)
 
-
-def merge_chunks(chunks: list[Chunk]) -> Chunk:
-    """One chunk carrying `chunks` (consecutive, of one stream and one index) in order."""
+def merge_chunks(chunks: list[RelayedChunk]) -> RelayedChunk:
+    """One chunk carrying `chunks` (consecutive, of one stream and one index) in order; one chunk as it
+    is, several encoded once."""
     if len(chunks) == 1:
         return chunks[0]
-    if isinstance(chunks[0], RelayedChunk):
-        return RelayedChunk.of(_merged([chunk.message for chunk in chunks]))
-    return _merged(chunks)
-
-
-def _merged(chunks: list[generation_pb2.GenerateChunk]) -> generation_pb2.GenerateChunk:
     merged = generation_pb2.GenerateChunk()
     for chunk in chunks:
-        merged.MergeFrom(chunk)  # repeated fields concatenate; set scalars/messages: the last one wins
-    merged.text = "".join(chunk.text for chunk in chunks)
-    return merged
+        merged.MergeFrom(chunk.message)  # repeated fields concatenate; set scalars/messages: the last wins
+    merged.text = "".join(chunk.message.text for chunk in chunks)
+    return RelayedChunk.of(merged)
 
 
-def _message(chunk: Chunk) -> generation_pb2.GenerateChunk:
-    return chunk.message if isinstance(chunk, RelayedChunk) else chunk
-
-
-def take_batch(ready: list[Chunk]) -> list[Chunk]:
+def take_batch(ready: list[RelayedChunk]) -> list[RelayedChunk]:
     """Remove and return the longest prefix of `ready` that fits one message and continues one
     completion (at least one chunk)."""
     num_tokens = num_chars = 0
     end = 0
-    index = _message(ready[0]).index
+    index = ready[0].message.index
     for chunk in ready:
-        message = _message(chunk)
+        message = chunk.message
         num_tokens += len(message.token_ids)
         num_chars += len(message.text)
         too_big = num_tokens > MAX_TOKENS_PER_MESSAGE or num_chars > MAX_TEXT_PER_MESSAGE

@@ -227,9 +227,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
             code, details = inbox.end
             if code is not grpc.StatusCode.OK:
                 raise _worker_error(entry, request.request_id, code, details, inbox.call_ended)
-        except NotServing:  # the router's drain ran out (above)
-            raise
-        except WorkerCallFailed:
+        except (NotServing, WorkerCallFailed):  # the router's drain ran out (above); the worker failed it
             raise
         except BaseException:  # the client cancelled (or its deadline passed): stop the worker's work too
             code = grpc.StatusCode.CANCELLED

@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -153,15 +154,12 @@ def run(ctx: BenchContext) -> SuiteResult:
         for w in plans:
             for r in range(2 if ctx.quick else ROUNDS):
                 items = shifted_prompts(w.items, r, config.vocab_size)
-                served = [(s, c) for s, c in clusters.items() if s in w.systems and (r == 0 or s in REPEATED)]
-                local = [(s, e) for s, e in engines.items() if s in w.systems and (r == 0 or s in REPEATED)]
+                served = [(s, partial(stream_run, c.address)) for s, c in clusters.items()]
+                local = [(s, partial(run_engine, e)) for s, e in engines.items()]
                 for group in (served, local) if r % 2 == 0 else (local, served):
-                    for system, target in group:
-                        if isinstance(target, Cluster):
-                            run_ = stream_run(target.address, items)
-                        else:
-                            run_ = run_engine(target, items)
-                        runs.setdefault((w.name, system), []).append(run_)
+                    for system, run_on in group:
+                        if system in w.systems and (r == 0 or system in REPEATED):
+                            runs.setdefault((w.name, system), []).append(run_on(items))
     shared = shared_machine(ctx, plans[0].items, max_model_len)
     warm = [WorkItem(item.prompt[:16], 4) for item in plans[0].items[:2]]
     peers.generate_padded(hf_model, warm, 2)  # warm-up

@@ -12,6 +12,7 @@ import pytest
 
 from kvpact.router import coalesce
 from kvpact.router.coalesce import merge_chunks, ready_chunks
+from kvpact.router.relayed import RelayedChunk
 from kvpact.router.service import GenerationService
 from kvpact.router.worker_stream import Inbox
 from kvpact.shared.limits import MAX_TOKENS_PER_MESSAGE
@@ -140,27 +141,27 @@ async def test_a_backlog_goes_out_in_bounded_messages():
 
 
 def test_merge_keeps_one_chunk_as_it_is_and_joins_several():
-    one = chunk(7)
+    one = RelayedChunk.of(chunk(7))
     assert merge_chunks([one]) is one
-    merged = merge_chunks([chunk(0), chunk(1), chunk(2, last=True)])
+    merged = merge_chunks([RelayedChunk.of(c) for c in (chunk(0), chunk(1), chunk(2, last=True))]).message
     assert list(merged.token_ids) == [0, 1, 2] and merged.text == "t0 t1 t2 "
     assert merged.finish_reason == LENGTH and merged.usage.completion_tokens == 3
 
 
 def test_merge_carries_top_logprobs_in_order_and_never_joins_two_completions():
-    def with_top(i: int, index: int = 0) -> generation_pb2.GenerateChunk:
+    def with_top(i: int, index: int = 0) -> RelayedChunk:
         c = chunk(i)
         c.index = index
         c.top_logprobs.add(token_ids=[i, i + 100], logprobs=[-0.1, -2.0])
-        return c
+        return RelayedChunk.of(c)
 
-    merged = merge_chunks([with_top(0), with_top(1), with_top(2)])
+    merged = merge_chunks([with_top(0), with_top(1), with_top(2)]).message
     assert [list(t.token_ids) for t in merged.top_logprobs] == [[0, 100], [1, 101], [2, 102]]
     assert list(merged.logprobs) == pytest.approx([0, -0.1, -0.2])
     ready = [with_top(0), with_top(1), with_top(2, index=1), with_top(3, index=1), with_top(4)]
     batches = [coalesce.take_batch(ready) for _ in range(3)]
-    assert [[c.token_ids[0] for c in b] for b in batches] == [[0, 1], [2, 3], [4]]
-    assert [merge_chunks(b).index for b in batches] == [0, 1, 0] and not ready
+    assert [[c.message.token_ids[0] for c in b] for b in batches] == [[0, 1], [2, 3], [4]]
+    assert [merge_chunks(b).message.index for b in batches] == [0, 1, 0] and not ready
 
 
 @run_async
