@@ -389,9 +389,10 @@ def test_a_tensor_parallel_worker_runs_its_ranks_in_its_bundle_and_a_killed_rank
 # -- kvpact-launch scale -------------------------------------------------------------------------------
 
 SCALE = [sys.executable, "-m", "kvpact.deploy.launch", "scale"]
-# One sequence at a time per worker: each has a queue of 2 to finish (with 4 loaders a stalled CI run once
-# saw the leaver with none in flight when it was drained).
-NUM_LOADERS, STREAM_TOKENS = 6, 200
+# One sequence at a time per worker: each has a queue of 4 to finish, so the leaver is empty at its drain
+# only if every loader thread stalls for 5 streams' time (with 4 and then 6 loaders, stalled CI runs saw
+# it with none in flight when it was drained).
+NUM_LOADERS, STREAM_TOKENS = 10, 200
 ADMITTED = router_pb2.WORKER_STATE_ADMITTED
 
 
