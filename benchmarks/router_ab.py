@@ -33,7 +33,7 @@ STEP_MS = 10.0
 LATENCY_RATE, LATENCY_TOKENS = 50.0, 100
 
 
-def measure(load: str, seconds: float, streams: int, log_dir: Path) -> dict[str, object]:
+def measure(load: str, seconds: float, streams: int, log_dir: Path, step_ms: float = STEP_MS) -> dict[str, object]:
     if load == "latency":
         life = LATENCY_TOKENS / LATENCY_RATE
         p99 = {}
@@ -47,7 +47,7 @@ def measure(load: str, seconds: float, streams: int, log_dir: Path) -> dict[str,
         return {"load": load, "direct_p99_ms": round(p99["direct"], 3),
                 "router_p99_ms": round(p99["router"], 3),
                 "added_p99_ms": round(p99["router"] - p99["direct"], 3)}  # fmt: skip
-    with synthetic_tier(log_dir, step_ms=STEP_MS if load == "steps" else 0.0) as tier:
+    with synthetic_tier(log_dir, step_ms=step_ms if load == "steps" else 0.0) as tier:
         watch = {"router-0": tier.pids["router-0"], "worker-0": tier.pids["worker-0"]}
         r = run_load(tier.router_target, "router", log_dir, streams=streams, seconds=seconds, warmup=1.0,
                      num_clients=2, watch=watch)  # fmt: skip
@@ -62,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated, of {','.join(LOADS)}")
     parser.add_argument("--seconds", type=float, default=4.0, help="the counted window of each load")
     parser.add_argument("--streams", type=int, default=256, help="streams of the token and steps loads")
+    parser.add_argument("--step-ms", type=float, default=STEP_MS, help="the steps load's step period")
     args = parser.parse_args(argv)
     loads = [name for name in args.loads.split(",") if name]
     if unknown := [name for name in loads if name not in LOADS]:
         parser.error(f"--loads: unknown {', '.join(unknown)} (of {', '.join(LOADS)})")
     with tempfile.TemporaryDirectory(prefix="router-ab-") as log_dir:
         for load in loads:
-            print(json.dumps(measure(load, args.seconds, args.streams, Path(log_dir))), flush=True)
+            print(json.dumps(measure(load, args.seconds, args.streams, Path(log_dir), args.step_ms)), flush=True)
     return 0
 
 
