@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=1.5, help="arrival rate / the burst's capacity")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
+    parser.add_argument("--steps-csv", default="", help="also write every step (ms, decodes, prompt tokens)")
     args = parser.parse_args(argv)
     model = Path(args.model) if args.model else default_model_path()
     config = read_model_config(model)
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         items = workloads.with_poisson_arrivals(items, rate, SEED)
         steps = _traced(engine)
         per_request = asyncio.run(_arrivals(engine, items))
+    if args.steps_csv:
+        rows = [f"{1000 * (s.ended - s.began):.2f},{s.decodes},{s.prompt_tokens}" for s in steps]
+        Path(args.steps_csv).write_text("run_ms,decodes,prompt_tokens\n" + "\n".join(rows) + "\n")
     gaps = [(t[k] - t[k - 1], t[k - 1], t[k]) for t in per_request for k in range(2, len(t))]
     itl = np.asarray([g for g, _, _ in gaps])
     p50, p99 = np.percentile(itl, 50), np.percentile(itl, 99)

@@ -13,9 +13,11 @@ hold the two equal, tests/kernels/test_cpu_paged.py). Three cache operations, th
   gather is shared by all of the chunk's query tokens, so it is small next to the attention itself.
 
 And `linear` (F.linear's arguments) for a batch of at most SMALL_BATCH_ROWS rows, float32 weights: the
-weights stream once, each row dotted with every input row while it is in cache. A decode step of a
-few sequences is all weight reads, and torch's matmul (MKL) read them at 5-10 GB/s at 1-8 rows on an
-AMD EPYC where this reads 20 GB/s on one thread (docs/performance.md); larger batches stay on torch.
+weights stream once, each block of 4 weight rows dotted with every input row while it is in cache. A
+decode step of a few sequences is all weight reads, and torch's matmul (MKL) read them at 5-10 GB/s at
+1-8 rows on an AMD EPYC where this reads 20 GB/s on one thread; from 4 rows up its 4 x 4 blocks are
+bound by the multiply-adds, as fast as torch's at 48-64 rows there and faster below (docs/performance.md,
+"Small batches' linear layers"). Larger batches (long prompts' prefill) stay on torch.
 And `rms_norm` (x, weight, eps): one call where torch.rms_norm dispatches about 18 ops. The model takes
 both through `use_kernels` (worker/startup/engine_setup.py `use_cpu_kernels`).
 
@@ -71,7 +73,10 @@ BUILD_TIMEOUT_S = 120.0
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _FLOAT32 = torch.float32
-SMALL_BATCH_ROWS = 8  # `linear` takes batches up to this many rows (measured faster than torch's at 1-8)
+# `linear` and `decode_layers` take batches up to this many rows: as fast as torch's matmul at 48-64 rows
+# on the AMD EPYC it was measured on (AVX-512), faster below (2x at 9-24); a decode step of up to 64
+# sequences, and a prompt chunk of 32 beside 32 decodes, run on the C kernels.
+SMALL_BATCH_ROWS = 64
 
 
 class DecoderLayer(ctypes.Structure):

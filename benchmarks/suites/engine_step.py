@@ -12,8 +12,8 @@ and a few steps run under `torch.profiler` there for the breakdown by op group.
 - matmuls alone: the model's own linear layers (every layer's qkv, o, gate_up, down, then the LM head
   on the sampled rows) run back to back on inputs of the step's shape, in the engine's dtype and
   threads, on the step thread right after each timed step (so both see the same machine load): the
-  floor a step cannot go under without faster matrix multiplies. On the C kernels a step of up to 8
-  sequences runs its decoder layers in one C call (worker/engine/fused_decode.py): the profile shows
+  floor a step cannot go under without faster matrix multiplies. On the C kernels a step of up to
+  `SMALL_BATCH_ROWS` (kernels/cpu_paged.py) sequences runs its decoder layers in one C call (worker/engine/fused_decode.py): the profile shows
   that call as one group with its matmuls inside, and the matmuls alone are the same C linear.
 
 Reported: median step ms, matmul-alone ms, the share of the step outside the matmuls

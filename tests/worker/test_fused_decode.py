@@ -116,10 +116,24 @@ def test_at_the_default_models_shapes_the_c_layers_compute_what_the_layers_compu
 def test_more_sequences_than_the_small_batch_run_the_model(make_engine, tiny_llama):
     over = cpu_paged.SMALL_BATCH_ROWS + 1
     engine = make_engine(tiny_llama, "on", max_num_seqs=over)
-    ran = fused_rows(engine)
-    tokens, _ = generate(engine, over, 6)
-    assert len(tokens) == over and all(len(t) == 6 for t in tokens)
-    assert ran == [], f"steps of {over} sequences ran the C decode layers: {ran}"
+    fused = engine.step_loop.runner.fused
+    assert fused is not None
+    calls: list[tuple[int, bool]] = []  # (rows, whether the C decode layers ran the step)
+    run = fused.run
+
+    def spy(input_ids, positions, attn):  # type: ignore[no-untyped-def]
+        hidden = run(input_ids, positions, attn)
+        calls.append((input_ids.shape[0], hidden is not None))
+        return hidden
+
+    fused.run = spy  # type: ignore[method-assign]
+    # short prompts, all prefilled in the first step, so every sequence decodes in the same steps
+    requests = [greedy(f"r{i}", p[:5], 6) for i, p in enumerate(prompts(over))]
+    results = engine.run(requests, timeout=120)
+    assert [len(r.token_ids) for r in results] == [6] * over
+    large = [ran for rows, ran in calls if rows > cpu_paged.SMALL_BATCH_ROWS]
+    assert large, f"no decode step had more than {cpu_paged.SMALL_BATCH_ROWS} sequences: {calls}"
+    assert not any(large), f"steps of {over} sequences ran the C decode layers: {calls}"
 
 
 def test_cpu_kernels_off_installs_no_c_decode_layers(make_engine, tiny_llama):
