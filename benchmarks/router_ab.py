@@ -33,7 +33,9 @@ STEP_MS = 10.0
 LATENCY_RATE, LATENCY_TOKENS = 50.0, 100
 
 
-def measure(load: str, seconds: float, streams: int, log_dir: Path, step_ms: float = STEP_MS) -> dict[str, object]:
+def measure(
+    load: str, seconds: float, streams: int, log_dir: Path, step_ms: float = STEP_MS
+) -> dict[str, object]:
     if load == "latency":
         life = LATENCY_TOKENS / LATENCY_RATE
         p99 = {}
@@ -69,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--loads: unknown {', '.join(unknown)} (of {', '.join(LOADS)})")
     with tempfile.TemporaryDirectory(prefix="router-ab-") as log_dir:
         for load in loads:
-            print(json.dumps(measure(load, args.seconds, args.streams, Path(log_dir), args.step_ms)), flush=True)
+            print(
+                json.dumps(measure(load, args.seconds, args.streams, Path(log_dir), args.step_ms)), flush=True
+            )
     return 0
 
 

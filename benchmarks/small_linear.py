@@ -1,7 +1,7 @@
 """The C kernels' small-batch linear (kernels/cpu_paged.py `linear`) against torch's matmul, on a
 model's own weight shapes: where `SMALL_BATCH_ROWS` comes from.
 
-    python -m benchmarks.small_linear [--model PATH] [--rows 1,4,8,12,16,32] [--rounds 3]
+    python -m benchmarks.small_linear [--model PATH] [--rows 1,4,8,16,32,48,64,96] [--rounds 3]
 
 Every projection of every layer and the LM head, random float32 weights of the model's shapes, one
 batch of ROWS random inputs; the best of ROUNDS passes over all of them (best, not mean: on a shared
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
-    parser.add_argument("--rows", default="1,4,8,12,16,32", help="batch sizes, comma-separated")
+    parser.add_argument("--rows", default="1,4,8,16,32,48,64,96", help="batch sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="passes per batch size (the best counts)")
     args = parser.parse_args(argv)
     if args.model:

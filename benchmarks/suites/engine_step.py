@@ -13,8 +13,9 @@ and a few steps run under `torch.profiler` there for the breakdown by op group.
   on the sampled rows) run back to back on inputs of the step's shape, in the engine's dtype and
   threads, on the step thread right after each timed step (so both see the same machine load): the
   floor a step cannot go under without faster matrix multiplies. On the C kernels a step of up to
-  `SMALL_BATCH_ROWS` (kernels/cpu_paged.py) sequences runs its decoder layers in one C call (worker/engine/fused_decode.py): the profile shows
-  that call as one group with its matmuls inside, and the matmuls alone are the same C linear.
+  `SMALL_BATCH_ROWS` (kernels/cpu_paged.py) sequences runs its decoder layers in one C call
+  (worker/engine/fused_decode.py): the profile shows that call as one group with its matmuls inside,
+  and the matmuls alone are the same C linear.
 
 Reported: median step ms, matmul-alone ms, the share of the step outside the matmuls
 (1 - matmul / step), batch-1 step / matmul ratio, paged / eager step ratio, and the profiled op
@@ -267,7 +268,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     lengths = [longest // 5 + (longest * 4 // 5 * i) // (NUM_SEQS - 1) for i in range(NUM_SEQS)]
     single = [min(192, longest)]
     # An explicit step budget: every prompt is prefilled before the first has decoded its tokens, so steps
-    # with all NUM_SEQS decoding exist (the CPU default carries only 32 prompt tokens beside decodes).
+    # with all NUM_SEQS decoding exist (the CPU default carries only a few prompt tokens beside decodes).
     base = WorkerSpec(
         model=str(ctx.model), device=ctx.device, max_num_seqs=NUM_SEQS, max_model_len=max_model_len,
         max_num_batched_tokens=2048,
