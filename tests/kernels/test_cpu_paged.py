@@ -176,14 +176,16 @@ def test_load_says_why_the_kernels_cannot_run(monkeypatch, tmp_path):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_equals_torch_on_small_batches_and_leaves_larger_ones_to_torch(ops, in_features, with_bias):
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(1300, in_features, generator=gen)  # 1300 x 576 floats: split over threads
-    bias = torch.randn(1300, generator=gen) if with_bias else None
-    for rows in (0, 1, 3, 4, 5, cpu_paged.SMALL_BATCH_ROWS, cpu_paged.SMALL_BATCH_ROWS + 1):
+    # 1302 x 576 floats: split over threads; 1302 features leave 2 past the last block of 4 (1 per thread
+    # of 4), and the rows below leave 0-3 past the last block of 4 rows
+    weight = torch.randn(1302, in_features, generator=gen)
+    bias = torch.randn(1302, generator=gen) if with_bias else None
+    for rows in (0, 1, 3, 4, 5, 7, 14, cpu_paged.SMALL_BATCH_ROWS, cpu_paged.SMALL_BATCH_ROWS + 1):
         x = torch.randn(rows, in_features, generator=gen)
         want = torch.nn.functional.linear(x, weight, bias)
         for threads in (1, 4):
             got = cpu_paged.CpuPagedOps(ops.library, ops.path, num_threads=threads).linear(x, weight, bias)
-            assert got.shape == (rows, 1300)
+            assert got.shape == (rows, 1302)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     # x a strided view (every other row): read as its rows, not as its storage
     x = torch.randn(6, in_features, generator=gen)[::2]
