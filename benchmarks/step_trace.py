@@ -43,7 +43,7 @@ class Step:
     prompt_tokens: int
 
 
-def _traced(engine: Engine) -> list[Step]:
+def traced(engine: Engine) -> list[Step]:
     """Time every model run on the step thread (a probe's wrapper, not the product's)."""
     runner = engine.step_loop.runner
     steps: list[Step] = []
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = args.load * capacity
         items = workloads.fit(workloads.mixed(args.requests, SEED, config.vocab_size), cap)
         items = workloads.with_poisson_arrivals(items, rate, SEED)
-        steps = _traced(engine)
+        steps = traced(engine)
         per_request = asyncio.run(_arrivals(engine, items))
     if args.steps_csv:
         rows = [f"{1000 * (s.ended - s.began):.2f},{s.decodes},{s.prompt_tokens}" for s in steps]

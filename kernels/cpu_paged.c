@@ -234,8 +234,8 @@ int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_ca
  * of a few tokens runs at memory bandwidth where it is all weight reads (measured: torch's matmul, MKL,
  * reached 5-10 GB/s at 1-8 rows on an AMD EPYC, this 20 GB/s and more on one thread). Blocked 4 features
  * x 4 rows: the 16 dot products share each load of 4 weight and 4 input vectors, so from 4 rows up the
- * loop is bound by its multiply-adds, not its loads (75-83 GFLOP/s a core on that EPYC, weights in
- * cache, where one weight row at a time x 4 input rows reached 47-55 from 16 rows up). */
+ * loop is bound by its multiply-adds, not its loads (docs/performance.md, "Batches of up to 64 rows on
+ * the C kernels"; `python -m benchmarks.small_linear` compares it with torch's). */
 typedef struct {
     const float *x, *w, *bias; /* x [rows, k], w [n, k], bias [n] or NULL, all contiguous */
     float *y;                  /* [rows, n] contiguous */

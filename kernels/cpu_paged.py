@@ -17,7 +17,7 @@ weights stream once, each block of 4 weight rows dotted with every input row whi
 decode step of a few sequences is all weight reads, and torch's matmul (MKL) read them at 5-10 GB/s at
 1-8 rows on an AMD EPYC where this reads 20 GB/s on one thread; from 4 rows up its 4 x 4 blocks are
 bound by the multiply-adds, as fast as torch's at 48-64 rows there and faster below (docs/performance.md,
-"Small batches' linear layers"). Larger batches (long prompts' prefill) stay on torch.
+"Batches of up to 64 rows on the C kernels"). Larger batches (long prompts' prefill) stay on torch.
 And `rms_norm` (x, weight, eps): one call where torch.rms_norm dispatches about 18 ops. The model takes
 both through `use_kernels` (worker/startup/engine_setup.py `use_cpu_kernels`).
 
@@ -73,9 +73,10 @@ BUILD_TIMEOUT_S = 120.0
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _FLOAT32 = torch.float32
-# `linear` and `decode_layers` take batches up to this many rows: as fast as torch's matmul at 48-64 rows
-# on the AMD EPYC it was measured on (AVX-512), faster below (2x at 9-24); a decode step of up to 64
-# sequences, and a prompt chunk of 32 beside 32 decodes, run on the C kernels.
+# `linear` and `decode_layers` take batches up to this many rows: the whole model's matmuls in C took
+# 0.66-0.91x torch's time at 8-32 rows and 0.91-1.08x at 64 on the AMD EPYC it was measured on
+# (`python -m benchmarks.small_linear`, docs/performance.md). So a decode step of up to 64 sequences, and
+# a step of a 16-token prompt chunk beside up to 48 decodes, run on the C kernels.
 SMALL_BATCH_ROWS = 64
 
 

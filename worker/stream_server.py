@@ -48,32 +48,6 @@ MAX_REPLY_BYTES = 1 << 20  # events beyond this go in the next reply (far below 
 STOPPING = "the worker is stopping: it takes no new requests; send this one to another worker"
 
 
-class Written:
-    """Set once a reply is written; every request whose chunk it carries waits for it. asyncio.Event's
-    wait without its loop lookup per wait: on Python 3.11 that is a getpid() system call, and it was 6% of
-    a worker's event-loop thread at 256 streams (docs/performance.md, "A system call per relayed
-    message"). Each waiter has a future of its own, so one that is cancelled cancels no other."""
-
-    __slots__ = ("_is_set", "_loop", "_waiters")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._is_set = False
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def set(self) -> None:
-        self._is_set = True
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def wait(self) -> None:
-        if not self._is_set:
-            waiter = self._loop.create_future()
-            self._waiters.append(waiter)
-            await waiter
-
-
 class StreamServer:
     """One Worker.Stream call: `serve(requests)` is the handler's reply stream. Made on the event loop
     that serves the call."""
@@ -85,8 +59,11 @@ class StreamServer:
         self._events: list[worker_pb2.StreamEvent] = []
         self._size = 0  # bytes of the chunks in _events
         self._wake = asyncio.Event()
+        # Done once the reply that takes the events queued now is written. A future of the loop kept here,
+        # not an asyncio.Event: Event.wait looks the loop up, a getpid() system call on Python 3.11 (6% of
+        # a worker's loop thread at 256 streams, docs/performance.md "A system call per relayed message").
         self._loop = asyncio.get_running_loop()
-        self._written = Written(self._loop)  # set once the reply that takes the events queued now is written
+        self._written = self._loop.create_future()
         self._reading = True  # the router's side is open
         self._closing = False
 
@@ -104,7 +81,7 @@ class StreamServer:
                 if self._events:
                     reply, written = self._take()
                     yield reply
-                    written.set()
+                    written.set_result(None)
                 elif self._tasks or (self._reading and not self._closing):
                     self._wake.clear()
                     await self._wake.wait()
@@ -162,7 +139,7 @@ class StreamServer:
                     self._size += len(data)
                     self._wake.set()
                     if not chunk.HasField("usage"):  # not its last: take the next once this one is written
-                        await self._written.wait()
+                        await asyncio.shield(self._written)  # shielded: an abort cancels this request only
         except TimeoutError:
             code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
         except asyncio.CancelledError as exc:
@@ -179,11 +156,11 @@ class StreamServer:
         self._events.append(worker_pb2.StreamEvent(tag=tag, end=end))
         self._wake.set()
 
-    def _take(self) -> tuple[worker_pb2.StreamReply, Written]:
+    def _take(self) -> tuple[worker_pb2.StreamReply, asyncio.Future[None]]:
         """The queued events, up to MAX_REPLY_BYTES of chunks (at least one event), and what to set once
         they are written."""
         events, written = self._events, self._written
-        self._written = Written(self._loop)
+        self._written = self._loop.create_future()
         if self._size <= MAX_REPLY_BYTES:
             self._events, self._size = [], 0
             return worker_pb2.StreamReply(events=events), written

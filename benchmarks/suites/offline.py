@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -160,7 +161,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                     for system, run_on in group:
                         if system in w.systems and (r == 0 or system in REPEATED):
                             runs.setdefault((w.name, system), []).append(run_on(items))
-    shared = shared_machine(ctx, plans[0].items, max_model_len)
+    shared = shared_machine(ctx.model, plans[0].items, max_model_len, ctx.quick)
     warm = [WorkItem(item.prompt[:16], 4) for item in plans[0].items[:2]]
     peers.generate_padded(hf_model, warm, 2)  # warm-up
     for w in plans:
@@ -197,15 +198,15 @@ def _each_round(runs: dict[tuple[str, str], list[Run]], workload: str, system: s
     return " / ".join(f"{b.wall_s / a.wall_s:.2f}" for a, b in pairs)
 
 
-def shared_machine(ctx: BenchContext, items: Sequence[WorkItem], max_model_len: int) -> dict[int, Run]:
+def shared_machine(model: Path, items: Sequence[WorkItem], max_model_len: int, quick: bool) -> dict[int, Run]:
     """The README's multi-worker case as an operator runs it: one router and N hand-started workers on this
     machine, no thread flags, the same requests (6 x 48 tokens, ignore_eos; 4 x 16 in --quick) spread over
     them. {num_workers: run}; N = 1 is the worker alone."""
-    n, tokens = (4, 16) if ctx.quick else (6, 48)
+    n, tokens = (4, 16) if quick else (6, 48)
     load = [WorkItem(item.prompt[:64], tokens) for item in items[:n]]
     result = {}
     for num_workers in (1, 2):
-        cluster = Cluster(ctx.model, "paged", max_model_len, MAX_NUM_SEQS, num_workers=num_workers)
+        cluster = Cluster(model, "paged", max_model_len, MAX_NUM_SEQS, num_workers=num_workers)
         try:
             cluster.start().wait_ready()
             result[num_workers] = stream_run(cluster.address, load)

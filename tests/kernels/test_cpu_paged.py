@@ -176,8 +176,9 @@ def test_load_says_why_the_kernels_cannot_run(monkeypatch, tmp_path):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_equals_torch_on_small_batches_and_leaves_larger_ones_to_torch(ops, in_features, with_bias):
     gen = torch.Generator().manual_seed(7)
-    # 1302 x 576 floats: split over threads; 1302 features leave 2 past the last block of 4 (1 per thread
-    # of 4), and the rows below leave 0-3 past the last block of 4 rows
+    # 1302 x 576 floats: split over threads; 1302 features leave some past the last block of 4 features
+    # in one thread's share and in each of four (325 or 326), and the rows below leave 0-3 past the last
+    # block of 4 rows
     weight = torch.randn(1302, in_features, generator=gen)
     bias = torch.randn(1302, generator=gen) if with_bias else None
     for rows in (0, 1, 3, 4, 5, 7, 14, cpu_paged.SMALL_BATCH_ROWS, cpu_paged.SMALL_BATCH_ROWS + 1):

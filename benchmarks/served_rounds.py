@@ -1,0 +1,64 @@
+"""The offline suite's two serving ratios alone, round after round: served (router + worker) against the
+same engine in-process on the mixed workload, or two hand-started workers against one.
+
+    python -m benchmarks.served_rounds [--compare served|shared] [--rounds 6] [--model PATH]
+
+served: one router + paged worker and one in-process paged engine, built as the offline suite builds
+them (`--max-num-seqs 32`, `--max-num-batched-tokens 2048`), run the mixed draw alternately (which goes
+first alternates), each round's prompts shifted (`shifted_prompts`); prints each round's walls and
+in-process wall / served wall. shared: the suite's `shared_machine` (a router and 1, then 2, hand-started
+workers, no thread flags) once per round; prints two workers' tok/s over one's. More rounds than the
+suite's 3 when a ratio sits near its line (docs/performance.md, "The headline").
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from benchmarks import workloads
+from benchmarks.kvpact_systems import Cluster, open_engine, run_engine, stream_run
+from benchmarks.suites.offline import MAX_NUM_SEQS, THROUGHPUT_BUDGET, shared_machine, shifted_prompts
+from kvpact.worker.loader.load import default_model_path, read_model_config
+
+MAX_MODEL_LEN, SEED = 1472, 1234
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=("served", "shared"), default="served")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
+    args = parser.parse_args(argv)
+    model = Path(args.model) if args.model else default_model_path()
+    config = read_model_config(model)
+    items = workloads.fit(workloads.mixed(32, SEED, config.vocab_size), MAX_MODEL_LEN)
+    if args.compare == "shared":
+        for r in range(args.rounds):
+            runs = shared_machine(model, items, MAX_MODEL_LEN, quick=False)
+            print(f"round {r}: one worker {runs[1].wall_s:.1f} s, two {runs[2].wall_s:.1f} s, "
+                  f"two / one tok/s {runs[1].wall_s / runs[2].wall_s:.2f}", flush=True)  # fmt: skip
+        return 0
+    budget = ("--max-num-batched-tokens", str(THROUGHPUT_BUDGET))
+    cluster = Cluster(model, "paged", MAX_MODEL_LEN, MAX_NUM_SEQS, worker_args=budget).start()
+    try:
+        cluster.wait_ready()
+        with open_engine(model, "paged", MAX_MODEL_LEN, MAX_NUM_SEQS, THROUGHPUT_BUDGET) as engine:
+            for r in range(args.rounds):
+                shifted = shifted_prompts(items, r + 1, config.vocab_size)  # round 0 of the suite not reused
+                walls = {}
+                for who in ("served", "in-process") if r % 2 == 0 else ("in-process", "served"):
+                    began = time.perf_counter()
+                    stream_run(cluster.address, shifted) if who == "served" else run_engine(engine, shifted)
+                    walls[who] = time.perf_counter() - began
+                served, local = walls["served"], walls["in-process"]
+                print(f"round {r}: served {served:.1f} s, in-process {local:.1f} s, "
+                      f"served / in-process tok/s {local / served:.2f}", flush=True)  # fmt: skip
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
