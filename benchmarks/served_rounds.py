@@ -19,7 +19,13 @@ from pathlib import Path
 
 from benchmarks import workloads
 from benchmarks.kvpact_systems import Cluster, open_engine, run_engine, stream_run
-from benchmarks.suites.offline import MAX_NUM_SEQS, THROUGHPUT_BUDGET, shared_machine, shifted_prompts
+from benchmarks.suites.offline import (
+    MAX_NUM_SEQS,
+    THROUGHPUT_BUDGET,
+    shared_machine,
+    shared_ratio,
+    shifted_prompts,
+)
 from kvpact.worker.loader.load import default_model_path, read_model_config
 
 MAX_MODEL_LEN, SEED = 1472, 1234
@@ -37,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare == "shared":
         for r in range(args.rounds):
             runs = shared_machine(model, items, MAX_MODEL_LEN, quick=False)
-            print(f"round {r}: one worker {runs[1].wall_s:.1f} s, two {runs[2].wall_s:.1f} s, "
-                  f"two / one tok/s {runs[1].wall_s / runs[2].wall_s:.2f}", flush=True)  # fmt: skip
+            print(f"round {r}: one worker {runs[1][0].wall_s:.1f} s, two {runs[2][0].wall_s:.1f} s, "
+                  f"two / one tok/s {shared_ratio(runs):.2f}", flush=True)  # fmt: skip
         return 0
     budget = ("--max-num-batched-tokens", str(THROUGHPUT_BUDGET))
     cluster = Cluster(model, "paged", MAX_MODEL_LEN, MAX_NUM_SEQS, worker_args=budget).start()

@@ -261,7 +261,7 @@ def run(ctx: BenchContext) -> SuiteResult:
     command = "python -m benchmarks.run --suites engine_step" + (" --quick" if ctx.quick else "")
     if "--model" in ctx.command:
         command += f" --model {ctx.model}"
-    tokens, rounds = (12, 1) if ctx.quick else (24, 3)
+    tokens, rounds = (12, 1) if ctx.quick else (24, 5)
     max_model_len = min(1024, read_model_config(ctx.model).max_position_embeddings)
     # --quick halves the prompts (its prefill is most of its time); a tiny test model has few positions.
     longest = min(160 if ctx.quick else 320, max_model_len - tokens - 1)

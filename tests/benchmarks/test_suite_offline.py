@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.peers import Run
-from benchmarks.suites.offline import padded_ceiling, shifted_prompts, speedup
+from benchmarks.suites.offline import padded_ceiling, shared_ratio, shifted_prompts, speedup
 from benchmarks.workloads import WorkItem
 from tests.benchmarks.quick_suite import run_quick_suite
 
@@ -81,6 +81,12 @@ def test_a_ratio_is_the_median_of_its_rounds_paired_and_transformers_single_run_
     # paired round by round: the median of 1.1, 0.9, 1.1 (the ratio of medians would say 0.9)
     assert speedup(runs, "mixed", "a", "b") == pytest.approx(1.1)
     assert speedup(runs, "mixed", "a", "hf") == pytest.approx(40.0 / 20.0)  # one run: a's median wall
+
+
+def test_two_workers_against_one_is_the_median_of_the_rounds_paired():
+    one = [Run(w, []) for w in (4.0, 2.0, 3.0)]
+    two = [Run(w, []) for w in (4.0, 4.0, 2.0)]  # two / one tok/s per round: 1.0, 0.5, 1.5
+    assert shared_ratio({1: one, 2: two}) == pytest.approx(1.0)  # the ratio of median walls: 0.75
 
 
 def test_each_round_shifts_every_prompt_token_and_keeps_the_lengths():
