@@ -1,0 +1,95 @@
+"""The C decode attention (kernels/cpu_paged.c `kvp_decode_f32`) on a paged pool against an eager cache's
+slots: whether reading K/V block by block costs paged anything by itself.
+
+    python -m benchmarks.decode_attention [--seqs 32] [--contexts 76-356] [--layers 30] [--rounds 40]
+
+One query token per sequence, the bundled model's heads (9 query, 3 KV, head size 64) unless told. Paged:
+a pool of blocks of --block-size tokens, each sequence's prompt in consecutive blocks and its last
+--tail tokens in blocks allocated after every prompt's (as decode grows them, interleaved); eager: one
+slot of --max-model-len tokens per sequence (the eager cache's layout: one "block" per sequence). Both
+run the same C function on the same queries; a step is --layers calls. Rounds alternate which goes
+first; prints each one's median step and eager / paged (>= 1.0: paged as fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvpact.kernels import cpu_paged
+
+
+def contexts(seqs: int, spec: str) -> list[int]:
+    """`seqs` context lengths spread evenly over "LO-HI" (one value: all alike)."""
+    low, _, high = spec.partition("-")
+    lo, hi = int(low), int(high or low)
+    return [lo + ((hi - lo) * i) // max(1, seqs - 1) for i in range(seqs)]
+
+
+def paged_tables(lens: list[int], tail: int, block_size: int, width: int) -> torch.Tensor:
+    """Block tables: each sequence's first len - tail tokens in consecutive blocks, then the tails'."""
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    next_block = 0
+    for first_pass in (True, False):
+        for s, n in enumerate(lens):
+            prompt_blocks = -(-max(1, n - tail) // block_size)
+            blocks = range(prompt_blocks) if first_pass else range(prompt_blocks, -(-n // block_size))
+            for b in blocks:
+                tables[s, b] = next_block
+                next_block += 1
+    return tables
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--contexts", default="76-356", help="LO-HI tokens (engine_step's)")
+    parser.add_argument("--tail", type=int, default=12, help="tokens per sequence decoded after every prompt")
+    parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head size")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=1472)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args(argv)
+    ops = cpu_paged.required(torch.float32, torch.device("cpu"))
+    q_heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    lens = contexts(args.seqs, args.contexts)
+    if max(lens) > args.max_model_len:
+        parser.error(f"--contexts reaches {max(lens)} tokens, past --max-model-len {args.max_model_len}")
+    torch.manual_seed(0)
+    query = torch.randn(args.seqs, q_heads, head_dim)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    width = -(-args.max_model_len // args.block_size)
+    tables = paged_tables(lens, args.tail, args.block_size, width)
+    num_blocks = int(tables.max()) + 1
+    pool = [torch.randn(num_blocks, args.block_size, kv_heads, head_dim) for _ in range(2)]
+    slots = [torch.randn(args.seqs, args.max_model_len, kv_heads, head_dim) for _ in range(2)]
+    slot_tables = torch.arange(args.seqs, dtype=torch.int32).unsqueeze(1)
+    out = torch.empty_like(query)
+    scale = head_dim**-0.5
+    caches = {"paged": (*pool, tables), "eager": (*slots, slot_tables)}
+
+    def step_ms(name: str) -> float:
+        key, value, table = caches[name]
+        started = time.perf_counter()
+        for _ in range(args.layers):
+            ops.decode(query, key, value, table, context_lens, scale, out=out, check=False)
+        return (time.perf_counter() - started) * 1e3
+
+    times: dict[str, list[float]] = {"paged": [], "eager": []}
+    for r in range(args.rounds):
+        for name in ("paged", "eager") if r % 2 == 0 else ("eager", "paged"):
+            times[name].append(step_ms(name))
+    paged, eager = statistics.median(times["paged"]), statistics.median(times["eager"])
+    span = f"{min(lens)}-{max(lens)}"
+    print(f"{args.seqs} sequences, contexts {span}, {args.layers} layers, {args.rounds} rounds:")
+    print(f"paged (block {args.block_size}) {paged:.2f} ms, eager {eager:.2f} ms, "
+          f"eager / paged {eager / paged:.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
