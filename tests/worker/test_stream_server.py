@@ -288,6 +288,41 @@ async def test_a_request_takes_its_next_chunk_only_once_its_last_was_written():
 
 
 @run_async
+async def test_an_abort_while_the_reply_is_held_leaves_the_other_requests_waiting_on_it_to_go_on():
+    """Both requests wait for the same unwritten reply; aborting one must not end the other's wait."""
+    engine = Engine()
+    server = StreamServer(engine.generate, status_of)
+    sent: asyncio.Queue[worker_pb2.StreamRequest] = asyncio.Queue()
+
+    async def requests():
+        while True:
+            yield await sent.get()
+
+    replies = server.serve(requests())
+    sent.put_nowait(start(1, "hi", 3))
+    sent.put_nowait(start(2, "hi", 3))
+    pending = asyncio.get_running_loop().create_task(anext(replies))
+    await settle()
+    engine.step()
+    first = await asyncio.wait_for(pending, 5)  # held: both requests wait for this reply's write
+    assert sorted(e.tag for e in first.events) == [1, 2]
+    sent.put_nowait(worker_pb2.StreamRequest(abort=1))
+    pending = asyncio.get_running_loop().create_task(anext(replies))  # the write completes
+    await settle()
+    assert engine.closed == ["r1"] and list(engine.running) == ["r2"]
+    engine.step()
+    engine.step()
+    events = []
+    while not any(e.HasField("end") for e in events):
+        reply = await asyncio.wait_for(pending, 5)
+        events += reply.events
+        pending = asyncio.get_running_loop().create_task(anext(replies))
+    assert [e.tag for e in events] == [2, 2, 2] and events[-1].end.code == grpc.StatusCode.OK.value[0]
+    pending.cancel()
+    await replies.aclose()
+
+
+@run_async
 async def test_after_close_a_new_request_ends_unavailable_at_once_and_the_call_ends():
     engine = Engine()
     server = StreamServer(engine.generate, status_of)
