@@ -1,12 +1,13 @@
 """The C decode attention (kernels/cpu_paged.c `kvp_decode_f32`) on a paged pool against an eager cache's
 slots: whether reading K/V block by block costs paged anything by itself.
 
-    python -m benchmarks.decode_attention [--seqs 32] [--contexts 76-356] [--layers 30] [--rounds 40]
+    python -m benchmarks.decode_attention [--seqs 32] [--contexts 76-356] [--placement ascending]
 
 One query token per sequence, the bundled model's heads (9 query, 3 KV, head size 64) unless told. Paged:
-a pool of blocks of --block-size tokens, each sequence's prompt in consecutive blocks and its last
---tail tokens in blocks allocated after every prompt's (as decode grows them, interleaved); eager: one
-slot of --max-model-len tokens per sequence (the eager cache's layout: one "block" per sequence). Both
+a pool of blocks of --block-size tokens, each sequence's prompt in blocks handed out one after another
+and its last --tail tokens in blocks handed out after every prompt's (as decode grows them), the ids
+in the order --placement says (ascending, descending, random); eager: one slot of --max-model-len
+tokens per sequence (the eager cache's layout: one "block" per sequence). Both
 run the same C function on the same queries; a step is --layers calls. Rounds alternate which goes
 first; prints each one's median step and eager / paged (>= 1.0: paged as fast).
 """
@@ -29,17 +30,30 @@ def contexts(seqs: int, spec: str) -> list[int]:
     return [lo + ((hi - lo) * i) // max(1, seqs - 1) for i in range(seqs)]
 
 
-def paged_tables(lens: list[int], tail: int, block_size: int, width: int) -> torch.Tensor:
-    """Block tables: each sequence's first len - tail tokens in consecutive blocks, then the tails'."""
+PLACEMENTS = ("ascending", "descending", "random")
+
+
+def paged_tables(
+    lens: list[int], tail: int, block_size: int, width: int, placement: str = "ascending"
+) -> torch.Tensor:
+    """Block tables: each sequence's first len - tail tokens in blocks handed out one after another,
+    then the tails'. The ids handed out, by `placement`: ascending (0, 1, 2, ...: a fresh pool),
+    descending (a pool whose blocks came back in reverse, as a freed sequence's do), random (a seeded
+    shuffle: a pool long in use)."""
+    num_blocks = sum(-(-n // block_size) for n in lens)
+    ids = list(range(num_blocks))
+    if placement == "descending":
+        ids.reverse()
+    elif placement == "random":
+        ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    next_block = 0
+    handed = iter(ids)
     for first_pass in (True, False):
         for s, n in enumerate(lens):
             prompt_blocks = -(-max(1, n - tail) // block_size)
             blocks = range(prompt_blocks) if first_pass else range(prompt_blocks, -(-n // block_size))
             for b in blocks:
-                tables[s, b] = next_block
-                next_block += 1
+                tables[s, b] = next(handed)
     return tables
 
 
@@ -50,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail", type=int, default=12, help="tokens per sequence decoded after every prompt")
     parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head size")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--placement", choices=PLACEMENTS, default="ascending", help="block ids (paged)")
     parser.add_argument("--max-model-len", type=int, default=1472)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=40)
@@ -63,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     query = torch.randn(args.seqs, q_heads, head_dim)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     width = -(-args.max_model_len // args.block_size)
-    tables = paged_tables(lens, args.tail, args.block_size, width)
+    tables = paged_tables(lens, args.tail, args.block_size, width, args.placement)
     num_blocks = int(tables.max()) + 1
     pool = [torch.randn(num_blocks, args.block_size, kv_heads, head_dim) for _ in range(2)]
     slots = [torch.randn(args.seqs, args.max_model_len, kv_heads, head_dim) for _ in range(2)]
@@ -86,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     paged, eager = statistics.median(times["paged"]), statistics.median(times["eager"])
     span = f"{min(lens)}-{max(lens)}"
     print(f"{args.seqs} sequences, contexts {span}, {args.layers} layers, {args.rounds} rounds:")
-    print(f"paged (block {args.block_size}) {paged:.2f} ms, eager {eager:.2f} ms, "
+    print(f"paged (block {args.block_size}, {args.placement}) {paged:.2f} ms, eager {eager:.2f} ms, "
           f"eager / paged {eager / paged:.2f}")  # fmt: skip
     return 0
 

@@ -42,7 +42,14 @@ def test_first_and_second_sequence_get_ids_in_order():
     c = run(bm, seq(200, 12))  # queue is [5, 6, 7, 2, 1, 0]: never-used blocks, then a's tail first
     assert c.block_ids == [5, 6, 7]
     d = run(bm, seq(300, 5))
-    assert d.block_ids == [2, 1]
+    assert d.block_ids == [1, 2]  # the queue's next two (2, then 1), laid out ascending for reading
+
+
+def test_a_prompt_takes_the_least_recently_freed_blocks_in_ascending_order():
+    bm = make_manager()
+    bm.free(run(bm, seq(0, 32)))  # every block; freed tail first: queue 7 6 5 4 3 2 1 0
+    # the five least recently freed, laid out ascending: K/V read block by block runs forward in memory
+    assert run(bm, seq(100, 20)).block_ids == [3, 4, 5, 6, 7]
 
 
 def test_eviction_is_lru_among_cached_blocks_tail_first():
@@ -58,7 +65,7 @@ def test_eviction_is_lru_among_cached_blocks_tail_first():
     assert bm.num_cached_tokens(probe_a) == 12
     assert run(bm, seq(200, 4)).block_ids == [2]  # a's tail goes first
     assert (bm.num_cached_tokens(probe_a), bm.num_cached_tokens(probe_d)) == (8, 8)
-    assert run(bm, seq(300, 8)).block_ids == [1, 0]  # then a's head; d (freed later) survives
+    assert run(bm, seq(300, 8)).block_ids == [0, 1]  # then a's head (laid out ascending); d survives
     assert (bm.num_cached_tokens(probe_a), bm.num_cached_tokens(probe_d)) == (0, 8)
     assert bm.num_free_blocks == 2
 
@@ -115,12 +122,12 @@ def test_reused_free_block_is_taken_before_fresh_blocks_are_popped():
     bm = make_manager(num_blocks=3)
     a_tokens = seq(0, 5)
     bm.free(run(bm, a_tokens))  # block 0 cached; queue 2 1 0
-    bm.free(run(bm, seq(50, 8)))  # takes 2 1; queue 0 1 2: cached block 0 at the front
+    bm.free(run(bm, seq(50, 8)))  # takes 2 1 (laid out 1 2); queue 0 2 1: cached block 0 at the front
     b_tokens = a_tokens[:4] + [9, 9, 9, 9]
     assert bm.can_allocate(b_tokens, 8)
     b = BlockTable([])
     assert bm.allocate(b, b_tokens, 8) == 4
-    assert b.block_ids == [0, 1]
+    assert b.block_ids == [0, 2]  # 0 reused from the queue's middle, not popped (and evicted) as fresh
 
 
 def test_can_allocate_counts_reused_free_blocks():
