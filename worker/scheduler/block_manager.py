@@ -13,11 +13,13 @@ its logits are needed. A freed cached block keeps its hash and stays reusable un
 Free queue: the ref-0 blocks, least recently freed first. A fresh block is popped from the
 front, dropping its hash from the cache map if it had one (eviction = LRU among free blocks).
 `free` appends a table's blocks in reverse order, so a sequence's tail is evicted before its
-head (heads are likelier shared). Reusing a cached ref-0 block takes it out of the middle, so
-the queue must remove in O(1) from anywhere: it is an `OrderedDict[int, None]` — the C-level
-doubly linked list in CPython's OrderedDict gives O(1) pop-front, append and delete-by-key
-without hand-written node bookkeeping (vLLM writes an intrusive list to avoid per-block Python
-objects; here a block is an int, so the dict is both simpler and as fast).
+head (heads are likelier shared). The blocks one allocation pops go into the table in ascending
+id order, so a prompt's K/V lie forwards in memory (`_append_fresh`). Reusing a cached ref-0
+block takes it out of the middle, so the queue must remove in O(1) from anywhere: it is an
+`OrderedDict[int, None]` — the C-level doubly linked list in CPython's OrderedDict gives O(1)
+pop-front, append and delete-by-key without hand-written node bookkeeping (vLLM writes an
+intrusive list to avoid per-block Python objects; here a block is an int, so the dict is both
+simpler and as fast).
 
 Forking (n > 1 completions of one prompt): `fork` gives a fresh table the same blocks as a live one
 (ref count + 1 each, the partial last block included), so the prompt's K/V are computed and stored
