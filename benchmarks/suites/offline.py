@@ -226,10 +226,15 @@ def shared_machine(
     return result
 
 
+def shared_rounds(shared: dict[int, list[Run]]) -> list[float]:
+    """Two workers' output tok/s over one's, round by round (both tiers ran the same requests, so tok/s
+    ratios are wall ratios)."""
+    return [one.wall_s / two.wall_s for one, two in zip(shared[1], shared[2], strict=True)]
+
+
 def shared_ratio(shared: dict[int, list[Run]]) -> float:
-    """Two workers' output tok/s over one's: the median of the rounds' ratios (both tiers ran the same
-    requests, so tok/s ratios are wall ratios)."""
-    return statistics.median(one.wall_s / two.wall_s for one, two in zip(shared[1], shared[2], strict=True))
+    """The median of `shared_rounds`."""
+    return statistics.median(shared_rounds(shared))
 
 
 def _command(ctx: BenchContext) -> str:
@@ -299,7 +304,7 @@ def report(
         )
     output_tokens = sum(len(o) for o in shared[1][0].outputs)
     shared_tokens = {k: output_tokens / median_wall(r) for k, r in shared.items()}
-    each_ratio = [one.wall_s / two.wall_s for one, two in zip(shared[1], shared[2], strict=True)]
+    each_ratio = shared_rounds(shared)
     tables.append(
         Table(
             "Workers sharing this machine (router + N hand-started paged workers, no thread flags)",
@@ -482,7 +487,7 @@ def _targets(
 
 def _shared_target(shared: dict[int, list[Run]]) -> Target:
     ratio = shared_ratio(shared)
-    each = " / ".join(f"{one.wall_s / two.wall_s:.2f}" for one, two in zip(shared[1], shared[2], strict=True))
+    each = " / ".join(f"{x:.2f}" for x in shared_rounds(shared))
     return Target(
         "two hand-started workers on this machine vs one alone (output tok/s, no thread flags)",
         f">= {GOAL_SHARED}x",

@@ -7,6 +7,7 @@ nothing is in flight, after sending what was queued."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -104,6 +105,18 @@ class Call:
                     chunk = generation_pb2.GenerateChunk.FromString(event.chunk)
                     out.append((event.tag, f"chunk {list(chunk.token_ids)}"))
         return out
+
+
+def held(server: StreamServer) -> tuple[AsyncIterator[worker_pb2.StreamReply], asyncio.Queue]:
+    """`server`'s replies read one at a time by the test (a reply not yet read is not yet written), and
+    the queue the router's side sends on."""
+    sent: asyncio.Queue[worker_pb2.StreamRequest] = asyncio.Queue()
+
+    async def requests():
+        while True:
+            yield await sent.get()
+
+    return server.serve(requests()), sent
 
 
 async def settle() -> None:
@@ -256,14 +269,7 @@ async def test_a_request_takes_its_next_chunk_only_once_its_last_was_written():
             taken.append(chunk.token_ids[0])
             yield chunk
 
-    server = StreamServer(counting, status_of)
-    sent: asyncio.Queue[worker_pb2.StreamRequest] = asyncio.Queue()
-
-    async def requests():
-        while True:
-            yield await sent.get()
-
-    replies = server.serve(requests())
+    replies, sent = held(StreamServer(counting, status_of))
     sent.put_nowait(start(1, "hi", 4))
     pending = asyncio.get_running_loop().create_task(anext(replies))
     await settle()
@@ -291,14 +297,7 @@ async def test_a_request_takes_its_next_chunk_only_once_its_last_was_written():
 async def test_an_abort_while_the_reply_is_held_leaves_the_other_requests_waiting_on_it_to_go_on():
     """Both requests wait for the same unwritten reply; aborting one must not end the other's wait."""
     engine = Engine()
-    server = StreamServer(engine.generate, status_of)
-    sent: asyncio.Queue[worker_pb2.StreamRequest] = asyncio.Queue()
-
-    async def requests():
-        while True:
-            yield await sent.get()
-
-    replies = server.serve(requests())
+    replies, sent = held(StreamServer(engine.generate, status_of))
     sent.put_nowait(start(1, "hi", 3))
     sent.put_nowait(start(2, "hi", 3))
     pending = asyncio.get_running_loop().create_task(anext(replies))
