@@ -8,7 +8,9 @@ a pool of blocks of --block-size tokens, each sequence's prompt in blocks handed
 and its last --tail tokens in blocks handed out after every prompt's (as decode grows them), the ids
 in the order --placement says (ascending, descending, random); eager: one slot of --max-model-len
 tokens per sequence (the eager cache's layout: one "block" per sequence). Both
-run the same C function on the same queries; a step is --layers calls. Rounds alternate which goes
+run the same C function on the same queries; a step is --layers calls, each layer on pools of its own as
+a model's are, so a step reads its K/V from memory, not from the CPU's caches (one pool for every
+layer fit in L3 and hid what scattered blocks cost). Rounds alternate which goes
 first; prints each one's median step and eager / paged (>= 1.0: paged as fast).
 """
 
@@ -80,17 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     width = -(-args.max_model_len // args.block_size)
     tables = paged_tables(lens, args.tail, args.block_size, width, args.placement)
     num_blocks = int(tables.max()) + 1
-    pool = [torch.randn(num_blocks, args.block_size, kv_heads, head_dim) for _ in range(2)]
-    slots = [torch.randn(args.seqs, args.max_model_len, kv_heads, head_dim) for _ in range(2)]
+    # a K and a V pool per layer, as the model's: a step reads every layer's from memory, not from cache
+    pools = [
+        [torch.randn(num_blocks, args.block_size, kv_heads, head_dim) for _ in range(2)]
+        for _ in range(args.layers)
+    ]
+    slots = [
+        [torch.randn(args.seqs, args.max_model_len, kv_heads, head_dim) for _ in range(2)]
+        for _ in range(args.layers)
+    ]
     slot_tables = torch.arange(args.seqs, dtype=torch.int32).unsqueeze(1)
     out = torch.empty_like(query)
     scale = head_dim**-0.5
-    caches = {"paged": (*pool, tables), "eager": (*slots, slot_tables)}
+    caches = {"paged": (pools, tables), "eager": (slots, slot_tables)}
 
     def step_ms(name: str) -> float:
-        key, value, table = caches[name]
+        layers, table = caches[name]
         started = time.perf_counter()
-        for _ in range(args.layers):
+        for key, value in layers:
             ops.decode(query, key, value, table, context_lens, scale, out=out, check=False)
         return (time.perf_counter() - started) * 1e3
 

@@ -93,14 +93,34 @@ typedef struct {
     int status;                   /* 0 ok, 1 out of memory */
 } DecodeJob;
 
+/* Block b + 1 of a sequence's table where it does not lie right after block b in the pool, else NULL.
+ * A pool in use hands a sequence scattered blocks (its prompt's from the free queue, then one per
+ * block_size decoded tokens); the CPU's prefetcher follows a stream only through contiguous memory, so
+ * every jump waited on memory. Asking for the next block's rows while this one is read (prefetch_row:
+ * one row ahead per row read, into L2) hides that: K/V read from memory at random blocks went from
+ * 0.51-0.55x to 0.89-1.02x the eager slots' speed; contiguous blocks are left to the hardware; into L1
+ * (locality 3) it reached only 0.65-0.69x (`python -m benchmarks.decode_attention --placement random`,
+ * docs/performance.md "Scattered blocks prefetched"). */
+static inline const float *scattered_next(const float *pool, const int32_t *table, int64_t b,
+                                          int64_t num_blocks, int64_t block_floats) {
+    if (b + 1 >= num_blocks || table[b + 1] == table[b] + 1) return NULL;
+    return pool + (int64_t)table[b + 1] * block_floats;
+}
+
+static inline void prefetch_row(const float *row, int64_t floats) {
+    if (row == NULL) return;
+    for (int64_t f = 0; f < floats; f += 64 / sizeof(float)) __builtin_prefetch(row + f, 0, 2);
+}
+
 /* All query heads of one sequence: each block's rows are read once, front to back, for every KV head
- * (a block is contiguous, so the reads stream). scores holds q_heads x ctx floats. Inlined per head
- * size (decode_seq), so the common ones run with a constant trip count: measured 10% faster. */
+ * (a block is contiguous, so the reads stream; where the next block lies elsewhere, its rows are
+ * prefetched meanwhile). scores holds q_heads x ctx floats. Inlined per head size (decode_seq), so
+ * the common ones run with a constant trip count: measured 10% faster. */
 static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob *j, int64_t seq,
                                                                  float *scores, const int64_t dim) {
     const int64_t q_heads = j->q_heads, kv_heads = j->kv_heads, group = q_heads / kv_heads;
     const int64_t bs = j->block_size;
-    const int64_t ctx = j->context_lens[seq];
+    const int64_t ctx = j->context_lens[seq], blocks = (ctx + bs - 1) / bs;
     const int32_t *table = j->block_tables + seq * j->table_stride;
     const float *q = j->query + seq * j->query_stride;
     float *out = j->out + seq * q_heads * dim;
@@ -109,7 +129,9 @@ static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
         const float *k = j->key_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
+        const float *next = scattered_next(j->key_cache, table, start / bs, blocks, bs * kv_heads * dim);
         for (int64_t i = 0; i < n; i++) {
+            prefetch_row(next ? next + i * kv_heads * dim : NULL, kv_heads * dim);
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *kh = k + g * dim;
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
@@ -144,7 +166,9 @@ static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
         const float *v = j->value_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
+        const float *next = scattered_next(j->value_cache, table, start / bs, blocks, bs * kv_heads * dim);
         for (int64_t i = 0; i < n; i++) {
+            prefetch_row(next ? next + i * kv_heads * dim : NULL, kv_heads * dim);
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *restrict vh = v + g * dim;
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
