@@ -1,6 +1,7 @@
 """kvpact as the offline and online suites run it: in-process, and as real processes (router + worker).
 
     open_engine(model, cache, ...)      an Engine built by worker/startup/engine_setup.py (a worker's way)
+    share_weights(engine, source)       two in-process engines on one copy of the weights
     run_engine(engine, items)           every request submitted at once; wall time to the last token
     Cluster(model, cache, ...)          a `router` and `num_workers` (1) `worker` processes on 127.0.0.1 (free
                                         ports, logs in a temporary folder, stopped by pid); `start()` then
@@ -36,6 +37,7 @@ from kvpact.deploy.processes import ProcessHandle, free_port, start_process, sto
 from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.fused_decode import fused_decode
 from kvpact.worker.engine.request import GenerationRequest, SamplingParams
 from kvpact.worker.startup.engine_setup import build_engine
 
@@ -65,6 +67,22 @@ def open_engine(
     engine = build_engine(replace(spec, cache=cache_intent(MODES[cache])))
     run_engine(engine, [_fold(w, engine.vocab_size) for w in WARMUP])
     return engine
+
+
+def share_weights(engine: Engine, source: Engine) -> None:
+    """Point `engine`'s weights at `source`'s tensors (its own copy is freed), so that two in-process engines
+    of one model differ only in their caches. Two copies of the same weights run the same matmuls at
+    speeds up to 5% apart for the life of a process (docs/performance.md, "Scattered blocks prefetched"),
+    which a paged / eager ratio would otherwise carry. Both engines idle; the C decode layers, which hold
+    the weights' addresses, are gathered again."""
+    model, theirs = engine.step_loop.runner.model, source.step_loop.runner.model
+    for (name, mine), (other, their) in zip(model.named_parameters(), theirs.named_parameters(), strict=True):
+        if (name, mine.shape, mine.dtype) != (other, their.shape, their.dtype):
+            raise ValueError(f"share_weights: {name} {tuple(mine.shape)} is not {other} {tuple(their.shape)}")
+        mine.data = their.data
+    runner = engine.step_loop.runner
+    if runner.fused is not None:
+        runner.fused = fused_decode(model, runner.cache)
 
 
 def _fold(item: WorkItem, vocab_size: int) -> WorkItem:

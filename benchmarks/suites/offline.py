@@ -48,7 +48,7 @@ import torch
 
 from benchmarks import compute_bound, peers, workloads
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
-from benchmarks.kvpact_systems import Cluster, open_engine, run_engine, stream_run
+from benchmarks.kvpact_systems import Cluster, open_engine, run_engine, share_weights, stream_run
 from benchmarks.peers import Run
 from benchmarks.workloads import WorkItem
 
@@ -152,6 +152,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             )
             for cache, system in (("paged", INPROC_PAGED), ("eager", INPROC_EAGER))
         }
+        share_weights(engines[INPROC_EAGER], engines[INPROC_PAGED])  # in-process: the caches alone differ
         # Workload by workload and round by round, every served system and every in-process one back to
         # back (which goes first alternates): this shared machine's speed drifts by tens of percent over
         # minutes, so each ratio pairs runs a minute apart, round by round.
