@@ -26,7 +26,9 @@ in-process ones first in odd ones. A ratio is the median of its per-round ratios
 minute apart: one run on this shared 2-core host moves by tens of percent (the same in-process mixed run
 took 33-46 s within an hour), far more than the 5% a target judges. The tables show each system's median
 wall time and every round's; transformers runs once (its ratios use kvpact's median), and the agreement
-table compares round 0, whose prompts are the workload's own. Two hand-started workers against one
+table compares round 0, whose prompts are the workload's own. The two in-process engines run on one
+copy of the weights (`share_weights`), so their ratio is the caches' alone; the served workers each
+load their own. Two hand-started workers against one
 (`shared_machine`) is judged the same way, over SHARED_ROUNDS rounds (1 in --quick). The router +
 worker runs go through real processes and a streaming client (kvpact.client.AsyncClient, token ids
 in, token ids out). Greedy outputs are compared with transformers' one padded batch token by token
