@@ -108,7 +108,6 @@ static inline const float *scattered_next(const float *pool, const int32_t *tabl
 }
 
 static inline void prefetch_row(const float *row, int64_t floats) {
-    if (row == NULL) return;
     for (int64_t f = 0; f < floats; f += 64 / sizeof(float)) __builtin_prefetch(row + f, 0, 2);
 }
 
@@ -131,7 +130,7 @@ static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob
         const float *k = j->key_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
         const float *next = scattered_next(j->key_cache, table, start / bs, blocks, bs * kv_heads * dim);
         for (int64_t i = 0; i < n; i++) {
-            prefetch_row(next ? next + i * kv_heads * dim : NULL, kv_heads * dim);
+            if (next) prefetch_row(next + i * kv_heads * dim, kv_heads * dim);
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *kh = k + g * dim;
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
@@ -168,7 +167,7 @@ static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob
         const float *v = j->value_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
         const float *next = scattered_next(j->value_cache, table, start / bs, blocks, bs * kv_heads * dim);
         for (int64_t i = 0; i < n; i++) {
-            prefetch_row(next ? next + i * kv_heads * dim : NULL, kv_heads * dim);
+            if (next) prefetch_row(next + i * kv_heads * dim, kv_heads * dim);
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *restrict vh = v + g * dim;
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
