@@ -19,7 +19,6 @@ import statistics
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from benchmarks import workloads
 from benchmarks.kvpact_systems import open_engine, run_engine
@@ -27,6 +26,7 @@ from benchmarks.step_trace import traced
 from benchmarks.suites.kv_memory import worker_spec
 from benchmarks.suites.offline import THROUGHPUT_BUDGET, shifted_prompts
 from kvpact.shared.intent import PagedAttentionMode
+from kvpact.worker.kv.sizing import kv_bytes_per_token
 from kvpact.worker.loader.load import default_model_path, read_model_config
 from kvpact.worker.startup.engine_setup import build_engine
 
@@ -47,13 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = -(-max(len(i.prompt) + i.max_tokens for i in items) // 64) * 64
     needed = sum(-(-(len(i.prompt) + i.max_tokens) // BLOCK_SIZE) for i in items)
     blocks = args.blocks or needed * 5 // 4
-    block_bytes = BLOCK_SIZE * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4  # fp32 K, V
+    bytes_per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, 4)  # fp32
     spec = worker_spec(
-        SimpleNamespace(model=model, device="cpu"),  # type: ignore[arg-type]  # what worker_spec reads
+        model,
+        "cpu",
         PagedAttentionMode.ON,
         max_model_len=max_model_len,
         max_num_seqs=MAX_NUM_SEQS,
-        memory_bytes=blocks * block_bytes,
+        memory_bytes=blocks * BLOCK_SIZE * bytes_per_token,
     )
     with ExitStack() as stack:
         paged = stack.enter_context(build_engine(replace(spec, max_num_batched_tokens=THROUGHPUT_BUDGET)))

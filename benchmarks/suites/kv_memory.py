@@ -36,6 +36,7 @@ import gc
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from benchmarks import workloads
 from benchmarks.framework import BenchContext, SuiteResult, Target
@@ -102,7 +103,9 @@ QUICK = Scale(
 
 def run(ctx: BenchContext) -> SuiteResult:
     scale = QUICK if ctx.quick else FULL
-    probe = plan_startup(worker_spec(ctx, PagedAttentionMode.OFF, max_model_len=0, max_num_seqs=1))
+    probe = plan_startup(
+        worker_spec(ctx.model, ctx.device, PagedAttentionMode.OFF, max_model_len=0, max_num_seqs=1)
+    )
     max_model_len = min(scale.max_model_len, probe.model_config.max_position_embeddings)
     vocab = probe.model_config.vocab_size
     bytes_per_token = probe.bytes_per_token
@@ -121,7 +124,8 @@ def run(ctx: BenchContext) -> SuiteResult:
     )
     for label, block_size in paged_runs:
         spec = worker_spec(
-            ctx,
+            ctx.model,
+            ctx.device,
             PagedAttentionMode.ON,
             max_model_len=max_model_len,
             max_num_seqs=PAGED_MAX_NUM_SEQS,
@@ -131,7 +135,9 @@ def run(ctx: BenchContext) -> SuiteResult:
         flags = f"--paged-attn on --pa-memory-bytes {budget} --max-num-seqs {PAGED_MAX_NUM_SEQS}"
         flags += f" --pa-block-size {block_size}" if block_size else ""
         windows.append(_window(label, spec, flags, items, budget, max_model_len, scale))
-    spec = worker_spec(ctx, PagedAttentionMode.OFF, max_model_len=max_model_len, max_num_seqs=EAGER_SLOTS)
+    spec = worker_spec(
+        ctx.model, ctx.device, PagedAttentionMode.OFF, max_model_len=max_model_len, max_num_seqs=EAGER_SLOTS
+    )
     flags = f"--paged-attn off --max-num-seqs {EAGER_SLOTS}"
     windows.append(_window("eager", spec, flags, items, budget, max_model_len, scale))
     paged, eager = windows[0], windows[-1]
@@ -202,7 +208,8 @@ def _cut(windows: list[WindowRun]) -> str:
 
 
 def worker_spec(
-    ctx: BenchContext,
+    model: Path,
+    device: str,
     mode: PagedAttentionMode,
     *,
     max_model_len: int,
@@ -217,8 +224,8 @@ def worker_spec(
     if block_size is not None:
         settings = replace(settings, block_size=block_size)
     return WorkerSpec(
-        model=str(ctx.model),
-        device=ctx.device,
+        model=str(model),
+        device=device,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         cache=cache_intent(mode, settings),
@@ -290,7 +297,8 @@ def _prefix_run(
     ctx: BenchContext, on: bool, shared: list[workloads.WorkItem], max_model_len: int, scale: Scale
 ) -> PrefixRun:
     spec = worker_spec(
-        ctx,
+        ctx.model,
+        ctx.device,
         PagedAttentionMode.ON,
         max_model_len=max_model_len,
         max_num_seqs=scale.prefix_requests,

@@ -71,7 +71,9 @@ class Case:
 
 def run(ctx: BenchContext) -> SuiteResult:
     scale = QUICK if ctx.quick else FULL
-    probe = plan_startup(worker_spec(ctx, PagedAttentionMode.OFF, max_model_len=0, max_num_seqs=1))
+    probe = plan_startup(
+        worker_spec(ctx.model, ctx.device, PagedAttentionMode.OFF, max_model_len=0, max_num_seqs=1)
+    )
     config = probe.model_config
     cases = [
         _long_prompt(ctx, scale, config.vocab_size, config.max_position_embeddings),
@@ -88,7 +90,9 @@ def _long_prompt(ctx: BenchContext, scale: Scale, vocab: int, max_positions: int
     items = workloads.fit(workloads.long_prompt(scale.long_requests, ctx.seed, vocab), cap)
     max_model_len = min(max_positions, -(-max(len(i.prompt) + i.max_tokens for i in items) // 64) * 64)
     specs = {
-        cache: worker_spec(ctx, mode, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS)
+        cache: worker_spec(
+            ctx.model, ctx.device, mode, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS
+        )
         for cache, mode in (("paged", PagedAttentionMode.ON), ("eager", PagedAttentionMode.OFF))
     }
     common = f"--max-num-seqs {MAX_NUM_SEQS} --max-model-len {max_model_len}"
@@ -107,10 +111,19 @@ def _out_of_slots(
     items = workloads.fixed(offered, ctx.seed, vocab, per_request - scale.output_tokens, scale.output_tokens)
     specs = {
         "paged": worker_spec(
-            ctx, PagedAttentionMode.ON, max_model_len=max_model_len, max_num_seqs=offered, memory_bytes=budget
+            ctx.model,
+            ctx.device,
+            PagedAttentionMode.ON,
+            max_model_len=max_model_len,
+            max_num_seqs=offered,
+            memory_bytes=budget,
         ),
         "eager": worker_spec(
-            ctx, PagedAttentionMode.OFF, max_model_len=max_model_len, max_num_seqs=scale.slots
+            ctx.model,
+            ctx.device,
+            PagedAttentionMode.OFF,
+            max_model_len=max_model_len,
+            max_num_seqs=scale.slots,
         ),
     }
     flags = {
