@@ -9,14 +9,16 @@
  * Query head h reads KV head h / (q_heads / kv_heads) (GQA).
  *
  * Work is split across `num_threads` POSIX threads (decode: over sequences, balanced by tokens; linear:
- * over output features) where it is worth a thread's start; no OpenMP runtime, so nothing competes with
- * torch's own thread pool between calls.
+ * over output features) where it is worth a hand-off, on a pool of threads kept between calls (run_chunks);
+ * no OpenMP runtime, so nothing competes with torch's own thread pool between calls.
  */
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Copies each token's K/V row (kv_heads * head_dim floats) into its slot. Rows of key/value are
  * `key_stride` / `value_stride` floats apart (a token's kv_heads x head_dim block is contiguous). */
@@ -53,8 +55,9 @@ static inline float exp_nonpositive(float x) {
 
 enum { MAX_THREADS = 64 };
 
-/* How many threads to split `items` over: one while `work` is below `worth` (a thread costs tens of
- * microseconds to start), else num_threads, at most one per item and MAX_THREADS. */
+/* How many threads to split `items` over: one while `work` is below `worth` (handing a job to a pool
+ * thread costs about a microsecond when it is spinning, tens when it sleeps), else num_threads, at most
+ * one per item and MAX_THREADS. */
 static int64_t thread_count(int64_t work, int64_t worth, int64_t items, int64_t num_threads) {
     int64_t threads = work < worth ? 1 : num_threads;
     if (threads > items) threads = items;
@@ -62,21 +65,190 @@ static int64_t thread_count(int64_t work, int64_t worth, int64_t items, int64_t 
     return threads < 1 ? 1 : threads;
 }
 
-/* Runs fn on each of `threads` jobs laid out `size` bytes apart: jobs 1.. on threads of their own, job 0
- * on the caller's; a job whose thread could not be started runs on the caller's too. */
-static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t threads) {
+/* Runs fn(job, c) for every chunk c of a call on up to `threads` threads: the caller's and the pool's,
+ * each taking the next chunk until none is left, so a thread the OS holds back (the cores are shared
+ * with the router, a client, another worker) leaves its share to the others instead of stalling the
+ * call at a barrier. The pool's threads are kept between calls: starting a thread per call cost 43-53
+ * us on this VM, and a decode step makes over a hundred calls a few microseconds apart; waking a
+ * sleeping one costs about as much (a futex and an idle vCPU's wake-up). So a pool thread that took
+ * part in a call, and a caller waiting for chunks still running, spin for up to SPIN_NS before
+ * sleeping: the gaps inside a step are caught, and between steps nothing spins (like OpenMP's own
+ * threads, for a far shorter time). One caller at a time uses the pool; a second (another engine's
+ * step thread) runs its chunks on threads of its own.
+ *
+ * Invariant: a chunk is taken only by a compare-and-swap on the ticket, which holds the call's
+ * generation, helper count, chunk count and next chunk together; the caller writes the next call's
+ * fn and job only after every chunk of this one finished, so a thread that took a chunk read this
+ * call's. */
+enum { SPIN_NS = 50000, CHUNKS_PER_THREAD = 4, MAX_CHUNKS = CHUNKS_PER_THREAD * MAX_THREADS };
+typedef void (*ChunkFn)(void *job, int64_t chunk);
+
+#define TICKET(gen, helpers, chunks, next) \
+    (((uint64_t)(gen) << 40) | ((uint64_t)(helpers) << 32) | ((uint64_t)(chunks) << 16) | (uint64_t)(next))
+#define TICKET_GEN(t) ((t) >> 40)
+#define TICKET_HELPERS(t) (((t) >> 32) & 0xff)
+#define TICKET_CHUNKS(t) (((t) >> 16) & 0xffff)
+#define TICKET_NEXT(t) ((t) & 0xffff)
+
+typedef struct {
+    pthread_mutex_t busy; /* held by the caller whose chunks the pool runs */
+    pthread_mutex_t lock; /* with wake and done: the sleeping side of ticket and finished */
+    pthread_cond_t wake, done;
+    _Atomic uint64_t ticket;     /* TICKET(generation, pool threads taking part, chunks, next chunk) */
+    _Atomic int64_t finished;    /* this call's chunks done */
+    _Atomic(ChunkFn) fn;         /* this call's */
+    void *_Atomic job;           /* this call's */
+    uint64_t born[MAX_THREADS];  /* the generation before a pool thread's first call */
+    int64_t started;             /* pool threads running: indices 1..started */
+} Pool;
+
+#define POOL_INIT                                                                                         \
+    {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,                      \
+     PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, {0}, 0}
+static Pool pool = POOL_INIT;
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+/* A forked child has none of its parent's threads: it starts its own pool when it first needs one. */
+static void pool_after_fork(void) { pool = (Pool)POOL_INIT; }
+
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Takes and runs chunks of generation gen until none is left. */
+static void take_chunks(uint64_t gen) {
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        if (TICKET_GEN(t) != gen || TICKET_NEXT(t) >= TICKET_CHUNKS(t)) return;
+        ChunkFn fn = atomic_load_explicit(&pool.fn, memory_order_relaxed);
+        void *job = atomic_load_explicit(&pool.job, memory_order_relaxed);
+        if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        fn(job, (int64_t)TICKET_NEXT(t));
+        if (atomic_fetch_add_explicit(&pool.finished, 1, memory_order_acq_rel) + 1 ==
+            (int64_t)TICKET_CHUNKS(t)) { /* the last: the caller may be asleep */
+            pthread_mutex_lock(&pool.lock);
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.lock);
+        }
+    }
+}
+
+static void *pool_thread(void *arg) {
+    const uint64_t index = (uint64_t)(intptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    uint64_t seen = pool.born[index];
+    pthread_mutex_unlock(&pool.lock);
+    int spin = 0; /* only after taking part: a call with fewer helpers leaves the others asleep */
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        const int64_t until = spin ? now_ns() + SPIN_NS : 0;
+        for (int i = 1; spin && TICKET_GEN(t) == seen; i++) {
+            cpu_relax();
+            if (i % 64 == 0 && now_ns() > until) break;
+            t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        }
+        if (TICKET_GEN(t) == seen) {
+            pthread_mutex_lock(&pool.lock);
+            while (TICKET_GEN(t = atomic_load(&pool.ticket)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = TICKET_GEN(t);
+        spin = index <= TICKET_HELPERS(t);
+        if (spin) take_chunks(seen);
+    }
+    return NULL;
+}
+
+typedef struct {
+    ChunkFn fn;
+    void *job;
+    int64_t first, end;
+} ChunkRange;
+
+static void *run_chunk_range(void *arg) {
+    const ChunkRange *r = (const ChunkRange *)arg;
+    for (int64_t c = r->first; c < r->end; c++) r->fn(r->job, c);
+    return NULL;
+}
+
+/* A second caller at once: its chunks split in order over threads started for this call. */
+static void run_chunks_unpooled(ChunkFn fn, void *job, int64_t chunks, int64_t threads) {
+    ChunkRange ranges[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    char *job = (char *)jobs;
+    ranges[0] = (ChunkRange){fn, job, 0, chunks / threads};
     for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, fn, job + t * size) == 0;
-    fn(job);
+        ranges[t] = (ChunkRange){fn, job, chunks * t / threads, chunks * (t + 1) / threads};
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, run_chunk_range, &ranges[t]) == 0;
+    run_chunk_range(&ranges[0]);
     for (int64_t t = 1; t < threads; t++) {
         if (started[t])
             pthread_join(tids[t], NULL);
         else
-            fn(job + t * size);
+            run_chunk_range(&ranges[t]);
     }
+}
+
+static void run_chunks(ChunkFn fn, void *job, int64_t chunks, int64_t threads) {
+    if (threads > chunks) threads = chunks;
+    if (threads <= 1) {
+        for (int64_t c = 0; c < chunks; c++) fn(job, c);
+        return;
+    }
+    pthread_once(&pool_once, pool_register_fork);
+    if (pthread_mutex_trylock(&pool.busy) != 0) {
+        run_chunks_unpooled(fn, job, chunks, threads);
+        return;
+    }
+    const uint64_t gen = (TICKET_GEN(atomic_load(&pool.ticket)) + 1) & 0xffffff;
+    while (pool.started < threads - 1) {
+        pthread_attr_t attr;
+        pthread_t tid;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_mutex_lock(&pool.lock);
+        pool.born[pool.started + 1] = TICKET_GEN(atomic_load(&pool.ticket));
+        pthread_mutex_unlock(&pool.lock);
+        const int ok = pthread_create(&tid, &attr, pool_thread, (void *)(intptr_t)(pool.started + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break; /* fewer helpers: the caller takes their chunks */
+        pool.started++;
+    }
+    const int64_t helpers = pool.started < threads - 1 ? pool.started : threads - 1;
+    atomic_store_explicit(&pool.fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&pool.job, job, memory_order_relaxed);
+    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.ticket, TICKET(gen, helpers, chunks, 0), memory_order_release);
+    pthread_mutex_lock(&pool.lock); /* wakes the helpers past their spin */
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    take_chunks(gen);
+    const int64_t until = now_ns() + SPIN_NS;
+    for (int i = 1; atomic_load_explicit(&pool.finished, memory_order_acquire) < chunks; i++) {
+        cpu_relax();
+        if (i % 64 == 0 && now_ns() > until) {
+            pthread_mutex_lock(&pool.lock);
+            while (atomic_load(&pool.finished) < chunks) pthread_cond_wait(&pool.done, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&pool.busy);
 }
 
 typedef struct {
@@ -89,8 +261,8 @@ typedef struct {
     int64_t num_seqs, q_heads, kv_heads, head_dim, block_size;
     float scale;
     float *out; /* [num_seqs, q_heads, head_dim] contiguous */
-    int64_t first_item, end_item; /* this thread's sequences */
-    int status;                   /* 0 ok, 1 out of memory */
+    int64_t bounds[MAX_CHUNKS + 1]; /* chunk c: sequences bounds[c] .. bounds[c + 1] */
+    _Atomic int status;             /* 0 ok, 1 out of memory */
 } DecodeJob;
 
 /* Block b + 1 of a sequence's table where it does not lie right after block b in the pool, else NULL.
@@ -190,66 +362,46 @@ static void decode_seq(const DecodeJob *j, int64_t seq, float *scores) {
     }
 }
 
-static void *decode_range(void *arg) {
+/* Chunk c: sequences bounds[c] .. bounds[c + 1]. */
+static void decode_chunk(void *arg, int64_t c) {
     DecodeJob *j = (DecodeJob *)arg;
     int64_t longest = 1;
-    for (int64_t it = j->first_item; it < j->end_item; it++) {
+    for (int64_t it = j->bounds[c]; it < j->bounds[c + 1]; it++) {
         int64_t ctx = j->context_lens[it];
         longest = ctx > longest ? ctx : longest;
     }
     float *scores = (float *)malloc((size_t)(longest * j->q_heads) * sizeof(float));
     if (scores == NULL) {
-        j->status = 1;
-        return NULL;
+        atomic_store(&j->status, 1);
+        return;
     }
-    for (int64_t it = j->first_item; it < j->end_item; it++) decode_seq(j, it, scores);
+    for (int64_t it = j->bounds[c]; it < j->bounds[c + 1]; it++) decode_seq(j, it, scores);
     free(scores);
-    return NULL;
 }
 
 /* One query token per sequence attends to its first context_lens[s] (>= 1) cached tokens.
- * Returns 0, or 1 when memory or a thread could not be had (the output is then incomplete). */
+ * Returns 0, or 1 when memory could not be had (the output is then incomplete). */
 int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_cache,
                    const float *value_cache, const int32_t *block_tables, int64_t table_stride,
                    const int32_t *context_lens, int64_t num_seqs, int64_t q_heads, int64_t kv_heads,
                    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads) {
-    const int64_t items = num_seqs;
     int64_t total_tokens = 0;
     for (int64_t s = 0; s < num_seqs; s++) total_tokens += context_lens[s];
-    const int64_t threads = thread_count(total_tokens * q_heads * head_dim, 1 << 18, items, num_threads);
-
-    DecodeJob jobs[MAX_THREADS];
-    /* Balance by tokens: item boundaries where the running token count crosses k / threads. */
+    const int64_t threads = thread_count(total_tokens * q_heads * head_dim, 1 << 16, num_seqs, num_threads);
+    int64_t chunks = threads == 1 ? 1 : CHUNKS_PER_THREAD * threads;
+    if (chunks > num_seqs) chunks = num_seqs > 0 ? num_seqs : 1;
+    DecodeJob job = {query, query_stride, key_cache, value_cache, block_tables, table_stride, context_lens,
+                     num_seqs, q_heads, kv_heads, head_dim, block_size, scale, out, {0}, 0};
+    /* Balance by tokens: chunk boundaries where the running token count crosses total / chunks. */
     int64_t item = 0, seen = 0;
-    for (int64_t t = 0; t < threads; t++) {
-        DecodeJob *j = &jobs[t];
-        j->query = query;
-        j->query_stride = query_stride;
-        j->key_cache = key_cache;
-        j->value_cache = value_cache;
-        j->block_tables = block_tables;
-        j->table_stride = table_stride;
-        j->context_lens = context_lens;
-        j->num_seqs = num_seqs;
-        j->q_heads = q_heads;
-        j->kv_heads = kv_heads;
-        j->head_dim = head_dim;
-        j->block_size = block_size;
-        j->scale = scale;
-        j->out = out;
-        j->status = 0;
-        j->first_item = item;
-        const int64_t goal = (total_tokens * (t + 1)) / threads;
-        while (item < items && (t == threads - 1 || seen < goal)) {
-            seen += context_lens[item];
-            item++;
-        }
-        j->end_item = item;
+    for (int64_t c = 0; c < chunks; c++) {
+        job.bounds[c] = item;
+        const int64_t goal = (total_tokens * (c + 1)) / chunks;
+        while (item < num_seqs && (c == chunks - 1 || seen < goal)) seen += context_lens[item++];
     }
-    run_jobs(decode_range, jobs, sizeof jobs[0], threads);
-    int status = 0;
-    for (int64_t t = 0; t < threads; t++) status |= jobs[t].status;
-    return status;
+    job.bounds[chunks] = item;
+    run_chunks(decode_chunk, &job, chunks, threads);
+    return atomic_load(&job.status);
 }
 
 /* y[m, n] = x[m, :] . w[n, :] + bias[n] for a small batch (rows m up to SMALL_BATCH_ROWS): the weights
@@ -263,7 +415,8 @@ typedef struct {
     const float *x, *w, *bias; /* x [rows, k], w [n, k], bias [n] or NULL, all contiguous */
     float *y;                  /* [rows, n] contiguous */
     int64_t rows, n, k;
-    int64_t first_n, end_n; /* this thread's output features */
+    int64_t chunk_n;        /* output features per chunk */
+    int64_t first_n, end_n; /* this chunk's */
 } LinearJob;
 
 static inline __attribute__((always_inline)) void linear_features(const LinearJob *j, const int64_t k) {
@@ -324,27 +477,30 @@ static inline __attribute__((always_inline)) void linear_features(const LinearJo
     }
 }
 
-static void *linear_range(void *arg) {
-    const LinearJob *j = (const LinearJob *)arg;
-    switch (j->k) { /* the common hidden sizes with a constant trip count */
-    case 576: linear_features(j, 576); break;
-    case 1536: linear_features(j, 1536); break;
-    case 2048: linear_features(j, 2048); break;
-    case 4096: linear_features(j, 4096); break;
-    default: linear_features(j, j->k);
+/* Chunk c: output features c * chunk_n .. (c + 1) * chunk_n (a multiple of 4), the last fewer. */
+static void linear_chunk(void *arg, int64_t c) {
+    LinearJob j = *(const LinearJob *)arg;
+    j.first_n = c * j.chunk_n;
+    j.end_n = j.first_n + j.chunk_n < j.n ? j.first_n + j.chunk_n : j.n;
+    switch (j.k) { /* the common hidden sizes with a constant trip count */
+    case 576: linear_features(&j, 576); break;
+    case 1536: linear_features(&j, 1536); break;
+    case 2048: linear_features(&j, 2048); break;
+    case 4096: linear_features(&j, 4096); break;
+    default: linear_features(&j, j.k);
     }
-    return NULL;
 }
 
 void kvp_linear_f32(const float *x, int64_t rows, const float *w, const float *bias, int64_t n, int64_t k,
                     float *y, int64_t num_threads) {
-    /* Split only work of 4 MB of weights at one row and more (a thread's start costs about what 1 MB of
-     * weights takes to read), counting every row: at many rows the multiply-adds are the work. */
-    const int64_t threads = thread_count(n * k * rows, 1 << 20, n, num_threads);
-    LinearJob jobs[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (LinearJob){x, w, bias, y, rows, n, k, n * t / threads, n * (t + 1) / threads};
-    run_jobs(linear_range, jobs, sizeof jobs[0], threads);
+    /* Split only work of 512 KB of weights at one row and more, counting every row (at many rows the
+     * multiply-adds are the work): below it one thread ran faster than two (a pool thread that was
+     * spinning takes about a microsecond to start a job). */
+    const int64_t threads = thread_count(n * k * rows, 1 << 17, (n + 3) / 4, num_threads);
+    const int64_t chunks = threads == 1 ? 1 : CHUNKS_PER_THREAD * threads;
+    const int64_t chunk_n = n > 4 * chunks ? ((n + chunks - 1) / chunks + 3) / 4 * 4 : 4;
+    LinearJob job = {x, w, bias, y, rows, n, k, chunk_n, 0, 0};
+    run_chunks(linear_chunk, &job, (n + chunk_n - 1) / chunk_n, threads);
 }
 
 /* out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight, per row (x, out [rows, dim] contiguous):

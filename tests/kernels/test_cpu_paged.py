@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -215,6 +218,55 @@ def test_linear_runs_in_c_up_to_the_small_batch_size_and_on_torch_past_it(ops):
     assert "kvpact::cpu_linear" in ran(cpu_paged.SMALL_BATCH_ROWS)
     past = ran(cpu_paged.SMALL_BATCH_ROWS + 1)
     assert "kvpact::cpu_linear" not in past and "aten::linear" in past
+
+
+def _split_linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, weight and F.linear's result, large enough that the C linear splits it over two threads."""
+    gen = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(8, 576, generator=gen), torch.randn(640, 576, generator=gen)
+    return x, weight, torch.nn.functional.linear(x, weight)
+
+
+def test_linear_called_from_two_threads_at_once_gives_each_caller_its_own_result(ops):
+    # The kernels' thread pool serves one caller at a time; a second at the same moment (another engine's
+    # step thread in this process) runs on threads of its own. Neither may wait forever or get the
+    # other's result.
+    two = cpu_paged.CpuPagedOps(ops.library, ops.path, num_threads=2)
+    cases = [_split_linear_case(seed) for seed in (11, 12)]
+    wrong: list[int] = []
+
+    def run(i: int) -> None:
+        x, weight, want = cases[i]
+        for _ in range(300):
+            if not torch.allclose(two.linear(x, weight), want, atol=1e-4, rtol=1e-5):
+                wrong.append(i)
+
+    callers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=60)
+    assert not any(caller.is_alive() for caller in callers), "a caller still waits after 60 s"
+    assert wrong == []
+
+
+def test_a_forked_child_runs_split_kernels_on_threads_of_its_own(ops):
+    # A process forked once the pool's threads run (a fork-started subprocess) has none of them: its
+    # first split call must start its own, not wait forever for its parent's.
+    two = cpu_paged.CpuPagedOps(ops.library, ops.path, num_threads=2)
+    x, weight, want = _split_linear_case(13)
+    torch.testing.assert_close(two.linear(x, weight), want, atol=1e-4, rtol=1e-5)  # the pool runs
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only for the right result
+        os._exit(0 if torch.allclose(two.linear(x, weight), want, atol=1e-4, rtol=1e-5) else 1)
+    deadline = time.monotonic() + 60
+    while (reaped := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's split linear did not return within 60 s")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(reaped[1]) == 0
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 600])
