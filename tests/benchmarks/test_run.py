@@ -45,7 +45,8 @@ def test_the_summary_keeps_every_suite_already_in_the_folder(tmp_path: Path) -> 
         saved = json.loads((tmp_path / f"{name}.json").read_text())
         for target in saved["targets"]:
             assert f"| {target['name']} | {target['goal']} |" in summary
-    assert "[failfast.md](failfast.md)" in summary and "engine_step" not in summary
+    # no row for a suite that is not in the folder (a kept suite's command may still name it)
+    assert "[failfast.md](failfast.md)" in summary and "| engine_step |" not in summary
     gpu = json.loads((tmp_path / "gpu_h200" / "targets.json").read_text())  # the GPU check's row and targets
     assert f"| gpu_check (gpu_h200) | `{gpu['command']}` | {gpu['machine']['cpu']} | 177 | 2/3 |" in summary
     for target in gpu["targets"]:
