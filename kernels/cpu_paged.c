@@ -73,8 +73,8 @@ static int64_t thread_count(int64_t work, int64_t worth, int64_t items, int64_t 
  * sleeping one costs about as much (a futex and an idle vCPU's wake-up). So a pool thread that took
  * part in a call, and a caller waiting for chunks still running, spin for up to SPIN_NS before
  * sleeping: the gaps inside a step are caught, and between steps nothing spins (like OpenMP's own
- * threads, for a far shorter time). One caller at a time uses the pool; a second (another engine's
- * step thread) runs its chunks on threads of its own.
+ * threads, for a far shorter time). One caller at a time uses the pool; a second at the same moment
+ * (another engine's step thread) runs its chunks on its own thread, the cores being the first's.
  *
  * Invariant: a chunk is taken only by a compare-and-swap on the ticket, which holds the call's
  * generation, helper count, chunk count and next chunk together; the caller writes the next call's
@@ -173,46 +173,11 @@ static void *pool_thread(void *arg) {
     return NULL;
 }
 
-typedef struct {
-    ChunkFn fn;
-    void *job;
-    int64_t first, end;
-} ChunkRange;
-
-static void *run_chunk_range(void *arg) {
-    const ChunkRange *r = (const ChunkRange *)arg;
-    for (int64_t c = r->first; c < r->end; c++) r->fn(r->job, c);
-    return NULL;
-}
-
-/* A second caller at once: its chunks split in order over threads started for this call. */
-static void run_chunks_unpooled(ChunkFn fn, void *job, int64_t chunks, int64_t threads) {
-    ChunkRange ranges[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    ranges[0] = (ChunkRange){fn, job, 0, chunks / threads};
-    for (int64_t t = 1; t < threads; t++)
-        ranges[t] = (ChunkRange){fn, job, chunks * t / threads, chunks * (t + 1) / threads};
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, run_chunk_range, &ranges[t]) == 0;
-    run_chunk_range(&ranges[0]);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            run_chunk_range(&ranges[t]);
-    }
-}
-
 static void run_chunks(ChunkFn fn, void *job, int64_t chunks, int64_t threads) {
     if (threads > chunks) threads = chunks;
-    if (threads <= 1) {
+    if (threads > 1) pthread_once(&pool_once, pool_register_fork);
+    if (threads <= 1 || pthread_mutex_trylock(&pool.busy) != 0) { /* or the cores are another caller's */
         for (int64_t c = 0; c < chunks; c++) fn(job, c);
-        return;
-    }
-    pthread_once(&pool_once, pool_register_fork);
-    if (pthread_mutex_trylock(&pool.busy) != 0) {
-        run_chunks_unpooled(fn, job, chunks, threads);
         return;
     }
     const uint64_t gen = (TICKET_GEN(atomic_load(&pool.ticket)) + 1) & 0xffffff;
@@ -226,7 +191,7 @@ static void run_chunks(ChunkFn fn, void *job, int64_t chunks, int64_t threads) {
         pthread_mutex_unlock(&pool.lock);
         const int ok = pthread_create(&tid, &attr, pool_thread, (void *)(intptr_t)(pool.started + 1)) == 0;
         pthread_attr_destroy(&attr);
-        if (!ok) break; /* fewer helpers: the caller takes their chunks */
+        if (!ok) break; /* fewer helpers: the others take their chunks */
         pool.started++;
     }
     const int64_t helpers = pool.started < threads - 1 ? pool.started : threads - 1;

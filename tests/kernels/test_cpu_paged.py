@@ -229,7 +229,7 @@ def _split_linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def test_linear_called_from_two_threads_at_once_gives_each_caller_its_own_result(ops):
     # The kernels' thread pool serves one caller at a time; a second at the same moment (another engine's
-    # step thread in this process) runs on threads of its own. Neither may wait forever or get the
+    # step thread in this process) runs on its own thread. Neither may wait forever or get the
     # other's result.
     two = cpu_paged.CpuPagedOps(ops.library, ops.path, num_threads=2)
     cases = [_split_linear_case(seed) for seed in (11, 12)]
