@@ -19,8 +19,8 @@ Worker.Generate call (the load clients' direct path).
   (start + i / rate), so a late write does not slow the stream that follows.
 - engine steps (`--step-ms MS`): what a real worker's engine does, without the model. A step thread,
   every MS milliseconds, produces one token for every running stream and hands each to its stream's
-  event loop as the real step thread does (`call_soon_threadsafe`); each stream takes them through the
-  real engine's kvpact.worker.engine.ready_pieces.ReadyPieces and converts them with the real
+  event loop as the real step thread does (a LoopHandoff: one wake-up per step); each stream takes them
+  through the real engine's kvpact.worker.engine.ready_pieces.ReadyPieces and converts them with the real
   worker's chunk_to_pb. So when a stream's writes fall behind (its worker's event loop is busy, or
   HTTP/2 flow control holds the writes because the reader is slow), the tokens that piled up go out
   as one message, exactly as from a real worker. Each stream then runs at 1000 / MS tokens per second;
@@ -58,7 +58,7 @@ from kvpact.shared.realized import RealizedCache
 from kvpact.shared.reasons import PAGED_ATTN
 from kvpact.shared.spec import WorkerSpec
 from kvpact.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from kvpact.worker.engine.ready_pieces import ReadyPieces
+from kvpact.worker.engine.ready_pieces import LoopHandoff, ReadyPieces
 from kvpact.worker.engine.request import FinishReason, GenerationOutput, Usage
 from kvpact.worker.generate_pb import chunk_to_pb
 from kvpact.worker.registration import RouterLink
@@ -91,7 +91,7 @@ class EngineSteps:
     """The engine-steps load's step thread: every `step_s`, one token for every running stream."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, step_s: float) -> None:
-        self.loop = loop
+        self.handoff = LoopHandoff(loop)
         self.step_s = step_s
         self.streams: dict[int, _Stepped] = {}  # id() -> stream; changed under `lock`
         self.lock = threading.Lock()
@@ -122,9 +122,9 @@ class EngineSteps:
                 if i == stream.max_tokens:
                     piece.finish_reason = FinishReason.LENGTH
                     piece.usage = Usage(prompt_tokens=1, completion_tokens=i, cached_prompt_tokens=0)
-                try:
-                    self.loop.call_soon_threadsafe(stream.pieces.put, piece)
-                except RuntimeError:  # the event loop closed: the worker is exiting
+                if not self.handoff.send(
+                    stream.pieces, piece
+                ):  # the event loop closed: the worker is exiting
                     return
 
 

@@ -1,12 +1,14 @@
 """worker.engine.ready_pieces: what a caller that keeps up, and one that fell behind, take from a request's
-pieces (the engine streams through it, and so does the router suite's synthetic worker)."""
+pieces (the engine streams through it, and so does the router suite's synthetic worker); and the
+LoopHandoff that carries pieces from the step thread to the caller's event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from kvpact.shared.limits import MAX_TOKENS_PER_MESSAGE
-from kvpact.worker.engine.ready_pieces import ReadyPieces
+from kvpact.worker.engine.ready_pieces import LoopHandoff, ReadyPieces
 from kvpact.worker.engine.request import FinishReason, GenerationOutput, Usage
 
 
@@ -92,3 +94,57 @@ def test_a_long_backlog_goes_out_in_pieces_of_at_most_the_merge_cap():
     taken = take_all(pieces, 3)
     assert [len(p.token_ids) for p in taken] == [MAX_TOKENS_PER_MESSAGE, MAX_TOKENS_PER_MESSAGE, 10]
     assert [t for p in taken for t in p.token_ids] == list(range(n)) and taken[-1].usage is not None
+
+
+def test_pieces_sent_from_another_thread_reach_every_request_once_in_order_one_wake_up_a_step():
+    """What the step thread does: a step's pieces for every stream, step after step, from its own thread,
+    while the loop is busy elsewhere. Every piece arrives, each request's in order, and each step's sends
+    cost the loop one wake-up (one piece at a time would be one per stream)."""
+    streams, steps = 8, 40
+
+    async def main() -> tuple[list[list[int]], int]:
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        schedule = loop.call_soon_threadsafe
+
+        def counted(*args: object) -> object:
+            nonlocal wake_ups
+            wake_ups += 1
+            return schedule(*args)  # type: ignore[arg-type]
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        handoff = LoopHandoff(loop)
+        pieces = [ReadyPieces() for _ in range(streams)]
+        sent, taken = threading.Event(), threading.Event()
+
+        def step_thread() -> None:
+            for i in range(1, steps + 1):
+                for p in pieces:
+                    assert handoff.send(p, piece(i, last=i == steps, usage=i == steps))
+                sent.set()
+                assert taken.wait(5)
+                taken.clear()
+
+        thread = threading.Thread(target=step_thread)
+        thread.start()
+        got: list[list[int]] = [[] for _ in range(streams)]
+        for _ in range(steps):
+            assert sent.wait(5)  # blocking: the loop runs nothing while the step's pieces are sent
+            sent.clear()
+            for s, p in enumerate(pieces):
+                got[s] += (await p.next()).token_ids  # type: ignore[union-attr]
+            taken.set()
+        thread.join(5)
+        return got, wake_ups
+
+    got, wake_ups = asyncio.run(asyncio.wait_for(main(), 30))
+    assert got == [list(range(1, steps + 1))] * streams
+    assert wake_ups == steps
+
+
+def test_a_send_to_a_closed_loop_says_so_so_the_engine_can_abort_the_request():
+    loop = asyncio.new_event_loop()
+    handoff = LoopHandoff(loop)
+    loop.close()
+    assert handoff.send(ReadyPieces(), piece(1)) is False
+    assert handoff.send(ReadyPieces(), piece(2)) is False  # a later send is refused too, not queued forever

@@ -5,7 +5,7 @@
     generate(request): validate, tokenize  --add-->  queue -> scheduler.add
       (tokenize in a prepare thread)
     abort(request_id)                      --abort-> queue -> scheduler.finish (frees its cache)
-    <-- GenerationOutput pieces (call_soon_threadsafe) --  schedule -> run model -> sample -> stream
+    <-- GenerationOutput pieces (LoopHandoff) -----------  schedule -> run model -> sample -> stream
 
 Invariant: this side never touches the scheduler, the cache or the sequences once queued; it only
 queues commands and reads the step loop's `InFlight` (under its lock) and load snapshot. A request
@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -33,7 +34,7 @@ from kvpact.worker.engine.cpu_share import CpuShare
 from kvpact.worker.engine.engine_observer import EngineObserver
 from kvpact.worker.engine.model_runner import ModelRunner
 from kvpact.worker.engine.output_stream import OutputStream, RequestStreams, Sink
-from kvpact.worker.engine.ready_pieces import ReadyPieces
+from kvpact.worker.engine.ready_pieces import LoopHandoff, ReadyPieces
 from kvpact.worker.engine.request import (
     ChatMessage,
     EngineClosedError,
@@ -101,6 +102,11 @@ class Engine:
         self._seq_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built on first use; see _grammar_compiler
         self._grammar_lock = threading.Lock()
+        # One handoff per caller event loop (the worker has one; a test may run several, one after another)
+        self._handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopHandoff] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._handoffs_lock = threading.Lock()
         # Renders and tokenizes prompts for generate(), off the caller's event loop.
         self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="kvpact-prepare")
         # Owns runner and scheduler from here on; set its observer and on_fatal before the first request.
@@ -112,12 +118,12 @@ class Engine:
         the first piece for a request that can never be served, GenerationError if the engine fails
         it. Stopping the iteration early (or cancelling the task) aborts it and frees its cache."""
         loop = asyncio.get_running_loop()
+        with self._handoffs_lock:
+            handoff = self._handoffs.get(loop) or self._handoffs.setdefault(loop, LoopHandoff(loop))
         pieces = ReadyPieces()  # merges what queued while the caller was writing
 
         def sink(item: GenerationOutput | BaseException) -> None:
-            try:
-                loop.call_soon_threadsafe(pieces.put, item)
-            except RuntimeError:  # the caller's event loop is gone: nobody is listening
+            if not handoff.send(pieces, item):  # the caller's event loop is gone: nobody is listening
                 self.abort(request.request_id)
 
         # Rendering and tokenizing run in a thread: a large prompt must not stall the worker's event
