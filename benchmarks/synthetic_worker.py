@@ -122,10 +122,8 @@ class EngineSteps:
                 if i == stream.max_tokens:
                     piece.finish_reason = FinishReason.LENGTH
                     piece.usage = Usage(prompt_tokens=1, completion_tokens=i, cached_prompt_tokens=0)
-                if not self.handoff.send(
-                    stream.pieces, piece
-                ):  # the event loop closed: the worker is exiting
-                    return
+                if not self.handoff.send(stream.pieces, piece):
+                    return  # the event loop closed: the worker is exiting
 
 
 class SyntheticWorker(worker_pb2_grpc.WorkerServicer):

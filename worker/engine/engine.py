@@ -19,7 +19,6 @@ import asyncio
 import itertools
 import threading
 import time
-import weakref
 from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -102,11 +101,8 @@ class Engine:
         self._seq_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built on first use; see _grammar_compiler
         self._grammar_lock = threading.Lock()
-        # One handoff per caller event loop (the worker has one; a test may run several, one after another)
-        self._handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopHandoff] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._handoffs_lock = threading.Lock()
+        # The last caller loop's handoff (a worker has one loop; a request keeps the one it started with)
+        self._handoff: LoopHandoff | None = None
         # Renders and tokenizes prompts for generate(), off the caller's event loop.
         self._preparer = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="kvpact-prepare")
         # Owns runner and scheduler from here on; set its observer and on_fatal before the first request.
@@ -118,8 +114,9 @@ class Engine:
         the first piece for a request that can never be served, GenerationError if the engine fails
         it. Stopping the iteration early (or cancelling the task) aborts it and frees its cache."""
         loop = asyncio.get_running_loop()
-        with self._handoffs_lock:
-            handoff = self._handoffs.get(loop) or self._handoffs.setdefault(loop, LoopHandoff(loop))
+        handoff = self._handoff
+        if handoff is None or handoff.loop is not loop:
+            handoff = self._handoff = LoopHandoff(loop)
         pieces = ReadyPieces()  # merges what queued while the caller was writing
 
         def sink(item: GenerationOutput | BaseException) -> None:
