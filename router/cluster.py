@@ -59,6 +59,10 @@ class Cluster:
         self.clock = clock
         self.failure_report = ""
         self.stopping = False  # SIGTERM: draining the in-flight calls before exit
+        # Streams being relayed now, every worker's, registered or not: what a drain waits for. Not the
+        # entries' num_outstanding: a worker deregisters once its engine is done, while the router may
+        # still be relaying its last chunks (router/service.py counts both).
+        self.num_relaying = 0
         self.drain_expired = False  # --drain-timeout ran out: streams still relaying end with a named status
         self.told_after_failure: set[str] = set()  # workers refused while lingering in FAILED
         self.exit_code: int | None = None
@@ -356,17 +360,14 @@ class Cluster:
         await self.refresh_health()
         self.write_report()
         started = self.clock()
-        in_flight = sum(e.num_outstanding for e in self.registry.entries())
-        log.info("router_draining", in_flight=in_flight, timeout_s=self.config.drain_timeout_s)
-        while sum(e.num_outstanding for e in self.registry.entries()) and (
-            self.clock() - started < self.config.drain_timeout_s
-        ):
+        log.info("router_draining", in_flight=self.num_relaying, timeout_s=self.config.drain_timeout_s)
+        while self.num_relaying and self.clock() - started < self.config.drain_timeout_s:
             await asyncio.sleep(0.05)
-        left = sum(e.num_outstanding for e in self.registry.entries())
+        left = self.num_relaying
         if left:  # each stream still relaying ends at its next chunk, saying why (router/service.py)
             self.drain_expired = True
             ends = self.clock() + DRAIN_EXPIRED_GRACE_S
-            while sum(e.num_outstanding for e in self.registry.entries()) and self.clock() < ends:
+            while self.num_relaying and self.clock() < ends:
                 await asyncio.sleep(0.05)
         log.info("router_drained", seconds=round(self.clock() - started, 2), unfinished=left)
         self.request_exit(exit_code)

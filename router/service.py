@@ -202,6 +202,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         code = grpc.StatusCode.OK
         num_tokens = 0
         entry.num_outstanding += 1
+        self.cluster.num_relaying += 1
         started = last = time.monotonic()
         timings = self.metrics.stream(request.model, api) if self.metrics is not None else None
         tag, inbox = stream.start(request, timeout)
@@ -235,6 +236,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         finally:
             await chunks.aclose()
             entry.num_outstanding -= 1
+            self.cluster.num_relaying -= 1
             if inbox.end is None:
                 stream.abort(tag)
             log.debug(

@@ -74,6 +74,30 @@ async def test_a_stopping_router_is_not_serving_refuses_new_calls_and_lets_in_fl
 
 
 @run_async
+async def test_a_stopping_router_waits_for_a_stream_whose_worker_has_already_left_the_registry():
+    """A worker deregisters once its engine is done, while the router may still be relaying that worker's
+    chunks (seen under `ray job stop`: two streams cut at 103 and 105 of 200 tokens, gRPC's bare
+    "Cancelling all calls"). The drain waits for every relay, whichever worker it came from."""
+    async with (
+        running_router(drain_timeout_s=10) as router,
+        serving_double(WorkerDouble("a", delay_s=0.02)) as a,
+        registry_stub(router) as registry,
+        AsyncClient(f"127.0.0.1:{router.port}", timeout=30) as client,
+    ):
+        admission = await registry.Register(ready("a", a.address))
+        stream = client.generate("long", max_tokens=40)
+        await anext(stream)
+        drain = asyncio.create_task(router.cluster.drain_and_exit(0))
+        left = worker_pb2.DeregisterRequest(worker_id="a", registration_id=admission.registration_id)
+        assert (await registry.Deregister(left)).known
+        await asyncio.sleep(0.2)
+        assert not router.cluster.finished.is_set()  # still relaying a's stream
+        assert len([c async for c in stream]) == 39
+        await asyncio.wait_for(drain, 5)
+        assert router.cluster.finished.is_set() and router.cluster.exit_code == 0
+
+
+@run_async
 async def test_registry_drain_routes_nothing_new_and_says_drain_in_every_heartbeat_reply_until_it_leaves():
     """Registry.Drain (kvpact-launch scaling down): DRAINING at once, `drain` with its reason in each
     heartbeat reply (a worker that was DEAD and beats again stays DRAINING), gone once it deregisters."""
