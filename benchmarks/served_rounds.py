@@ -2,11 +2,15 @@
 same engine in-process on the mixed workload, or two hand-started workers against one.
 
     python -m benchmarks.served_rounds [--compare served|shared] [--rounds 6] [--model PATH]
+                                       [--max-num-seqs 32] [--requests 32]
 
 served: one router + paged worker and one in-process paged engine, built as the offline suite builds
 them (`--max-num-seqs 32`, `--max-num-batched-tokens 2048`), run the mixed draw alternately (which goes
 first alternates), each round's prompts shifted (`shifted_prompts`); prints each round's walls and
-in-process wall / served wall. shared: the suite's `shared_machine` (a router and 1, then 2, hand-started
+in-process wall / served wall, then the median. `--max-num-seqs` and `--requests` (the mixed draw's
+first N) check the ratio where each step carries fewer sequences: issue 25 asks it to hold at 1 and 32
+(at 1, a run of the whole draw takes over a minute a side; `--requests 8` keeps it to about 20 s).
+`--requests` applies to shared too. shared: the suite's `shared_machine` (a router and 1, then 2, hand-started
 workers, no thread flags) once per round; prints two workers' tok/s over one's. More rounds than the
 suite's 3 when a ratio sits near its line (docs/performance.md, "The headline").
 """
@@ -14,6 +18,7 @@ suite's 3 when a ratio sits near its line (docs/performance.md, "The headline").
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -36,21 +41,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", choices=("served", "shared"), default="served")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="both engines' (served only)")
+    parser.add_argument("--requests", type=int, default=32, help="the mixed draw's first N")
     args = parser.parse_args(argv)
     model = Path(args.model) if args.model else default_model_path()
     config = read_model_config(model)
-    items = workloads.fit(workloads.mixed(32, SEED, config.vocab_size), MAX_MODEL_LEN)
+    max_model_len = min(MAX_MODEL_LEN, config.max_position_embeddings)  # a test's tiny model has fewer
+    items = workloads.fit(workloads.mixed(32, SEED, config.vocab_size), max_model_len)[: args.requests]
     if args.compare == "shared":
         for r in range(args.rounds):
-            runs = shared_machine(model, items, MAX_MODEL_LEN, quick=False)
+            runs = shared_machine(model, items, max_model_len, quick=False)
             print(f"round {r}: one worker {runs[1][0].wall_s:.1f} s, two {runs[2][0].wall_s:.1f} s, "
                   f"two / one tok/s {shared_ratio(runs):.2f}", flush=True)  # fmt: skip
         return 0
     budget = ("--max-num-batched-tokens", str(THROUGHPUT_BUDGET))
-    cluster = Cluster(model, "paged", MAX_MODEL_LEN, MAX_NUM_SEQS, worker_args=budget).start()
+    cluster = Cluster(model, "paged", max_model_len, args.max_num_seqs, worker_args=budget).start()
     try:
         cluster.wait_ready()
-        with open_engine(model, "paged", MAX_MODEL_LEN, MAX_NUM_SEQS, THROUGHPUT_BUDGET) as engine:
+        with open_engine(model, "paged", max_model_len, args.max_num_seqs, THROUGHPUT_BUDGET) as engine:
+            ratios = []
             for r in range(args.rounds):
                 shifted = shifted_prompts(items, r + 1, config.vocab_size)  # round 0 of the suite not reused
                 walls = {}
@@ -59,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                     stream_run(cluster.address, shifted) if who == "served" else run_engine(engine, shifted)
                     walls[who] = time.perf_counter() - began
                 served, local = walls["served"], walls["in-process"]
+                ratios.append(local / served)
                 print(f"round {r}: served {served:.1f} s, in-process {local:.1f} s, "
                       f"served / in-process tok/s {local / served:.2f}", flush=True)  # fmt: skip
+            print(f"served / in-process, median of {len(ratios)} rounds: {statistics.median(ratios):.2f} "
+                  f"(--max-num-seqs {args.max_num_seqs}, {len(items)} requests)")  # fmt: skip
     finally:
         cluster.stop()
     return 0
