@@ -1,18 +1,22 @@
-"""The C kernels' small-batch linear (kernels/cpu_paged.py `linear`) against torch's matmul, on a
-model's own weight shapes: where `SMALL_BATCH_ROWS` comes from.
+"""The C kernels' linear layers (kernels/cpu_paged.py: `linear` on [out, in] weights, `packed_linear`
+on packed ones) against torch's matmul, on a model's own weight shapes: where `SMALL_BATCH_ROWS` comes
+from, and what packing the projections buys.
 
-    python -m benchmarks.small_linear [--model PATH] [--rows 1,4,8,16,32,48,64,96] [--rounds 3]
+    python -m benchmarks.small_linear [--model PATH] [--rows 1,4,8,16,32,48,64,96,512] [--rounds 3]
 
 Every projection of every layer and the LM head, random float32 weights of the model's shapes, one
 batch of ROWS random inputs; the best of ROUNDS passes over all of them (best, not mean: on a shared
 machine the best round is the closest to what the cores can do), torch's threads as set. Rows past
-SMALL_BATCH_ROWS are measured in C too (the limit lifted for this script), so the crossover shows.
+SMALL_BATCH_ROWS are measured in C too (the limit lifted for this script), so the crossover shows. The
+packed column packs what the engine packs (every projection, not the LM head, which keeps `linear`); it
+is blank on a build without panels (kvp_panel_width 0: not AVX-512).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,25 +37,42 @@ def weight_shapes(model: Path) -> list[tuple[int, int]]:
     return layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
 
 
-def measure(shapes: list[tuple[int, int]], rows: int, rounds: int) -> tuple[float, float]:
-    """(C ms, torch ms): the best pass over every shape."""
+def measure(shapes: list[tuple[int, int]], rows: int, rounds: int) -> dict[str, float]:
+    """{"C", "packed" (where the build packs), "torch"}: ms, the best pass over every shape."""
     loaded = cpu_paged.load(torch.float32, torch.device("cpu"))
     if isinstance(loaded, str):
         raise SystemExit(f"the C kernels cannot run here: {loaded}")
     weights = [torch.randn(shape) for shape in shapes]
     inputs = {k: torch.randn(rows, k) for _, k in shapes}
+    # the engine's layout: every projection packed, the LM head (the last shape) not
+    packed = [loaded.pack(w) for w in weights[:-1]] if loaded.panel_width else []
+
+    def run_packed() -> None:
+        for p in packed:
+            loaded.packed_linear(inputs[p.shape[1]], p)
+        loaded.linear(inputs[weights[-1].shape[1]], weights[-1])
+
+    def run(matmul: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def one_pass() -> None:
+            for w in weights:
+                matmul(inputs[w.shape[1]], w, None)
+
+        return one_pass
+
+    passes = {"C": run(loaded.linear), "torch": run(F.linear)}
+    if packed:
+        passes["packed"] = run_packed
     limit, cpu_paged.SMALL_BATCH_ROWS = cpu_paged.SMALL_BATCH_ROWS, max(rows, cpu_paged.SMALL_BATCH_ROWS)
     try:
-        best = {"C": float("inf"), "torch": float("inf")}
+        best = dict.fromkeys(passes, float("inf"))
         for _ in range(rounds):
-            for name, matmul in (("C", loaded.linear), ("torch", F.linear)):
+            for name, one_pass in passes.items():
                 start = time.perf_counter()
-                for w in weights:
-                    matmul(inputs[w.shape[1]], w, None)
+                one_pass()
                 best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
     finally:
         cpu_paged.SMALL_BATCH_ROWS = limit
-    return best["C"], best["torch"]
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
-    parser.add_argument("--rows", default="1,4,8,16,32,48,64,96", help="batch sizes, comma-separated")
+    parser.add_argument("--rows", default="1,4,8,16,32,48,64,96,512", help="batch sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="passes per batch size (the best counts)")
     args = parser.parse_args(argv)
     if args.model:
@@ -70,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         path = default_model_path()
     shapes = weight_shapes(path)
     print(f"{len(shapes)} weight matrices of {path.name}, {torch.get_num_threads()} torch threads")
-    print("| rows | C ms | torch ms | C / torch |")
-    print("|---:|---:|---:|---:|")
+    print("| rows | C ms | C packed ms | torch ms | C / torch | packed / torch |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
-        c, t = measure(shapes, rows, args.rounds)
-        print(f"| {rows} | {c:.1f} | {t:.1f} | {c / t:.2f} |")
+        ms = measure(shapes, rows, args.rounds)
+        c, t, p = ms["C"], ms["torch"], ms.get("packed")
+        packed = f"{p:.1f} | " if p else " | "
+        ratio = f"{p / t:.2f}" if p else ""
+        print(f"| {rows} | {c:.1f} | {packed}{t:.1f} | {c / t:.2f} | {ratio} |")
     return 0
 
 

@@ -123,6 +123,7 @@ class CpuPagedOps:
     library: ctypes.CDLL
     path: Path
     num_threads: int | None = None
+    panel_width: int = 0  # packed weights' panel (kvp_panel_width); 0: this build packs none
 
     def write(self, key, value, key_cache, value_cache, slot_mapping, *, check=True) -> None:  # noqa: ANN001
         row = key_cache.shape[2] * key_cache.shape[3]
@@ -184,6 +185,71 @@ class CpuPagedOps:
                 )
         return out
 
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [out, in] (float32, CPU) laid out for `packed_linear`: [out / panel_width, in,
+        panel_width], panel p holding output features p * panel_width onwards, input feature by input
+        feature (cpu_paged.c, "packed"). Only where panel_width divides out (`packs`)."""
+        if not self.packs(weight):
+            raise ValueError(
+                f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device}: "
+                f"the packed kernel takes float32 CPU [out, in] with out a multiple of {self.panel_width}"
+            )
+        out_features, in_features = weight.shape
+        return (
+            weight.detach()
+            .reshape(out_features // self.panel_width, self.panel_width, in_features)
+            .transpose(1, 2)
+            .contiguous()
+        )
+
+    def packs(self, weight: torch.Tensor) -> bool:
+        """Whether `pack` takes this weight: a build with panels, float32 CPU [out, in], out a multiple
+        of the panel width (every projection of the Llama-family models measured)."""
+        return (
+            self.panel_width > 0
+            and weight.dim() == 2
+            and weight.shape[0] % self.panel_width == 0
+            and weight.dtype is _FLOAT32
+            and weight.is_cpu
+        )
+
+    def packed_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """F.linear(x, weight, bias) where `packed` is `pack(weight)`, for any number of rows: torch has
+        no matmul for this layout, so every call of a packed projection runs here, prefill chunks
+        included. x [..., in] float32 on the CPU."""
+        panels, in_features, width = packed.shape
+        out_features = panels * width
+        if x.shape[-1] != in_features or x.dtype is not _FLOAT32 or not x.is_cpu:
+            raise ValueError(
+                f"packed_linear: x must be float32 on the CPU with {in_features} features, got {x.dtype} "
+                f"{tuple(x.shape)} on {x.device}"
+            )
+        if bias is not None and (
+            bias.dtype is not _FLOAT32
+            or bias.shape != (out_features,)
+            or not bias.is_cpu
+            or not bias.is_contiguous()
+        ):
+            raise ValueError(f"packed_linear: bias must be a contiguous float32 CPU [{out_features}]")
+        rows = x.numel() // in_features
+        flat = x.reshape(rows, in_features).contiguous()
+        out = torch.empty(*x.shape[:-1], out_features, dtype=_FLOAT32)
+        if rows:
+            with _traced("kvpact::cpu_linear"):
+                self.library.kvp_linear_packed_f32(
+                    flat.data_ptr(),
+                    rows,
+                    packed.data_ptr(),
+                    None if bias is None else bias.data_ptr(),
+                    out_features,
+                    in_features,
+                    out.data_ptr(),
+                    self.num_threads or torch.get_num_threads(),
+                )
+        return out
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """torch.rms_norm over x's last dimension for a contiguous float32 CPU x [rows, dim] and weight
         [dim]; anything else goes to torch.rms_norm itself."""
@@ -217,14 +283,16 @@ class CpuPagedOps:
         context_lens: torch.Tensor,
         block_size: int,
         num_slots: int,
+        packed: bool = False,
     ) -> None:
         """x [rows, hidden] (the residual stream after the embedding, updated in place) through every
         layer of `layers` for a decode step: one new token per sequence, written to its slot
         (slot_mapping int64 [rows]), then attending over its first context_lens[i] tokens through
         block_tables (decode's). cos, sin: RotaryEmbedding.cos_sin's [rows, 1, head_dim] float32.
-        num_slots: the pools' blocks x block_size. The caller (worker/engine/fused_decode.py) built
-        `layers` from tensors it checked and keeps alive; here the step's own tensors are checked, as
-        decode and write check theirs on a step's first layer."""
+        num_slots: the pools' blocks x block_size. packed: the layers' projections are `pack`ed. The
+        caller (worker/engine/fused_decode.py) built `layers` from tensors it checked and keeps alive;
+        here the step's own tensors are checked, as decode and write check theirs on a step's first
+        layer."""
         rows = x.shape[0]
         for name, t, dtype, shape_ in (
             ("x", x, _FLOAT32, (rows, shape.hidden)),
@@ -266,6 +334,7 @@ class CpuPagedOps:
                 context_lens.data_ptr(),
                 block_size,
                 self.num_threads or torch.get_num_threads(),
+                int(packed),
             )
         if status:
             raise MemoryError("the C decode layers could not allocate their step buffers")
@@ -459,9 +528,13 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_rms_norm_f32.restype = None
     library.kvp_decode_layers_f32.argtypes = [_ptr, _i64, ctypes.POINTER(DecoderLayer), _i64]
     library.kvp_decode_layers_f32.argtypes += [_i64] * 5 + [_f32, _f32, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
-    library.kvp_decode_layers_f32.argtypes += [_i64, _i64]
+    library.kvp_decode_layers_f32.argtypes += [_i64, _i64, _i64]
     library.kvp_decode_layers_f32.restype = ctypes.c_int
-    return CpuPagedOps(library, path)
+    library.kvp_linear_packed_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
+    library.kvp_linear_packed_f32.restype = None
+    library.kvp_panel_width.argtypes = []
+    library.kvp_panel_width.restype = _i64
+    return CpuPagedOps(library, path, panel_width=int(library.kvp_panel_width()))
 
 
 def required(dtype: torch.dtype, device: torch.device) -> CpuPagedOps:

@@ -1,6 +1,9 @@
-"""benchmarks/small_linear.py measures both matmuls on a model's shapes, and leaves the limit as it was."""
+"""benchmarks/small_linear.py measures the matmuls on a model's shapes (C, C on packed weights where the
+build packs, torch), and leaves the limit as it was."""
 
 from __future__ import annotations
+
+import torch
 
 from benchmarks import small_linear
 from kvpact.kernels import cpu_paged
@@ -14,5 +17,8 @@ def test_the_table_has_a_row_per_batch_size_and_the_limit_is_restored(tmp_path, 
     assert small_linear.main(["--model", str(model), "--rows", f"1,{past}", "--rounds", "1"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r[0].strip() for r in rows[1:]] == ["1", str(past)]
-    assert all(float(c) > 0 and float(t) > 0 for _, c, t, _ in rows[1:])
+    for _, c, packed, t, _, _ in rows[1:]:
+        assert float(c) > 0 and float(t) > 0
+        packs = cpu_paged.load(torch.float32, torch.device("cpu")).panel_width  # type: ignore[union-attr]
+        assert (float(packed) > 0) if packs else not packed.strip()
     assert cpu_paged.SMALL_BATCH_ROWS == limit

@@ -8,6 +8,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -218,6 +219,53 @@ def test_linear_runs_in_c_up_to_the_small_batch_size_and_on_torch_past_it(ops):
     assert "kvpact::cpu_linear" in ran(cpu_paged.SMALL_BATCH_ROWS)
     past = ran(cpu_paged.SMALL_BATCH_ROWS + 1)
     assert "kvpact::cpu_linear" not in past and "aten::linear" in past
+
+
+def packing(ops: cpu_paged.CpuPagedOps) -> cpu_paged.CpuPagedOps:
+    if not ops.panel_width:
+        pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has no AVX-512)")
+    return ops
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_torch_at_every_batch_size_split_or_not(ops, with_bias):
+    ops = packing(ops)
+    gen = torch.Generator().manual_seed(5)
+    # 1536 features = 48 panels; 37 inputs, an odd count; rows around the tiles of 8, the small batch's
+    # limit, and a prefill chunk split over rows as well as panels (on 4 threads)
+    for out_features, in_features in ((1536, 576), (64, 37)):
+        weight = torch.randn(out_features, in_features, generator=gen)
+        bias = torch.randn(out_features, generator=gen) if with_bias else None
+        packed = ops.pack(weight)
+        assert packed.shape == (out_features // ops.panel_width, in_features, ops.panel_width)
+        for rows in (0, 1, 7, 8, 9, 63, cpu_paged.SMALL_BATCH_ROWS + 1, 700):
+            x = torch.randn(rows, in_features, generator=gen)
+            want = torch.nn.functional.linear(x, weight, bias)
+            for threads in (1, 4):
+                got = replace(ops, num_threads=threads).packed_linear(x, packed, bias)
+                assert got.shape == (rows, out_features)
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # leading dimensions kept, a strided x read as its rows
+    x = torch.randn(2, 6, 576, generator=gen)[:, ::2]
+    torch.testing.assert_close(
+        ops.packed_linear(x, ops.pack(torch.ones(32, 576)), None),
+        x @ torch.ones(576, 32),
+        atol=1e-4,
+        rtol=1e-5,
+    )
+
+
+def test_pack_and_packed_linear_refuse_what_they_cannot_read(ops):
+    ops = packing(ops)
+    with pytest.raises(ValueError, match=rf"shape \(48, 16\).*a multiple of {ops.panel_width}"):
+        ops.pack(torch.ones(48, 16))
+    with pytest.raises(ValueError, match="float32 CPU"):
+        ops.pack(torch.ones(64, 16, dtype=torch.float16))
+    packed = ops.pack(torch.ones(64, 16))
+    with pytest.raises(ValueError, match="16 features"):
+        ops.packed_linear(torch.ones(3, 17), packed)
+    with pytest.raises(ValueError, match=r"bias must be a contiguous float32 CPU \[64\]"):
+        ops.packed_linear(torch.ones(3, 16), packed, torch.ones(63))
 
 
 def _split_linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -441,3 +441,32 @@ def test_realized_cpu_kernels_run_every_projection_norm_and_the_lm_head_in_c(mak
     prompt = tuple(range(5, 30))
     (a,), (b,) = on.run([greedy("c", prompt, 12)], timeout=60), off.run([greedy("t", prompt, 12)], timeout=60)
     assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_on_a_build_with_panels_every_decoder_projection_is_packed_once_and_computes_what_torch_does(
+    make_engine, tiny_llama, mode
+):
+    ops = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert not isinstance(ops, str)
+    if not ops.panel_width:
+        pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has no AVX-512)")
+    on = make_engine(tiny_llama, mode)
+    off = make_engine(tiny_llama, mode, features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
+    packed_model, torch_model = (e.step_loop.runner.model for e in (on, off))
+    for mine, theirs in zip(packed_model.model.layers, torch_model.model.layers, strict=True):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            packed, plain = mine.get_submodule(name), theirs.get_submodule(name)
+            assert packed.packed and not plain.packed
+            assert torch.equal(packed.weight, ops.pack(plain.weight)), name
+    # the weights held once: the packed layout replaced [out, in], it was not added beside it
+    assert sum(p.numel() for p in packed_model.parameters()) == sum(
+        p.numel() for p in torch_model.parameters()
+    )
+    # the LM head keeps [out, in] and the small-batch linear (a tied one is the embedding's tensor)
+    assert packed_model.lm_head is not None and not packed_model.lm_head.packed
+    assert packed_model.head_matmul.__func__ is cpu_paged.CpuPagedOps.linear  # type: ignore[attr-defined]
+    # a prompt of more rows than the small batch: its prefill runs the packed kernel too, then decodes
+    prompt = tuple(range(5, 5 + cpu_paged.SMALL_BATCH_ROWS + 36))
+    (a,), (b,) = on.run([greedy("c", prompt, 12)], timeout=60), off.run([greedy("t", prompt, 12)], timeout=60)
+    assert a.token_ids == b.token_ids

@@ -52,8 +52,9 @@ class FusedDecode:
         )
         # the eager cache's "block" is a sequence slot of max_model_len tokens
         self.num_blocks, self.block_size = cache.key[0].shape[:2]
-
-        _check_shapes(model, cache)
+        # engine_setup.use_cpu_kernels packs every decoder projection or none (_check_shapes holds it)
+        self.packed = decoder_layers(model)[0].self_attn.qkv_proj.packed
+        _check_shapes(model, cache, ops.panel_width if self.packed else 0)
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
@@ -86,7 +87,15 @@ class FusedDecode:
         x = model.model.embed_tokens(input_ids)  # a new tensor: the C code updates it in place
         cos, sin = model.rotary.cos_sin(positions, x.dtype)
         self.ops.decode_layers(
-            x, self.layers, self.shape, cos, sin, *batch, self.block_size, self.num_blocks * self.block_size
+            x,
+            self.layers,
+            self.shape,
+            cos,
+            sin,
+            *batch,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            packed=self.packed,
         )
         return model.model.norm(x)
 
@@ -120,23 +129,29 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
     return FusedDecode(cpu_paged.required(torch.float32, torch.device("cpu")), model, cache)
 
 
-def _check_shapes(model: LlamaForCausalLM, cache: PagedCache | EagerCache) -> None:
+def _check_shapes(model: LlamaForCausalLM, cache: PagedCache | EagerCache, panel_width: int) -> None:
     """What the C code reads through the pointers, held to the config it is told: every weight's and
-    pool's shape (contiguous, float32 checked by `fused_decode`). A mismatch is a bug in how the engine
-    was built, raised here rather than read out of bounds in C."""
+    pool's shape (contiguous, float32 checked by `fused_decode`; with a panel_width, every projection
+    as `pack` laid it out, else [out, in]). A mismatch is a bug in how the engine was built, raised here
+    rather than read out of bounds in C."""
     c = model.config
     q, kv, hd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+    layers = decoder_layers(model)
+
+    def projection(out_features: int, in_features: int) -> tuple[int, ...]:
+        p = panel_width
+        return (out_features // p, in_features, p) if p else (out_features, in_features)
+
     want = {
         "input_layernorm.weight": (c.hidden_size,),
-        "self_attn.qkv_proj.weight": (q + 2 * kv, c.hidden_size),
+        "self_attn.qkv_proj.weight": projection(q + 2 * kv, c.hidden_size),
         "self_attn.qkv_proj.bias": (q + 2 * kv,),
-        "self_attn.o_proj.weight": (c.hidden_size, q),
+        "self_attn.o_proj.weight": projection(c.hidden_size, q),
         "self_attn.o_proj.bias": (c.hidden_size,),
         "post_attention_layernorm.weight": (c.hidden_size,),
-        "mlp.gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size),
-        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        "mlp.gate_up_proj.weight": projection(2 * c.intermediate_size, c.hidden_size),
+        "mlp.down_proj.weight": projection(c.hidden_size, c.intermediate_size),
     }
-    layers = decoder_layers(model)
     if len(cache.key) != len(layers) or len(cache.value) != len(layers):
         raise ValueError(f"the cache has {len(cache.key)} layers' pools, the model {len(layers)} layers")
     for i, layer in enumerate(layers):

@@ -15,9 +15,17 @@ NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weig
 
 class Linear(nn.Linear):
     """nn.Linear whose matmul can be swapped: `matmul` is F.linear unless the model's `use_kernels`
-    installed another (the C kernels' small-batch linear, kernels/cpu_paged.py)."""
+    installed another (the C kernels' small-batch linear, kernels/cpu_paged.py), or `use_packed` laid
+    the weight out for one."""
 
     matmul: LinearFn = staticmethod(F.linear)
+    packed = False  # True: `weight` is laid out for `matmul` alone (not [out, in]); nothing else reads it
+
+    def use_packed(self, weight: torch.Tensor, matmul: LinearFn) -> None:
+        """From now on `weight` (this layer's, laid out for `matmul`) replaces [out, in], and `matmul`
+        runs every call. The [out, in] tensor is freed, so the weights are held once."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.matmul, self.packed = matmul, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)

@@ -41,6 +41,7 @@ from kvpact.worker.kv.staged import StagedCache
 from kvpact.worker.loader import load_model, resolve_dtype
 from kvpact.worker.loader.header import ModelHeader, read_model_header
 from kvpact.worker.model import LlamaForCausalLM, ModelConfig
+from kvpact.worker.model.layers import Linear
 from kvpact.worker.model.stages import plan_stages
 from kvpact.worker.model.tensor_parallel import shard_model, tp_problem
 from kvpact.worker.parallel.rank_verdict import RankBuild, RankVerdict
@@ -450,11 +451,17 @@ def _capture_graphs(
 def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> None:
     """Where --cpu-kernels realized and the weights are float32, the model runs the C kernels
     (kernels/cpu_paged.py): every RMSNorm, and the projections and LM head of small batches (larger
-    ones stay on torch's matmul)."""
+    ones stay on torch's matmul). Where the build packs (AVX-512) and every decoder projection's
+    output size is a multiple of its panel, the decoder layers' projections are packed instead and run
+    the packed kernel at every batch size; the LM head (often the embedding's own tensor) is not."""
     weight = model.model.embed_tokens.weight
     if cpu_kernels and weight.dtype == torch.float32 and weight.device.type == "cpu":
         ops = cpu_paged.required(torch.float32, weight.device)
         model.use_kernels(ops.linear, ops.rms_norm)
+        projections = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
+        if projections and all(ops.packs(m.weight) for m in projections):
+            for m in projections:
+                m.use_packed(ops.pack(m.weight), ops.packed_linear)
 
 
 def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:
