@@ -8,8 +8,9 @@ Every projection of every layer and the LM head, random float32 weights of the m
 batch of ROWS random inputs; the best of ROUNDS passes over all of them (best, not mean: on a shared
 machine the best round is the closest to what the cores can do), torch's threads as set. Rows past
 SMALL_BATCH_ROWS are measured in C too (the limit lifted for this script), so the crossover shows. The
-packed column packs what the engine packs (every projection, not the LM head, which keeps `linear`); it
-is blank on a build without panels (kvp_panel_width 0: not AVX-512).
+packed column packs what the engine packs (every projection and the LM head, worker/startup/
+engine_setup.py `use_cpu_kernels`); it is blank on a build without panels (kvp_panel_width 0: not
+AVX-512).
 """
 
 from __future__ import annotations
@@ -44,13 +45,11 @@ def measure(shapes: list[tuple[int, int]], rows: int, rounds: int) -> dict[str, 
         raise SystemExit(f"the C kernels cannot run here: {loaded}")
     weights = [torch.randn(shape) for shape in shapes]
     inputs = {k: torch.randn(rows, k) for _, k in shapes}
-    # the engine's layout: every projection packed, the LM head (the last shape) not
-    packed = [loaded.pack(w) for w in weights[:-1]] if loaded.panel_width else []
+    packed = [loaded.pack(w) for w in weights] if loaded.panel_width else []
 
     def run_packed() -> None:
         for p in packed:
             loaded.packed_linear(inputs[p.shape[1]], p)
-        loaded.linear(inputs[weights[-1].shape[1]], weights[-1])
 
     def run(matmul: Callable[..., torch.Tensor]) -> Callable[[], None]:
         def one_pass() -> None:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -443,29 +444,38 @@ def test_realized_cpu_kernels_run_every_projection_norm_and_the_lm_head_in_c(mak
     assert a.token_ids == b.token_ids
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tied"), tie_word_embeddings=True)
+
+
 @pytest.mark.parametrize("mode", ["on", "off"])
-def test_on_a_build_with_panels_every_decoder_projection_is_packed_once_and_computes_what_torch_does(
-    make_engine, tiny_llama, mode
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_llama_tied"])
+def test_on_a_build_with_panels_every_projection_and_the_lm_head_are_packed_once_and_compute_what_torch_does(
+    make_engine, request, mode, model
 ):
     ops = cpu_paged.load(torch.float32, torch.device("cpu"))
     assert not isinstance(ops, str)
     if not ops.panel_width:
         pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has no AVX-512)")
-    on = make_engine(tiny_llama, mode)
-    off = make_engine(tiny_llama, mode, features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
+    model_dir = request.getfixturevalue(model)
+    on = make_engine(model_dir, mode)
+    off = make_engine(model_dir, mode, features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
     packed_model, torch_model = (e.step_loop.runner.model for e in (on, off))
     for mine, theirs in zip(packed_model.model.layers, torch_model.model.layers, strict=True):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             packed, plain = mine.get_submodule(name), theirs.get_submodule(name)
             assert packed.packed and not plain.packed
             assert torch.equal(packed.weight, ops.pack(plain.weight)), name
-    # the weights held once: the packed layout replaced [out, in], it was not added beside it
-    assert sum(p.numel() for p in packed_model.parameters()) == sum(
-        p.numel() for p in torch_model.parameters()
-    )
-    # the LM head keeps [out, in] and the small-batch linear (a tied one is the embedding's tensor)
-    assert packed_model.lm_head is not None and not packed_model.lm_head.packed
-    assert packed_model.head_matmul.__func__ is cpu_paged.CpuPagedOps.linear  # type: ignore[attr-defined]
+    # the LM head too: its own Linear, or (tied) the embedding's table, which lookups then read packed
+    head = "lm_head" if torch_model.lm_head is not None else "model.embed_tokens"
+    assert (head == "lm_head") is (model == "tiny_llama")
+    want = ops.pack(torch_model.get_submodule(head).weight)
+    assert torch.equal(packed_model.get_submodule(head).weight, want)
+    assert packed_model.head_matmul.__func__ is cpu_paged.CpuPagedOps.packed_linear  # type: ignore[attr-defined]
+    # the weights held once: each packed layout replaced [out, in], it was not added beside it
+    counts = [sum(p.numel() for p in m.parameters()) for m in (packed_model, torch_model)]
+    assert counts[0] == counts[1]
     # a prompt of more rows than the small batch: its prefill runs the packed kernel too, then decodes
     prompt = tuple(range(5, 5 + cpu_paged.SMALL_BATCH_ROWS + 36))
     (a,), (b,) = on.run([greedy("c", prompt, 12)], timeout=60), off.run([greedy("t", prompt, 12)], timeout=60)

@@ -31,6 +31,24 @@ class Linear(nn.Linear):
         return self.matmul(x, self.weight, self.bias)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table `use_packed` can lay out for the packed matmul of a tied LM head (which
+    reads this same tensor): a lookup then takes each token's features from its panel, where they lie
+    `panel` floats apart."""
+
+    panel = 0  # the packed table's panel width (kernels/cpu_paged.py `pack`); 0: [vocab, hidden]
+
+    def use_packed(self, weight: torch.Tensor, panel: int) -> None:
+        """From now on `weight`, this table packed in panels of `panel` tokens, replaces [vocab, hidden]."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.panel = panel
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.panel:
+            return super().forward(input_ids)
+        return self.weight[input_ids // self.panel, :, input_ids % self.panel]  # [..., hidden]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)`, the variance computed in float32, the result in x's dtype."""
     if x.dtype == torch.float32:  # the same math as below, one op instead of six

@@ -28,7 +28,7 @@ from torch import nn
 
 from kvpact.shared.errors import ModelLoadError
 from kvpact.worker.model.config import ModelConfig
-from kvpact.worker.model.layers import Linear, LinearFn, NormFn, RMSNorm, SwiGLU
+from kvpact.worker.model.layers import Embedding, Linear, LinearFn, NormFn, RMSNorm, SwiGLU
 from kvpact.worker.model.rope import RotaryEmbedding, apply_rotary
 from kvpact.worker.model.stages import Stage, single_stage
 
@@ -84,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -453,7 +453,8 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> None:
     (kernels/cpu_paged.py): every RMSNorm, and the projections and LM head of small batches (larger
     ones stay on torch's matmul). Where the build packs (AVX-512) and every decoder projection's
     output size is a multiple of its panel, the decoder layers' projections are packed instead and run
-    the packed kernel at every batch size; the LM head (often the embedding's own tensor) is not."""
+    the packed kernel at every batch size; so is the LM head where its vocabulary is such a multiple
+    (a tied head packs the embedding's table, which its lookups then read packed)."""
     weight = model.model.embed_tokens.weight
     if cpu_kernels and weight.dtype == torch.float32 and weight.device.type == "cpu":
         ops = cpu_paged.required(torch.float32, weight.device)
@@ -462,6 +463,13 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> None:
         if projections and all(ops.packs(m.weight) for m in projections):
             for m in projections:
                 m.use_packed(ops.pack(m.weight), ops.packed_linear)
+        head = model.lm_head or model.model.embed_tokens  # the tensor compute_logits reads
+        if ops.packs(head.weight):
+            if isinstance(head, Linear):
+                head.use_packed(ops.pack(head.weight), ops.packed_linear)
+            else:
+                head.use_packed(ops.pack(head.weight), ops.panel_width)
+            model.head_matmul = ops.packed_linear
 
 
 def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:
