@@ -192,6 +192,8 @@ class CpuPagedOps:
         """weight [out, in] (float32, CPU) laid out for `packed_linear`: [out / panel_width, in,
         panel_width], panel p holding output features p * panel_width onwards, input feature by input
         feature (cpu_paged.c, "packed"). Only where panel_width divides out (`packs`)."""
+        if not self.panel_width:
+            raise ValueError("this build of the C kernels packs no weights (kvp_panel_width 0: no AVX-512)")
         if not self.packs(weight):
             raise ValueError(
                 f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device}: "
@@ -211,6 +213,7 @@ class CpuPagedOps:
         return (
             self.panel_width > 0
             and weight.dim() == 2
+            and weight.shape[1] > 0
             and weight.shape[0] % self.panel_width == 0
             and weight.dtype is _FLOAT32
             and weight.is_cpu
@@ -222,6 +225,19 @@ class CpuPagedOps:
         """F.linear(x, weight, bias) where `packed` is `pack(weight)`, for any number of rows: torch has
         no matmul for this layout, so every call of a packed projection runs here, prefill chunks
         included. x [..., in] float32 on the CPU."""
+        if (
+            packed.dim() != 3
+            or packed.shape[2] != self.panel_width
+            or packed.shape[1] == 0
+            or packed.dtype is not _FLOAT32
+            or not packed.is_cpu
+            or not packed.is_contiguous()
+        ):
+            raise ValueError(
+                f"packed_linear: the weight must be `pack`'s contiguous float32 CPU [out / "
+                f"{self.panel_width}, in, {self.panel_width}], got {packed.dtype} {tuple(packed.shape)} "
+                f"on {packed.device}"
+            )
         panels, in_features, width = packed.shape
         out_features = panels * width
         if x.shape[-1] != in_features or x.dtype is not _FLOAT32 or not x.is_cpu:

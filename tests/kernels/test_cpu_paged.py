@@ -266,6 +266,10 @@ def test_pack_and_packed_linear_refuse_what_they_cannot_read(ops):
         ops.packed_linear(torch.ones(3, 17), packed)
     with pytest.raises(ValueError, match=r"bias must be a contiguous float32 CPU \[64\]"):
         ops.packed_linear(torch.ones(3, 16), packed, torch.ones(63))
+    with pytest.raises(ValueError, match="the weight must be `pack`'s"):  # an [out, in] weight, not packed
+        ops.packed_linear(torch.ones(3, 16), torch.ones(64, 16))
+    with pytest.raises(ValueError, match="packs no weights"):  # a build without panels
+        replace(ops, panel_width=0).pack(torch.ones(64, 16))
 
 
 def _split_linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -473,6 +473,12 @@ def test_on_a_build_with_panels_every_projection_and_the_lm_head_are_packed_once
     want = ops.pack(torch_model.get_submodule(head).weight)
     assert torch.equal(packed_model.get_submodule(head).weight, want)
     assert packed_model.head_matmul.__func__ is cpu_paged.CpuPagedOps.packed_linear  # type: ignore[attr-defined]
+    if head == "model.embed_tokens":  # lookups in the packed table: the same rows, the same refusals
+        ids = torch.tensor([0, 5, 31, 32, 383])
+        assert torch.equal(packed_model.model.embed_tokens(ids), torch_model.model.embed_tokens(ids))
+        for bad in (-1, 384):
+            with pytest.raises(IndexError, match="out of range"):
+                packed_model.model.embed_tokens(torch.tensor([3, bad]))
     # the weights held once: each packed layout replaced [out, in], it was not added beside it
     counts = [sum(p.numel() for p in m.parameters()) for m in (packed_model, torch_model)]
     assert counts[0] == counts[1]

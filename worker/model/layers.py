@@ -46,6 +46,8 @@ class Embedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.panel:
             return super().forward(input_ids)
+        if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.num_embeddings:
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings}): index out of range")
         return self.weight[input_ids // self.panel, :, input_ids % self.panel]  # [..., hidden]
 
 

@@ -108,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
         """From now on every projection and the LM head run `matmul` (F.linear's arguments), and every
         RMSNorm `norm` (x, weight, eps)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and not module.packed:  # a packed one keeps its own
                 module.matmul = matmul
             elif isinstance(module, RMSNorm):
                 module.norm = norm

@@ -457,7 +457,8 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> None:
     (a tied head packs the embedding's table, which its lookups then read packed)."""
     weight = model.model.embed_tokens.weight
     if cpu_kernels and weight.dtype == torch.float32 and weight.device.type == "cpu":
-        ops = cpu_paged.required(torch.float32, weight.device)
+        del weight  # packing replaces it: not held twice past its own copy
+        ops = cpu_paged.required(torch.float32, torch.device("cpu"))
         model.use_kernels(ops.linear, ops.rms_norm)
         projections = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
         if projections and all(ops.packs(m.weight) for m in projections):
