@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 
 MAX_NUM_SEQS = 32
 TTFT_LIMIT_S = 2.0
-RATE_FACTORS = (0.5, 1.0, 2.0, 3.0)
+# 0.25: with the C kernels' packed weights (session 22) p99 TTFT passed 2 s below 0.5 x capacity, so the
+# crossing item 5 reports was not bracketed
+RATE_FACTORS = (0.25, 0.5, 1.0, 2.0, 3.0)
 QUICK_RATE_FACTORS = (0.5, 1.5)
 WINDOW_S, QUICK_WINDOW_S = 20.0, 3.0
 MAX_REQUESTS, QUICK_MAX_REQUESTS = 48, 8
