@@ -480,10 +480,21 @@ void kvp_linear_f32(const float *x, int64_t rows, const float *w, const float *b
  * PANEL_ROWS multiply-adds. One tile kernel serves every row count, prefill chunks included (measured
  * on an AMD EPYC, one thread, in cache: 105-117 GFLOP/s from 8 rows to 2,048, where the 4 x 4 dot-product
  * blocks above ran 44-78 and torch's matmul 60-103; docs/performance.md, "Packed weights").
- * Built only where the vectors are 16 floats (AVX-512): with 8-float vectors the same code ran at a
- * fifth of that on the same CPU, so other machines keep the unpacked kernel (kvp_panel_width 0). */
+ * With AVX-512 a tile is 8 rows x 32 features (16 of the 32 vector registers hold sums); with AVX2 and
+ * FMA (16 registers) 6 rows x 16 features (12 sums), BLIS's shape for that ISA: 86-113 GFLOP/s built
+ * with -mno-avx512f on the same CPU, where the dot-product blocks ran 52-65. Elsewhere (no AVX2, other
+ * architectures) nothing is packed (kvp_panel_width 0) and the [n, k] kernel above runs. */
 #if defined(__AVX512F__)
-enum { PANEL_VECTOR = 16, PANEL = 2 * PANEL_VECTOR, PANEL_ROWS = 8 };
+#define PANEL_VECTOR 16
+#define PANEL_ROWS 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PANEL_VECTOR 8
+#define PANEL_ROWS 6
+#endif
+#ifdef PANEL_VECTOR
+enum { PANEL = 2 * PANEL_VECTOR };
+/* aligned(4): a vector read or written at any float's address (loads and stores through it compile to
+ * single unaligned vector moves; memcpy into it went through the stack in the AVX2 build) */
 typedef float panel_vec __attribute__((vector_size(PANEL_VECTOR * sizeof(float)), aligned(4)));
 
 typedef struct {
@@ -498,28 +509,22 @@ static inline __attribute__((always_inline)) void packed_tile(const float *restr
                                                               const int mr, const float *restrict p,
                                                               const float *bias, float *restrict y,
                                                               const int64_t n) {
-    panel_vec lo[PANEL_ROWS], hi[PANEL_ROWS];
+    panel_vec lo[8], hi[8]; /* mr <= PANEL_ROWS <= 8 of them used */
     for (int r = 0; r < mr; r++) lo[r] = hi[r] = (panel_vec){0};
     for (int64_t i = 0; i < k; i++) {
-        panel_vec b0, b1;
-        memcpy(&b0, p + i * PANEL, sizeof b0);
-        memcpy(&b1, p + i * PANEL + PANEL_VECTOR, sizeof b1);
+        const panel_vec b0 = *(const panel_vec *)(p + i * PANEL);
+        const panel_vec b1 = *(const panel_vec *)(p + i * PANEL + PANEL_VECTOR);
         for (int r = 0; r < mr; r++) {
             const float a = x[r * k + i];
             lo[r] += a * b0;
             hi[r] += a * b1;
         }
     }
-    panel_vec c0 = {0}, c1 = {0};
-    if (bias) {
-        memcpy(&c0, bias, sizeof c0);
-        memcpy(&c1, bias + PANEL_VECTOR, sizeof c1);
-    }
+    const panel_vec c0 = bias ? *(const panel_vec *)bias : (panel_vec){0};
+    const panel_vec c1 = bias ? *(const panel_vec *)(bias + PANEL_VECTOR) : (panel_vec){0};
     for (int r = 0; r < mr; r++) {
-        lo[r] += c0;
-        hi[r] += c1;
-        memcpy(y + r * n, &lo[r], sizeof lo[r]);
-        memcpy(y + r * n + PANEL_VECTOR, &hi[r], sizeof hi[r]);
+        *(panel_vec *)(y + r * n) = lo[r] + c0;
+        *(panel_vec *)(y + r * n + PANEL_VECTOR) = hi[r] + c1;
     }
 }
 
@@ -543,15 +548,17 @@ static void packed_chunk(void *arg, int64_t c) {
         case 3: packed_tile(x, k, 3, p, bias, y, n); break;
         case 4: packed_tile(x, k, 4, p, bias, y, n); break;
         case 5: packed_tile(x, k, 5, p, bias, y, n); break;
+#if PANEL_ROWS > 6
         case 6: packed_tile(x, k, 6, p, bias, y, n); break;
         case 7: packed_tile(x, k, 7, p, bias, y, n); break;
+#endif
         default: break;
         }
     }
 }
 #else
 enum { PANEL = 0 };
-#endif
+#endif /* PANEL_VECTOR */
 
 /* The panel width packed weights use on this build (kvp_linear_packed_f32's), 0 where there is none. */
 int64_t kvp_panel_width(void) { return PANEL; }
@@ -562,7 +569,7 @@ int64_t kvp_panel_width(void) { return PANEL; }
  * panels (the caller asked kvp_panel_width first). */
 void kvp_linear_packed_f32(const float *x, int64_t rows, const float *packed, const float *bias, int64_t n,
                            int64_t k, float *y, int64_t num_threads) {
-#if defined(__AVX512F__)
+#ifdef PANEL_VECTOR
     if (rows <= 0 || n <= 0) return;
     const int64_t panels = n / PANEL, row_blocks = (rows + 63) / 64;
     const int64_t threads = thread_count(n * k * rows, 1 << 17, panels * row_blocks, num_threads);

@@ -4,11 +4,13 @@ reasons they give when they cannot run."""
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import signal
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,8 +259,9 @@ def test_packed_linear_equals_torch_at_every_batch_size_split_or_not(ops, with_b
 
 def test_pack_and_packed_linear_refuse_what_they_cannot_read(ops):
     ops = packing(ops)
-    with pytest.raises(ValueError, match=rf"shape \(48, 16\).*a multiple of {ops.panel_width}"):
-        ops.pack(torch.ones(48, 16))
+    odd = ops.panel_width + 8
+    with pytest.raises(ValueError, match=rf"shape \({odd}, 16\).*a multiple of {ops.panel_width}"):
+        ops.pack(torch.ones(odd, 16))
     with pytest.raises(ValueError, match="float32 CPU"):
         ops.pack(torch.ones(64, 16, dtype=torch.float16))
     packed = ops.pack(torch.ones(64, 16))
@@ -270,6 +273,28 @@ def test_pack_and_packed_linear_refuse_what_they_cannot_read(ops):
         ops.packed_linear(torch.ones(3, 16), torch.ones(64, 16))
     with pytest.raises(ValueError, match="packs no weights"):  # a build without panels
         replace(ops, panel_width=0).pack(torch.ones(64, 16))
+
+
+def test_an_avx2_build_packs_panels_of_16_and_computes_what_torch_does(monkeypatch, tmp_path):
+    # This machine's own build may be AVX-512 (panels of 32); the AVX2 tile (6 rows x 16 features) is
+    # built here the way an AVX2-only CPU would get it, -march=native less AVX-512
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if platform.machine() not in ("x86_64", "AMD64") or " avx2" not in cpuinfo or " fma" not in cpuinfo:
+        pytest.skip("not an x86 CPU with AVX2 and FMA")
+    monkeypatch.setattr(cpu_paged, "CFLAGS", (*cpu_paged.CFLAGS, "-mno-avx512f"))
+    monkeypatch.setenv("KVPACT_CACHE_DIR", str(tmp_path))
+    ops = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert not isinstance(ops, str), ops
+    assert ops.panel_width == 16
+    gen = torch.Generator().manual_seed(9)
+    weight, bias = torch.randn(96, 37, generator=gen), torch.randn(96, generator=gen)
+    packed = ops.pack(weight)
+    assert packed.shape == (6, 37, 16)
+    for rows in (0, 1, 5, 6, 7, 13, cpu_paged.SMALL_BATCH_ROWS + 1, 300):
+        x = torch.randn(rows, 37, generator=gen)
+        for threads in (1, 4):
+            got = replace(ops, num_threads=threads).packed_linear(x, packed, bias)
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 def _split_linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

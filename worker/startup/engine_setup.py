@@ -451,7 +451,7 @@ def _capture_graphs(
 def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> None:
     """Where --cpu-kernels realized and the weights are float32, the model runs the C kernels
     (kernels/cpu_paged.py): every RMSNorm, and the projections and LM head of small batches (larger
-    ones stay on torch's matmul). Where the build packs (AVX-512) and every decoder projection's
+    ones stay on torch's matmul). Where the build packs (AVX-512 or AVX2) and every decoder projection's
     output size is a multiple of its panel, the decoder layers' projections are packed instead and run
     the packed kernel at every batch size; so is the LM head where its vocabulary is such a multiple
     (a tied head packs the embedding's table, which its lookups then read packed)."""
