@@ -18,9 +18,10 @@ decode step of a few sequences is all weight reads, and torch's matmul (MKL) rea
 1-8 rows on an AMD EPYC where this reads 20 GB/s on one thread; from 4 rows up its 4 x 4 blocks are
 bound by the multiply-adds, as fast as torch's at 48-64 rows there and faster below (docs/performance.md,
 "Batches of up to 64 rows on the C kernels"). Larger batches (long prompts' prefill) stay on torch.
-Where the build packs (`panel_width` 32 with AVX-512, 16 with AVX2), the decoder's projections and the LM head are
-`pack`ed in place instead and `packed_linear` runs them at every batch size: an outer-product tile with
-no reductions, faster than both at every size measured (docs/kernels.md, "Packed weights").
+Where the build packs (`panel_width` 32 with AVX-512, 16 with AVX2), the decoder's projections and the
+LM head are `pack`ed in place instead and `packed_linear` runs them at every batch size: an
+outer-product tile with no reductions, faster than both at every size measured (docs/kernels.md,
+"Packed weights").
 And `rms_norm` (x, weight, eps): one call where torch.rms_norm dispatches about 18 ops. The model takes
 both through `use_kernels` (worker/startup/engine_setup.py `use_cpu_kernels`).
 
