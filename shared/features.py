@@ -66,7 +66,8 @@ class FeatureIntents:
     cpu_kernels: FeatureMode = _mode_option(
         CPU_KERNELS,
         "the C kernels (kernels/cpu_paged.c): paged decode and write, and, where the weights are "
-        "float32, RMSNorm and the linear layers of batches of up to 64 rows, and decode steps of up to 64 "
+        "float32, RMSNorm and the linear layers of batches of up to 64 rows (of every batch, with the "
+        "weights packed in place, on a CPU with AVX-512 or AVX2), and decode steps of up to 64 "
         "sequences through every layer in one C call. Need a CPU device, a float32 "
         "KV cache and a C compiler: auto falls back to pure torch naming why, on fails startup.",
     )
