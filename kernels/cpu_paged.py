@@ -162,15 +162,7 @@ class CpuPagedOps:
             or x.dtype is not _FLOAT32
             or weight.dtype is not _FLOAT32
             or not (x.is_cpu and weight.is_cpu and weight.is_contiguous())
-            or (
-                bias is not None
-                and (
-                    bias.dtype is not _FLOAT32
-                    or bias.shape != (out_features,)
-                    or not bias.is_cpu
-                    or not bias.is_contiguous()
-                )
-            )
+            or not _bias_fits(bias, out_features)
         ):
             return F.linear(x, weight, bias)
         x = x.contiguous()
@@ -194,7 +186,9 @@ class CpuPagedOps:
         panel_width], panel p holding output features p * panel_width onwards, input feature by input
         feature (cpu_paged.c, "packed"). Only where panel_width divides out (`packs`)."""
         if not self.panel_width:
-            raise ValueError("this build of the C kernels packs no weights (kvp_panel_width 0: no AVX-512)")
+            raise ValueError(
+                "this build of the C kernels packs no weights (kvp_panel_width 0: no AVX-512 or AVX2)"
+            )
         if not self.packs(weight):
             raise ValueError(
                 f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device}: "
@@ -246,12 +240,7 @@ class CpuPagedOps:
                 f"packed_linear: x must be float32 on the CPU with {in_features} features, got {x.dtype} "
                 f"{tuple(x.shape)} on {x.device}"
             )
-        if bias is not None and (
-            bias.dtype is not _FLOAT32
-            or bias.shape != (out_features,)
-            or not bias.is_cpu
-            or not bias.is_contiguous()
-        ):
+        if not _bias_fits(bias, out_features):
             raise ValueError(f"packed_linear: bias must be a contiguous float32 CPU [{out_features}]")
         rows = x.numel() // in_features
         flat = x.reshape(rows, in_features).contiguous()
@@ -509,6 +498,13 @@ def _traced(name: str) -> contextlib.AbstractContextManager[object]:
     """A profiler range named `name` while torch.profiler records (the engine_step benchmark groups the
     kernels by it); nothing otherwise: entering a range costs a dispatch, twice per layer per step."""
     return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else _UNTRACED
+
+
+def _bias_fits(bias: torch.Tensor | None, out_features: int) -> bool:
+    """None, or what the C linear kernels read as a bias: a contiguous float32 CPU [out_features]."""
+    return bias is None or (
+        bias.dtype is _FLOAT32 and bias.shape == (out_features,) and bias.is_cpu and bias.is_contiguous()
+    )
 
 
 def _check_layout(key_cache: torch.Tensor, **rows: torch.Tensor) -> None:

@@ -482,6 +482,14 @@ def test_on_a_build_with_panels_every_projection_and_the_lm_head_are_packed_once
     # the weights held once: each packed layout replaced [out, in], it was not added beside it
     counts = [sum(p.numel() for p in m.parameters()) for m in (packed_model, torch_model)]
     assert counts[0] == counts[1]
+    # what the startup log says was packed (2 layers x 4 projections), and nothing without the kernels
+    fresh = [engine_setup.load_model(model_dir, device="cpu", dtype=torch.float32).model for _ in range(2)]
+    want = f"8 projections and the LM head in panels of {ops.panel_width}"
+    assert engine_setup.use_cpu_kernels(fresh[0], True) == want
+    assert (
+        engine_setup.use_cpu_kernels(fresh[1], False) == ""
+        and not fresh[1].model.layers[0].mlp.down_proj.packed
+    )
     # a prompt of more rows than the small batch: its prefill runs the packed kernel too, then decodes
     prompt = tuple(range(5, 5 + cpu_paged.SMALL_BATCH_ROWS + 36))
     (a,), (b,) = on.run([greedy("c", prompt, 12)], timeout=60), off.run([greedy("t", prompt, 12)], timeout=60)

@@ -19,13 +19,17 @@ class Linear(nn.Linear):
     the weight out for one."""
 
     matmul: LinearFn = staticmethod(F.linear)
-    packed = False  # True: `weight` is laid out for `matmul` alone (not [out, in]); nothing else reads it
+
+    @property
+    def packed(self) -> bool:
+        """`weight` is laid out for `matmul` alone ([out / panel, in, panel]), not [out, in]."""
+        return self.weight.dim() == 3
 
     def use_packed(self, weight: torch.Tensor, matmul: LinearFn) -> None:
-        """From now on `weight` (this layer's, laid out for `matmul`) replaces [out, in], and `matmul`
+        """From now on `weight` (this layer's, packed for `matmul`) replaces [out, in], and `matmul`
         runs every call. The [out, in] tensor is freed, so the weights are held once."""
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.matmul, self.packed = matmul, True
+        self.matmul = matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)
@@ -36,19 +40,24 @@ class Embedding(nn.Embedding):
     reads this same tensor): a lookup then takes each token's features from its panel, where they lie
     `panel` floats apart."""
 
-    panel = 0  # the packed table's panel width (kernels/cpu_paged.py `pack`); 0: [vocab, hidden]
+    @property
+    def panel(self) -> int:
+        """The packed table's panel width (kernels/cpu_paged.py `pack`); 0: [vocab, hidden]."""
+        return self.weight.shape[2] if self.weight.dim() == 3 else 0
 
-    def use_packed(self, weight: torch.Tensor, panel: int) -> None:
-        """From now on `weight`, this table packed in panels of `panel` tokens, replaces [vocab, hidden]."""
+    def use_packed(self, weight: torch.Tensor) -> None:
+        """From now on `weight`, this table packed ([vocab / panel, hidden, panel]), replaces the table."""
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.panel = panel
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.panel:
+        panel = self.panel
+        if not panel:
             return super().forward(input_ids)
-        if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.num_embeddings:
-            raise IndexError(f"token ids must be in [0, {self.num_embeddings}): index out of range")
-        return self.weight[input_ids // self.panel, :, input_ids % self.panel]  # [..., hidden]
+        if input_ids.numel():
+            low, high = torch.aminmax(input_ids)
+            if not 0 <= int(low) <= int(high) < self.num_embeddings:
+                raise IndexError(f"token ids must be in [0, {self.num_embeddings}): index out of range")
+        return self.weight[input_ids // panel, :, input_ids % panel]  # [..., hidden]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -326,7 +326,9 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype, stages=stages)
     if ranks is not None:  # rank 0's shard; `config` below then counts this rank's heads
         loaded.model = shard_model(loaded.model, 0, ranks.world, ranks.all_reduce)
-    use_cpu_kernels(loaded.model, plan.realizes(CPU_KERNELS))
+    packed = use_cpu_kernels(loaded.model, plan.realizes(CPU_KERNELS))
+    if packed:
+        log.info("the C kernels run packed weights", what=packed)
     config = loaded.model.config
     cache: PagedCache | EagerCache | StagedCache
     if plan.kind is CacheKind.PAGED:
@@ -448,29 +450,36 @@ def _capture_graphs(
     return features, None
 
 
-def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> None:
+def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
     """Where --cpu-kernels realized and the weights are float32, the model runs the C kernels
     (kernels/cpu_paged.py): every RMSNorm, and the projections and LM head of small batches (larger
     ones stay on torch's matmul). Where the build packs (AVX-512 or AVX2) and every decoder projection's
     output size is a multiple of its panel, the decoder layers' projections are packed instead and run
     the packed kernel at every batch size; so is the LM head where its vocabulary is such a multiple
-    (a tied head packs the embedding's table, which its lookups then read packed)."""
+    (a tied head packs the embedding's table, which its lookups then read packed). Returns what was
+    packed, for the startup log ("" for nothing: the kernels not realized, a build without panels, or
+    output sizes that are not multiples of the panel)."""
     weight = model.model.embed_tokens.weight
-    if cpu_kernels and weight.dtype == torch.float32 and weight.device.type == "cpu":
-        del weight  # packing replaces it: not held twice past its own copy
-        ops = cpu_paged.required(torch.float32, torch.device("cpu"))
-        model.use_kernels(ops.linear, ops.rms_norm)
-        projections = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
-        if projections and all(ops.packs(m.weight) for m in projections):
-            for m in projections:
-                m.use_packed(ops.pack(m.weight), ops.packed_linear)
-        head = model.lm_head or model.model.embed_tokens  # the tensor compute_logits reads
-        if ops.packs(head.weight):
-            if isinstance(head, Linear):
-                head.use_packed(ops.pack(head.weight), ops.packed_linear)
-            else:
-                head.use_packed(ops.pack(head.weight), ops.panel_width)
-            model.head_matmul = ops.packed_linear
+    if not (cpu_kernels and weight.dtype == torch.float32 and weight.device.type == "cpu"):
+        return ""
+    del weight  # packing replaces it: not held twice past its own copy
+    ops = cpu_paged.required(torch.float32, torch.device("cpu"))
+    model.use_kernels(ops.linear, ops.rms_norm)
+    packed = []
+    projections = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
+    if projections and all(ops.packs(m.weight) for m in projections):
+        for m in projections:
+            m.use_packed(ops.pack(m.weight), ops.packed_linear)
+        packed.append(f"{len(projections)} projections")
+    head = model.lm_head or model.model.embed_tokens  # the tensor compute_logits reads
+    if ops.packs(head.weight):
+        if isinstance(head, Linear):
+            head.use_packed(ops.pack(head.weight), ops.packed_linear)
+        else:
+            head.use_packed(ops.pack(head.weight))
+        model.head_matmul = ops.packed_linear
+        packed.append("the LM head")
+    return f"{' and '.join(packed)} in panels of {ops.panel_width}" if packed else ""
 
 
 def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:
