@@ -53,6 +53,19 @@ static inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
+/* a[i] = SiLU(g[i]) * g[i + n] (a gate/up projection's row: gate, then up). SiLU(x) = x * sigmoid(x),
+ * the sigmoid from e = e^-|x| (never overflows): 1 / (1 + e) for x >= 0, e / (1 + e) below. It
+ * vectorizes, where a call to expf per element did not: 0.19 -> 0.017 ms for 32 rows of 1,536 (a
+ * one-off probe; 30 layers of a 32-sequence decode step spent 5.7 ms there, single-threaded). */
+static void silu_mul(const float *restrict g, int64_t n, float *restrict a) {
+    const float *restrict u = g + n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i], e = exp_nonpositive(x > 0.0f ? -x : x);
+        a[i] = x * (x > 0.0f ? 1.0f : e) / (1.0f + e) * u[i];
+    }
+}
+
 enum { MAX_THREADS = 64 };
 
 /* How many threads to split `items` over: one while `work` is below `worth` (handing a job to a pool
@@ -672,11 +685,8 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
         kvp_rms_norm_f32(x, rows, hidden, L->post_norm, eps, normed);
         projection(normed, rows, L->gate_up, NULL, 2 * intermediate, hidden, gate_up, num_threads, packed);
-        for (int64_t m = 0; m < rows; m++) {
-            const float *g = gate_up + m * 2 * intermediate, *u = g + intermediate;
-            float *a = act + m * intermediate;
-            for (int64_t i = 0; i < intermediate; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
+        for (int64_t m = 0; m < rows; m++)
+            silu_mul(gate_up + m * 2 * intermediate, intermediate, act + m * intermediate);
         projection(act, rows, L->down, NULL, hidden, intermediate, delta, num_threads, packed);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
     }
