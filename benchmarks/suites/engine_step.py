@@ -1,7 +1,9 @@
 """Engine step: where one decode step's time goes, paged vs eager, at 32 sequences and at batch 1.
 
 For each cache (paged: `--paged-attn on`, the torch backend on CPU; eager: `--paged-attn off`) one
-engine is built through `kvpact.worker.startup.engine_setup.build_engine` with `--max-num-seqs 32`. Its model
+engine is built through `kvpact.worker.startup.engine_setup.build_engine` with `--max-num-seqs 32`; the
+eager engine runs on the paged one's weights (`share_weights`: two copies of the same weights run the
+same matmuls up to 5% apart, which the paged / eager ratio would carry). Its model
 runner is wrapped (in this benchmark only) so each step is timed on the engine's own step thread,
 and a few steps run under `torch.profiler` there for the breakdown by op group.
 
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
-from benchmarks.kvpact_systems import greedy_request
+from benchmarks.kvpact_systems import greedy_request, share_weights
 from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
@@ -279,6 +281,8 @@ def run(ctx: BenchContext) -> SuiteResult:
         for name, mode in (("paged", PagedAttentionMode.ON), ("eager", PagedAttentionMode.OFF)):
             started = time.monotonic()
             engine = stack.enter_context(build_engine(replace(base, cache=cache_intent(mode))))
+            if engines:  # one copy of the weights for both, so the paged / eager ratio is the caches' alone
+                share_weights(engine, next(iter(engines.values())))
             r = engine.realized
             realized[name] = (
                 f"{r.kind.value} cache, backend {r.backend.value if r.backend else 'eager'}, "
@@ -369,8 +373,8 @@ def _result(
     paged1, eager1 = by.get(("paged", 1)), by.get(("eager", 1))
     if paged32 and eager32:
         ratio = eager32.step_ms / paged32.step_ms
-        # The control: the matmuls alone are the same work in both, so their ratio is the machine's, not
-        # the caches'; a step ratio that moves with it says the run measured the machine.
+        # The control: the matmuls alone are the same work on the same weights in both, so their ratio is
+        # the machine's, not the caches'; a step ratio that moves with it says the run measured the machine.
         control = eager32.matmul_ms / paged32.matmul_ms
         targets.append(
             Target(
