@@ -5,6 +5,7 @@ INTERNAL or a stack trace, and every KV block is free afterwards (docs/design.md
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -146,7 +147,6 @@ def test_a_large_prompt_being_tokenized_does_not_starve_the_workers_event_loop(c
     under the prompt cap) is rendered and tokenized, Stats (what heartbeats carry too) answers at once,
     and a normal request is served afterwards."""
     import threading
-    import time
 
     from kvpact.v1 import worker_pb2, worker_pb2_grpc
 
@@ -205,6 +205,11 @@ def test_past_max_waiting_a_request_is_refused_at_once_and_the_accepted_ones_go_
                 f"16 requests are already waiting for a place in the batch (--max-waiting {MAX_WAITING})"
                 in (exc.value.details)
             )
+            # The accepted ones go on: the running two stream (a request counts as running once scheduled,
+            # and its first token can still be on its way to this client), the waiting ones stay queued.
+            deadline = time.monotonic() + 30
+            while sum(f.done() for f in firsts) < MAX_NUM_SEQS and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             running = [f for f in firsts if f.done()]
             assert len(running) == MAX_NUM_SEQS and all(f.result().finish_reason is None for f in running)
             for f in firsts:
