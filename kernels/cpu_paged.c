@@ -33,8 +33,9 @@ void kvp_write_f32(const float *key, int64_t key_stride, const float *value, int
     }
 }
 
-/* e^x for x <= 0 (softmax after subtracting the max), relative error ~1e-7 (Cephes' expf polynomial).
- * Written out so the softmax loop vectorizes without -ffast-math: a library built with -ffast-math
+/* e^x for x <= 0 (softmax after subtracting the max; silu_mul's e^-|x|), relative error ~1e-7 (Cephes'
+ * expf polynomial).
+ * Written out so the loops using it vectorize without -ffast-math: a library built with -ffast-math
  * turns on flush-to-zero for the whole process when it is loaded (denormals would read as 0). */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
@@ -55,8 +56,10 @@ static inline float exp_nonpositive(float x) {
 
 /* a[i] = SiLU(g[i]) * g[i + n] (a gate/up projection's row: gate, then up). SiLU(x) = x * sigmoid(x),
  * the sigmoid from e = e^-|x| (never overflows): 1 / (1 + e) for x >= 0, e / (1 + e) below. It
- * vectorizes, where a call to expf per element did not: 0.19 -> 0.017 ms for 32 rows of 1,536 (a
- * one-off probe; 30 layers of a 32-sequence decode step spent 5.7 ms there, single-threaded). */
+ * vectorizes, where a call to expf per element did not: 0.19 -> 0.017 ms for 32 rows of 1,536, best
+ * of 50 (a one-off probe, the CFLAGS of cpu_paged.py); in a 32-sequence decode step's perf profile the
+ * expf calls and this loop were ~3% of the samples, on the step thread alone (docs/performance.md,
+ * "What is outside the matmuls at 32 sequences"). */
 static void silu_mul(const float *restrict g, int64_t n, float *restrict a) {
     const float *restrict u = g + n;
 #pragma omp simd
