@@ -20,7 +20,8 @@ and a few steps run under `torch.profiler` there for the breakdown by op group.
   and the matmuls alone are the same C linear.
 
 Reported: median step ms, matmul-alone ms, the share of the step outside the matmuls
-(1 - matmul / step), batch-1 step / matmul ratio, paged / eager step ratio, and the profiled op
+(1 - matmul / step), batch-1 step / matmul ratio, paged / eager step ratio (judged over the
+control, the matmul-alone ratio: the caches' part of it, not the machine's), and the profiled op
 groups (self CPU time, as a share of the profiled step; the profiler itself inflates small ops).
 """
 
@@ -374,14 +375,17 @@ def _result(
     if paged32 and eager32:
         ratio = eager32.step_ms / paged32.step_ms
         # The control: the matmuls alone are the same work on the same weights in both, so their ratio is
-        # the machine's, not the caches'; a step ratio that moves with it says the run measured the machine.
+        # the machine's, not the caches'. The step ratio over it is what the caches account for, and is
+        # what is judged: a run whose control read 1.13 put a 1.12 step ratio on the machine (session 24).
         control = eager32.matmul_ms / paged32.matmul_ms
+        caches = ratio / control
         targets.append(
             Target(
                 "paged >= eager (decode step, 32 sequences)",
-                "eager step / paged step >= 1.0",
-                f"{ratio:.2f} (paged {paged32.step_ms:.1f} ms, eager {eager32.step_ms:.1f} ms)",
-                ratio >= 1.0,
+                "eager step / paged step, over the control, >= 1.0",
+                f"{caches:.2f} (step ratio {ratio:.2f}: paged {paged32.step_ms:.1f} ms, eager "
+                f"{eager32.step_ms:.1f} ms)",
+                caches >= 1.0,
                 f"control, the same matmuls alone in both: eager / paged {control:.2f}",
             )
         )

@@ -45,6 +45,14 @@ def test_quick_engine_step_suite_writes_its_tables_targets_and_plot(tmp_path):
     assert [(r[0], r[1]) for r in steps["rows"]] == [("paged", 32), ("paged", 1), ("eager", 32), ("eager", 1)]
     for row in steps["rows"]:
         assert row[2] > 0 and row[3] > 0 and row[6] > 0  # step ms, matmuls ms, steps timed
+    # paged >= eager is judged on the step ratio over the control (the same matmuls alone in both)
+    by_cache = {s["cache"]: s for s in result["data"]["scenarios"] if s["sequences"] == 32}
+    paged, eager = by_cache["paged"], by_cache["eager"]
+    step_ratio = eager["step_ms"] / paged["step_ms"]
+    caches = step_ratio / (eager["matmul_ms"] / paged["matmul_ms"])
+    judged = next(t for t in result["targets"] if t["name"] == "paged >= eager (decode step, 32 sequences)")
+    assert judged["measured"].startswith(f"{caches:.2f} (step ratio {step_ratio:.2f}:")
+    assert judged["met"] == (caches >= 1.0)
     groups = {r[2] for r in result["tables"][1]["rows"]}
     assert {"matmul (linear)", "attention kernel", "host (Python, dispatch)"} <= groups
     assert "--suites engine_step --quick" in steps["command"]
