@@ -1,0 +1,56 @@
+"""benchmarks/probes/*.c (the bf16 probes docs/performance.md quotes) build with the C kernels' flags, check
+their bf16 layouts against float32 before timing, and print their one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvpact.kernels import cpu_paged
+
+PROBES = Path(__file__).resolve().parents[2] / "benchmarks" / "probes"
+COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("probes")
+    return {name: build(name, out) for name in ("bf16_panels", "bf16_kv")}
+
+
+def build(name: str, out: Path) -> Path:
+    """The probe compiled as an executable with the C kernels' CFLAGS (less the shared-library ones)."""
+    flags = [f for f in cpu_paged.CFLAGS if f not in ("-shared", "-fPIC")]
+    exe = out / name
+    subprocess.run(
+        [str(COMPILER), *flags, "-o", str(exe), str(PROBES / f"{name}.c"), "-lm"], check=True, timeout=120
+    )
+    return exe
+
+
+@pytest.mark.parametrize("layout", ["fp32", "bf16", "bf16p"])
+def test_bf16_panels_agrees_with_float32_then_times_a_step(built, layout):
+    # one layer, no LM head: a short run beside the rest of the suite
+    done = subprocess.run(
+        [str(built["bf16_panels"]), "3", layout, "1", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(
+        rf"{layout} rows 3: best [\d.]+ ms a step, (14|7) MB of weights \([\d.]+ GB/s\)\n", done.stdout
+    )
+
+
+@pytest.mark.parametrize("layout", ["fp32", "bf16"])
+def test_bf16_kv_agrees_with_float32_then_times_a_step(built, layout):
+    done = subprocess.run(
+        [str(built["bf16_kv"]), layout, "1", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(rf"{layout}: best [\d.]+ ms a step, (11|5) MB of K/V \([\d.]+ GB/s\)\n", done.stdout)
