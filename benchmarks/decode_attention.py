@@ -2,6 +2,7 @@
 slots: whether reading K/V block by block costs paged anything by itself.
 
     python -m benchmarks.decode_attention [--seqs 32] [--contexts 76-356] [--placement ascending]
+                                          [--cache-dtype float32|bfloat16]
 
 One query token per sequence, the bundled model's heads (9 query, 3 KV, head size 64) unless told. Paged:
 a pool of blocks of --block-size tokens, each sequence's prompt in blocks handed out one after another
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=1472)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument(
+        "--cache-dtype", choices=("float32", "bfloat16"), default="float32", help="what both caches hold"
+    )
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.cache_dtype)
     ops = cpu_paged.required(torch.float32, torch.device("cpu"))
     q_heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     lens = contexts(args.seqs, args.contexts)
@@ -84,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = int(tables.max()) + 1
     # a K and a V pool per layer, as the model's: a step reads every layer's from memory, not from cache
     pools = [
-        [torch.randn(num_blocks, args.block_size, kv_heads, head_dim) for _ in range(2)]
+        [torch.randn(num_blocks, args.block_size, kv_heads, head_dim).to(dtype) for _ in range(2)]
         for _ in range(args.layers)
     ]
     slots = [
-        [torch.randn(args.seqs, args.max_model_len, kv_heads, head_dim) for _ in range(2)]
+        [torch.randn(args.seqs, args.max_model_len, kv_heads, head_dim).to(dtype) for _ in range(2)]
         for _ in range(args.layers)
     ]
     slot_tables = torch.arange(args.seqs, dtype=torch.int32).unsqueeze(1)
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(step_ms(name))
     paged, eager = statistics.median(times["paged"]), statistics.median(times["eager"])
     span = f"{min(lens)}-{max(lens)}"
-    print(f"{args.seqs} sequences, contexts {span}, {args.layers} layers, {args.rounds} rounds:")
+    print(f"{args.seqs} sequences, contexts {span}, {args.layers} layers, {args.rounds} rounds, "
+          f"{args.cache_dtype} caches:")  # fmt: skip
     print(f"paged (block {args.block_size}, {args.placement}) {paged:.2f} ms, eager {eager:.2f} ms, "
           f"eager / paged {eager / paged:.2f}")  # fmt: skip
     return 0

@@ -1,6 +1,7 @@
 """The median decode step at each batch size, in-process: where the C kernels' limit shows as a step.
 
     python -m benchmarks.decode_steps [--sizes 1,8,16,32] [--tokens 24] [--model PATH]
+                                      [--pa-cache-dtype auto|float32|bfloat16]
 
 One paged engine built as the offline suite builds it (benchmarks/kvpact_systems.py `open_engine`,
 --max-num-seqs 32 or the largest size, --max-model-len 512); for each size N, N requests of a 4-token
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.kvpact_systems import greedy_request, open_engine
 from benchmarks.step_trace import traced
+from kvpact.shared.intent import CacheDtype
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.loader.load import default_model_path
 
@@ -39,10 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,8,16,32", help="batch sizes, comma-separated")
     parser.add_argument("--tokens", type=int, default=24, help="new tokens per request")
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
+    parser.add_argument("--pa-cache-dtype", choices=[d.value for d in CacheDtype], default="auto")
     args = parser.parse_args(argv)
     model = Path(args.model) if args.model else default_model_path()
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    with open_engine(model, "paged", MAX_MODEL_LEN, max(32, *sizes), 0) as engine:
+    with open_engine(
+        model, "paged", MAX_MODEL_LEN, max(32, *sizes), 0, cache_dtype=CacheDtype(args.pa_cache_dtype)
+    ) as engine:
         asyncio.run(_batch(engine, 2, 8))  # warm-up
         steps = traced(engine)
         print("| sequences | decode steps | median ms | min ms |\n|---:|---:|---:|---:|")

@@ -34,7 +34,7 @@ from benchmarks.peers import Run
 from benchmarks.workloads import TextItem, WorkItem
 from kvpact.client import AsyncClient
 from kvpact.deploy.processes import ProcessHandle, free_port, start_process, stop, wait_for_health
-from kvpact.shared.intent import PagedAttentionMode, cache_intent
+from kvpact.shared.intent import CacheDtype, PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.engine.fused_decode import fused_decode
@@ -55,16 +55,18 @@ def open_engine(
     max_num_seqs: int,
     max_num_batched_tokens: int = 0,
     prompt_tokens_beside_decodes: int = 0,
+    cache_dtype: CacheDtype = CacheDtype.AUTO,
 ) -> Engine:
-    """`cache`: "paged" (--paged-attn on) or "eager" (off); `max_num_batched_tokens` and
-    `prompt_tokens_beside_decodes`: as the worker flags (0: the device default). The caller closes it
-    (`with engine:`)."""
+    """`cache`: "paged" (--paged-attn on) or "eager" (off); `max_num_batched_tokens`,
+    `prompt_tokens_beside_decodes` and `cache_dtype` (paged): as the worker flags (0: the device
+    default). The caller closes it (`with engine:`)."""
     spec = WorkerSpec(
         model=str(model), device="cpu", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         prompt_tokens_beside_decodes=prompt_tokens_beside_decodes,
     )  # fmt: skip
-    engine = build_engine(replace(spec, cache=cache_intent(MODES[cache])))
+    settings = PagedAttentionConfig(cache_dtype=cache_dtype) if cache == "paged" else None
+    engine = build_engine(replace(spec, cache=cache_intent(MODES[cache], settings)))
     run_engine(engine, [_fold(w, engine.vocab_size) for w in WARMUP])
     return engine
 

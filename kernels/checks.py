@@ -56,7 +56,10 @@ def check_cache_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    rows_dtype: torch.dtype | None = None,
 ) -> None:
+    """rows_dtype: what key and value must be (None: the cache's; the C kernels write float32 rows)."""
     check_caches(key_cache, value_cache)
     _, _, kv_heads, head_dim = key_cache.shape
     _check_dim("key", key, 3, "[num_tokens, kv_heads, head_dim]")
@@ -64,9 +67,10 @@ def check_cache_write(
         _fail(f"key is {tuple(key.shape)} but the cache holds kv_heads={kv_heads}, head_dim={head_dim}")
     if value.shape != key.shape:
         _fail(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    want = rows_dtype or key_cache.dtype
     for name, t in (("key", key), ("value", value)):
-        if t.dtype != key_cache.dtype:
-            _fail(f"{name} dtype {t.dtype} != cache dtype {key_cache.dtype}")
+        if t.dtype != want:
+            _fail(f"{name} dtype {t.dtype} != {'cache ' if rows_dtype is None else ''}dtype {want}")
         _check_last_dim_contiguous(name, t)
     _check_index_vector("slot_mapping", slot_mapping, torch.int64, "[num_tokens]")
     if slot_mapping.shape[0] != key.shape[0]:
@@ -79,6 +83,7 @@ def _check_attention(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    rows_dtype: torch.dtype | None = None,
 ) -> None:
     check_caches(key_cache, value_cache)
     _, _, kv_heads, head_dim = key_cache.shape
@@ -87,8 +92,9 @@ def _check_attention(
         _fail(f"query head_dim {query.shape[2]} != cache head_dim {head_dim}")
     if query.shape[1] % kv_heads != 0:
         _fail(f"query heads ({query.shape[1]}) must be a multiple of kv_heads ({kv_heads})")
-    if query.dtype != key_cache.dtype:
-        _fail(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
+    if query.dtype != (rows_dtype or key_cache.dtype):
+        want = f"cache dtype {key_cache.dtype}" if rows_dtype is None else f"dtype {rows_dtype}"
+        _fail(f"query dtype {query.dtype} != {want}")
     _check_last_dim_contiguous("query", query)
     _check_dim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq] int32")
     _check_dtype("block_tables", block_tables, (torch.int32,))
@@ -104,11 +110,14 @@ def check_decode(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    *,
+    rows_dtype: torch.dtype | None = None,
 ) -> None:
+    """rows_dtype: what query must be (None: the cache's; the C kernels take float32 queries)."""
     _check_dim("query", query, 3, "[num_seqs, q_heads, head_dim]")
     if query.shape[0] != context_lens.shape[0]:
         _fail(f"query has {query.shape[0]} sequences but context_lens has {context_lens.shape[0]}")
-    _check_attention(query, key_cache, value_cache, block_tables, context_lens)
+    _check_attention(query, key_cache, value_cache, block_tables, context_lens, rows_dtype)
 
 
 def check_prefill(

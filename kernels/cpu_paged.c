@@ -1,9 +1,10 @@
 /* The CPU worker's C kernels (fp32): paged KV cache write and decode, reading each sequence's blocks
- * where they lie, and the linear layers of small batches (decode steps of a few sequences).
+ * where they lie, and the linear layers of small batches (decode steps of a few sequences). The KV cache
+ * holds float32 or bfloat16 (`cache_bf16`); queries, new K/V rows, sums and outputs are float32.
  *
  * Built at worker startup by kernels/cpu_paged.py (cc -O3 -march=native, no torch headers) and called
  * through ctypes with raw pointers; the layouts are kernels/reference.py's:
- *   key_cache, value_cache  [num_blocks, block_size, kv_heads, head_dim] float, contiguous
+ *   key_cache, value_cache  [num_blocks, block_size, kv_heads, head_dim] float or bf16, contiguous
  *   block_tables            [num_seqs, table_stride] int32
  *   slot                    block_id * block_size + offset; < 0 = skip
  * Query head h reads KV head h / (q_heads / kv_heads) (GQA).
@@ -20,16 +21,79 @@
 #include <string.h>
 #include <time.h>
 
+/* A bfloat16 is a float32's upper 16 bits: widened exactly by a shift. */
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* q . k over dim elements of a cache row (float32, or bfloat16 where bf16), and o += p * v: one typed
+ * loop each, so both vectorize (a loop reading through one pointer of either type did not). */
+static inline __attribute__((always_inline)) float dot_kv(const float *restrict q, const void *k,
+                                                          const int64_t dim, const int bf16) {
+    float acc = 0.0f;
+    if (bf16) {
+        const uint16_t *restrict kh = (const uint16_t *)k;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < dim; d++) acc += q[d] * from_bf16(kh[d]);
+    } else {
+        const float *restrict kh = (const float *)k;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < dim; d++) acc += q[d] * kh[d];
+    }
+    return acc;
+}
+
+static inline __attribute__((always_inline)) void axpy_kv(float *restrict o, const float p, const void *v,
+                                                          const int64_t dim, const int bf16) {
+    if (bf16) {
+        const uint16_t *restrict vh = (const uint16_t *)v;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) o[d] += p * from_bf16(vh[d]);
+    } else {
+        const float *restrict vh = (const float *)v;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) o[d] += p * vh[d];
+    }
+}
+
+/* A float32 rounded to bfloat16 as torch's `.to(torch.bfloat16)` rounds it (to nearest, ties to even),
+ * so a row written here equals the same row written by torch, but for a NaN's bits (a NaN here is
+ * 0x7FC0). Tested in integers: -ffinite-math-only would fold a float NaN test away. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element `index` of a cache of float32 (4 bytes) or bfloat16 (2). */
+static inline void *kv_element(const void *cache, int64_t index, const int bf16) {
+    return (char *)cache + index * (bf16 ? 2 : 4);
+}
+
+/* n float32 values into a cache row at element `index`, rounded where the cache is bfloat16. */
+static void kv_store(void *cache, int64_t index, const float *src, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy(kv_element(cache, index, 0), src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)kv_element(cache, index, 1);
+    for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
+}
+
 /* Copies each token's K/V row (kv_heads * head_dim floats) into its slot. Rows of key/value are
  * `key_stride` / `value_stride` floats apart (a token's kv_heads x head_dim block is contiguous). */
 void kvp_write_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                   float *key_cache, float *value_cache, const int64_t *slots, int64_t num_tokens,
-                   int64_t row) {
+                   void *key_cache, void *value_cache, const int64_t *slots, int64_t num_tokens, int64_t row,
+                   int64_t cache_bf16) {
     for (int64_t t = 0; t < num_tokens; t++) {
         int64_t slot = slots[t];
         if (slot < 0) continue;
-        memcpy(key_cache + slot * row, key + t * key_stride, (size_t)row * sizeof(float));
-        memcpy(value_cache + slot * row, value + t * value_stride, (size_t)row * sizeof(float));
+        kv_store(key_cache, slot * row, key + t * key_stride, row, (int)cache_bf16);
+        kv_store(value_cache, slot * row, value + t * value_stride, row, (int)cache_bf16);
     }
 }
 
@@ -235,12 +299,13 @@ static void run_chunks(ChunkFn fn, void *job, int64_t chunks, int64_t threads) {
 typedef struct {
     const float *query;  /* [num_seqs, q_heads, head_dim], rows `query_stride` floats apart per seq */
     int64_t query_stride;
-    const float *key_cache, *value_cache;
+    const void *key_cache, *value_cache; /* float32, or bfloat16 where cache_bf16 */
     const int32_t *block_tables;
     int64_t table_stride;
     const int32_t *context_lens;
     int64_t num_seqs, q_heads, kv_heads, head_dim, block_size;
     float scale;
+    int cache_bf16;
     float *out; /* [num_seqs, q_heads, head_dim] contiguous */
     int64_t bounds[MAX_CHUNKS + 1]; /* chunk c: sequences bounds[c] .. bounds[c + 1] */
     _Atomic int status;             /* 0 ok, 1 out of memory */
@@ -254,24 +319,26 @@ typedef struct {
  * 0.51-0.55x to 0.89-1.02x the eager slots' speed; contiguous blocks are left to the hardware; into L1
  * (locality 3) it reached only 0.65-0.69x (`python -m benchmarks.decode_attention --placement random`,
  * docs/performance.md "Scattered blocks prefetched"). */
-static inline const float *scattered_next(const float *pool, const int32_t *table, int64_t b,
-                                          int64_t num_blocks, int64_t block_floats) {
+static inline const char *scattered_next(const void *pool, const int32_t *table, int64_t b,
+                                         int64_t num_blocks, int64_t block_bytes) {
     if (b + 1 >= num_blocks || table[b + 1] == table[b] + 1) return NULL;
-    return pool + (int64_t)table[b + 1] * block_floats;
+    return (const char *)pool + (int64_t)table[b + 1] * block_bytes;
 }
 
-static inline void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t f = 0; f < floats; f += 64 / sizeof(float)) __builtin_prefetch(row + f, 0, 2);
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t f = 0; f < bytes; f += 64) __builtin_prefetch(row + f, 0, 2);
 }
 
 /* All query heads of one sequence: each block's rows are read once, front to back, for every KV head
  * (a block is contiguous, so the reads stream; where the next block lies elsewhere, its rows are
- * prefetched meanwhile). scores holds q_heads x ctx floats. Inlined per head size (decode_seq), so
- * the common ones run with a constant trip count: measured 10% faster. */
+ * prefetched meanwhile). scores holds q_heads x ctx floats. Inlined per head size and cache dtype
+ * (decode_seq), so the common ones run with a constant trip count (measured: 10% faster) and a bf16
+ * cache's widening (a shift) vectorizes with the loads. */
 static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob *j, int64_t seq,
-                                                                 float *scores, const int64_t dim) {
+                                                                 float *scores, const int64_t dim,
+                                                                 const int bf16) {
     const int64_t q_heads = j->q_heads, kv_heads = j->kv_heads, group = q_heads / kv_heads;
-    const int64_t bs = j->block_size;
+    const int64_t bs = j->block_size, row = kv_heads * dim, row_bytes = row * (bf16 ? 2 : 4);
     const int64_t ctx = j->context_lens[seq], blocks = (ctx + bs - 1) / bs;
     const int32_t *table = j->block_tables + seq * j->table_stride;
     const float *q = j->query + seq * j->query_stride;
@@ -280,21 +347,16 @@ static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob
     /* scores[h * ctx + t] = q_h . k_t[h / group] * scale */
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
-        const float *k = j->key_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
-        const float *next = scattered_next(j->key_cache, table, start / bs, blocks, bs * kv_heads * dim);
+        const char *k = kv_element(j->key_cache, (int64_t)table[start / bs] * bs * row, bf16);
+        const char *next = scattered_next(j->key_cache, table, start / bs, blocks, bs * row_bytes);
         for (int64_t i = 0; i < n; i++) {
-            if (next) prefetch_row(next + i * kv_heads * dim, kv_heads * dim);
+            if (next) prefetch_row(next + i * row_bytes, row_bytes);
             for (int64_t g = 0; g < kv_heads; g++) {
-                const float *kh = k + g * dim;
-                for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                    const float *qh = q + h * dim;
-                    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t d = 0; d < dim; d++) acc += qh[d] * kh[d];
-                    scores[h * ctx + start + i] = acc * j->scale;
-                }
+                const void *kh = kv_element(k, g * dim, bf16);
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    scores[h * ctx + start + i] = dot_kv(q + h * dim, kh, dim, bf16) * j->scale;
             }
-            k += kv_heads * dim;
+            k += row_bytes;
         }
     }
     /* softmax per query head */
@@ -317,29 +379,33 @@ static inline __attribute__((always_inline)) void decode_seq_dim(const DecodeJob
     /* out_h = sum_t p_ht v_t[h / group] */
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t n = ctx - start < bs ? ctx - start : bs;
-        const float *v = j->value_cache + (int64_t)table[start / bs] * bs * kv_heads * dim;
-        const float *next = scattered_next(j->value_cache, table, start / bs, blocks, bs * kv_heads * dim);
+        const char *v = kv_element(j->value_cache, (int64_t)table[start / bs] * bs * row, bf16);
+        const char *next = scattered_next(j->value_cache, table, start / bs, blocks, bs * row_bytes);
         for (int64_t i = 0; i < n; i++) {
-            if (next) prefetch_row(next + i * kv_heads * dim, kv_heads * dim);
+            if (next) prefetch_row(next + i * row_bytes, row_bytes);
             for (int64_t g = 0; g < kv_heads; g++) {
-                const float *restrict vh = v + g * dim;
-                for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                    const float p = scores[h * ctx + start + i];
-                    float *restrict o = out + h * dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < dim; d++) o[d] += p * vh[d];
-                }
+                const void *vh = kv_element(v, g * dim, bf16);
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    axpy_kv(out + h * dim, scores[h * ctx + start + i], vh, dim, bf16);
             }
-            v += kv_heads * dim;
+            v += row_bytes;
         }
     }
 }
 
 static void decode_seq(const DecodeJob *j, int64_t seq, float *scores) {
+    if (j->cache_bf16) {
+        switch (j->head_dim) {
+        case 64: decode_seq_dim(j, seq, scores, 64, 1); break;
+        case 128: decode_seq_dim(j, seq, scores, 128, 1); break;
+        default: decode_seq_dim(j, seq, scores, j->head_dim, 1);
+        }
+        return;
+    }
     switch (j->head_dim) {
-    case 64: decode_seq_dim(j, seq, scores, 64); break;
-    case 128: decode_seq_dim(j, seq, scores, 128); break;
-    default: decode_seq_dim(j, seq, scores, j->head_dim);
+    case 64: decode_seq_dim(j, seq, scores, 64, 0); break;
+    case 128: decode_seq_dim(j, seq, scores, 128, 0); break;
+    default: decode_seq_dim(j, seq, scores, j->head_dim, 0);
     }
 }
 
@@ -360,12 +426,13 @@ static void decode_chunk(void *arg, int64_t c) {
     free(scores);
 }
 
-/* One query token per sequence attends to its first context_lens[s] (>= 1) cached tokens.
- * Returns 0, or 1 when memory could not be had (the output is then incomplete). */
-int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_cache,
-                   const float *value_cache, const int32_t *block_tables, int64_t table_stride,
-                   const int32_t *context_lens, int64_t num_seqs, int64_t q_heads, int64_t kv_heads,
-                   int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads) {
+/* One query token per sequence attends to its first context_lens[s] (>= 1) cached tokens of a float32
+ * cache, or a bfloat16 one where cache_bf16. Returns 0, or 1 when memory could not be had (the output is
+ * then incomplete). */
+int kvp_decode_f32(const float *query, int64_t query_stride, const void *key_cache, const void *value_cache,
+                   const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
+                   int64_t num_seqs, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                   float scale, float *out, int64_t num_threads, int64_t cache_bf16) {
     int64_t total_tokens = 0;
     for (int64_t s = 0; s < num_seqs; s++) total_tokens += context_lens[s];
     const int64_t threads = thread_count(total_tokens * q_heads * head_dim, 1 << 16, num_seqs, num_threads);
@@ -375,8 +442,9 @@ int kvp_decode_f32(const float *query, int64_t query_stride, const float *key_ca
     int64_t chunks = num_seqs / CHUNKS_PER_THREAD;
     if (chunks > CHUNKS_PER_THREAD * threads) chunks = CHUNKS_PER_THREAD * threads;
     if (chunks < threads) chunks = threads;
-    DecodeJob job = {query, query_stride, key_cache, value_cache, block_tables, table_stride, context_lens,
-                     num_seqs, q_heads, kv_heads, head_dim, block_size, scale, out, {0}, 0};
+    DecodeJob job = {query, query_stride, key_cache, value_cache, block_tables, table_stride,
+                     context_lens, num_seqs, q_heads, kv_heads, head_dim, block_size, scale,
+                     (int)cache_bf16, out, {0}, 0};
     /* Balance by tokens: chunk boundaries where the running token count crosses total / chunks. */
     int64_t item = 0, seen = 0;
     for (int64_t c = 0; c < chunks; c++) {
@@ -622,10 +690,10 @@ void kvp_rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *we
 
 /* The weights and KV pools of one decoder layer (a Llama block: RMSNorm, fused q/k/v projection, RoPE,
  * attention, output projection, residual; RMSNorm, fused gate/up projection, SiLU(gate) * up, down
- * projection, residual). Biases may be NULL. The pools are kvp_decode_f32's. */
+ * projection, residual). Biases may be NULL. The pools are kvp_decode_f32's (float32, or bfloat16). */
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;
-    float *key_cache, *value_cache;
+    void *key_cache, *value_cache;
 } DecoderLayer;
 
 /* One of a decoder layer's projections: its weights packed (kvp_linear_packed_f32) or not. */
@@ -642,23 +710,24 @@ static void projection(const float *x, int64_t rows, const float *w, const float
  * (at one row that dispatch was a quarter of the step). x [rows, hidden] is the residual stream, updated
  * in place. cos, sin [rows, head_dim]: RotaryEmbedding.cos_sin's (sin negated on the first half), so
  * dimension i rotates as x[i] * cos[i] + x[i +- head_dim / 2] * sin[i]. Each token's rotated K and its V
- * go to its slot, then it attends over its context (kvp_decode_f32's tables). `packed`: the layers'
- * four projections are packed (kvp_linear_packed_f32's layout), else [n, k]. Returns 0, or 1 when
- * memory could not be had (x is then incomplete). */
+ * go to its slot (rounded to bfloat16 where cache_bf16), then it attends over its context
+ * (kvp_decode_f32's tables). `packed`: the layers' four projections are packed (kvp_linear_packed_f32's
+ * layout), else [n, k]. Returns 0, or 1 when memory could not be had (x is then incomplete). */
 int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
                           int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                           int64_t intermediate, float eps, float scale, const float *cos, const float *sin,
                           const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
                           const int32_t *context_lens, int64_t block_size, int64_t num_threads,
-                          int64_t packed) {
+                          int64_t packed, int64_t cache_bf16) {
     const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, half = head_dim / 2;
-    const int64_t floats = rows * (hidden * 2 + qkv_size + q_size * 2 + intermediate * 3);
+    const int64_t floats = rows * (hidden * 2 + qkv_size + q_size * 2 + intermediate * 3) + kv_size;
     float *buffer = (float *)malloc((size_t)floats * sizeof(float));
     if (buffer == NULL) return 1;
     float *normed = buffer, *delta = normed + rows * hidden, *qkv = delta + rows * hidden;
     float *query = qkv + rows * qkv_size, *attended = query + rows * q_size;
     float *gate_up = attended + rows * q_size, *act = gate_up + rows * 2 * intermediate;
+    float *key = act + rows * intermediate; /* one token's rotated K, before it goes to the cache */
     int status = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const DecoderLayer *L = &layers[l];
@@ -668,21 +737,22 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
             const float *c = cos + m * head_dim, *s = sin + m * head_dim;
             const float *src = qkv + m * qkv_size;
             const int64_t slot = slots[m];
-            /* q heads into `query`, k heads into the cache slot (q and k are adjacent in qkv) */
+            /* q heads into `query`, k heads into `key` (q and k are adjacent in qkv) */
             const int64_t rotated = slot < 0 ? q_heads : q_heads + kv_heads;
             for (int64_t h = 0; h < rotated; h++) {
                 const float *in = src + h * head_dim;
-                float *out = h < q_heads ? query + m * q_size + h * head_dim
-                                         : L->key_cache + slot * kv_size + (h - q_heads) * head_dim;
+                float *out = h < q_heads ? query + m * q_size + h * head_dim : key + (h - q_heads) * head_dim;
                 for (int64_t i = 0; i < half; i++) out[i] = in[i] * c[i] + in[i + half] * s[i];
                 for (int64_t i = half; i < head_dim; i++) out[i] = in[i] * c[i] + in[i - half] * s[i];
             }
-            if (slot >= 0)
-                memcpy(L->value_cache + slot * kv_size, src + q_size + kv_size, (size_t)kv_size * sizeof(float));
+            if (slot >= 0) {
+                kv_store(L->key_cache, slot * kv_size, key, kv_size, (int)cache_bf16);
+                kv_store(L->value_cache, slot * kv_size, src + q_size + kv_size, kv_size, (int)cache_bf16);
+            }
         }
         status = kvp_decode_f32(query, q_size, L->key_cache, L->value_cache, block_tables, table_stride,
                                 context_lens, rows, q_heads, kv_heads, head_dim, block_size, scale, attended,
-                                num_threads);
+                                num_threads, cache_bf16);
         if (status) break; /* no score buffer: the attention output is incomplete */
         projection(attended, rows, L->o, L->o_bias, hidden, q_size, delta, num_threads, packed);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];

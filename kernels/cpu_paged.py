@@ -4,7 +4,8 @@ where they lie, RMSNorm, and the linear layers of small batches.
 `kernels/reference.py` is the readable oracle; this is what the torch backend runs on a CPU (tests
 hold the two equal, tests/kernels/test_cpu_paged.py). Three cache operations, the reference's signatures:
 
-- `write`: each token's K/V row copied into its slot (a C loop of memcpy; skips slot < 0).
+- `write`: each token's K/V row copied into its slot (a C loop of memcpy, or rounded to bfloat16 as torch
+  rounds it; skips slot < 0).
 - `decode`: one query per sequence over its first context_lens[i] tokens, in C
   (kernels/cpu_paged.c): per sequence, scores against each block in place (read front to back),
   softmax, weighted sum of the V rows in place. No gather, no padding to the longest context, no mask.
@@ -30,10 +31,14 @@ one C call (the kernels above, RoPE and the K/V write, SiLU and the residual add
 the Python between the kernels was a quarter of a batch-1 step; worker/engine/fused_decode.py decides
 when a step takes it.
 
+The cache holds float32 or bfloat16 (`--pa-cache-dtype bfloat16`: half the bytes to read per decoded
+token, and twice the tokens per budget); what goes in and comes out is float32 either way (queries, new
+K/V rows, outputs, every sum), so a bfloat16 cache changes only what is stored, rounded once when written.
+
 The C file is compiled once per machine and source (`cc -O3 -march=native`, never -ffast-math,
 about a second, no torch headers) into a cache folder ($KVPACT_CACHE_DIR, else $XDG_CACHE_HOME/kvpact, else
 ~/.cache/kvpact) and loaded with ctypes. `load()` returns the operations, or the reason they
-cannot run here (no C compiler, a failed build, a cache dtype other than float32): the caller keeps
+cannot run here (no C compiler, a failed build, a float16 cache): the caller keeps
 the pure-torch path and says so.
 """
 
@@ -77,6 +82,8 @@ BUILD_TIMEOUT_S = 120.0
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _FLOAT32 = torch.float32
+# What the C cache operations store: float32, or bfloat16 (a float32's upper half, widened by a shift).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # `linear` and `decode_layers` take batches up to this many rows: the whole model's matmuls in C took
 # 0.66-0.91x torch's time at 8-32 rows and 0.91-1.08x at 64 on the AMD EPYC it was measured on
 # (`python -m benchmarks.small_linear`, docs/performance.md). So a decode step of up to 64 sequences, and
@@ -130,9 +137,10 @@ class CpuPagedOps:
     panel_width: int = 0  # packed weights' panel (kvp_panel_width); 0: this build packs none
 
     def write(self, key, value, key_cache, value_cache, slot_mapping, *, check=True) -> None:  # noqa: ANN001
+        """key, value float32 [num_tokens, kv_heads, head_dim] into a float32 or bfloat16 cache."""
         row = key_cache.shape[2] * key_cache.shape[3]
         if check:
-            checks.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+            checks.check_cache_write(key, value, key_cache, value_cache, slot_mapping, rows_dtype=_FLOAT32)
             _check_layout(key_cache, key=key, value=value)
             if key.shape[0] and int(slot_mapping.max()) >= key_cache.shape[0] * key_cache.shape[1]:
                 raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())}, past the cache's end")
@@ -147,6 +155,7 @@ class CpuPagedOps:
                 slot_mapping.data_ptr(),
                 slot_mapping.shape[0],
                 row,
+                key_cache.dtype is torch.bfloat16,
             )
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -293,12 +302,14 @@ class CpuPagedOps:
         block_size: int,
         num_slots: int,
         packed: bool = False,
+        cache_bf16: bool = False,
     ) -> None:
         """x [rows, hidden] (the residual stream after the embedding, updated in place) through every
         layer of `layers` for a decode step: one new token per sequence, written to its slot
         (slot_mapping int64 [rows]), then attending over its first context_lens[i] tokens through
         block_tables (decode's). cos, sin: RotaryEmbedding.cos_sin's [rows, 1, head_dim] float32.
-        num_slots: the pools' blocks x block_size. packed: the layers' projections are `pack`ed. The
+        num_slots: the pools' blocks x block_size. packed: the layers' projections are `pack`ed.
+        cache_bf16: the pools hold bfloat16 (else float32). The
         caller (worker/engine/fused_decode.py) built `layers` from tensors it checked and keeps alive;
         here the step's own tensors are checked, as decode and write check theirs on a step's first
         layer."""
@@ -344,6 +355,7 @@ class CpuPagedOps:
                 block_size,
                 self.num_threads or torch.get_num_threads(),
                 int(packed),
+                int(cache_bf16),
             )
         if status:
             raise MemoryError("the C decode layers could not allocate their step buffers")
@@ -362,12 +374,15 @@ class CpuPagedOps:
         check=True,
         **_,
     ) -> torch.Tensor:
+        """query float32 [num_seqs, q_heads, head_dim] over a float32 or bfloat16 cache; out float32."""
         num_seqs, q_heads, head_dim = query.shape
         _, block_size, kv_heads, _ = key_cache.shape
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype)
         if check:
-            checks.check_decode(query, key_cache, value_cache, block_tables, context_lens)
+            checks.check_decode(
+                query, key_cache, value_cache, block_tables, context_lens, rows_dtype=_FLOAT32
+            )
             checks.check_out("out", out, query)
             _check_layout(key_cache, query=query, out=out)
             if num_seqs and int(context_lens.min()) < 1:
@@ -391,6 +406,7 @@ class CpuPagedOps:
                 float(scale),
                 out.data_ptr(),
                 self.num_threads or torch.get_num_threads(),
+                key_cache.dtype is torch.bfloat16,
             )
         if status:
             raise MemoryError("the CPU paged decode kernel could not allocate its score buffer")
@@ -440,9 +456,10 @@ def prefill_attention(
     value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference's prefill (paged_prefill_attention_torch), one gather per sequence and torch's
-    fused attention instead of explicit scores; any cache dtype. `key`/`value` [num_tokens, kv_heads,
-    head_dim], when given, are the new tokens' K/V laid out like `query` (already written to the cache):
-    a sequence with no cached prefix (q_len == context_len) attends on them, and gathers nothing."""
+    fused attention instead of explicit scores, in query's dtype over any cache dtype (a bfloat16
+    prefix is widened as it is gathered). `key`/`value` [num_tokens, kv_heads, head_dim], when given,
+    are the new tokens' K/V laid out like `query` (already written to the cache): a sequence with no
+    cached prefix (q_len == context_len) attends on them, and gathers nothing."""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     starts = query_start_loc.tolist()
@@ -456,11 +473,12 @@ def prefill_attention(
             k, v = key[start:end], value[start:end]
         else:
             k, v = _context(key_cache, value_cache, block_tables[i], context_len)
+        k, v = k.to(query.dtype), v.to(query.dtype)  # a no-op but for a bfloat16 cache's prefix
         if q_len != context_len:  # a cached prefix: query j sits at context_len - q_len + j
             q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
             mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1)[None].to(k.dtype),
+            query[start:end].transpose(0, 1)[None],
             k.transpose(0, 1)[None],
             v.transpose(0, 1)[None],
             attn_mask=mask,
@@ -508,11 +526,11 @@ def _bias_fits(bias: torch.Tensor | None, out_features: int) -> bool:
 
 
 def _check_layout(key_cache: torch.Tensor, **rows: torch.Tensor) -> None:
-    """What the C code assumes beyond kernels/checks.py: float32 on the CPU, a contiguous cache, and
-    each token's [heads, head_dim] block contiguous (tokens may be any stride apart)."""
-    if key_cache.dtype != torch.float32 or key_cache.device.type != "cpu" or not key_cache.is_contiguous():
+    """What the C code assumes beyond kernels/checks.py: a contiguous float32 or bfloat16 cache on the
+    CPU, and each token's [heads, head_dim] block contiguous (tokens may be any stride apart)."""
+    if key_cache.dtype not in CACHE_DTYPES or key_cache.device.type != "cpu" or not key_cache.is_contiguous():
         raise ValueError(
-            f"the C kernels need a contiguous float32 CPU cache, got {key_cache.dtype} "
+            f"the C kernels need a contiguous float32 or bfloat16 CPU cache, got {key_cache.dtype} "
             f"on {key_cache.device}, strides {key_cache.stride()}"
         )
     for name, t in rows.items():
@@ -526,17 +544,17 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     """The compiled kernels, or why they cannot run (the caller falls back to pure torch)."""
     if device.type != "cpu":
         return f"the C kernels run on CPU tensors, the cache is on {device.type}"
-    if dtype != torch.float32:
-        return f"the C kernels are float32 only, the cache is {str(dtype).removeprefix('torch.')}"
+    if dtype not in CACHE_DTYPES:
+        return f"the C kernels take a float32 or bfloat16 cache, not {str(dtype).removeprefix('torch.')}"
     try:
         path = _build()
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         return f"could not build {SOURCE.name}: {e}"
-    library.kvp_write_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]
+    library.kvp_write_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     library.kvp_write_f32.restype = None
     library.kvp_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64]
-    library.kvp_decode_f32.argtypes += [_f32, _ptr, _i64]
+    library.kvp_decode_f32.argtypes += [_f32, _ptr, _i64, _i64]
     library.kvp_decode_f32.restype = ctypes.c_int
     library.kvp_linear_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
     library.kvp_linear_f32.restype = None
@@ -544,7 +562,7 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_rms_norm_f32.restype = None
     library.kvp_decode_layers_f32.argtypes = [_ptr, _i64, ctypes.POINTER(DecoderLayer), _i64]
     library.kvp_decode_layers_f32.argtypes += [_i64] * 5 + [_f32, _f32, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
-    library.kvp_decode_layers_f32.argtypes += [_i64, _i64, _i64]
+    library.kvp_decode_layers_f32.argtypes += [_i64, _i64, _i64, _i64]
     library.kvp_decode_layers_f32.restype = ctypes.c_int
     library.kvp_linear_packed_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
     library.kvp_linear_packed_f32.restype = None

@@ -225,11 +225,11 @@ CPU_KERNELS_DEVICE = Reason(
     feature=CPU_KERNELS,
 )
 CPU_KERNELS_DTYPE = Reason(
-    "C kernels need float32",
+    "C kernels need float32 or bfloat16",
     "device",
-    "the C decode and write kernels are float32 only and the KV cache is 16-bit",
-    "the C kernels are float32 only and the KV cache is {dtype}",
-    "--pa-cache-dtype float32 (or --dtype float32), or --cpu-kernels auto/off",
+    "the C decode and write kernels take a float32 or bfloat16 KV cache and this one is float16",
+    "the C kernels take a float32 or bfloat16 KV cache and this one is {dtype}",
+    "--pa-cache-dtype bfloat16 or float32 (or --dtype float32), or --cpu-kernels auto/off",
     feature=CPU_KERNELS,
 )
 CPU_KERNELS_WINDOW = Reason(

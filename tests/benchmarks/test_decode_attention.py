@@ -19,11 +19,12 @@ def test_prompts_take_consecutive_blocks_and_the_decoded_tails_come_after_every_
     assert sorted(shuffled[0, :3].tolist() + shuffled[1, :2].tolist()) == [0, 1, 2, 3, 4]
 
 
-def test_prints_both_steps_and_their_ratio(capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prints_both_steps_and_their_ratio(capsys, dtype):
     args = ["--seqs", "3", "--contexts", "20-70", "--layers", "2", "--rounds", "2", "--max-model-len", "96"]
-    assert decode_attention.main(args) == 0
+    assert decode_attention.main([*args, "--cache-dtype", dtype]) == 0
     out = capsys.readouterr().out
-    assert "3 sequences, contexts 20-70, 2 layers, 2 rounds:" in out
+    assert f"3 sequences, contexts 20-70, 2 layers, 2 rounds, {dtype} caches:" in out
     figures = r"paged \(block 16, ascending\) ([\d.]+) ms, eager ([\d.]+) ms, eager / paged ([\d.]+)"
     found = re.search(figures, out)
     assert found and all(float(x) > 0 for x in found.groups())

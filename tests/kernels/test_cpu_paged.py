@@ -143,6 +143,82 @@ def test_write_equals_the_reference_and_skips_negative_slots(ops):
     assert int((caches[0] != 0).any(-1).any(-1).sum()) == 4  # the -1 row went nowhere
 
 
+# ---- a bfloat16 cache: float32 in and out, stored rounded ----
+
+
+def test_a_bfloat16_cache_is_written_as_torch_rounds_float32_to_bfloat16(ops):
+    # Ties to even both ways, values that round up into the next binade and to infinity, infinities,
+    # NaN, signed zero, a denormal, and random rows; slot -1 skipped.
+    bits = [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001]
+    bits += [0xFFA00000, 0x80000000, 0x00000001, 0x3FFFFFFF, 0xBF7FC000, 0x40490FDB, 0xC2F6E979, 0x00800000]
+    special = (
+        torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(1, KV_HEADS, 8)
+    )
+    key = torch.cat([special, torch.randn(4, KV_HEADS, 8, generator=torch.Generator().manual_seed(1))])
+    value = torch.cat([torch.randn(4, KV_HEADS, 8, generator=torch.Generator().manual_seed(2)), -special])
+    slots = torch.tensor([3, -1, 22, 0, 9], dtype=torch.int64)
+    got = [torch.zeros(6, 4, KV_HEADS, 8, dtype=torch.bfloat16) for _ in range(2)]
+    want = [t.clone() for t in got]
+    ops.write(key, value, *got, slots)
+    reshape_and_cache_torch(key.bfloat16(), value.bfloat16(), *want, slots)
+    for g, w in zip(got, want, strict=True):  # bit for bit, but a NaN's (torch's vector path sets them all)
+        nan = w.isnan()
+        assert torch.equal(g.isnan(), nan) and int(nan.sum()) == 2
+        assert torch.equal(g.view(torch.int16)[~nan], w.view(torch.int16)[~nan])
+    assert int(got[0].view(torch.int16)[0, 3, 0, 0]) == 0x3F80  # 1 + 2^-8 ties down to even
+    assert int(got[0].view(torch.int16)[0, 3, 0, 1]) == 0x3F82  # 1 + 3 * 2^-8 ties up to even
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_on_a_bfloat16_cache_computes_what_float32_holding_the_same_values_does(ops, head_dim, group):
+    # The pools' values are bfloat16's (exact in float32 too), so the two caches hold the same numbers:
+    # only the widening differs. The factory's NaN poison stays NaN in bfloat16, so a read past a
+    # context still shows.
+    lens = [1, 16, 17, 53, 200]
+    batch = make_paged_batch(lens, block_size=16, kv_heads=KV_HEADS, head_dim=head_dim, dtype=torch.float32)
+    key16, value16 = batch.key_cache.bfloat16(), batch.value_cache.bfloat16()
+    query = make_queries(len(lens), KV_HEADS * group, head_dim, torch.float32)
+    rest = (batch.block_tables, batch.context_lens, head_dim**-0.5)
+    out = torch.full_like(query, float("nan"))
+    got = ops.decode(query, key16, value16, *rest, out=out)
+    assert got is out and got.dtype is torch.float32
+    want = ops.decode(query, key16.float(), value16.float(), *rest)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        got, paged_decode_attention_torch(query, key16.float(), value16.float(), *rest)
+    )
+    wide = cpu_paged.CpuPagedOps(ops.library, ops.path, num_threads=4).decode(query, key16, value16, *rest)
+    assert torch.equal(wide, got)  # split over threads: each sequence's sums are the same
+
+
+def test_prefill_on_a_bfloat16_cache_widens_the_cached_prefix(ops):
+    lens, query_lens = [5, 40, 33], [5, 7, 33]  # full prompt, extend after a prefix, full
+    batch = make_paged_batch(lens, block_size=16, kv_heads=KV_HEADS, head_dim=32, dtype=torch.float32)
+    key16, value16 = batch.key_cache.bfloat16(), batch.value_cache.bfloat16()
+    query = make_queries(sum(query_lens), KV_HEADS * 2, 32, torch.float32)
+    starts = query_start_loc(query_lens)
+    rest = (batch.block_tables, starts, batch.context_lens, 0.2)
+    got = ops.prefill(query, key16, value16, *rest)
+    assert got.dtype is torch.float32
+    want = paged_prefill_attention_torch(query, key16.float(), value16.float(), *rest)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_c_cache_operations_take_float32_rows_and_refuse_others_naming_them(ops):
+    cache = torch.zeros(4, 4, KV_HEADS, 8, dtype=torch.bfloat16)
+    rows = torch.ones(1, KV_HEADS, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"key dtype torch.bfloat16 != dtype torch.float32"):
+        ops.write(rows, rows, cache, cache.clone(), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"query dtype torch.bfloat16 != dtype torch.float32"):
+        ops.decode(
+            rows, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0
+        )
+    half = cache.half()
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16 CPU cache, got torch.float16"):
+        ops.write(rows.float(), rows.float(), half, half.clone(), torch.tensor([0]))
+
+
 def test_arguments_the_c_code_cannot_read_are_refused_with_a_reason(ops):
     cache = torch.zeros(4, 4, KV_HEADS, 8)
     with pytest.raises(ValueError, match="past the cache's end"):
@@ -150,7 +226,7 @@ def test_arguments_the_c_code_cannot_read_are_refused_with_a_reason(ops):
             torch.ones(1, KV_HEADS, 8), torch.ones(1, KV_HEADS, 8), cache, cache.clone(), torch.tensor([16])
         )
     strided = torch.zeros(4, 4, 2 * KV_HEADS, 8)[:, :, :KV_HEADS]
-    with pytest.raises(ValueError, match="contiguous float32 CPU cache"):
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16 CPU cache"):
         ops.decode(
             torch.ones(1, KV_HEADS, 8),
             strided,
@@ -169,7 +245,10 @@ def test_loading_the_kernels_leaves_denormal_floats_alone(ops):
 
 
 def test_load_says_why_the_kernels_cannot_run(monkeypatch, tmp_path):
-    assert "float32 only" in str(cpu_paged.load(torch.bfloat16, torch.device("cpu")))
+    assert not isinstance(cpu_paged.load(torch.bfloat16, torch.device("cpu")), str)
+    assert cpu_paged.load(torch.float16, torch.device("cpu")) == (
+        "the C kernels take a float32 or bfloat16 cache, not float16"
+    )
     assert "CPU tensors" in str(cpu_paged.load(torch.float32, torch.device("meta")))
     monkeypatch.setenv("KVPACT_CACHE_DIR", str(tmp_path))  # nothing built yet here
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))

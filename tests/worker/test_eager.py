@@ -86,3 +86,27 @@ def test_sliding_window_sees_only_the_last_window_positions():
         return torch.cat(outs)
 
     run_steps(cache, windowed)
+
+
+@pytest.mark.parametrize("rows", [torch.float32, torch.bfloat16], ids=["float32-model", "bfloat16-model"])
+@torch.inference_mode()
+def test_a_bfloat16_cache_decodes_on_the_c_kernel_over_the_values_it_holds(rows):
+    # A bfloat16 eager cache (--dtype bfloat16, or --pa-cache-dtype bfloat16 where paged fell back): the
+    # C kernel takes float32 rows over it. Inputs bfloat16 can hold exactly, so the cache holds them as
+    # they are: the decodes' rows equal float32 attention on them; prefills run torch's SDPA in bfloat16.
+    cache = EagerCache(1, 4, 64, KV_HEADS, DIM, torch.bfloat16, torch.device("cpu"))
+    assert cache.native is not None
+    ref = ContiguousAttention()
+    seqs, ids = {"a": slotted("a", 2), "b": slotted("b", 0), "c": slotted("c", 3)}, {"a": 0, "b": 1, "c": 2}
+    torch.manual_seed(0)
+    for step in STEPS:
+        chunks = [ScheduledChunk(seqs[name], start, n) for name, start, n in step]
+        d = next(i for i, c in enumerate([*chunks, None]) if c is None or c.num_tokens != 1)
+        n = sum(c.num_tokens for c in chunks)
+        q, k, v = (torch.randn(n, h, DIM).bfloat16().float() for h in (HEADS, KV_HEADS, KV_HEADS))
+        got = cache.attention_step(chunks, d).forward(0, q.to(rows), k.to(rows), v.to(rows))
+        want = ref.step([ids[s[0]] for s in step], [s[2] for s in step]).forward(0, q, k, v)
+        assert got.dtype is rows
+        exact = 1e-5 if rows is torch.float32 else 1e-2  # a bfloat16 model's output is rounded to it
+        torch.testing.assert_close(got[:d].float(), want[:d], atol=exact, rtol=exact)
+        torch.testing.assert_close(got[d:].float(), want[d:], atol=3e-2, rtol=3e-2)

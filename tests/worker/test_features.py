@@ -79,18 +79,22 @@ def test_cpu_kernels_auto_on_a_float32_cpu_cache_is_realized(tiny_llama):
     assert state(plan(tiny_llama, "auto", cpu_kernels=ON), "cpu-kernels").realized
 
 
-def test_cpu_kernels_need_a_float32_cache(tiny_llama):
-    spec = worker_spec(tiny_llama, "on", cache_dtype=engine_setup.CacheDtype.BFLOAT16)
+def test_cpu_kernels_take_a_float32_or_bfloat16_cache_and_refuse_float16(tiny_llama):
+    bf16 = worker_spec(tiny_llama, "on", cache_dtype=engine_setup.CacheDtype.BFLOAT16)
+    assert state(engine_setup.plan_startup(bf16), "cpu-kernels").realized
+    spec = worker_spec(tiny_llama, "on", cache_dtype=engine_setup.CacheDtype.FLOAT16)
     s = state(engine_setup.plan_startup(spec), "cpu-kernels")
-    assert (s.realized, s.code) == (False, "c-kernels-need-float32")
-    assert s.message == "the C kernels are float32 only and the KV cache is bfloat16"
+    assert (s.realized, s.code) == (False, "c-kernels-need-float32-or-bfloat16")
+    assert s.message == "the C kernels take a float32 or bfloat16 KV cache and this one is float16"
     on = worker_spec(
         tiny_llama,
         "on",
-        cache_dtype=engine_setup.CacheDtype.BFLOAT16,
+        cache_dtype=engine_setup.CacheDtype.FLOAT16,
         features=FeatureIntents(cpu_kernels=ON),
     )
-    with pytest.raises(FeatureRequiredError, match=r"--cpu-kernels on\), but the C kernels are float32 only"):
+    with pytest.raises(
+        FeatureRequiredError, match=r"--cpu-kernels on\), but the C kernels take a float32 or bfloat16 KV"
+    ):
         engine_setup.plan_startup(on)
 
 

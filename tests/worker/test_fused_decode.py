@@ -13,6 +13,7 @@ import torch
 from kvpact.kernels import cpu_paged
 from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.worker.engine.engine import Engine
+from kvpact.worker.startup import engine_setup
 from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import greedy
 from tests.worker.test_parity import record_logits
@@ -140,3 +141,24 @@ def test_cpu_kernels_off_installs_no_c_decode_layers(make_engine, tiny_llama):
     for mode in ("on", "off"):
         engine = make_engine(tiny_llama, mode, features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
         assert engine.step_loop.runner.fused is None
+
+
+def test_on_a_bfloat16_cache_the_c_layers_compute_what_the_layers_compute(make_engine, tiny_llama):
+    # --pa-cache-dtype bfloat16 under float32 weights: the C kernels (packed projections, the decode
+    # layers) run on it; the decode layers round each new K/V row to bfloat16 as the layer-by-layer
+    # write does, so both paths read the same cache.
+    bf16 = engine_setup.CacheDtype.BFLOAT16
+    fused, plain = (
+        make_engine(tiny_llama, "on", cache_dtype=bf16),
+        make_engine(tiny_llama, "on", cache_dtype=bf16),
+    )
+    assert fused.step_loop.runner.cache.key[0].dtype is torch.bfloat16
+    assert fused.step_loop.runner.cache.cpu_kernels
+    plain.step_loop.runner.fused = None
+    ran = fused_rows(fused)
+    tokens, logits = generate(fused, 4, 12)
+    want_tokens, want_logits = generate(plain, 4, 12)
+    assert tokens == want_tokens
+    for rid, rows in want_logits.items():
+        torch.testing.assert_close(torch.stack(logits[rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0)
+    assert ran.count(4) >= 10, ran

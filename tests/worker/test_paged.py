@@ -152,8 +152,10 @@ def test_backend_choice_is_only_which_functions_run():
     ref_ops, which = paged_ops(PagedBackend.TORCH, torch.bfloat16, torch.device("cpu"), cpu_kernels=False)
     assert ref_ops == reference_ops() and "cpu-kernels realized off" in which, which
     # The plan decides: told to run the C kernels where they cannot, the build refuses instead of degrading.
-    with pytest.raises(RuntimeError, match="the plan realized --cpu-kernels.*float32 only"):
-        paged_ops(PagedBackend.TORCH, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(
+        RuntimeError, match="the plan realized --cpu-kernels.*float32 or bfloat16 cache, not float16"
+    ):
+        paged_ops(PagedBackend.TORCH, torch.float16, torch.device("cpu"))
     triton_ops, _ = paged_ops(PagedBackend.TRITON)  # imports the Triton wrappers; nothing is launched
     assert (triton_ops.write, triton_ops.decode, triton_ops.prefill) == (
         kernels.reshape_and_cache,

@@ -6,7 +6,7 @@ between them: per layer, five module calls, the views of the fused projections, 
 residual adds and the attention step (docs/performance.md). So a step that is
 
 - decodes only (one new token per sequence), at most SMALL_BATCH_ROWS of them,
-- on a cache whose decodes run the C decode kernel (paged or eager, float32 on the CPU),
+- on a cache whose decodes run the C decode kernel (paged or eager, float32 or bfloat16 on the CPU),
 - of a single-device model with float32 CPU weights and no tensor-parallel reduce,
 
 runs the embedding and the final norm in torch and every layer in between with
@@ -54,6 +54,7 @@ class FusedDecode:
         self.num_blocks, self.block_size = cache.key[0].shape[:2]
         # engine_setup.use_cpu_kernels packs every decoder projection or none (_check_shapes holds it)
         self.packed = decoder_layers(model)[0].self_attn.qkv_proj.packed
+        self.cache_bf16 = cache.key[0].dtype is torch.bfloat16
         _check_shapes(model, cache, ops.panel_width if self.packed else 0)
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -96,6 +97,7 @@ class FusedDecode:
             self.block_size,
             self.num_blocks * self.block_size,
             packed=self.packed,
+            cache_bf16=self.cache_bf16,
         )
         return model.model.norm(x)
 
@@ -118,7 +120,7 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
     if (
         not isinstance(cache, PagedCache | EagerCache)
         or not cache.cpu_kernels
-        or cache.key[0].dtype != torch.float32
+        or cache.key[0].dtype not in cpu_paged.CACHE_DTYPES
         or any(w.dtype != torch.float32 or not w.is_cpu or not w.is_contiguous() for w in weights)
         or any(
             layer.self_attn.reduce is not None or layer.mlp.reduce is not None
@@ -131,7 +133,8 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
 
 def _check_shapes(model: LlamaForCausalLM, cache: PagedCache | EagerCache, panel_width: int) -> None:
     """What the C code reads through the pointers, held to the config it is told: every weight's and
-    pool's shape (contiguous, float32 checked by `fused_decode`; with a panel_width, every projection
+    pool's shape (contiguous, float32 weights and a float32 or bfloat16 first pool checked by
+    `fused_decode`, every pool of the first's dtype; with a panel_width, every projection
     as `pack` laid it out, else [out, in]). A mismatch is a bug in how the engine was built, raised here
     rather than read out of bounds in C."""
     c = model.config
@@ -161,10 +164,16 @@ def _check_shapes(model: LlamaForCausalLM, cache: PagedCache | EagerCache, panel
                     f"layer {i} {name}: shape {tuple(tensor.shape)}, the config says {want[name]}"
                 )
         for pool in (cache.key[i], cache.value[i]):
-            if pool.dim() != 4 or tuple(pool.shape[2:]) != (c.num_kv_heads, hd) or not pool.is_contiguous():
+            if (
+                pool.dim() != 4
+                or tuple(pool.shape[2:]) != (c.num_kv_heads, hd)
+                or not pool.is_contiguous()
+                or pool.dtype != cache.key[0].dtype
+            ):
                 raise ValueError(
-                    f"layer {i}'s KV pool: shape {tuple(pool.shape)} strides {pool.stride()}, the C decode "
-                    f"layers need a contiguous [blocks, block_size, {c.num_kv_heads}, {hd}]"
+                    f"layer {i}'s KV pool: {pool.dtype}, shape {tuple(pool.shape)} strides {pool.stride()}, "
+                    f"the C decode layers need a contiguous {cache.key[0].dtype} [blocks, block_size, "
+                    f"{c.num_kv_heads}, {hd}]"
                 )
 
 

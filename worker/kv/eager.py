@@ -115,35 +115,37 @@ class EagerAttentionStep:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         key_cache, value_cache = self.cache.key[layer_idx], self.cache.value[layer_idx]
-        same = q.dtype == key_cache.dtype  # else a float32 cache under a lower-precision model
-        if not same:
-            k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
         if self._out is None:  # the first layer allocates the step's output; the others reuse it
             self._out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         out = self._out
         d = self.num_decodes
         native = self.cache.native
-        if d and native is not None:
+        if d and native is not None:  # the C kernels: float32 rows over a float32 or bfloat16 cache
             check, self._checked = not self._checked, True  # the first layer checks for all of them
+            rows32 = q.dtype is torch.float32
             if d == q.shape[0]:  # decodes only: no slices (a no-op view is a dispatch too)
-                native.write(k, v, key_cache, value_cache, self.decode_flat_slots, check=check)
-                query, dest = q, out
+                query, key, value, dest = q, k, v, out
             else:
-                native.write(k[:d], v[:d], key_cache, value_cache, self.decode_flat_slots, check=check)
-                query, dest = q[:d], out[:d]
+                query, key, value, dest = q[:d], k[:d], v[:d], out[:d]
+            if not rows32:
+                query, key, value = query.float(), key.float(), value.float()
+            native.write(key, value, key_cache, value_cache, self.decode_flat_slots, check=check)
             got = native.decode(
-                query if same else query.to(key_cache.dtype),
+                query,
                 key_cache,
                 value_cache,
                 self.decode_tables,
                 self.decode_context_lens,
                 self.cache.scale,
-                out=dest if same else None,
+                out=dest if rows32 else None,
                 check=check,
             )
-            if not same:
+            if not rows32:
                 dest[:] = got
-        elif d:
+        torch_path = self.prefills or (d and native is None)  # writes and attends in the cache's dtype
+        if torch_path and q.dtype != key_cache.dtype:
+            k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
+        if d and native is None:
             key_cache[self.decode_slots, self.decode_positions] = k[:d]
             value_cache[self.decode_slots, self.decode_positions] = v[:d]
             keys = key_cache[self.decode_slots, : self.decode_len]  # [d, len, kv_heads, head_dim]

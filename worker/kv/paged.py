@@ -8,9 +8,10 @@ A step writes every new token's K/V into the pools first (`reshape_and_cache`), 
 the pools: one-token chunks with `paged_decode_attention`, longer chunks (prefill, or extend after a
 prefix-cache hit or a previous chunk) with `paged_prefill_attention` (on the CPU kernels a chunk with
 no cached prefix attends on its own K/V instead of gathering its blocks back). The backend only chooses which
-functions those are: TORCH = kernels/cpu_paged.py on a CPU float32 cache (C decode reading blocks in
-place), else kernels/reference.py (MPS, other dtypes, no C compiler); TRITON = the Triton kernels
-(CUDA). They share signatures and layouts; `PagedCache.kernels` says which run.
+functions those are: TORCH = kernels/cpu_paged.py on a CPU float32 or bfloat16 cache (C decode reading
+blocks in place), else kernels/reference.py (MPS, float16, no C compiler); TRITON = the Triton kernels
+(CUDA). They share signatures and layouts; `PagedCache.kernels` says which run. The C kernels take
+float32 queries and K/V rows over either cache (`PagedCache.rows_dtype`); the others, the cache's dtype.
 
 Host work is per step, not per layer: the step checks the kernels' arguments on its first layer only,
 picks the decode split count once (kernels/splits.py, capped at the largest count the startup warm-up
@@ -147,6 +148,8 @@ class PagedCache:
         self.backend = backend
         self.ops, self.kernels = paged_ops(backend, dtype, device, cpu_kernels)
         self.cpu_kernels = isinstance(getattr(self.ops.write, "__self__", None), cpu_paged.CpuPagedOps)
+        # the dtype of what the kernels take and give (query, new K/V, output): float32 on the C kernels
+        self.rows_dtype = torch.float32 if self.cpu_kernels else dtype
         self.scale = head_dim**-0.5
         self.device = device
         self.num_sms = device_num_sms(device)
@@ -291,7 +294,7 @@ class PagedAttentionStep:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         key_cache, value_cache = cache.key[layer_idx], cache.value[layer_idx]
-        dtype = key_cache.dtype
+        dtype = cache.rows_dtype
         same = q.dtype == dtype  # then no casts at all (the kernels read through strides)
         query, key, value = (q, k, v) if same else (q.to(dtype), k.to(dtype), v.to(dtype))
         d = self.num_decodes

@@ -185,7 +185,7 @@ def cpu_kernels_device(p: Planning) -> Finding | None:
 
 
 def cpu_kernels_dtype(p: Planning) -> Finding | None:
-    if p.cache_dtype != torch.float32:
+    if p.cache_dtype not in cpu_paged.CACHE_DTYPES:
         return reasons.CPU_KERNELS_DTYPE.found(dtype=str(p.cache_dtype).removeprefix("torch."))
     return None
 
