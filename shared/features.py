@@ -68,7 +68,7 @@ class FeatureIntents:
         "the C kernels (kernels/cpu_paged.c): paged decode and write, and, where the weights are "
         "float32, RMSNorm and the linear layers of batches of up to 64 rows (of every batch, with the "
         "weights packed in place, on a CPU with AVX-512 or AVX2), and decode steps of up to 64 "
-        "sequences through every layer in one C call. Need a CPU device, a float32 "
+        "sequences through every layer in one C call. Need a CPU device, a float32 or bfloat16 "
         "KV cache and a C compiler: auto falls back to pure torch naming why, on fails startup.",
     )
     cuda_graphs: FeatureMode = _mode_option(
