@@ -70,17 +70,17 @@ static inline uint16_t to_bf16(float f) {
 }
 
 /* Element `index` of a cache of float32 (4 bytes) or bfloat16 (2). */
-static inline void *kv_element(const void *cache, int64_t index, const int bf16) {
-    return (char *)cache + index * (bf16 ? 2 : 4);
+static inline const char *kv_element(const void *cache, int64_t index, const int bf16) {
+    return (const char *)cache + index * (bf16 ? 2 : 4);
 }
 
 /* n float32 values into a cache row at element `index`, rounded where the cache is bfloat16. */
 static void kv_store(void *cache, int64_t index, const float *src, int64_t n, int bf16) {
     if (!bf16) {
-        memcpy(kv_element(cache, index, 0), src, (size_t)n * sizeof(float));
+        memcpy((float *)cache + index, src, (size_t)n * sizeof(float));
         return;
     }
-    uint16_t *dst = (uint16_t *)kv_element(cache, index, 1);
+    uint16_t *dst = (uint16_t *)cache + index;
     for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
 }
 

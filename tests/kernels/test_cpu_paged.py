@@ -169,7 +169,7 @@ def test_a_bfloat16_cache_is_written_as_torch_rounds_float32_to_bfloat16(ops):
     assert int(got[0].view(torch.int16)[0, 3, 0, 1]) == 0x3F82  # 1 + 3 * 2^-8 ties up to even
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("group", [1, 3])
 def test_decode_on_a_bfloat16_cache_computes_what_float32_holding_the_same_values_does(ops, head_dim, group):
     # The pools' values are bfloat16's (exact in float32 too), so the two caches hold the same numbers:

@@ -32,9 +32,18 @@ def fake_seq(name: str, num_tokens: int, block_ids: list[int]) -> Sequence:
     return s
 
 
+@pytest.mark.parametrize(
+    ("cache_dtype", "rows"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["float32", "bfloat16-cache", "bfloat16-model"],
+)
 @torch.inference_mode()
-def test_paged_step_equals_contiguous_attention_for_mixed_decode_prefill_and_extend_chunks():
-    cache = PagedCache(1, 32, BS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), PagedBackend.TORCH)
+def test_paged_step_equals_contiguous_attention_for_mixed_decode_prefill_and_extend_chunks(cache_dtype, rows):
+    # On the C kernels whatever the cache holds: float32 rows in and out (a bfloat16 model's cast up and
+    # back). Inputs bfloat16 holds exactly, so a bfloat16 cache holds them as they are and only a
+    # bfloat16 model's output is rounded.
+    cache = PagedCache(1, 32, BS, KV_HEADS, DIM, cache_dtype, torch.device("cpu"), PagedBackend.TORCH)
+    assert cache.cpu_kernels and cache.rows_dtype is torch.float32
     ref = ContiguousAttention()
     torch.manual_seed(0)
     # blocks deliberately scattered and out of order
@@ -53,12 +62,14 @@ def test_paged_step_equals_contiguous_attention_for_mixed_decode_prefill_and_ext
         num_decodes = sum(1 for ch in chunks if ch.num_tokens == 1)
         assert all(ch.num_tokens == 1 for ch in chunks[:num_decodes])
         n = sum(ch.num_tokens for ch in chunks)
-        q, k, v = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM), torch.randn(n, KV_HEADS, DIM)
-        got = cache.attention_step(chunks, num_decodes).forward(0, q, k, v)
+        q, k, v = (torch.randn(n, h, DIM).bfloat16().float() for h in (HEADS, KV_HEADS, KV_HEADS))
+        got = cache.attention_step(chunks, num_decodes).forward(0, q.to(rows), k.to(rows), v.to(rows))
         want = ref.step([ids[ch.seq.request_id] for ch in chunks], [ch.num_tokens for ch in chunks]).forward(
             0, q, k, v
         )
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert got.dtype is rows
+        tolerance = 1e-5 if rows is torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
 RESIDENT_PROBE = """

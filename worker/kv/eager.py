@@ -8,9 +8,10 @@ slot at full length, which is simple and never runs out mid-sequence, but it cap
 With `sliding_window` W, a token at position p attends to positions p - W < t <= p (as Mistral and
 Qwen2 define it); the paged kernels have no window, so startup routes such models here.
 
-Decodes on a CPU float32 cache without a window run kernels/cpu_paged.py's C decode kernel, reading
-each slot where it lies (a slot is a block of max_model_len tokens); otherwise their histories are
-gathered and attended with torch's SDPA. Longer chunks attend with SDPA on their slot's view.
+Decodes on a CPU float32 or bfloat16 cache without a window run kernels/cpu_paged.py's C decode kernel
+(float32 rows in and out), reading each slot where it lies (a slot is a block of max_model_len tokens);
+otherwise their histories are gathered and attended with torch's SDPA. Longer chunks attend with SDPA
+on their slot's view.
 """
 
 from __future__ import annotations
