@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,25 @@ def test_step_metadata_is_what_the_kernels_check_and_each_group_is_only_as_wide_
     assert step.max_prefill_len == 11
     for t in (step.slot_mapping, step.decode_tables, step.prefill_tables, step.prefill_start_loc):
         assert t.is_contiguous()
+
+
+def test_every_token_goes_to_the_slot_its_position_names_for_any_chunk_boundaries():
+    # slot(p) = table[p // block_size] * block_size + p % block_size, for chunks starting and ending
+    # anywhere in a block, of one token or many, on scattered tables
+    cache = PagedCache(1, 64, BS, KV_HEADS, DIM, torch.float32, torch.device("cpu"), PagedBackend.TORCH)
+    rng = random.Random(5)
+    for _ in range(200):
+        chunks = []
+        for i in range(rng.randint(1, 5)):
+            start, n = rng.randint(0, 30), rng.choice([1, 1, rng.randint(1, 25)])
+            blocks = rng.sample(range(64), -(-(start + n) // BS) + rng.randint(0, 2))
+            chunks.append(ScheduledChunk(fake_seq(f"s{i}", 60, blocks), start, n))
+        chunks.sort(key=lambda c: c.num_tokens != 1)  # decodes first, as the scheduler orders them
+        step = cache.attention_step(chunks, sum(c.num_tokens == 1 for c in chunks))
+        want = [
+            c.seq.block_table.block_ids[p // BS] * BS + p % BS for c in chunks for p in range(c.start, c.end)
+        ]
+        assert step.slot_mapping.tolist() == want
 
 
 def test_split_counts_are_chosen_per_step_from_the_warmed_variants():

@@ -21,6 +21,7 @@ layer's kernels write into them (`out=`), so a decode layer is a write, a decode
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -229,41 +230,35 @@ class PagedAttentionStep:
         decode_splits: int | None = None,
     ) -> None:
         self.cache = cache
-        self.num_decodes = num_decodes
+        self.num_decodes = d = num_decodes
         dev, bs = cache.device, cache.block_size
-        decode_tables, prefill_tables = (
-            _block_tables(tables[:num_decodes]),
-            _block_tables(tables[num_decodes:]),
-        )
-        length_t = torch.tensor(lengths, dtype=torch.long)
-        start_t = torch.tensor(starts, dtype=torch.long)
-        context_lens = (start_t + length_t).to(torch.int32)
-
-        # Slots, per token: its chunk's block table at position // block_size, then the offset.
-        width = max(decode_tables.shape[1], prefill_tables.shape[1])
-        all_tables = torch.zeros(len(tables), width, dtype=torch.int32)
-        all_tables[:num_decodes, : decode_tables.shape[1]] = decode_tables
-        all_tables[num_decodes:, : prefill_tables.shape[1]] = prefill_tables
-        seq_of_token = torch.repeat_interleave(torch.arange(len(tables)), length_t)
-        first_token = torch.cumsum(length_t, 0) - length_t
-        positions = start_t[seq_of_token] + torch.arange(int(length_t.sum())) - first_token[seq_of_token]
-        slots = all_tables[seq_of_token, positions // bs].long() * bs + positions % bs
-
-        prefill_lengths = length_t[num_decodes:]
-        self.slot_mapping = to_device(slots, dev)
-        self.decode_tables = to_device(decode_tables, dev)
-        self.decode_context_lens = to_device(context_lens[:num_decodes], dev)
-        self.prefill_tables = to_device(prefill_tables, dev)
-        self.prefill_context_lens = to_device(context_lens[num_decodes:], dev)
+        # Built in Python and made tensors once each: a step of 32 decodes spent ~300 us in a dozen small
+        # torch ops here, ~0.6% of a 50 ms step the eager cache did not pay.
+        slots: list[int] = []  # per token: its block (from its chunk's table) * block_size + its offset
+        for table, start, n in zip(tables, starts, lengths, strict=True):
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+                continue
+            end = start + n
+            for b in range(start // bs, (end - 1) // bs + 1):
+                shift = (table[b] - b) * bs  # position p of block b lives in slot p + shift
+                slots.extend(range(max(start, b * bs) + shift, min(end, (b + 1) * bs) + shift))
+        context_lens = [start + n for start, n in zip(starts, lengths, strict=True)]
+        prefill_lengths = lengths[d:]
+        self.slot_mapping = to_device(torch.tensor(slots, dtype=torch.int64), dev)
+        self.decode_tables = to_device(_block_tables(tables[:d]), dev)
+        self.decode_context_lens = to_device(torch.tensor(context_lens[:d], dtype=torch.int32), dev)
+        self.prefill_tables = to_device(_block_tables(tables[d:]), dev)
+        self.prefill_context_lens = to_device(torch.tensor(context_lens[d:], dtype=torch.int32), dev)
         self.prefill_start_loc = to_device(
-            torch.cat([torch.zeros(1, dtype=torch.long), prefill_lengths.cumsum(0)]).to(torch.int32), dev
+            torch.tensor([0, *itertools.accumulate(prefill_lengths)], dtype=torch.int32), dev
         )
-        self.max_prefill_len = int(prefill_lengths.max()) if len(tables) > num_decodes else 0
+        self.max_prefill_len = max(prefill_lengths, default=0)
         self.has_prefills = len(tables) > num_decodes
         self.decode_splits = (
             decode_splits
             if decode_splits is not None
-            else cache.decode_splits(num_decodes, decode_tables.shape[1])
+            else cache.decode_splits(num_decodes, self.decode_tables.shape[1])
         )
         self._out: torch.Tensor | None = None  # allocated by the first layer, reused by the others
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -343,5 +338,8 @@ class PagedAttentionStep:
 def _block_tables(tables: list[list[int]]) -> torch.Tensor:
     """[len(tables), longest table (at least 1)] int32, each row zero-padded."""
     width = max((len(t) for t in tables), default=1)
-    rows = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width)
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    return torch.tensor(flat, dtype=torch.int32).view(len(tables), width)
