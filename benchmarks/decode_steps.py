@@ -1,26 +1,32 @@
 """The median decode step at each batch size, in-process: where the C kernels' limit shows as a step.
 
-    python -m benchmarks.decode_steps [--sizes 1,8,16,32] [--tokens 24] [--model PATH]
-                                      [--pa-cache-dtype auto|float32|bfloat16]
+    python -m benchmarks.decode_steps [--sizes 1,8,16,32] [--tokens 24] [--model PATH] [--cache paged|eager]
+                                      [--pa-cache-dtype auto|float32|bfloat16] [--dtype auto|bfloat16]
+                                      [--cpu-kernels auto|on|off]
 
-One paged engine built as the offline suite builds it (benchmarks/kvpact_systems.py `open_engine`,
---max-num-seqs 32 or the largest size, --max-model-len 512); for each size N, N requests of a 4-token
-prompt and `--tokens` new tokens at once, and every model run with N sequences decoding timed on the
-step thread (benchmarks/step_trace.py's tracer). Beside a busy process (`python3 -c "while True: pass"
-&`) it shows what a shared core costs a step (docs/performance.md, "Batches of up to 64 rows").
+One engine built as the offline suite builds it (benchmarks/kvpact_systems.py `open_engine`, paged unless
+--cache eager, --max-num-seqs 32 or the largest size, --max-model-len 512); for each size N, N requests
+of a 4-token prompt and `--tokens` new tokens at once, and every model run with N sequences decoding
+timed on the step thread (benchmarks/step_trace.py's tracer), with the step thread's time outside the
+run between two such steps (scheduling, commits, handing tokens over). Beside a busy process
+(`python3 -c "while True: pass" &`) it shows what a shared core costs a step (docs/performance.md,
+"Batches of up to 64 rows").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import time
 from pathlib import Path
 
 from benchmarks.kvpact_systems import greedy_request, open_engine
 from benchmarks.step_trace import traced
+from kvpact.shared.features import FeatureMode
 from kvpact.shared.intent import CacheDtype
+from kvpact.shared.spec import DTYPES
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.loader.load import default_model_path
 
@@ -41,24 +47,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,8,16,32", help="batch sizes, comma-separated")
     parser.add_argument("--tokens", type=int, default=24, help="new tokens per request")
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
+    parser.add_argument("--cache", choices=("paged", "eager"), default="paged")
     parser.add_argument("--pa-cache-dtype", choices=[d.value for d in CacheDtype], default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="the model's, as the worker flag")
+    parser.add_argument("--cpu-kernels", choices=[m.value for m in FeatureMode], default="auto")
     args = parser.parse_args(argv)
     model = Path(args.model) if args.model else default_model_path()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     with open_engine(
-        model, "paged", MAX_MODEL_LEN, max(32, *sizes), 0, cache_dtype=CacheDtype(args.pa_cache_dtype)
+        model,
+        args.cache,
+        MAX_MODEL_LEN,
+        max(32, *sizes),
+        0,
+        cache_dtype=CacheDtype(args.pa_cache_dtype),
+        dtype=args.dtype,
+        cpu_kernels=FeatureMode(args.cpu_kernels),
     ) as engine:
         asyncio.run(_batch(engine, 2, 8))  # warm-up
         steps = traced(engine)
-        print("| sequences | decode steps | median ms | min ms |\n|---:|---:|---:|---:|")
+        print("| sequences | decode steps | median ms | min ms | outside the run, median ms |")
+        print("|---:|---:|---:|---:|---:|")
         for size in sizes:
             steps.clear()
             asyncio.run(_batch(engine, size, args.tokens))
-            ms = [1000 * (s.ended - s.began) for s in steps if s.prompt_tokens == 0 and s.decodes == size]
+            decoding = [s.prompt_tokens == 0 and s.decodes == size for s in steps]
+            ms = [1000 * (s.ended - s.began) for s, d in zip(steps, decoding, strict=True) if d]
             if not ms:  # the requests reached the step thread too far apart to all decode in one step
-                print(f"| {size} | 0 | - | - |", flush=True)
+                print(f"| {size} | 0 | - | - | - |", flush=True)
                 continue
-            print(f"| {size} | {len(ms)} | {statistics.median(ms):.1f} | {min(ms):.1f} |", flush=True)
+            gaps = [
+                1000 * (b.began - a.ended)
+                for i, (a, b) in enumerate(itertools.pairwise(steps))
+                if decoding[i] and decoding[i + 1]
+            ]
+            outside = f"{statistics.median(gaps):.2f}" if gaps else "-"
+            print(
+                f"| {size} | {len(ms)} | {statistics.median(ms):.1f} | {min(ms):.1f} | {outside} |",
+                flush=True,
+            )
     return 0
 
 

@@ -34,6 +34,7 @@ from benchmarks.peers import Run
 from benchmarks.workloads import TextItem, WorkItem
 from kvpact.client import AsyncClient
 from kvpact.deploy.processes import ProcessHandle, free_port, start_process, stop, wait_for_health
+from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.shared.intent import CacheDtype, PagedAttentionConfig, PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
@@ -56,14 +57,17 @@ def open_engine(
     max_num_batched_tokens: int = 0,
     prompt_tokens_beside_decodes: int = 0,
     cache_dtype: CacheDtype = CacheDtype.AUTO,
+    dtype: str = "auto",
+    cpu_kernels: FeatureMode = FeatureMode.AUTO,
 ) -> Engine:
     """`cache`: "paged" (--paged-attn on) or "eager" (off); `max_num_batched_tokens`,
-    `prompt_tokens_beside_decodes` and `cache_dtype` (paged): as the worker flags (0: the device
-    default). The caller closes it (`with engine:`)."""
+    `prompt_tokens_beside_decodes`, `cache_dtype` (paged), `dtype` and `cpu_kernels`: as the worker
+    flags (0: the device default). The caller closes it (`with engine:`)."""
     spec = WorkerSpec(
         model=str(model), device="cpu", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        prompt_tokens_beside_decodes=prompt_tokens_beside_decodes,
+        prompt_tokens_beside_decodes=prompt_tokens_beside_decodes, dtype=dtype,
+        features=FeatureIntents(cpu_kernels=cpu_kernels),
     )  # fmt: skip
     settings = PagedAttentionConfig(cache_dtype=cache_dtype) if cache == "paged" else None
     engine = build_engine(replace(spec, cache=cache_intent(MODES[cache], settings)))

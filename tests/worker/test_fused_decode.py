@@ -52,6 +52,20 @@ def generate(
     return [r.token_ids for r in results], logits
 
 
+def assert_fused_computes_what_the_layers_compute(fused: Engine, plain: Engine) -> None:
+    """4 greedy requests of 12 tokens on each engine, `plain` running the model's own forward for every
+    step: the same tokens, logits within LOGITS_ATOL, and at least the last 10 steps (all four decoding
+    together after their prefill) ran in C, 4 rows each."""
+    plain.step_loop.runner.fused = None
+    ran = fused_rows(fused)
+    tokens, logits = generate(fused, 4, 12)
+    want_tokens, want_logits = generate(plain, 4, 12)
+    assert tokens == want_tokens
+    for rid, rows in want_logits.items():
+        torch.testing.assert_close(torch.stack(logits[rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0)
+    assert ran.count(4) >= 10, ran
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Llama with attention_bias: the q/k/v and the output projections both have biases."""
@@ -63,15 +77,7 @@ def tiny_llama_biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fused_decode_computes_what_the_layers_compute(make_engine, request, mode, model):
     model_dir = request.getfixturevalue(model)
     fused, plain = make_engine(model_dir, mode), make_engine(model_dir, mode)
-    plain.step_loop.runner.fused = None  # the model's own forward for every step
-    ran = fused_rows(fused)
-    tokens, logits = generate(fused, 4, 12)
-    want_tokens, want_logits = generate(plain, 4, 12)
-    assert tokens == want_tokens
-    for rid, rows in want_logits.items():
-        torch.testing.assert_close(torch.stack(logits[rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0)
-    # all four decode together after their prefill: at least the last 10 steps ran in C, 4 rows each
-    assert ran.count(4) >= 10, ran
+    assert_fused_computes_what_the_layers_compute(fused, plain)
     stats = fused.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
@@ -154,11 +160,4 @@ def test_on_a_bfloat16_cache_the_c_layers_compute_what_the_layers_compute(make_e
     )
     assert fused.step_loop.runner.cache.key[0].dtype is torch.bfloat16
     assert fused.step_loop.runner.cache.cpu_kernels
-    plain.step_loop.runner.fused = None
-    ran = fused_rows(fused)
-    tokens, logits = generate(fused, 4, 12)
-    want_tokens, want_logits = generate(plain, 4, 12)
-    assert tokens == want_tokens
-    for rid, rows in want_logits.items():
-        torch.testing.assert_close(torch.stack(logits[rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0)
-    assert ran.count(4) >= 10, ran
+    assert_fused_computes_what_the_layers_compute(fused, plain)

@@ -66,6 +66,16 @@ def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return BlockHash(hashlib.blake2b(payload, digest_size=16).digest())
 
 
+def block_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slot of each position p in [start, end): block block_ids[p // block_size], offset
+    p % block_size (a block's positions are consecutive slots, so one range per block)."""
+    slots: list[int] = []
+    for b in range(start // block_size, -(-end // block_size)):
+        shift = (block_ids[b] - b) * block_size  # position p of block b lives in slot p + shift
+        slots.extend(range(max(start, b * block_size) + shift, min(end, (b + 1) * block_size) + shift))
+    return slots
+
+
 @dataclass(slots=True)
 class BlockTable:
     """One sequence's blocks, append-only while it lives."""
@@ -119,8 +129,7 @@ class BlockManager:
                 f"positions [{start}, {end}) are outside the table's "
                 f"{len(table.block_ids)} blocks of {self.block_size}; grow it first"
             )
-        bs, ids = self.block_size, table.block_ids
-        return [ids[p // bs] * bs + p % bs for p in range(start, end)]
+        return block_slots(table.block_ids, start, end, self.block_size)
 
     # ---- mutations ----
 
