@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         cpu_kernels=FeatureMode(args.cpu_kernels),
     ) as engine:
         asyncio.run(_batch(engine, 2, 8))  # warm-up
+        cache = engine.step_loop.runner.cache
+        dtype = str(cache.key[0].dtype).removeprefix("torch.")
+        print(f"{cache.kind.value} cache of {dtype}, C kernels {'on' if cache.cpu_kernels else 'off'}")
         steps = traced(engine)
         print("| sequences | decode steps | median ms | min ms | outside the run, median ms |")
         print("|---:|---:|---:|---:|---:|")
