@@ -28,6 +28,8 @@ from kvpact.shared.features import FeatureMode
 from kvpact.shared.intent import CacheDtype
 from kvpact.shared.spec import DTYPES
 from kvpact.worker.engine.engine import Engine
+from kvpact.worker.kv.eager import EagerCache
+from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.loader.load import default_model_path
 
 MAX_MODEL_LEN = 512
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as engine:
         asyncio.run(_batch(engine, 2, 8))  # warm-up
         cache = engine.step_loop.runner.cache
+        assert isinstance(cache, PagedCache | EagerCache)  # the CPU caches: the C kernels or not
         dtype = str(cache.key[0].dtype).removeprefix("torch.")
         print(f"{cache.kind.value} cache of {dtype}, C kernels {'on' if cache.cpu_kernels else 'off'}")
         steps = traced(engine)
