@@ -20,6 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 /* A bfloat16 is a float32's upper 16 bits: widened exactly by a shift. */
 static inline float from_bf16(uint16_t h) {
@@ -582,8 +585,8 @@ enum { PANEL = 2 * PANEL_VECTOR };
 typedef float panel_vec __attribute__((vector_size(PANEL_VECTOR * sizeof(float)), aligned(4)));
 
 typedef struct {
-    const float *x, *p, *bias; /* x [rows, k], p packed [n / PANEL, k, PANEL], bias [n] or NULL */
-    float *y;                  /* [rows, n] */
+    const void *x, *p, *bias; /* x [rows, k], p packed (float32 or bf16 pairs, below), bias [n] or NULL */
+    void *y;                  /* [rows, n] */
     int64_t rows, n, k;
     int64_t panel_parts, chunk_panels, chunk_rows; /* chunk c: panels (c % panel_parts) * chunk_panels..,
                                                       rows (c / panel_parts) * chunk_rows.. */
@@ -612,34 +615,89 @@ static inline __attribute__((always_inline)) void packed_tile(const float *restr
     }
 }
 
-static void packed_chunk(void *arg, int64_t c) {
-    const PackedJob *j = (const PackedJob *)arg;
-    const int64_t k = j->k, n = j->n, panels = n / PANEL;
-    const int64_t first_panel = (c % j->panel_parts) * j->chunk_panels, first_row = (c / j->panel_parts) * j->chunk_rows;
-    const int64_t end_panel = first_panel + j->chunk_panels < panels ? first_panel + j->chunk_panels : panels;
-    const int64_t end_row = first_row + j->chunk_rows < j->rows ? first_row + j->chunk_rows : j->rows;
-    for (int64_t q = first_panel; q < end_panel; q++) {
-        const float *p = j->p + q * k * PANEL, *bias = j->bias ? j->bias + q * PANEL : NULL;
-        float *y = j->y + q * PANEL;
-        int64_t m = first_row;
-        for (; m + PANEL_ROWS <= end_row; m += PANEL_ROWS)
-            packed_tile(j->x + m * k, k, PANEL_ROWS, p, bias, y + m * n, n);
-        const float *x = j->x + m * k;
-        y += m * n;
-        switch (end_row - m) { /* a constant row count each, so the sums stay in registers */
-        case 1: packed_tile(x, k, 1, p, bias, y, n); break;
-        case 2: packed_tile(x, k, 2, p, bias, y, n); break;
-        case 3: packed_tile(x, k, 3, p, bias, y, n); break;
-        case 4: packed_tile(x, k, 4, p, bias, y, n); break;
-        case 5: packed_tile(x, k, 5, p, bias, y, n); break;
-#if PANEL_ROWS > 6
-        case 6: packed_tile(x, k, 6, p, bias, y, n); break;
-        case 7: packed_tile(x, k, 7, p, bias, y, n); break;
+/* A chunk of a PackedJob (chunk c: its panels and rows, kvp_linear_packed_f32's split) with `tile`, whose
+ * x, panels, bias and y are X, P, X and X; a panel is `panel_words` P elements. A macro, not a function
+ * pointer: each case calls the tile with a constant row count, so its sums stay in registers. */
+#define PACKED_CHUNK(name, tile, X, P, panel_words)                                                            \
+    static void name(void *arg, int64_t c) {                                                                  \
+        const PackedJob *j = (const PackedJob *)arg;                                                          \
+        const int64_t k = j->k, n = j->n, panels = n / PANEL;                                                 \
+        const int64_t first_panel = (c % j->panel_parts) * j->chunk_panels;                                   \
+        const int64_t first_row = (c / j->panel_parts) * j->chunk_rows;                                      \
+        const int64_t end_panel = first_panel + j->chunk_panels < panels ? first_panel + j->chunk_panels : panels; \
+        const int64_t end_row = first_row + j->chunk_rows < j->rows ? first_row + j->chunk_rows : j->rows;    \
+        for (int64_t q = first_panel; q < end_panel; q++) {                                                   \
+            const P *p = (const P *)j->p + q * (panel_words);                                                 \
+            const X *bias = j->bias ? (const X *)j->bias + q * PANEL : NULL;                                  \
+            X *y = (X *)j->y + q * PANEL;                                                                     \
+            const X *x = (const X *)j->x;                                                                     \
+            int64_t m = first_row;                                                                            \
+            for (; m + PANEL_ROWS <= end_row; m += PANEL_ROWS)                                                \
+                tile(x + m * k, k, PANEL_ROWS, p, bias, y + m * n, n);                                        \
+            x += m * k;                                                                                       \
+            y += m * n;                                                                                       \
+            switch (end_row - m) {                                                                            \
+            case 1: tile(x, k, 1, p, bias, y, n); break;                                                      \
+            case 2: tile(x, k, 2, p, bias, y, n); break;                                                      \
+            case 3: tile(x, k, 3, p, bias, y, n); break;                                                      \
+            case 4: tile(x, k, 4, p, bias, y, n); break;                                                      \
+            case 5: tile(x, k, 5, p, bias, y, n); break;                                                      \
+            case 6: if (PANEL_ROWS > 6) tile(x, k, 6, p, bias, y, n); break;                                  \
+            case 7: if (PANEL_ROWS > 7) tile(x, k, 7, p, bias, y, n); break;                                  \
+            default: break;                                                                                   \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+PACKED_CHUNK(packed_chunk, packed_tile, float, float, k * PANEL)
+
+/* bfloat16 weights (a `--dtype bfloat16` model's), packed in pairs: panel p holds, for each pair of
+ * input features (2i, 2i + 1), one 32-bit word per output feature j: w[p * PANEL + j, 2i] in its low
+ * half, w[.., 2i + 1] in its high half (k even, so every pair is whole). Half the bytes of float32 for
+ * the same tile: a decode step of a few rows is the weights' reads. x, the bias and y are bfloat16
+ * too (the model's activations); the sums are float32, rounded once to bfloat16 at the end, as torch's
+ * bf16 matmul rounds them. With AVX512-BF16 one instruction (vdpbf16ps) adds a pair's two products to
+ * each sum; elsewhere the two halves widen to float32 by a shift and a mask (no shuffle) for two
+ * multiply-adds. Either way the products are exact in float32 (8-bit significands), and the odd
+ * feature's is added first, as vdpbf16ps adds it. */
+typedef uint32_t pair_vec __attribute__((vector_size(PANEL_VECTOR * sizeof(uint32_t)), aligned(4)));
+
+static inline __attribute__((always_inline)) panel_vec pair_madd(panel_vec sum, const pair_vec w, const uint32_t xp) {
+#if defined(__AVX512BF16__) && PANEL_VECTOR == 16
+    return (panel_vec)_mm512_dpbf16_ps((__m512)sum, (__m512bh)w, (__m512bh)_mm512_set1_epi32((int)xp));
+#else
+    sum += from_bf16((uint16_t)(xp >> 16)) * (panel_vec)(w & 0xffff0000u);
+    return sum + from_bf16((uint16_t)xp) * (panel_vec)(w << 16);
 #endif
-        default: break;
+}
+
+static inline __attribute__((always_inline)) void packed_tile_bf16(const uint16_t *restrict x, const int64_t k,
+                                                                   const int mr, const uint32_t *restrict p,
+                                                                   const uint16_t *bias, uint16_t *restrict y,
+                                                                   const int64_t n) {
+    panel_vec lo[8], hi[8]; /* mr <= PANEL_ROWS <= 8 of them used */
+    for (int r = 0; r < mr; r++) lo[r] = hi[r] = (panel_vec){0};
+    for (int64_t i = 0; i < k / 2; i++) {
+        const pair_vec w0 = *(const pair_vec *)(p + i * PANEL);
+        const pair_vec w1 = *(const pair_vec *)(p + i * PANEL + PANEL_VECTOR);
+        for (int r = 0; r < mr; r++) {
+            uint32_t xp; /* x[r, 2i] low, x[r, 2i + 1] high: the weights' order */
+            memcpy(&xp, x + r * k + 2 * i, sizeof xp);
+            lo[r] = pair_madd(lo[r], w0, xp);
+            hi[r] = pair_madd(hi[r], w1, xp);
         }
     }
+    float c[PANEL] = {0};
+    if (bias)
+        for (int j = 0; j < PANEL; j++) c[j] = from_bf16(bias[j]);
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < PANEL_VECTOR; j++) {
+            y[r * n + j] = to_bf16(lo[r][j] + c[j]);
+            y[r * n + PANEL_VECTOR + j] = to_bf16(hi[r][j] + c[PANEL_VECTOR + j]);
+        }
 }
+
+PACKED_CHUNK(packed_chunk_bf16, packed_tile_bf16, uint16_t, uint32_t, k / 2 * PANEL)
 #else
 enum { PANEL = 0 };
 #endif /* PANEL_VECTOR */
@@ -647,13 +705,11 @@ enum { PANEL = 0 };
 /* The panel width packed weights use on this build (kvp_linear_packed_f32's), 0 where there is none. */
 int64_t kvp_panel_width(void) { return PANEL; }
 
-/* y[m, n] = x[m, :] . w[n, :] + bias[n] for any number of rows, w packed (above; n a multiple of
- * kvp_panel_width). Split over panels, and over rows too where there are fewer panels than chunks and
- * 64 rows or more to each part (a prefill chunk on many threads). Does nothing on a build without
- * panels (the caller asked kvp_panel_width first). */
-void kvp_linear_packed_f32(const float *x, int64_t rows, const float *packed, const float *bias, int64_t n,
-                           int64_t k, float *y, int64_t num_threads) {
 #ifdef PANEL_VECTOR
+/* Runs `chunk` over a PackedJob: split over panels, and over rows too where there are fewer panels than
+ * chunks and 64 rows or more to each part (a prefill chunk on many threads). */
+static void run_packed(ChunkFn chunk, const void *x, int64_t rows, const void *packed, const void *bias,
+                       int64_t n, int64_t k, void *y, int64_t num_threads) {
     if (rows <= 0 || n <= 0) return;
     const int64_t panels = n / PANEL, row_blocks = (rows + 63) / 64;
     const int64_t threads = thread_count(n * k * rows, 1 << 17, panels * row_blocks, num_threads);
@@ -667,7 +723,27 @@ void kvp_linear_packed_f32(const float *x, int64_t rows, const float *packed, co
     const int64_t chunk_panels = (panels + panel_parts - 1) / panel_parts;
     panel_parts = (panels + chunk_panels - 1) / chunk_panels;
     PackedJob job = {x, packed, bias, y, rows, n, k, panel_parts, chunk_panels, chunk_rows};
-    run_chunks(packed_chunk, &job, panel_parts * row_parts, threads);
+    run_chunks(chunk, &job, panel_parts * row_parts, threads);
+}
+#endif
+
+/* y[m, n] = x[m, :] . w[n, :] + bias[n] for any number of rows, w packed (above; n a multiple of
+ * kvp_panel_width). Does nothing on a build without panels (the caller asked kvp_panel_width first). */
+void kvp_linear_packed_f32(const float *x, int64_t rows, const float *packed, const float *bias, int64_t n,
+                           int64_t k, float *y, int64_t num_threads) {
+#ifdef PANEL_VECTOR
+    run_packed(packed_chunk, x, rows, packed, bias, n, k, y, num_threads);
+#else
+    (void)x, (void)rows, (void)packed, (void)bias, (void)n, (void)k, (void)y, (void)num_threads;
+#endif
+}
+
+/* The same in bfloat16: x [rows, k], bias [n] or NULL and y [rows, n] bfloat16, w packed in pairs
+ * (above; k even). */
+void kvp_linear_packed_bf16(const uint16_t *x, int64_t rows, const uint32_t *packed, const uint16_t *bias,
+                            int64_t n, int64_t k, uint16_t *y, int64_t num_threads) {
+#ifdef PANEL_VECTOR
+    run_packed(packed_chunk_bf16, x, rows, packed, bias, n, k, y, num_threads);
 #else
     (void)x, (void)rows, (void)packed, (void)bias, (void)n, (void)k, (void)y, (void)num_threads;
 #endif

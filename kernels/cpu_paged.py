@@ -22,7 +22,8 @@ bound by the multiply-adds, as fast as torch's at 48-64 rows there and faster be
 Where the build packs (`panel_width` 32 with AVX-512, 16 with AVX2), the decoder's projections and the
 LM head are `pack`ed in place instead and `packed_linear` runs them at every batch size: an
 outer-product tile with no reductions, faster than both at every size measured (docs/kernels.md,
-"Packed weights").
+"Packed weights"). A `--dtype bfloat16` model's weights are packed too, in pairs: half the bytes, and
+with AVX512-BF16 one instruction per pair of multiply-adds; its activations stay bfloat16 in and out.
 And `rms_norm` (x, weight, eps): one call where torch.rms_norm dispatches about 18 ops. The model takes
 both through `use_kernels` (worker/startup/engine_setup.py `use_cpu_kernels`).
 
@@ -82,6 +83,7 @@ BUILD_TIMEOUT_S = 120.0
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _FLOAT32 = torch.float32
+_BF16 = torch.bfloat16
 # What the C cache operations store: float32, or bfloat16 (a float32's upper half, widened by a shift).
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # `linear` and `decode_layers` take batches up to this many rows: the whole model's matmuls in C took
@@ -191,9 +193,12 @@ class CpuPagedOps:
         return out
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [out, in] (float32, CPU) laid out for `packed_linear`: [out / panel_width, in,
-        panel_width], panel p holding output features p * panel_width onwards, input feature by input
-        feature (cpu_paged.c, "packed"). Only where panel_width divides out (`packs`)."""
+        """weight [out, in] (CPU) laid out for `packed_linear`, in panels of `panel_width` output
+        features (cpu_paged.c, "packed"). Float32: [out / panel_width, in, panel_width], panel p holding
+        output features p * panel_width onwards, input feature by input feature. Bfloat16 (a
+        `--dtype bfloat16` model's; `in` even): [out / panel_width, in / 2, panel_width, 2], each
+        output feature's weights for input features 2i and 2i + 1 side by side (one 32-bit word).
+        Only where `packs`."""
         if not self.panel_width:
             raise ValueError(
                 "this build of the C kernels packs no weights (kvp_panel_width 0: no AVX-512 or AVX2)"
@@ -201,25 +206,25 @@ class CpuPagedOps:
         if not self.packs(weight):
             raise ValueError(
                 f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device}: "
-                f"the packed kernel takes float32 CPU [out, in] with out a multiple of {self.panel_width}"
+                f"the packed kernel takes float32 or bfloat16 CPU [out, in] with out a multiple of "
+                f"{self.panel_width} (and in even for bfloat16)"
             )
         out_features, in_features = weight.shape
-        return (
-            weight.detach()
-            .reshape(out_features // self.panel_width, self.panel_width, in_features)
-            .transpose(1, 2)
-            .contiguous()
-        )
+        panels = weight.detach().reshape(out_features // self.panel_width, self.panel_width, in_features)
+        if weight.dtype is _BF16:
+            return panels.reshape(*panels.shape[:2], in_features // 2, 2).transpose(1, 2).contiguous()
+        return panels.transpose(1, 2).contiguous()
 
     def packs(self, weight: torch.Tensor) -> bool:
-        """Whether `pack` takes this weight: a build with panels, float32 CPU [out, in], out a multiple
-        of the panel width (every projection of the Llama-family models measured)."""
+        """Whether `pack` takes this weight: a build with panels, float32 or bfloat16 CPU [out, in], out
+        a multiple of the panel width (every projection of the Llama-family models measured), in even
+        for bfloat16."""
         return (
             self.panel_width > 0
             and weight.dim() == 2
             and weight.shape[1] > 0
             and weight.shape[0] % self.panel_width == 0
-            and weight.dtype is _FLOAT32
+            and (weight.dtype is _FLOAT32 or (weight.dtype is _BF16 and weight.shape[1] % 2 == 0))
             and weight.is_cpu
         )
 
@@ -228,35 +233,42 @@ class CpuPagedOps:
     ) -> torch.Tensor:
         """F.linear(x, weight, bias) where `packed` is `pack(weight)`, for any number of rows: torch has
         no matmul for this layout, so every call of a packed projection runs here, prefill chunks
-        included. x [..., in] float32 on the CPU."""
+        included. x [..., in] on the CPU, and the bias, of the weight's dtype; so is the result
+        (bfloat16: float32 sums, each rounded once, as torch's bf16 matmul rounds them)."""
+        bf16 = packed.dtype is _BF16
+        dtype = _BF16 if bf16 else _FLOAT32
+        name = "bfloat16" if bf16 else "float32"
+        layout = (packed.dim() == 4 and packed.shape[3] == 2) if bf16 else packed.dim() == 3
         if (
-            packed.dim() != 3
+            not layout
             or packed.shape[2] != self.panel_width
             or packed.shape[1] == 0
-            or packed.dtype is not _FLOAT32
+            or packed.dtype is not dtype
             or not packed.is_cpu
             or not packed.is_contiguous()
         ):
             raise ValueError(
-                f"packed_linear: the weight must be `pack`'s contiguous float32 CPU [out / "
-                f"{self.panel_width}, in, {self.panel_width}], got {packed.dtype} {tuple(packed.shape)} "
-                f"on {packed.device}"
+                f"packed_linear: the weight must be `pack`'s contiguous CPU [out / {self.panel_width}, in, "
+                f"{self.panel_width}] (float32) or [out / {self.panel_width}, in / 2, {self.panel_width}, 2] "
+                f"(bfloat16), got {packed.dtype} {tuple(packed.shape)} on {packed.device}"
             )
-        panels, in_features, width = packed.shape
+        panels, width = packed.shape[0], packed.shape[2]
+        in_features = packed.shape[1] * (2 if bf16 else 1)
         out_features = panels * width
-        if x.shape[-1] != in_features or x.dtype is not _FLOAT32 or not x.is_cpu:
+        if x.shape[-1] != in_features or x.dtype is not dtype or not x.is_cpu:
             raise ValueError(
-                f"packed_linear: x must be float32 on the CPU with {in_features} features, got {x.dtype} "
-                f"{tuple(x.shape)} on {x.device}"
+                f"packed_linear: x must be {name} on the CPU with {in_features} features (the weight's "
+                f"dtype), got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
-        if not _bias_fits(bias, out_features):
-            raise ValueError(f"packed_linear: bias must be a contiguous float32 CPU [{out_features}]")
+        if not _bias_fits(bias, out_features, dtype):
+            raise ValueError(f"packed_linear: bias must be a contiguous {name} CPU [{out_features}]")
         rows = x.numel() // in_features
         flat = x.reshape(rows, in_features).contiguous()
-        out = torch.empty(*x.shape[:-1], out_features, dtype=_FLOAT32)
+        out = torch.empty(*x.shape[:-1], out_features, dtype=dtype)
         if rows:
+            kernel = self.library.kvp_linear_packed_bf16 if bf16 else self.library.kvp_linear_packed_f32
             with _traced("kvpact::cpu_linear"):
-                self.library.kvp_linear_packed_f32(
+                kernel(
                     flat.data_ptr(),
                     rows,
                     packed.data_ptr(),
@@ -518,10 +530,10 @@ def _traced(name: str) -> contextlib.AbstractContextManager[object]:
     return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else _UNTRACED
 
 
-def _bias_fits(bias: torch.Tensor | None, out_features: int) -> bool:
-    """None, or what the C linear kernels read as a bias: a contiguous float32 CPU [out_features]."""
+def _bias_fits(bias: torch.Tensor | None, out_features: int, dtype: torch.dtype = _FLOAT32) -> bool:
+    """None, or what the C linear kernels read as a bias: a contiguous CPU [out_features] of `dtype`."""
     return bias is None or (
-        bias.dtype is _FLOAT32 and bias.shape == (out_features,) and bias.is_cpu and bias.is_contiguous()
+        bias.dtype is dtype and bias.shape == (out_features,) and bias.is_cpu and bias.is_contiguous()
     )
 
 
@@ -566,6 +578,8 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_decode_layers_f32.restype = ctypes.c_int
     library.kvp_linear_packed_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
     library.kvp_linear_packed_f32.restype = None
+    library.kvp_linear_packed_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
+    library.kvp_linear_packed_bf16.restype = None
     library.kvp_panel_width.argtypes = []
     library.kvp_panel_width.restype = _i64
     return CpuPagedOps(library, path, panel_width=int(library.kvp_panel_width()))

@@ -336,13 +336,82 @@ def test_packed_linear_equals_torch_at_every_batch_size_split_or_not(ops, with_b
     )
 
 
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of bfloat16 tensors, exact (in float64), rounded once to bfloat16."""
+    b = None if bias is None else bias.double()
+    return torch.nn.functional.linear(x.double(), weight.double(), b).to(torch.bfloat16)
+
+
+def _assert_bf16_linear(
+    ops: cpu_paged.CpuPagedOps, rows: tuple[int, ...], in_features: int, seed: int
+) -> None:
+    """packed_linear on bfloat16 weights gives the exact product rounded to bfloat16 (float32 sums:
+    within a rounding of it), for each row count, on 1 and 4 threads, with and without a bias."""
+    gen = torch.Generator().manual_seed(seed)
+    out_features = 3 * ops.panel_width
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    packed = ops.pack(weight)
+    for bias in (None, torch.randn(out_features, generator=gen).bfloat16()):
+        for n in rows:
+            x = torch.randn(n, in_features, generator=gen).bfloat16()
+            want = _bf16_linear(x, weight, bias)
+            for threads in (1, 4):
+                got = replace(ops, num_threads=threads).packed_linear(x, packed, bias)
+                assert got.dtype is torch.bfloat16 and got.shape == (n, out_features)
+                torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_packed_linear_on_bfloat16_weights_reads_them_in_pairs_and_rounds_float32_sums_once(ops):
+    ops = packing(ops)
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(2 * ops.panel_width, 38, generator=gen).bfloat16()
+    packed = ops.pack(weight)
+    # [out / panel, in / 2, panel, 2]: output feature j's weights for inputs 2i and 2i + 1 side by side
+    assert packed.dtype is torch.bfloat16 and packed.shape == (2, 19, ops.panel_width, 2)
+    p, i, j, h = 1, 7, 5, 1
+    assert packed[p, i, j, h] == weight[p * ops.panel_width + j, 2 * i + h]
+    # rows around the tiles, the small batch's limit and a prefill chunk split over rows too; 576
+    # inputs as the model's, 38 a short panel
+    _assert_bf16_linear(ops, (0, 1, 3, 7, 8, 9, 63, cpu_paged.SMALL_BATCH_ROWS + 1, 700), 576, seed=7)
+    _assert_bf16_linear(ops, (1, 5, 8), 38, seed=8)
+    # leading dimensions kept
+    x = torch.randn(2, 3, 38, generator=gen).bfloat16()
+    torch.testing.assert_close(
+        ops.packed_linear(x, packed).float(), _bf16_linear(x, weight, None).float(), rtol=2**-7, atol=1e-3
+    )
+
+
+@pytest.mark.parametrize("without", ["-mno-avx512bf16", "-mno-avx512f"])
+def test_builds_without_bf16_dot_products_compute_the_same_bfloat16_linear(monkeypatch, tmp_path, without):
+    # This machine's build may run vdpbf16ps (AVX512-BF16); a CPU without it widens the pairs by a shift
+    # and a mask (AVX-512, panels of 32; AVX2, panels of 16): built here as such a CPU would get it
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if platform.machine() not in ("x86_64", "AMD64") or " avx2" not in cpuinfo or " fma" not in cpuinfo:
+        pytest.skip("not an x86 CPU with AVX2 and FMA")
+    if without == "-mno-avx512bf16" and " avx512f" not in cpuinfo:
+        pytest.skip("no AVX-512 here: the AVX2 case covers this CPU")
+    monkeypatch.setattr(cpu_paged, "CFLAGS", (*cpu_paged.CFLAGS, without))
+    monkeypatch.setenv("KVPACT_CACHE_DIR", str(tmp_path))
+    ops = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert not isinstance(ops, str), ops
+    assert ops.panel_width == (16 if without == "-mno-avx512f" else 32)
+    _assert_bf16_linear(ops, (1, 5, 6, 7, 13, 300), 576, seed=9)
+
+
 def test_pack_and_packed_linear_refuse_what_they_cannot_read(ops):
     ops = packing(ops)
     odd = ops.panel_width + 8
     with pytest.raises(ValueError, match=rf"shape \({odd}, 16\).*a multiple of {ops.panel_width}"):
         ops.pack(torch.ones(odd, 16))
-    with pytest.raises(ValueError, match="float32 CPU"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU"):
         ops.pack(torch.ones(64, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"shape \(64, 15\).*in even for bfloat16"):
+        ops.pack(torch.ones(64, 15, dtype=torch.bfloat16))
+    halves = ops.pack(torch.ones(64, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x must be bfloat16 .* \(the weight's dtype\)"):
+        ops.packed_linear(torch.ones(3, 16), halves)
+    with pytest.raises(ValueError, match=r"bias must be a contiguous bfloat16 CPU \[64\]"):
+        ops.packed_linear(torch.ones(3, 16, dtype=torch.bfloat16), halves, torch.ones(64))
     packed = ops.pack(torch.ones(64, 16))
     with pytest.raises(ValueError, match="16 features"):
         ops.packed_linear(torch.ones(3, 17), packed)

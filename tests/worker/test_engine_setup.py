@@ -484,7 +484,7 @@ def test_on_a_build_with_panels_every_projection_and_the_lm_head_are_packed_once
     assert counts[0] == counts[1]
     # what the startup log says was packed (2 layers x 4 projections), and nothing without the kernels
     fresh = [engine_setup.load_model(model_dir, device="cpu", dtype=torch.float32).model for _ in range(2)]
-    want = f"8 projections and the LM head in panels of {ops.panel_width}"
+    want = f"8 projections and the LM head in panels of {ops.panel_width} (float32)"
     assert engine_setup.use_cpu_kernels(fresh[0], True) == want
     assert (
         engine_setup.use_cpu_kernels(fresh[1], False) == ""
@@ -494,3 +494,35 @@ def test_on_a_build_with_panels_every_projection_and_the_lm_head_are_packed_once
     prompt = tuple(range(5, 5 + cpu_paged.SMALL_BATCH_ROWS + 36))
     (a,), (b,) = on.run([greedy("c", prompt, 12)], timeout=60), off.run([greedy("t", prompt, 12)], timeout=60)
     assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_llama_tied"])
+def test_a_bfloat16_model_packs_its_projections_and_lm_head_in_pairs_and_computes_what_torch_does(
+    request, model
+):
+    # --dtype bfloat16 on the C kernels: the same packing, in pairs (kernels/cpu_paged.py `pack`); each
+    # projection, the LM head and the tied table's lookups give torch's bfloat16 results (the exact
+    # product rounded once, as torch's bf16 matmul rounds it)
+    ops = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert not isinstance(ops, str)
+    if not ops.panel_width:
+        pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has no AVX-512)")
+    model_dir = request.getfixturevalue(model)
+    packed_model, torch_model = (
+        engine_setup.load_model(model_dir, device="cpu", dtype=torch.bfloat16).model for _ in range(2)
+    )
+    want = f"8 projections and the LM head in panels of {ops.panel_width} (bfloat16 pairs)"
+    assert engine_setup.use_cpu_kernels(packed_model, True) == want
+    gen = torch.Generator().manual_seed(3)
+    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    for mine, theirs in zip(packed_model.model.layers, torch_model.model.layers, strict=True):
+        for name in names:
+            packed, plain = mine.get_submodule(name), theirs.get_submodule(name)
+            assert packed.packed and packed.weight.dtype is torch.bfloat16
+            x = torch.randn(5, plain.in_features, generator=gen).bfloat16()
+            torch.testing.assert_close(packed(x).float(), plain(x).float(), rtol=2**-7, atol=1e-3)
+    hidden = torch.randn(3, torch_model.config.hidden_size, generator=gen).bfloat16()
+    logits = packed_model.compute_logits(hidden), torch_model.compute_logits(hidden)
+    torch.testing.assert_close(*logits, rtol=2**-7, atol=1e-3)
+    ids = torch.tensor([0, 5, 31, 32, 383])
+    assert torch.equal(packed_model.model.embed_tokens(ids), torch_model.model.embed_tokens(ids))

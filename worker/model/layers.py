@@ -22,8 +22,8 @@ class Linear(nn.Linear):
 
     @property
     def packed(self) -> bool:
-        """`weight` is laid out for `matmul` alone ([out / panel, in, panel]), not [out, in]."""
-        return self.weight.dim() == 3
+        """`weight` is laid out for `matmul` alone (kernels/cpu_paged.py `pack`), not [out, in]."""
+        return self.weight.dim() > 2
 
     def use_packed(self, weight: torch.Tensor, matmul: LinearFn) -> None:
         """From now on `weight` (this layer's, packed for `matmul`) replaces [out, in], and `matmul`
@@ -38,15 +38,16 @@ class Linear(nn.Linear):
 class Embedding(nn.Embedding):
     """nn.Embedding whose table `use_packed` can lay out for the packed matmul of a tied LM head (which
     reads this same tensor): a lookup then takes each token's features from its panel, where they lie
-    `panel` floats apart."""
+    `panel` elements apart (float32), or in pairs `panel` pairs apart (bfloat16, kernels/cpu_paged.py
+    `pack`)."""
 
     @property
     def panel(self) -> int:
         """The packed table's panel width (kernels/cpu_paged.py `pack`); 0: [vocab, hidden]."""
-        return self.weight.shape[2] if self.weight.dim() == 3 else 0
+        return self.weight.shape[2] if self.weight.dim() > 2 else 0
 
     def use_packed(self, weight: torch.Tensor) -> None:
-        """From now on `weight`, this table packed ([vocab / panel, hidden, panel]), replaces the table."""
+        """From now on `weight`, this table packed (`pack`'s layout), replaces the table."""
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,8 @@ class Embedding(nn.Embedding):
             low, high = torch.aminmax(input_ids)
             if not 0 <= int(low) <= int(high) < self.num_embeddings:
                 raise IndexError(f"token ids must be in [0, {self.num_embeddings}): index out of range")
-        return self.weight[input_ids // panel, :, input_ids % panel]  # [..., hidden]
+        rows = self.weight[input_ids // panel, :, input_ids % panel]  # [..., hidden] or [..., hidden / 2, 2]
+        return rows.flatten(-2) if rows.dim() > input_ids.dim() + 1 else rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -451,16 +451,19 @@ def _capture_graphs(
 
 
 def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
-    """Where --cpu-kernels realized and the weights are float32, the model runs the C kernels
-    (kernels/cpu_paged.py): every RMSNorm, and the projections and LM head of small batches (larger
-    ones stay on torch's matmul). Where the build packs (AVX-512 or AVX2) and every decoder projection's
-    output size is a multiple of its panel, the decoder layers' projections are packed instead and run
-    the packed kernel at every batch size; so is the LM head where its vocabulary is such a multiple
-    (a tied head packs the embedding's table, which its lookups then read packed). Returns what was
-    packed, for the startup log ("" for nothing: the kernels not realized, a build without panels, or
-    output sizes that are not multiples of the panel)."""
+    """Where --cpu-kernels realized and the weights are float32 or bfloat16, the model runs the C
+    kernels (kernels/cpu_paged.py). Float32: every RMSNorm, and the projections and LM head of small
+    batches (larger ones stay on torch's matmul). Where the build packs (AVX-512 or AVX2) and every
+    decoder projection's output size is a multiple of its panel, the decoder layers' projections are
+    packed instead and run the packed kernel at every batch size; so is the LM head where its vocabulary
+    is such a multiple (a tied head packs the embedding's table, which its lookups then read packed).
+    Bfloat16 (`--dtype bfloat16`): the same packing, in pairs, where the build packs; the rest of the
+    model stays on torch's bf16 ops. Returns what was packed, for the startup log ("" for nothing: the
+    kernels not realized, a build without panels, or output sizes that are not multiples of the
+    panel)."""
     weight = model.model.embed_tokens.weight
-    if not (cpu_kernels and weight.dtype == torch.float32 and weight.device.type == "cpu"):
+    dtype = weight.dtype
+    if not (cpu_kernels and dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"):
         return ""
     del weight  # packing replaces it: not held twice past its own copy
     ops = cpu_paged.required(torch.float32, torch.device("cpu"))
@@ -479,7 +482,8 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
             head.use_packed(ops.pack(head.weight))
         model.head_matmul = ops.packed_linear
         packed.append("the LM head")
-    return f"{' and '.join(packed)} in panels of {ops.panel_width}" if packed else ""
+    kind = "bfloat16 pairs" if dtype is torch.bfloat16 else "float32"
+    return f"{' and '.join(packed)} in panels of {ops.panel_width} ({kind})" if packed else ""
 
 
 def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:
