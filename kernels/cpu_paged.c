@@ -772,14 +772,27 @@ typedef struct {
     void *key_cache, *value_cache;
 } DecoderLayer;
 
-/* One of a decoder layer's projections: its weights packed (kvp_linear_packed_f32) or not. */
+/* How a decoder layer's projections are laid out: [n, k] float32, packed float32, packed bfloat16 pairs. */
+enum { PLAIN = 0, PACKED_F32 = 1, PACKED_BF16 = 2 };
+
+/* One of a decoder layer's projections, float32 x [rows, k] -> y [rows, n]. On bfloat16 pairs x is
+ * rounded to bfloat16 (into x16) and the product (rounded, into y16) widened back, bias added: what the
+ * model's bf16 layer does with the same kernel. */
 static void projection(const float *x, int64_t rows, const float *w, const float *bias, int64_t n, int64_t k,
-                       float *y, int64_t num_threads, int64_t packed) {
-    if (packed)
+                       float *y, int64_t num_threads, int64_t packed, uint16_t *x16, uint16_t *y16) {
+    if (packed == PACKED_BF16) {
+        for (int64_t i = 0; i < rows * k; i++) x16[i] = to_bf16(x[i]);
+        kvp_linear_packed_bf16(x16, rows, (const uint32_t *)w, NULL, n, k, y16, num_threads);
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t j = 0; j < n; j++) y[m * n + j] = from_bf16(y16[m * n + j]) + (bias ? bias[j] : 0.0f);
+    } else if (packed == PACKED_F32) {
         kvp_linear_packed_f32(x, rows, w, bias, n, k, y, num_threads);
-    else
+    } else {
         kvp_linear_f32(x, rows, w, bias, n, k, y, num_threads);
+    }
 }
+
+static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 /* A decode step of `rows` sequences (one new token each) through `num_layers` layers in one call: what
  * the model's Python would do layer by layer with the kernels above, without a dispatch between them
@@ -787,8 +800,10 @@ static void projection(const float *x, int64_t rows, const float *w, const float
  * in place. cos, sin [rows, head_dim]: RotaryEmbedding.cos_sin's (sin negated on the first half), so
  * dimension i rotates as x[i] * cos[i] + x[i +- head_dim / 2] * sin[i]. Each token's rotated K and its V
  * go to its slot (rounded to bfloat16 where cache_bf16), then it attends over its context
- * (kvp_decode_f32's tables). `packed`: the layers' four projections are packed (kvp_linear_packed_f32's
- * layout), else [n, k]. Returns 0, or 1 when memory could not be had (x is then incomplete). */
+ * (kvp_decode_f32's tables). `packed`: how the layers' four projections are laid out (PLAIN,
+ * PACKED_F32, PACKED_BF16: a bfloat16 model's, whose norm weights and biases the caller gives as float32;
+ * the residual stream and every op between the projections stay float32). Returns 0, or 1 when memory
+ * could not be had (x is then incomplete). */
 int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
                           int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                           int64_t intermediate, float eps, float scale, const float *cos, const float *sin,
@@ -798,8 +813,13 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
     const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, half = head_dim / 2;
     const int64_t floats = rows * (hidden * 2 + qkv_size + q_size * 2 + intermediate * 3) + kv_size;
-    float *buffer = (float *)malloc((size_t)floats * sizeof(float));
+    /* bfloat16 pairs: a projection's input and output rounded (the widest of each) */
+    const int64_t halves = packed == PACKED_BF16
+                               ? rows * (max3(hidden, q_size, intermediate) + max3(qkv_size, hidden, 2 * intermediate))
+                               : 0;
+    float *buffer = (float *)malloc((size_t)floats * sizeof(float) + (size_t)halves * sizeof(uint16_t));
     if (buffer == NULL) return 1;
+    uint16_t *x16 = (uint16_t *)(buffer + floats), *y16 = x16 + rows * max3(hidden, q_size, intermediate);
     float *normed = buffer, *delta = normed + rows * hidden, *qkv = delta + rows * hidden;
     float *query = qkv + rows * qkv_size, *attended = query + rows * q_size;
     float *gate_up = attended + rows * q_size, *act = gate_up + rows * 2 * intermediate;
@@ -808,7 +828,7 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
     for (int64_t l = 0; l < num_layers; l++) {
         const DecoderLayer *L = &layers[l];
         kvp_rms_norm_f32(x, rows, hidden, L->input_norm, eps, normed);
-        projection(normed, rows, L->qkv, L->qkv_bias, qkv_size, hidden, qkv, num_threads, packed);
+        projection(normed, rows, L->qkv, L->qkv_bias, qkv_size, hidden, qkv, num_threads, packed, x16, y16);
         for (int64_t m = 0; m < rows; m++) {
             const float *c = cos + m * head_dim, *s = sin + m * head_dim;
             const float *src = qkv + m * qkv_size;
@@ -830,13 +850,14 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
                                 context_lens, rows, q_heads, kv_heads, head_dim, block_size, scale, attended,
                                 num_threads, cache_bf16);
         if (status) break; /* no score buffer: the attention output is incomplete */
-        projection(attended, rows, L->o, L->o_bias, hidden, q_size, delta, num_threads, packed);
+        projection(attended, rows, L->o, L->o_bias, hidden, q_size, delta, num_threads, packed, x16, y16);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
         kvp_rms_norm_f32(x, rows, hidden, L->post_norm, eps, normed);
-        projection(normed, rows, L->gate_up, NULL, 2 * intermediate, hidden, gate_up, num_threads, packed);
+        projection(normed, rows, L->gate_up, NULL, 2 * intermediate, hidden, gate_up, num_threads, packed, x16,
+                   y16);
         for (int64_t m = 0; m < rows; m++)
             silu_mul(gate_up + m * 2 * intermediate, intermediate, act + m * intermediate);
-        projection(act, rows, L->down, NULL, hidden, intermediate, delta, num_threads, packed);
+        projection(act, rows, L->down, NULL, hidden, intermediate, delta, num_threads, packed, x16, y16);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
     }
     free(buffer);

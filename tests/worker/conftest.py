@@ -39,10 +39,11 @@ def worker_spec(
     max_num_seqs: int = 0,
     max_num_batched_tokens: int = 0,
     features: FeatureIntents | None = None,
+    dtype: str = "auto",
     **paged: object,
 ) -> WorkerSpec:
     """A CPU WorkerSpec; `paged` are PagedAttentionConfig fields (context_tokens=..., block_size=...),
-    `features` the other features' modes (default: every one auto)."""
+    `features` the other features' modes (default: every one auto), `dtype` the weights' (--dtype)."""
     settings = PagedAttentionConfig(**paged)  # type: ignore[arg-type]
     return WorkerSpec(
         model=str(model),
@@ -52,6 +53,7 @@ def worker_spec(
         max_num_batched_tokens=max_num_batched_tokens,
         cache=cache_intent(PagedAttentionMode(mode), settings),
         features=features or FeatureIntents(),
+        dtype=dtype,
     )
 
 

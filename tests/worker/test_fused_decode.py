@@ -14,7 +14,7 @@ from kvpact.kernels import cpu_paged
 from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.startup import engine_setup
-from tests.factories.tiny_models import make_tiny_llama
+from tests.factories.tiny_models import make_tiny_llama, make_tiny_qwen2
 from tests.worker.conftest import greedy
 from tests.worker.test_parity import record_logits
 
@@ -161,3 +161,34 @@ def test_on_a_bfloat16_cache_the_c_layers_compute_what_the_layers_compute(make_e
     assert fused.step_loop.runner.cache.key[0].dtype is torch.bfloat16
     assert fused.step_loop.runner.cache.cpu_kernels
     assert_fused_computes_what_the_layers_compute(fused, plain)
+
+
+BF16_LOGITS_ATOL = 0.3  # measured 0.09-0.17 on logits of magnitude 5-7, the layer-by-layer path alike
+
+
+@pytest.mark.parametrize("maker", [make_tiny_llama, make_tiny_qwen2], ids=["llama", "qwen2"])
+def test_a_bfloat16_model_runs_the_c_layers_on_its_packed_weights_as_near_float32_as_its_layers(
+    make_engine, tmp_path, maker
+):
+    # --dtype bfloat16 on the C kernels: its packed bf16 projections in the C decode layers, the stream
+    # between them in float32; the layer-by-layer path rounds every op to bf16. Neither is float32 (the
+    # same weights, widened): each is held to it over the steps before its tokens leave float32's.
+    model_dir = maker(tmp_path, dtype=torch.bfloat16)
+    fused, plain, exact = (make_engine(model_dir, "on", dtype=d) for d in ("bfloat16", "bfloat16", "float32"))
+    assert fused.step_loop.runner.fused is not None
+    assert fused.step_loop.runner.model.model.layers[0].mlp.down_proj.weight.dtype is torch.bfloat16
+    plain.step_loop.runner.fused = None
+    ran = fused_rows(fused)
+    want_tokens, want_logits = generate(exact, 4, 12)
+    for engine in (fused, plain):
+        tokens, logits = generate(engine, 4, 12)
+        compared = 0
+        for i, rid in enumerate(sorted(want_logits)):
+            pairs = zip(tokens[i], want_tokens[i], strict=True)
+            agree = next((k for k, (a, b) in enumerate(pairs) if a != b), 12)
+            steps = min(agree + 1, 12)  # the step that chose differently saw the same tokens
+            got, want = torch.stack(logits[rid][:steps]), torch.stack(want_logits[rid][:steps])
+            torch.testing.assert_close(got, want, atol=BF16_LOGITS_ATOL, rtol=0)
+            compared += steps
+        assert compared >= 24, f"tokens left float32's too early to compare: {compared} steps"
+    assert ran.count(4) >= 10, ran

@@ -7,7 +7,8 @@ residual adds and the attention step (docs/performance.md). So a step that is
 
 - decodes only (one new token per sequence), at most SMALL_BATCH_ROWS of them,
 - on a cache whose decodes run the C decode kernel (paged or eager, float32 or bfloat16 on the CPU),
-- of a single-device model with float32 CPU weights and no tensor-parallel reduce,
+- of a single-device model with float32 CPU weights, or bfloat16 ones packed (`--dtype bfloat16`), and
+  no tensor-parallel reduce,
 
 runs the embedding and the final norm in torch and every layer in between with
 `kvp_decode_layers_f32`: the same kernels the layer-by-layer path calls (C linear, RMSNorm, decode),
@@ -15,6 +16,13 @@ with RoPE, the K/V write, SiLU and the residual adds written out in C. RoPE and 
 from torch's ops (a fused multiply-add, libm's expf), so the two paths agree within float32 rounding,
 not bit for bit (tests/worker/test_fused_decode.py holds them together). Every other step runs the
 model's Python forward.
+
+A bfloat16 model's layers run the same way, on its packed bf16 projections (the kernel its layers
+call, each projection's input and output rounded to bfloat16 as there), with the residual stream, the
+norms (their weights and the biases copied to float32 once), RoPE, SiLU and the attention's query in
+float32 between them, where the layer-by-layer path rounds each op's result to bfloat16. Both are as
+far from the same weights run in float32 (the projections' rounding, which they share, is most of it):
+tests/worker/test_fused_decode.py holds each to it.
 
 The weights' and pools' pointers are gathered once, when the engine is built: nothing replaces a
 parameter or a pool after that.
@@ -53,12 +61,20 @@ class FusedDecode:
         # the eager cache's "block" is a sequence slot of max_model_len tokens
         self.num_blocks, self.block_size = cache.key[0].shape[:2]
         # engine_setup.use_cpu_kernels packs every decoder projection or none (_check_shapes holds it)
-        self.packed = decoder_layers(model)[0].self_attn.qkv_proj.packed
+        first = decoder_layers(model)[0].self_attn.qkv_proj
+        self.packed = first.packed
+        self.dtype = first.weight.dtype  # float32, or bfloat16 (packed: fused_decode checked)
         self.cache_bf16 = cache.key[0].dtype is torch.bfloat16
         _check_shapes(model, cache, ops.panel_width if self.packed else 0)
+        self.float32_copies: list[torch.Tensor] = []  # a bfloat16 model's norm weights and biases
 
         def ptr(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
+            if t is None:
+                return None
+            if t.dtype is not torch.float32 and t.dim() == 1:  # a norm's weight or a bias
+                t = t.float()
+                self.float32_copies.append(t)
+            return t.data_ptr()
 
         self.layers = (DecoderLayer * c.num_layers)(
             *(
@@ -85,8 +101,8 @@ class FusedDecode:
         if batch is None or not 0 < rows <= cpu_paged.SMALL_BATCH_ROWS:
             return None
         model = self.model
-        x = model.model.embed_tokens(input_ids)  # a new tensor: the C code updates it in place
-        cos, sin = model.rotary.cos_sin(positions, x.dtype)
+        x = model.model.embed_tokens(input_ids).float()  # a new tensor: the C code updates it in place
+        cos, sin = model.rotary.cos_sin(positions, torch.float32)
         self.ops.decode_layers(
             x,
             self.layers,
@@ -98,8 +114,9 @@ class FusedDecode:
             self.num_blocks * self.block_size,
             packed=self.packed,
             cache_bf16=self.cache_bf16,
+            weights_bf16=self.dtype is torch.bfloat16,
         )
-        return model.model.norm(x)
+        return model.model.norm(x.to(self.dtype))
 
 
 def _decode_batch(attn: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -114,14 +131,18 @@ def _decode_batch(attn: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
     """The C decode layers for this model and cache, or None where they do not apply: a cache without
-    the C decode kernel (--cpu-kernels off or fallen back, a staged --device-map), weights not float32
-    on the CPU, or tensor parallel (a rank's layers reduce over the others')."""
+    the C decode kernel (--cpu-kernels off or fallen back, a staged --device-map), weights not all float32
+    or all bfloat16 on the CPU, bfloat16 projections not packed (a build without panels), or tensor
+    parallel (a rank's layers reduce over the others')."""
     weights = list(model.parameters())
+    dtype = weights[0].dtype if weights else None
     if (
         not isinstance(cache, PagedCache | EagerCache)
         or not cache.cpu_kernels
         or cache.key[0].dtype not in cpu_paged.CACHE_DTYPES
-        or any(w.dtype != torch.float32 or not w.is_cpu or not w.is_contiguous() for w in weights)
+        or dtype not in (torch.float32, torch.bfloat16)
+        or any(w.dtype != dtype or not w.is_cpu or not w.is_contiguous() for w in weights)
+        or (dtype is torch.bfloat16 and not decoder_layers(model)[0].self_attn.qkv_proj.packed)
         or any(
             layer.self_attn.reduce is not None or layer.mlp.reduce is not None
             for layer in decoder_layers(model)
@@ -133,16 +154,19 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
 
 def _check_shapes(model: LlamaForCausalLM, cache: PagedCache | EagerCache, panel_width: int) -> None:
     """What the C code reads through the pointers, held to the config it is told: every weight's and
-    pool's shape (contiguous, float32 weights and a float32 or bfloat16 first pool checked by
+    pool's shape (contiguous weights of one dtype and a float32 or bfloat16 first pool checked by
     `fused_decode`, every pool of the first's dtype; with a panel_width, every projection
     as `pack` laid it out, else [out, in]). A mismatch is a bug in how the engine was built, raised here
     rather than read out of bounds in C."""
     c = model.config
     q, kv, hd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
     layers = decoder_layers(model)
+    pairs = layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16  # `pack`'s bfloat16 layout
 
     def projection(out_features: int, in_features: int) -> tuple[int, ...]:
         p = panel_width
+        if pairs:
+            return (out_features // p, in_features // 2, p, 2)
         return (out_features // p, in_features, p) if p else (out_features, in_features)
 
     want = {
