@@ -526,3 +526,8 @@ def test_a_bfloat16_model_packs_its_projections_and_lm_head_in_pairs_and_compute
     torch.testing.assert_close(*logits, rtol=2**-7, atol=1e-3)
     ids = torch.tensor([0, 5, 31, 32, 383])
     assert torch.equal(packed_model.model.embed_tokens(ids), torch_model.model.embed_tokens(ids))
+    # the norms stay the model's own (their variance in float32; torch.rms_norm's in bfloat16 changed
+    # the SmolLM2 answers), bit for bit
+    x = (10 * torch.randn(4, torch_model.config.hidden_size, generator=gen)).bfloat16()
+    for mine, theirs in zip(packed_model.model.layers, torch_model.model.layers, strict=True):
+        assert torch.equal(mine.input_layernorm(x), theirs.input_layernorm(x))

@@ -467,7 +467,8 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
         return ""
     del weight  # packing replaces it: not held twice past its own copy
     ops = cpu_paged.required(torch.float32, torch.device("cpu"))
-    model.use_kernels(ops.linear, ops.rms_norm)
+    if dtype is torch.float32:  # a bfloat16 model keeps its own norms (their variance in float32)
+        model.use_kernels(ops.linear, ops.rms_norm)
     packed = []
     projections = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
     if projections and all(ops.packs(m.weight) for m in projections):
