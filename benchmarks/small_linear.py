@@ -3,6 +3,7 @@ on packed ones) against torch's matmul, on a model's own weight shapes: where `S
 from, and what packing the projections buys.
 
     python -m benchmarks.small_linear [--model PATH] [--rows 1,4,8,16,32,48,64,96,512] [--rounds 3]
+        [--dtype float32|bfloat16]
 
 Every projection of every layer and the LM head, random float32 weights of the model's shapes, one
 batch of ROWS random inputs; the best of ROUNDS passes over all of them (best, not mean: on a shared
@@ -10,7 +11,8 @@ machine the best round is the closest to what the cores can do), torch's threads
 SMALL_BATCH_ROWS are measured in C too (the limit lifted for this script), so the crossover shows. The
 packed column packs what the engine packs (every projection and the LM head, worker/startup/
 engine_setup.py `use_cpu_kernels`); it is blank on a build without panels (kvp_panel_width 0: not
-AVX-512).
+AVX-512). `--dtype bfloat16`: a bf16 model's weights and inputs, packed in pairs, against torch's bf16
+matmul (the [out, in] C kernel takes float32 only: its column is blank).
 """
 
 from __future__ import annotations
@@ -38,18 +40,20 @@ def weight_shapes(model: Path) -> list[tuple[int, int]]:
     return layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
 
 
-def measure(shapes: list[tuple[int, int]], rows: int, rounds: int) -> dict[str, float]:
-    """{"C", "packed" (where the build packs), "torch"}: ms, the best pass over every shape."""
+def measure(
+    shapes: list[tuple[int, int]], rows: int, rounds: int, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
+    """{"C" (float32), "packed" (where the build packs), "torch"}: ms, the best pass over every shape."""
     loaded = cpu_paged.load(torch.float32, torch.device("cpu"))
     if isinstance(loaded, str):
         raise SystemExit(f"the C kernels cannot run here: {loaded}")
-    weights = [torch.randn(shape) for shape in shapes]
-    inputs = {k: torch.randn(rows, k) for _, k in shapes}
-    packed = [loaded.pack(w) for w in weights] if loaded.panel_width else []
+    weights = [torch.randn(shape).to(dtype) for shape in shapes]
+    inputs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
+    packed = [(w.shape[1], loaded.pack(w)) for w in weights] if loaded.panel_width else []
 
     def run_packed() -> None:
-        for p in packed:
-            loaded.packed_linear(inputs[p.shape[1]], p)
+        for in_features, p in packed:
+            loaded.packed_linear(inputs[in_features], p)
 
     def run(matmul: Callable[..., torch.Tensor]) -> Callable[[], None]:
         def one_pass() -> None:
@@ -58,7 +62,9 @@ def measure(shapes: list[tuple[int, int]], rows: int, rounds: int) -> dict[str, 
 
         return one_pass
 
-    passes = {"C": run(loaded.linear), "torch": run(F.linear)}
+    passes = {"torch": run(F.linear)}
+    if dtype is torch.float32:
+        passes["C"] = run(loaded.linear)
     if packed:
         passes["packed"] = run_packed
     limit, cpu_paged.SMALL_BATCH_ROWS = cpu_paged.SMALL_BATCH_ROWS, max(rows, cpu_paged.SMALL_BATCH_ROWS)
@@ -81,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
     parser.add_argument("--rows", default="1,4,8,16,32,48,64,96,512", help="batch sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="passes per batch size (the best counts)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and inputs"
+    )
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     if args.model:
         path = Path(args.model)
     else:
@@ -89,15 +99,17 @@ def main(argv: list[str] | None = None) -> int:
 
         path = default_model_path()
     shapes = weight_shapes(path)
-    print(f"{len(shapes)} weight matrices of {path.name}, {torch.get_num_threads()} torch threads")
+    print(
+        f"{len(shapes)} {args.dtype} weight matrices of {path.name}, {torch.get_num_threads()} torch threads"
+    )
     print("| rows | C ms | C packed ms | torch ms | C / torch | packed / torch |")
     print("|---:|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
-        ms = measure(shapes, rows, args.rounds)
-        c, t, p = ms["C"], ms["torch"], ms.get("packed")
-        packed = f"{p:.1f} | " if p else " | "
-        ratio = f"{p / t:.2f}" if p else ""
-        print(f"| {rows} | {c:.1f} | {packed}{t:.1f} | {c / t:.2f} | {ratio} |")
+        ms = measure(shapes, rows, args.rounds, dtype)
+        c, t, p = ms.get("C"), ms["torch"], ms.get("packed")
+        ratios = " | ".join(f"{x / t:.2f}" if x else "" for x in (c, p))
+        cells = " | ".join(f"{x:.1f}" if x else "" for x in (c, p, t))
+        print(f"| {rows} | {cells} | {ratios} |")
     return 0
 
 
