@@ -166,15 +166,16 @@ def test_on_a_bfloat16_cache_the_c_layers_compute_what_the_layers_compute(make_e
 BF16_LOGITS_ATOL = 0.3  # measured 0.09-0.17 on logits of magnitude 5-7, the layer-by-layer path alike
 
 
+@pytest.mark.parametrize("mode", ["on", "off"], ids=["paged", "eager"])
 @pytest.mark.parametrize("maker", [make_tiny_llama, make_tiny_qwen2], ids=["llama", "qwen2"])
 def test_a_bfloat16_model_runs_the_c_layers_on_its_packed_weights_as_near_float32_as_its_layers(
-    make_engine, tmp_path, maker
+    make_engine, tmp_path, maker, mode
 ):
     # --dtype bfloat16 on the C kernels: its packed bf16 projections in the C decode layers, the stream
     # between them in float32; the layer-by-layer path rounds every op to bf16. Neither is float32 (the
     # same weights, widened): each is held to it over the steps before its tokens leave float32's.
     model_dir = maker(tmp_path, dtype=torch.bfloat16)
-    fused, plain, exact = (make_engine(model_dir, "on", dtype=d) for d in ("bfloat16", "bfloat16", "float32"))
+    fused, plain, exact = (make_engine(model_dir, mode, dtype=d) for d in ("bfloat16", "bfloat16", "float32"))
     assert fused.step_loop.runner.fused is not None
     assert fused.step_loop.runner.model.model.layers[0].mlp.down_proj.weight.dtype is torch.bfloat16
     plain.step_loop.runner.fused = None
