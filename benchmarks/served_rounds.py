@@ -2,7 +2,7 @@
 same engine in-process on the mixed workload, or two hand-started workers against one.
 
     python -m benchmarks.served_rounds [--compare served|shared] [--rounds 6] [--model PATH]
-                                       [--max-num-seqs 32] [--requests 32]
+                                       [--max-num-seqs 32] [--requests 32] [--dtype bfloat16]
 
 served: one router + paged worker and one in-process paged engine, built as the offline suite builds
 them (`--max-num-seqs 32`, `--max-num-batched-tokens 2048`), run the mixed draw alternately (which goes
@@ -12,7 +12,8 @@ first N) check the ratio where each step carries fewer sequences: issue 25 asks 
 (at 1, a run of the whole draw takes over a minute a side; `--requests 8` keeps it to about 20 s).
 `--requests` applies to shared too. shared: the suite's `shared_machine` (a router and 1, then 2, hand-started
 workers, no thread flags) once per round; prints two workers' tok/s over one's. More rounds than the
-suite's 3 when a ratio sits near its line (docs/performance.md, "The headline").
+suite's 3 when a ratio sits near its line (docs/performance.md, "The headline"). `--dtype` (shared only):
+every worker's weights (the suite runs the default, float32).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
     parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="both engines' (served only)")
     parser.add_argument("--requests", type=int, default=32, help="the mixed draw's first N")
+    parser.add_argument("--dtype", default="", help="every worker's --dtype (shared only)")
     args = parser.parse_args(argv)
     model = Path(args.model) if args.model else default_model_path()
     config = read_model_config(model)
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     items = workloads.fit(workloads.mixed(32, SEED, config.vocab_size), max_model_len)[: args.requests]
     if args.compare == "shared":
         for r in range(args.rounds):
-            runs = shared_machine(model, items, max_model_len, quick=False)
+            dtype = ("--dtype", args.dtype) if args.dtype else ()
+            runs = shared_machine(model, items, max_model_len, quick=False, worker_args=dtype)
             print(f"round {r}: one worker {runs[1][0].wall_s:.1f} s, two {runs[2][0].wall_s:.1f} s, "
                   f"two / one tok/s {shared_ratio(runs):.2f}", flush=True)  # fmt: skip
         return 0

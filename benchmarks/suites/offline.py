@@ -206,20 +206,28 @@ def _each_round(runs: dict[tuple[str, str], list[Run]], workload: str, system: s
 
 
 def shared_machine(
-    model: Path, items: Sequence[WorkItem], max_model_len: int, quick: bool, rounds: int = 1
+    model: Path,
+    items: Sequence[WorkItem],
+    max_model_len: int,
+    quick: bool,
+    rounds: int = 1,
+    worker_args: tuple[str, ...] = (),
 ) -> dict[int, list[Run]]:
     """The README's multi-worker case as an operator runs it: one router and N hand-started workers on this
     machine, no thread flags, the same requests (6 x 48 tokens, ignore_eos; 4 x 16 in --quick) spread over
     them, after two short warm-up requests per worker. {num_workers: each round's run}; N = 1 is the worker
     alone. Each round starts both tiers afresh, one worker first in even rounds and two in odd ones: the
-    load lasts a few seconds, so one run moves by tens of percent on a shared host."""
+    load lasts a few seconds, so one run moves by tens of percent on a shared host. `worker_args`: more
+    flags for every worker (`--dtype bfloat16`)."""
     n, tokens = (4, 16) if quick else (6, 48)
     load = [WorkItem(item.prompt[:64], tokens) for item in items[:n]]
     warm = [WorkItem(item.prompt[:16], 4) for item in load]
     result: dict[int, list[Run]] = {1: [], 2: []}
     for r in range(rounds):
         for num_workers in (1, 2) if r % 2 == 0 else (2, 1):
-            cluster = Cluster(model, "paged", max_model_len, MAX_NUM_SEQS, num_workers=num_workers)
+            cluster = Cluster(
+                model, "paged", max_model_len, MAX_NUM_SEQS, num_workers=num_workers, worker_args=worker_args
+            )
             try:
                 cluster.start().wait_ready()
                 stream_run(cluster.address, warm[: 2 * num_workers])
