@@ -658,8 +658,10 @@ PACKED_CHUNK(packed_chunk, packed_tile, float, float, k * PANEL)
  * too (the model's activations); the sums are float32, rounded once to bfloat16 at the end, as torch's
  * bf16 matmul rounds them. With AVX512-BF16 one instruction (vdpbf16ps) adds a pair's two products to
  * each sum; elsewhere the two halves widen to float32 by a shift and a mask (no shuffle) for two
- * multiply-adds. Either way the products are exact in float32 (8-bit significands), and the odd
- * feature's is added first, as vdpbf16ps adds it. */
+ * multiply-adds. Either way the products of normal values are exact in float32 (8-bit significands),
+ * and the odd feature's is added first, as vdpbf16ps adds it; the two builds agree bit for bit but
+ * where vdpbf16ps flushes a subnormal input or sum to zero (below 1.2e-38, far under any weight's or
+ * activation's scale). */
 typedef uint32_t pair_vec __attribute__((vector_size(PANEL_VECTOR * sizeof(uint32_t)), aligned(4)));
 
 static inline __attribute__((always_inline)) panel_vec pair_madd(panel_vec sum, const pair_vec w, const uint32_t xp) {
@@ -766,25 +768,29 @@ void kvp_rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *we
 
 /* The weights and KV pools of one decoder layer (a Llama block: RMSNorm, fused q/k/v projection, RoPE,
  * attention, output projection, residual; RMSNorm, fused gate/up projection, SiLU(gate) * up, down
- * projection, residual). Biases may be NULL. The pools are kvp_decode_f32's (float32, or bfloat16). */
+ * projection, residual). Biases may be NULL. The norms are float32; the projections and their biases
+ * are the model's dtype (float32, or bfloat16 packed in pairs: kvp_decode_layers_f32's `packed`). The
+ * pools are kvp_decode_f32's (float32, or bfloat16). */
 typedef struct {
-    const float *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;
+    const float *input_norm;
+    const void *qkv, *qkv_bias, *o, *o_bias;
+    const float *post_norm;
+    const void *gate_up, *down;
     void *key_cache, *value_cache;
 } DecoderLayer;
 
 /* How a decoder layer's projections are laid out: [n, k] float32, packed float32, packed bfloat16 pairs. */
 enum { PLAIN = 0, PACKED_F32 = 1, PACKED_BF16 = 2 };
 
-/* One of a decoder layer's projections, float32 x [rows, k] -> y [rows, n]. On bfloat16 pairs x is
- * rounded to bfloat16 (into x16) and the product (rounded, into y16) widened back, bias added: what the
- * model's bf16 layer does with the same kernel. */
-static void projection(const float *x, int64_t rows, const float *w, const float *bias, int64_t n, int64_t k,
+/* One of a decoder layer's projections, float32 x [rows, k] -> y [rows, n]. On bfloat16 pairs (w and
+ * bias the model's bfloat16) x is rounded to bfloat16 (into x16) and the product, bias included and
+ * rounded once (into y16), widened back: what the model's bf16 layer does with the same kernel. */
+static void projection(const float *x, int64_t rows, const void *w, const void *bias, int64_t n, int64_t k,
                        float *y, int64_t num_threads, int64_t packed, uint16_t *x16, uint16_t *y16) {
     if (packed == PACKED_BF16) {
         for (int64_t i = 0; i < rows * k; i++) x16[i] = to_bf16(x[i]);
-        kvp_linear_packed_bf16(x16, rows, (const uint32_t *)w, NULL, n, k, y16, num_threads);
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t j = 0; j < n; j++) y[m * n + j] = from_bf16(y16[m * n + j]) + (bias ? bias[j] : 0.0f);
+        kvp_linear_packed_bf16(x16, rows, (const uint32_t *)w, (const uint16_t *)bias, n, k, y16, num_threads);
+        for (int64_t i = 0; i < rows * n; i++) y[i] = from_bf16(y16[i]);
     } else if (packed == PACKED_F32) {
         kvp_linear_packed_f32(x, rows, w, bias, n, k, y, num_threads);
     } else {
@@ -801,8 +807,8 @@ static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a 
  * dimension i rotates as x[i] * cos[i] + x[i +- head_dim / 2] * sin[i]. Each token's rotated K and its V
  * go to its slot (rounded to bfloat16 where cache_bf16), then it attends over its context
  * (kvp_decode_f32's tables). `packed`: how the layers' four projections are laid out (PLAIN,
- * PACKED_F32, PACKED_BF16: a bfloat16 model's, whose norm weights and biases the caller gives as float32;
- * the residual stream and every op between the projections stay float32). Returns 0, or 1 when memory
+ * PACKED_F32, PACKED_BF16: a bfloat16 model's, whose biases stay bfloat16 and whose norm weights the
+ * caller gives as float32; the residual stream and every op between the projections stay float32). Returns 0, or 1 when memory
  * could not be had (x is then incomplete). */
 int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
                           int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,

@@ -95,8 +95,9 @@ SMALL_BATCH_ROWS = 64
 
 
 class DecoderLayer(ctypes.Structure):
-    """cpu_paged.c's DecoderLayer: one layer's weights (float32, contiguous; a bias may be None) and its
-    K/V pools, as raw pointers. The tensors must outlive every call that reads them."""
+    """cpu_paged.c's DecoderLayer: one layer's weights (contiguous; norms float32, projections and biases
+    float32 or a bfloat16 model's, packed; a bias may be None) and its K/V pools, as raw pointers. The
+    tensors must outlive every call that reads them."""
 
     _fields_ = [
         (name, _ptr)
@@ -323,8 +324,8 @@ class CpuPagedOps:
         (slot_mapping int64 [rows]), then attending over its first context_lens[i] tokens through
         block_tables (decode's). cos, sin: RotaryEmbedding.cos_sin's [rows, 1, head_dim] float32.
         num_slots: the pools' blocks x block_size. packed: the layers' projections are `pack`ed;
-        weights_bf16: packed bfloat16 (a bfloat16 model's; its norm weights and biases given as float32
-        copies, x float32 all the same). cache_bf16: the pools hold bfloat16 (else float32). The
+        weights_bf16: packed bfloat16 (a bfloat16 model's, biases bfloat16 too; its norm weights given as
+        float32 copies, x float32 all the same). cache_bf16: the pools hold bfloat16 (else float32). The
         caller (worker/engine/fused_decode.py) built `layers` from tensors it checked and keeps alive;
         here the step's own tensors are checked, as decode and write check theirs on a step's first
         layer."""

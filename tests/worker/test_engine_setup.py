@@ -457,7 +457,7 @@ def test_on_a_build_with_panels_every_projection_and_the_lm_head_are_packed_once
     ops = cpu_paged.load(torch.float32, torch.device("cpu"))
     assert not isinstance(ops, str)
     if not ops.panel_width:
-        pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has no AVX-512)")
+        pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has neither AVX-512 nor AVX2)")
     model_dir = request.getfixturevalue(model)
     on = make_engine(model_dir, mode)
     off = make_engine(model_dir, mode, features=FeatureIntents(cpu_kernels=FeatureMode.OFF))
@@ -506,7 +506,7 @@ def test_a_bfloat16_model_packs_its_projections_and_lm_head_in_pairs_and_compute
     ops = cpu_paged.load(torch.float32, torch.device("cpu"))
     assert not isinstance(ops, str)
     if not ops.panel_width:
-        pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has no AVX-512)")
+        pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has neither AVX-512 nor AVX2)")
     model_dir = request.getfixturevalue(model)
     packed_model, torch_model = (
         engine_setup.load_model(model_dir, device="cpu", dtype=torch.bfloat16).model for _ in range(2)

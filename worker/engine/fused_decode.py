@@ -18,8 +18,8 @@ not bit for bit (tests/worker/test_fused_decode.py holds them together). Every o
 model's Python forward.
 
 A bfloat16 model's layers run the same way, on its packed bf16 projections (the kernel its layers
-call, each projection's input and output rounded to bfloat16 as there), with the residual stream, the
-norms (their weights and the biases copied to float32 once), RoPE, SiLU and the attention's query in
+call, each projection's input and output, bias included, rounded to bfloat16 as there), with the
+residual stream, the norms (their weights copied to float32 once), RoPE, SiLU and the attention's query in
 float32 between them, where the layer-by-layer path rounds each op's result to bfloat16. Both are as
 far from the same weights run in float32 (the projections' rounding, which they share, is most of it):
 tests/worker/test_fused_decode.py holds each to it.
@@ -66,12 +66,14 @@ class FusedDecode:
         self.dtype = first.weight.dtype  # float32, or bfloat16 (packed: fused_decode checked)
         self.cache_bf16 = cache.key[0].dtype is torch.bfloat16
         _check_shapes(model, cache, ops.panel_width if self.packed else 0)
-        self.float32_copies: list[torch.Tensor] = []  # a bfloat16 model's norm weights and biases
+        self.float32_copies: list[torch.Tensor] = []  # a bfloat16 model's norm weights
 
         def ptr(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
-            if t.dtype is not torch.float32 and t.dim() == 1:  # a norm's weight or a bias
+            return None if t is None else t.data_ptr()
+
+        def norm(t: torch.Tensor) -> int:
+            """A norm's weight as the C code reads it: float32 (a copy, kept, for a bfloat16 model)."""
+            if t.dtype is not torch.float32:
                 t = t.float()
                 self.float32_copies.append(t)
             return t.data_ptr()
@@ -79,12 +81,12 @@ class FusedDecode:
         self.layers = (DecoderLayer * c.num_layers)(
             *(
                 DecoderLayer(
-                    ptr(layer.input_layernorm.weight),
+                    norm(layer.input_layernorm.weight),
                     ptr(layer.self_attn.qkv_proj.weight),
                     ptr(layer.self_attn.qkv_proj.bias),
                     ptr(layer.self_attn.o_proj.weight),
                     ptr(layer.self_attn.o_proj.bias),
-                    ptr(layer.post_attention_layernorm.weight),
+                    norm(layer.post_attention_layernorm.weight),
                     ptr(layer.mlp.gate_up_proj.weight),
                     ptr(layer.mlp.down_proj.weight),
                     ptr(cache.key[i]),
