@@ -177,14 +177,21 @@ def matmul_alone_ms(model: Any, rows: int, reps: int) -> float:
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     weights.append((model.head_matmul, head, None))
     dtype = head.dtype
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=w.device) for _, w, _ in weights}
+
+    def features(w: torch.Tensor) -> int:
+        """Its input features: [out, in], packed [out / W, in, W], or bf16 pairs [out / W, in / 2, W, 2]."""
+        return w.shape[1] * (w.shape[3] if w.dim() == 4 else 1)
+
+    inputs = {
+        features(w): torch.randn(rows, features(w), dtype=dtype, device=w.device) for _, w, _ in weights
+    }
     times = []
     matmul, w, b = weights[0]
-    matmul(inputs[w.shape[1]], w, b)  # warm
+    matmul(inputs[features(w)], w, b)  # warm
     for _ in range(reps):
         start = time.perf_counter()
         for matmul, w, b in weights:
-            matmul(inputs[w.shape[1]], w, b)
+            matmul(inputs[features(w)], w, b)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
