@@ -13,6 +13,7 @@ import torch
 from kvpact.kernels import cpu_paged
 from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.worker.engine.engine import Engine
+from kvpact.worker.engine.fused_decode import _decode_batch
 from kvpact.worker.startup import engine_setup
 from tests.factories.tiny_models import make_tiny_llama, make_tiny_qwen2
 from tests.worker.conftest import greedy
@@ -22,7 +23,9 @@ LOGITS_ATOL = 1e-4  # measured ~1e-6: RoPE's fused multiply-adds and the C SiLU'
 
 
 def fused_rows(engine: Engine) -> list[int]:
-    """The row count of every step the C decode layers ran (steps they declined are not listed)."""
+    """The row count of every step the C decode layers ran, recorded as the engine steps. A decodes-only
+    step of at most SMALL_BATCH_ROWS sequences that they declined fails the test at once (they must
+    take every one); steps with a prefill are the model's."""
     fused = engine.step_loop.runner.fused
     assert fused is not None, "the C decode layers were not installed"
     ran: list[int] = []
@@ -30,8 +33,11 @@ def fused_rows(engine: Engine) -> list[int]:
 
     def spy(input_ids, positions, attn):  # type: ignore[no-untyped-def]
         hidden = run(input_ids, positions, attn)
+        rows = input_ids.shape[0]
         if hidden is not None:
-            ran.append(input_ids.shape[0])
+            ran.append(rows)
+        elif _decode_batch(attn) is not None and rows <= cpu_paged.SMALL_BATCH_ROWS:
+            raise AssertionError(f"a decodes-only step of {rows} sequences did not run the C decode layers")
         return hidden
 
     fused.run = spy  # type: ignore[method-assign]
@@ -54,8 +60,9 @@ def generate(
 
 def assert_fused_computes_what_the_layers_compute(fused: Engine, plain: Engine) -> None:
     """4 greedy requests of 12 tokens on each engine, `plain` running the model's own forward for every
-    step: the same tokens, logits within LOGITS_ATOL, and at least the last 10 steps (all four decoding
-    together after their prefill) ran in C, 4 rows each."""
+    step: the same tokens, logits within LOGITS_ATOL, every decodes-only step in C (`fused_rows`), several
+    sequences in some of them (how many decode together is the step loop's timing: on a loaded machine
+    the four are admitted over several steps; two CI runs saw 6 and 9 steps of all four)."""
     plain.step_loop.runner.fused = None
     ran = fused_rows(fused)
     tokens, logits = generate(fused, 4, 12)
@@ -63,7 +70,8 @@ def assert_fused_computes_what_the_layers_compute(fused: Engine, plain: Engine) 
     assert tokens == want_tokens
     for rid, rows in want_logits.items():
         torch.testing.assert_close(torch.stack(logits[rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0)
-    assert ran.count(4) >= 10, ran
+    # the last one admitted decodes its 11 steps after its prefill, with no prefill beside them
+    assert max(ran, default=0) > 1 and len(ran) >= 11, ran
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +125,8 @@ def test_at_the_default_models_shapes_the_c_layers_compute_what_the_layers_compu
     assert [r.token_ids for r in got[1]] == [r.token_ids for r in want[1]]
     for rid, rows in want[0].items():
         torch.testing.assert_close(torch.stack(got[0][rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0)
-    assert ran.count(4) >= 4, ran
+    # the last one admitted decodes its 5 steps after its prefill, with no prefill beside them
+    assert max(ran, default=0) > 1 and len(ran) >= 5, ran
 
 
 def test_more_sequences_than_the_small_batch_run_the_model(make_engine, tiny_llama):
@@ -192,4 +201,5 @@ def test_a_bfloat16_model_runs_the_c_layers_on_its_packed_weights_as_near_float3
             torch.testing.assert_close(got, want, atol=BF16_LOGITS_ATOL, rtol=0)
             compared += steps
         assert compared >= 24, f"tokens left float32's too early to compare: {compared} steps"
-    assert ran.count(4) >= 10, ran
+    # the last one admitted decodes its 11 steps after its prefill, with no prefill beside them
+    assert max(ran, default=0) > 1 and len(ran) >= 11, ran
