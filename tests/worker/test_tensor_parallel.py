@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvpact.kernels import cpu_paged
 from kvpact.shared.errors import (
     ConfigError,
     FeatureRequiredError,
@@ -80,6 +81,25 @@ def test_row_parallel_partial_outputs_sum_to_the_full_layers(tiny_llama):
         k = slice(c.q_size + r * kv_half, c.q_size + (r + 1) * kv_half)
         v = slice(c.q_size + c.kv_size + r * kv_half, c.q_size + c.kv_size + (r + 1) * kv_half)
         assert torch.equal(mine, torch.cat([whole[:, q], whole[:, k], whole[:, v]], dim=1))
+
+
+def test_a_bfloat16_models_shards_pack_in_pairs_and_their_partial_outputs_sum_to_the_full_layers(tmp_path):
+    # --dtype bfloat16 --tensor-parallel-size 2 on the C kernels: each rank packs its own shard's
+    # projections in pairs (row-parallel shards halve `in`, which stays even) and computes its share
+    bf16 = make_tiny_llama(tmp_path / "bf16", dtype=torch.bfloat16)
+    full = load_model(bf16, dtype=torch.bfloat16).model
+    shards = [shard_model(full, r, 2, lambda t: t) for r in range(2)]  # no all-reduce: sum by hand
+    ops = cpu_paged.load(torch.float32, torch.device("cpu"))
+    assert not isinstance(ops, str)
+    if not ops.panel_width:
+        pytest.skip("this build packs no weights (kvp_panel_width 0: the CPU has neither AVX-512 nor AVX2)")
+    for shard in shards:
+        assert engine_setup.use_cpu_kernels(shard, True).endswith("(bfloat16 pairs)")
+        assert shard.model.layers[0].mlp.down_proj.packed
+    x = torch.randn(5, full.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want = full.model.layers[0].mlp(x).float()
+    got = sum(s.model.layers[0].mlp(x).float() for s in shards)
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2e-2)  # each share rounded to bf16, then summed
 
 
 def test_a_size_the_heads_do_not_divide_is_refused_before_loading(tiny_llama, no_loading):
