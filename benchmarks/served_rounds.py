@@ -32,6 +32,7 @@ from benchmarks.suites.offline import (
     shared_ratio,
     shifted_prompts,
 )
+from kvpact.shared.spec import DTYPES
 from kvpact.worker.loader.load import default_model_path, read_model_config
 
 MAX_MODEL_LEN, SEED = 1472, 1234
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="model path (default: the bundled SmolLM2-135M GGUF)")
     parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="both engines' (served only)")
     parser.add_argument("--requests", type=int, default=32, help="the mixed draw's first N")
-    parser.add_argument("--dtype", default="", help="every worker's --dtype (shared only)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="every worker's --dtype (shared only)"
+    )
     args = parser.parse_args(argv)
     model = Path(args.model) if args.model else default_model_path()
     config = read_model_config(model)
@@ -52,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     items = workloads.fit(workloads.mixed(32, SEED, config.vocab_size), max_model_len)[: args.requests]
     if args.compare == "shared":
         for r in range(args.rounds):
-            dtype = ("--dtype", args.dtype) if args.dtype else ()
-            runs = shared_machine(model, items, max_model_len, quick=False, worker_args=dtype)
+            runs = shared_machine(
+                model, items, max_model_len, quick=False, worker_args=("--dtype", args.dtype)
+            )
             print(f"round {r}: one worker {runs[1][0].wall_s:.1f} s, two {runs[2][0].wall_s:.1f} s, "
                   f"two / one tok/s {shared_ratio(runs):.2f}", flush=True)  # fmt: skip
         return 0

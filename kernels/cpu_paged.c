@@ -779,7 +779,8 @@ typedef struct {
     void *key_cache, *value_cache;
 } DecoderLayer;
 
-/* How a decoder layer's projections are laid out: [n, k] float32, packed float32, packed bfloat16 pairs. */
+/* How a decoder layer's projections are laid out: [n, k] float32, packed float32, packed bfloat16 pairs
+ * (kernels/cpu_paged.py `Layout` holds the same values). */
 enum { PLAIN = 0, PACKED_F32 = 1, PACKED_BF16 = 2 };
 
 /* One of a decoder layer's projections, float32 x [rows, k] -> y [rows, n]. On bfloat16 pairs (w and

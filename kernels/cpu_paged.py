@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import hashlib
 import os
 import platform
@@ -84,7 +85,6 @@ BUILD_TIMEOUT_S = 120.0
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _FLOAT32 = torch.float32
 _BF16 = torch.bfloat16
-_PACKED_BF16 = 2  # cpu_paged.c's projection layouts: PLAIN 0, PACKED_F32 1, PACKED_BF16 2
 # What the C cache operations store: float32, or bfloat16 (a float32's upper half, widened by a shift).
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # `linear` and `decode_layers` take batches up to this many rows: the whole model's matmuls in C took
@@ -92,6 +92,19 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # (`python -m benchmarks.small_linear`, docs/performance.md). So a decode step of up to 64 sequences, and
 # a step of a 16-token prompt chunk beside up to 48 decodes, run on the C kernels.
 SMALL_BATCH_ROWS = 64
+
+
+class Layout(enum.IntEnum):
+    """How a projection's weight is laid out, as cpu_paged.c's decode layers take it (its enum)."""
+
+    PLAIN = 0  # [out, in] float32
+    PACKED_F32 = 1  # `pack`'s float32 panels
+    PACKED_BF16 = 2  # `pack`'s bfloat16 pairs
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> Layout:
+        """The layout of a projection's weight (`pack` adds a dimension per layout)."""
+        return Layout(weight.dim() - 2)
 
 
 class DecoderLayer(ctypes.Structure):
@@ -315,17 +328,16 @@ class CpuPagedOps:
         context_lens: torch.Tensor,
         block_size: int,
         num_slots: int,
-        packed: bool = False,
+        layout: Layout = Layout.PLAIN,
         cache_bf16: bool = False,
-        weights_bf16: bool = False,
     ) -> None:
         """x [rows, hidden] (the residual stream after the embedding, updated in place) through every
         layer of `layers` for a decode step: one new token per sequence, written to its slot
         (slot_mapping int64 [rows]), then attending over its first context_lens[i] tokens through
         block_tables (decode's). cos, sin: RotaryEmbedding.cos_sin's [rows, 1, head_dim] float32.
-        num_slots: the pools' blocks x block_size. packed: the layers' projections are `pack`ed;
-        weights_bf16: packed bfloat16 (a bfloat16 model's, biases bfloat16 too; its norm weights given as
-        float32 copies, x float32 all the same). cache_bf16: the pools hold bfloat16 (else float32). The
+        num_slots: the pools' blocks x block_size. layout: the layers' projections' (PACKED_BF16: a
+        bfloat16 model's, biases bfloat16 too; its norm weights given as float32 copies, x float32 all
+        the same). cache_bf16: the pools hold bfloat16 (else float32). The
         caller (worker/engine/fused_decode.py) built `layers` from tensors it checked and keeps alive;
         here the step's own tensors are checked, as decode and write check theirs on a step's first
         layer."""
@@ -343,8 +355,6 @@ class CpuPagedOps:
                     f"decode_layers: {name} must be a contiguous {dtype} CPU tensor of shape {shape_}, "
                     f"got {t.dtype} {tuple(t.shape)} on {t.device}"
                 )
-        if weights_bf16 and not packed:
-            raise ValueError("decode_layers: bfloat16 weights are read packed only (`pack`'s pairs)")
         if rows == 0:
             return
         if int(slot_mapping.max()) >= num_slots:
@@ -372,7 +382,7 @@ class CpuPagedOps:
                 context_lens.data_ptr(),
                 block_size,
                 self.num_threads or torch.get_num_threads(),
-                _PACKED_BF16 if weights_bf16 else int(packed),
+                int(layout),
                 int(cache_bf16),
             )
         if status:

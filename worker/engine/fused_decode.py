@@ -35,7 +35,7 @@ from typing import cast
 import torch
 
 from kvpact.kernels import cpu_paged
-from kvpact.kernels.cpu_paged import CpuPagedOps, DecoderLayer, DecoderShape
+from kvpact.kernels.cpu_paged import CpuPagedOps, DecoderLayer, DecoderShape, Layout
 from kvpact.worker.kv.eager import EagerAttentionStep, EagerCache
 from kvpact.worker.kv.paged import PagedAttentionStep, PagedCache
 from kvpact.worker.model import LlamaForCausalLM
@@ -61,11 +61,11 @@ class FusedDecode:
         # the eager cache's "block" is a sequence slot of max_model_len tokens
         self.num_blocks, self.block_size = cache.key[0].shape[:2]
         # engine_setup.use_cpu_kernels packs every decoder projection or none (_check_shapes holds it)
-        first = decoder_layers(model)[0].self_attn.qkv_proj
-        self.packed = first.packed
-        self.dtype = first.weight.dtype  # float32, or bfloat16 (packed: fused_decode checked)
+        first = decoder_layers(model)[0].self_attn.qkv_proj.weight
+        self.layout = Layout.of(first)
+        self.dtype = first.dtype  # float32, or bfloat16 (packed: fused_decode checked)
         self.cache_bf16 = cache.key[0].dtype is torch.bfloat16
-        _check_shapes(model, cache, ops.panel_width if self.packed else 0)
+        _check_shapes(model, cache, self.layout, ops.panel_width)
         self.float32_copies: list[torch.Tensor] = []  # a bfloat16 model's norm weights
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -114,9 +114,8 @@ class FusedDecode:
             *batch,
             self.block_size,
             self.num_blocks * self.block_size,
-            packed=self.packed,
+            layout=self.layout,
             cache_bf16=self.cache_bf16,
-            weights_bf16=self.dtype is torch.bfloat16,
         )
         return model.model.norm(x.to(self.dtype))
 
@@ -144,7 +143,10 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
         or cache.key[0].dtype not in cpu_paged.CACHE_DTYPES
         or dtype not in (torch.float32, torch.bfloat16)
         or any(w.dtype != dtype or not w.is_cpu or not w.is_contiguous() for w in weights)
-        or (dtype is torch.bfloat16 and not decoder_layers(model)[0].self_attn.qkv_proj.packed)
+        or (
+            dtype is torch.bfloat16
+            and Layout.of(decoder_layers(model)[0].self_attn.qkv_proj.weight) is not Layout.PACKED_BF16
+        )
         or any(
             layer.self_attn.reduce is not None or layer.mlp.reduce is not None
             for layer in decoder_layers(model)
@@ -154,22 +156,27 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
     return FusedDecode(cpu_paged.required(torch.float32, torch.device("cpu")), model, cache)
 
 
-def _check_shapes(model: LlamaForCausalLM, cache: PagedCache | EagerCache, panel_width: int) -> None:
+def _check_shapes(
+    model: LlamaForCausalLM, cache: PagedCache | EagerCache, layout: Layout, panel_width: int
+) -> None:
     """What the C code reads through the pointers, held to the config it is told: every weight's and
     pool's shape (contiguous weights of one dtype and a float32 or bfloat16 first pool checked by
-    `fused_decode`, every pool of the first's dtype; with a panel_width, every projection
-    as `pack` laid it out, else [out, in]). A mismatch is a bug in how the engine was built, raised here
+    `fused_decode`, every pool of the first's dtype; every projection in `layout`: as `pack` laid it out
+    in panels of `panel_width`, or [out, in]). A mismatch is a bug in how the engine was built, raised here
     rather than read out of bounds in C."""
     c = model.config
     q, kv, hd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
     layers = decoder_layers(model)
-    pairs = layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16  # `pack`'s bfloat16 layout
 
     def projection(out_features: int, in_features: int) -> tuple[int, ...]:
         p = panel_width
-        if pairs:
+        if layout is Layout.PACKED_BF16:
             return (out_features // p, in_features // 2, p, 2)
-        return (out_features // p, in_features, p) if p else (out_features, in_features)
+        return (
+            (out_features // p, in_features, p)
+            if layout is Layout.PACKED_F32
+            else (out_features, in_features)
+        )
 
     want = {
         "input_layernorm.weight": (c.hidden_size,),
