@@ -29,7 +29,8 @@ wall time and every round's; transformers runs once (its ratios use kvpact's med
 table compares round 0, whose prompts are the workload's own. The two in-process engines run on one
 copy of the weights (`share_weights`), so their ratio is the caches' alone; the served workers each
 load their own. Two hand-started workers against one
-(`shared_machine`) is judged the same way, over SHARED_ROUNDS rounds (1 in --quick). The router +
+(`shared_machine`) is judged the same way, over SHARED_ROUNDS rounds (1 in --quick); then the two-worker
+tier runs the load once more and one worker is sent SIGTERM mid-load (`shared_drain`). The router +
 worker runs go through real processes and a streaming client (kvpact.client.AsyncClient, token ids
 in, token ids out). Greedy outputs are compared with transformers' one padded batch token by token
 (same dequantized weights, fp32): the agreement table says how many requests match exactly and where
@@ -38,11 +39,13 @@ the others first differ.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import statistics
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -50,9 +53,19 @@ import torch
 
 from benchmarks import compute_bound, peers, workloads
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
-from benchmarks.kvpact_systems import Cluster, open_engine, run_engine, share_weights, stream_run
+from benchmarks.kvpact_systems import (
+    RUN_TIMEOUT_S,
+    Cluster,
+    open_engine,
+    run_engine,
+    share_weights,
+    stream_run,
+)
 from benchmarks.peers import Run
 from benchmarks.workloads import WorkItem
+from kvpact.client import AsyncClient
+from kvpact.deploy.processes import wait_for_exit
+from kvpact.worker.options import DEFAULT_DRAIN_TIMEOUT_S
 
 ROUTER_PAGED = "kvpact paged, router + worker"
 ROUTER_PAGED_DEFAULT = "kvpact paged, router + worker, server default budget"
@@ -169,6 +182,7 @@ def run(ctx: BenchContext) -> SuiteResult:
                             runs.setdefault((w.name, system), []).append(run_on(items))
     shared_rounds = 1 if ctx.quick else SHARED_ROUNDS
     shared = shared_machine(ctx.model, plans[0].items, max_model_len, ctx.quick, shared_rounds)
+    drained = shared_drain(ctx.model, plans[0].items, max_model_len, ctx.quick)
     warm = [WorkItem(item.prompt[:16], 4) for item in plans[0].items[:2]]
     peers.generate_padded(hf_model, warm, 2)  # warm-up
     for w in plans:
@@ -177,7 +191,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             runs[w.name, HF_BATCH8] = [peers.generate_padded(hf_model, w.items, 8)]
         runs[w.name, HF_CB] = [peers.generate_continuous(hf_model, w.items)]
     bounds.append(compute_bound.measure(parameters, seconds=bound_seconds))
-    return report(ctx, plans, runs, bounds, max_model_len, shared)
+    return report(ctx, plans, runs, bounds, max_model_len, shared, drained)
 
 
 def shifted_prompts(items: Sequence[WorkItem], round_: int, vocab_size: int) -> list[WorkItem]:
@@ -205,6 +219,13 @@ def _each_round(runs: dict[tuple[str, str], list[Run]], workload: str, system: s
     return " / ".join(f"{b.wall_s / a.wall_s:.2f}" for a, b in pairs)
 
 
+def shared_load(items: Sequence[WorkItem], quick: bool) -> tuple[list[WorkItem], list[WorkItem]]:
+    """The shared-machine case's requests (6 x 48 tokens; 4 x 16 in --quick) and its warm-up requests."""
+    n, tokens = (4, 16) if quick else (6, 48)
+    load = [WorkItem(item.prompt[:64], tokens) for item in items[:n]]
+    return load, [WorkItem(item.prompt[:16], 4) for item in load]
+
+
 def shared_machine(
     model: Path,
     items: Sequence[WorkItem],
@@ -219,9 +240,7 @@ def shared_machine(
     alone. Each round starts both tiers afresh, one worker first in even rounds and two in odd ones: the
     load lasts a few seconds, so one run moves by tens of percent on a shared host. `worker_args`: more
     flags for every worker (`--dtype bfloat16`)."""
-    n, tokens = (4, 16) if quick else (6, 48)
-    load = [WorkItem(item.prompt[:64], tokens) for item in items[:n]]
-    warm = [WorkItem(item.prompt[:16], 4) for item in load]
+    load, warm = shared_load(items, quick)
     result: dict[int, list[Run]] = {1: [], 2: []}
     for r in range(rounds):
         for num_workers in (1, 2) if r % 2 == 0 else (2, 1):
@@ -235,6 +254,97 @@ def shared_machine(
             finally:
                 cluster.stop()
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """Target 0's drain, as `shared_drain` saw it: one of two hand-started workers sent SIGTERM while the
+    load's requests were in flight on both."""
+
+    exit_code: int
+    seconds: float  # SIGTERM -> the process gone
+    drain_timeout_s: float  # the worker's --drain-timeout (its default: the case runs no flags)
+    on_worker: int  # the load's requests that worker was serving when it was told to stop
+    completed: int  # of those, the ones that delivered every token
+    failed: int  # streams of the whole load that ended in an error
+    requests: int
+
+    @property
+    def met(self) -> bool:
+        return (
+            self.exit_code == 0
+            and self.seconds <= self.drain_timeout_s
+            and 0 < self.on_worker == self.completed
+            and self.failed == 0
+        )
+
+    def line(self) -> str:
+        return (
+            f"exit {self.exit_code} {self.seconds:.1f} s after SIGTERM (--drain-timeout "
+            f"{self.drain_timeout_s:g} s); {self.completed} of its {self.on_worker} in-flight requests "
+            f"delivered every token; {self.failed} of the {self.requests} streams failed"
+        )
+
+
+def shared_drain(model: Path, items: Sequence[WorkItem], max_model_len: int, quick: bool) -> Drained:
+    """The shared-machine case's two-worker tier, once more: its load sent, and the second worker sent
+    SIGTERM once every request had its first token (each worker then holds its share in flight)."""
+    load, warm = shared_load(items, quick)
+    cluster = Cluster(model, "paged", max_model_len, MAX_NUM_SEQS, num_workers=2)
+    try:
+        cluster.start().wait_ready()
+        stream_run(cluster.address, warm[:4])
+        return asyncio.run(_drain_during(cluster, load))
+    finally:
+        cluster.stop()
+
+
+async def _drain_during(cluster: Cluster, load: Sequence[WorkItem]) -> Drained:
+    worker = cluster.handles[2]  # the router, then the workers in order; a handle is named by its worker id
+    served_by = [""] * len(load)  # each request's worker, from its chunks
+    num_tokens = [0] * len(load)
+    all_started = asyncio.Event()
+
+    async def one(client: AsyncClient, k: int) -> None:
+        item = load[k]
+        tokens = item.max_tokens
+        stream = client.generate(list(item.prompt), max_tokens=tokens, temperature=0, ignore_eos=True)
+        async for chunk in stream:
+            served_by[k] = chunk.worker_id or served_by[k]
+            num_tokens[k] += len(chunk.token_ids)
+            if all(num_tokens):
+                all_started.set()
+
+    async with AsyncClient(cluster.address, timeout=RUN_TIMEOUT_S) as client:
+        tasks = [asyncio.create_task(one(client, k)) for k in range(len(load))]
+        started = asyncio.create_task(all_started.wait())
+        pending = {started, *tasks}
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not started.done() and time.monotonic() < deadline:  # a stream that ends wakes it too
+            done, pending = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            if any(t.exception() for t in done if t is not started):
+                break
+        if not started.done():  # a stream failed, or not every one started, before the signal
+            for task in (started, *tasks):
+                task.cancel()
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+            raise RuntimeError(f"the shared-machine load did not get under way before its drain: {got}")
+        sent = time.perf_counter()
+        worker.popen.send_signal(signal.SIGTERM)
+        exit_code = await asyncio.to_thread(wait_for_exit, worker, DEFAULT_DRAIN_TIMEOUT_S + 30)
+        seconds = time.perf_counter() - sent
+        got = await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [isinstance(g, BaseException) for g in got]
+    mine = [k for k in range(len(load)) if served_by[k] == worker.name]
+    return Drained(
+        exit_code,
+        seconds,
+        DEFAULT_DRAIN_TIMEOUT_S,
+        on_worker=len(mine),
+        completed=sum(1 for k in mine if not failed[k] and num_tokens[k] == load[k].max_tokens),
+        failed=sum(failed),
+        requests=len(load),
+    )
 
 
 def shared_rounds(shared: dict[int, list[Run]]) -> list[float]:
@@ -259,6 +369,7 @@ def report(
     bounds: Sequence[compute_bound.ComputeBound],
     max_model_len: int,
     shared: dict[int, list[Run]],
+    drained: Drained,
 ) -> SuiteResult:
     bound = max(bounds, key=lambda b: b.flops_per_s)
     command = _command(ctx)
@@ -332,6 +443,8 @@ def report(
                 f"{len(each_ratio)} round(s), each starting both tiers afresh (one worker first in even "
                 "rounds, two in odd ones); two / one, each round's: "
                 + " / ".join(f"{x:.2f}" for x in each_ratio),
+                f"drained: the two-worker tier once more, its second worker sent SIGTERM once every request "
+                f"had its first token: {drained.line()}",
             ],
         )
     )
@@ -362,7 +475,7 @@ def report(
     return SuiteResult(
         suite="offline",
         tables=tables,
-        targets=[*_targets(plans, runs, bound), _shared_target(shared)],
+        targets=[*_targets(plans, runs, bound), _shared_target(shared), _drain_target(drained)],
         data={
             "runs": data_runs,
             "agreement": agreement,
@@ -377,6 +490,7 @@ def report(
                 str(k): {"round_wall_s": [r.wall_s for r in runs_k], "output_tok_s": shared_tokens[k]}
                 for k, runs_k in shared.items()
             },
+            "shared_machine_drain": asdict(drained),
             "torch_threads": torch.get_num_threads(),
             "workloads": {w.name: workloads.summary(w.items) for w in plans},
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -504,6 +618,15 @@ def _shared_target(shared: dict[int, list[Run]]) -> Target:
         f">= {GOAL_SHARED}x",
         f"{ratio:.2f}x (median of {len(shared[1])} rounds, each round's: {each})",
         ratio >= GOAL_SHARED,
+    )
+
+
+def _drain_target(drained: Drained) -> Target:
+    return Target(
+        "a worker sent SIGTERM in that setup finishes its in-flight requests within --drain-timeout",
+        "exit 0 within --drain-timeout, every one of its streams complete, none failed",
+        drained.line(),
+        drained.met,
     )
 
 

@@ -4,12 +4,13 @@ same work)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from benchmarks.peers import Run
-from benchmarks.suites.offline import padded_ceiling, shared_ratio, shifted_prompts, speedup
+from benchmarks.suites.offline import Drained, padded_ceiling, shared_ratio, shifted_prompts, speedup
 from benchmarks.workloads import WorkItem
 from tests.benchmarks.quick_suite import run_quick_suite
 
@@ -51,6 +52,7 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
         "offline mixed, router + worker, paged: processed tokens / compute bound",
         "paged >= eager on every offline workload (router + worker)",
         "two hand-started workers on this machine vs one alone (output tok/s, no thread flags)",
+        "a worker sent SIGTERM in that setup finishes its in-flight requests within --drain-timeout",
     ]
     assert all(t["met"] in (True, False) and t["measured"] for t in report["targets"])
     shared = {t["title"]: t for t in report["tables"]}[
@@ -58,6 +60,9 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
     ]
     assert [row[0] for row in shared["rows"]] == [1, 2]
     assert all(row[2] > 0 for row in shared["rows"])  # both runs delivered every token
+    drained = report["data"]["shared_machine_drain"]  # the tiny model's 16 tokens: signalled in flight
+    assert drained["exit_code"] == 0 and drained["failed"] == 0, drained
+    assert 0 < drained["on_worker"] == drained["completed"] < drained["requests"], drained
 
     # The tiny model's logits are far from ties: every system generates transformers' tokens exactly.
     agreement = report["data"]["agreement"]
@@ -87,6 +92,25 @@ def test_two_workers_against_one_is_the_median_of_the_rounds_paired():
     one = [Run(w, []) for w in (4.0, 2.0, 3.0)]
     two = [Run(w, []) for w in (4.0, 4.0, 2.0)]  # two / one tok/s per round: 1.0, 0.5, 1.5
     assert shared_ratio({1: one, 2: two}) == pytest.approx(1.0)  # the ratio of median walls: 0.75
+
+
+def test_a_drain_is_met_only_by_a_clean_exit_in_time_with_every_one_of_its_streams_complete():
+    ok = Drained(
+        exit_code=0, seconds=1.5, drain_timeout_s=30.0, on_worker=3, completed=3, failed=0, requests=6
+    )
+    assert ok.met
+    assert ok.line() == (
+        "exit 0 1.5 s after SIGTERM (--drain-timeout 30 s); 3 of its 3 in-flight requests delivered every "
+        "token; 0 of the 6 streams failed"
+    )
+    for broken in (
+        {"exit_code": 1},
+        {"seconds": 30.5},  # past its --drain-timeout
+        {"completed": 2},  # one of its requests cut short
+        {"failed": 1},  # a stream of the other worker failed
+        {"on_worker": 0, "completed": 0},  # nothing was in flight on it: the drain was not tried
+    ):
+        assert not replace(ok, **broken).met, broken
 
 
 def test_each_round_shifts_every_prompt_token_and_keeps_the_lengths():
