@@ -20,18 +20,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 from benchmarks import workloads
-from benchmarks.kvpact_systems import Cluster, open_engine, run_engine, stream_run
-from benchmarks.suites.offline import (
-    MAX_NUM_SEQS,
-    THROUGHPUT_BUDGET,
-    shared_machine,
-    shared_ratio,
-    shifted_prompts,
-)
+from benchmarks.suites.offline import MAX_NUM_SEQS, served_against_in_process, shared_machine, shared_ratio
 from kvpact.shared.spec import DTYPES
 from kvpact.worker.loader.load import default_model_path, read_model_config
 
@@ -61,27 +53,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r}: one worker {runs[1][0].wall_s:.1f} s, two {runs[2][0].wall_s:.1f} s, "
                   f"two / one tok/s {shared_ratio(runs):.2f}", flush=True)  # fmt: skip
         return 0
-    budget = ("--max-num-batched-tokens", str(THROUGHPUT_BUDGET))
-    cluster = Cluster(model, "paged", max_model_len, args.max_num_seqs, worker_args=budget).start()
-    try:
-        cluster.wait_ready()
-        with open_engine(model, "paged", max_model_len, args.max_num_seqs, THROUGHPUT_BUDGET) as engine:
-            ratios = []
-            for r in range(args.rounds):
-                shifted = shifted_prompts(items, r + 1, config.vocab_size)  # round 0 of the suite not reused
-                walls = {}
-                for who in ("served", "in-process") if r % 2 == 0 else ("in-process", "served"):
-                    began = time.perf_counter()
-                    stream_run(cluster.address, shifted) if who == "served" else run_engine(engine, shifted)
-                    walls[who] = time.perf_counter() - began
-                served, local = walls["served"], walls["in-process"]
-                ratios.append(local / served)
-                print(f"round {r}: served {served:.1f} s, in-process {local:.1f} s, "
-                      f"served / in-process tok/s {local / served:.2f}", flush=True)  # fmt: skip
-            print(f"served / in-process, median of {len(ratios)} rounds: {statistics.median(ratios):.2f} "
-                  f"(--max-num-seqs {args.max_num_seqs}, {len(items)} requests)")  # fmt: skip
-    finally:
-        cluster.stop()
+    ratios = []
+    for r, (served, local) in enumerate(
+        served_against_in_process(model, items, max_model_len, args.max_num_seqs, args.rounds)
+    ):
+        ratios.append(local / served)
+        print(f"round {r}: served {served:.1f} s, in-process {local:.1f} s, "
+              f"served / in-process tok/s {local / served:.2f}")  # fmt: skip
+    print(f"served / in-process, median of {len(ratios)} rounds: {statistics.median(ratios):.2f} "
+          f"(--max-num-seqs {args.max_num_seqs}, {len(items)} requests)")  # fmt: skip
     return 0
 
 

@@ -30,7 +30,9 @@ table compares round 0, whose prompts are the workload's own. The two in-process
 copy of the weights (`share_weights`), so their ratio is the caches' alone; the served workers each
 load their own. Two hand-started workers against one
 (`shared_machine`) is judged the same way, over SHARED_ROUNDS rounds (1 in --quick); then the two-worker
-tier runs the load once more and one worker is sent SIGTERM mid-load (`shared_drain`). The router +
+tier runs the load once more and one worker is sent SIGTERM mid-load (`shared_drain`). Served against
+in-process is also judged at `--max-num-seqs 1` (the mixed draw's first ONE_SEQ_REQUESTS, ONE_SEQ_ROUNDS
+rounds; issue 25 asks it to hold at 1 and 32), on a router + worker and an engine of its own. The router +
 worker runs go through real processes and a streaming client (kvpact.client.AsyncClient, token ids
 in, token ids out). Greedy outputs are compared with transformers' one padded batch token by token
 (same dequantized weights, fp32): the agreement table says how many requests match exactly and where
@@ -65,6 +67,7 @@ from benchmarks.peers import Run
 from benchmarks.workloads import WorkItem
 from kvpact.client import AsyncClient
 from kvpact.deploy.processes import wait_for_exit
+from kvpact.worker.loader.load import read_model_config
 from kvpact.worker.options import DEFAULT_DRAIN_TIMEOUT_S
 
 ROUTER_PAGED = "kvpact paged, router + worker"
@@ -87,6 +90,7 @@ SYSTEMS = (
 )
 ROUNDS = 5  # of each kvpact system in REPEATED, per workload (--quick: 2)
 SHARED_ROUNDS = 5  # of the two-workers-vs-one comparison (--quick: 1)
+ONE_SEQ_ROUNDS, ONE_SEQ_REQUESTS = 4, 8  # served vs in-process at --max-num-seqs 1: the mixed draw's first 8
 REPEATED = (ROUTER_PAGED, ROUTER_EAGER, INPROC_PAGED, INPROC_EAGER)  # the systems the kvpact ratios compare
 MAX_NUM_SEQS = 32
 THROUGHPUT_BUDGET = 2048  # --max-num-batched-tokens for the batch rows (an explicit budget: no ITL bound)
@@ -136,8 +140,6 @@ def plan(ctx: BenchContext, vocab_size: int, max_positions: int) -> list[Workloa
 
 
 def run(ctx: BenchContext) -> SuiteResult:
-    from kvpact.worker.loader.load import read_model_config
-
     config = read_model_config(ctx.model)
     plans = plan(ctx, config.vocab_size, config.max_position_embeddings)
     longest = max(len(i.prompt) + i.max_tokens for w in plans for i in w.items)
@@ -183,6 +185,9 @@ def run(ctx: BenchContext) -> SuiteResult:
     shared_rounds = 1 if ctx.quick else SHARED_ROUNDS
     shared = shared_machine(ctx.model, plans[0].items, max_model_len, ctx.quick, shared_rounds)
     drained = shared_drain(ctx.model, plans[0].items, max_model_len, ctx.quick)
+    one_seq = served_against_in_process(
+        ctx.model, plans[0].items[:ONE_SEQ_REQUESTS], max_model_len, 1, 1 if ctx.quick else ONE_SEQ_ROUNDS
+    )
     warm = [WorkItem(item.prompt[:16], 4) for item in plans[0].items[:2]]
     peers.generate_padded(hf_model, warm, 2)  # warm-up
     for w in plans:
@@ -191,7 +196,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             runs[w.name, HF_BATCH8] = [peers.generate_padded(hf_model, w.items, 8)]
         runs[w.name, HF_CB] = [peers.generate_continuous(hf_model, w.items)]
     bounds.append(compute_bound.measure(parameters, seconds=bound_seconds))
-    return report(ctx, plans, runs, bounds, max_model_len, shared, drained)
+    return report(ctx, plans, runs, bounds, max_model_len, shared, drained, one_seq)
 
 
 def shifted_prompts(items: Sequence[WorkItem], round_: int, vocab_size: int) -> list[WorkItem]:
@@ -217,6 +222,33 @@ def speedup(runs: dict[tuple[str, str], list[Run]], workload: str, system: str, 
 def _each_round(runs: dict[tuple[str, str], list[Run]], workload: str, system: str, peer: str) -> str:
     pairs = zip(runs[workload, system], runs[workload, peer], strict=False)
     return " / ".join(f"{b.wall_s / a.wall_s:.2f}" for a, b in pairs)
+
+
+def served_against_in_process(
+    model: Path, items: Sequence[WorkItem], max_model_len: int, max_num_seqs: int, rounds: int
+) -> list[tuple[float, float]]:
+    """Served (a router + paged worker) against the same engine in-process, both at `max_num_seqs` and the
+    throughput budget, on `items`: each round's (served wall s, in-process wall s), which goes first
+    alternating, round r's prompts shifted by r (`shifted_prompts`)."""
+    vocab_size = read_model_config(model).vocab_size
+    budget = ("--max-num-batched-tokens", str(THROUGHPUT_BUDGET))
+    cluster = Cluster(model, "paged", max_model_len, max_num_seqs, worker_args=budget).start()
+    result = []
+    try:
+        cluster.wait_ready()
+        with open_engine(model, "paged", max_model_len, max_num_seqs, THROUGHPUT_BUDGET) as engine:
+            sides = {
+                "served": partial(stream_run, cluster.address),
+                "in-process": partial(run_engine, engine),
+            }
+            for r in range(rounds):
+                shifted = shifted_prompts(items, r, vocab_size)
+                order = ("served", "in-process") if r % 2 == 0 else ("in-process", "served")
+                walls = {who: sides[who](shifted).wall_s for who in order}
+                result.append((walls["served"], walls["in-process"]))
+    finally:
+        cluster.stop()
+    return result
 
 
 def shared_load(items: Sequence[WorkItem], quick: bool) -> tuple[list[WorkItem], list[WorkItem]]:
@@ -370,6 +402,7 @@ def report(
     max_model_len: int,
     shared: dict[int, list[Run]],
     drained: Drained,
+    one_seq: list[tuple[float, float]],
 ) -> SuiteResult:
     bound = max(bounds, key=lambda b: b.flops_per_s)
     command = _command(ctx)
@@ -475,7 +508,12 @@ def report(
     return SuiteResult(
         suite="offline",
         tables=tables,
-        targets=[*_targets(plans, runs, bound), _shared_target(shared), _drain_target(drained)],
+        targets=[
+            *_targets(plans, runs, bound),
+            _one_seq_target(one_seq, min(len(plans[0].items), ONE_SEQ_REQUESTS)),
+            _shared_target(shared),
+            _drain_target(drained),
+        ],
         data={
             "runs": data_runs,
             "agreement": agreement,
@@ -491,6 +529,7 @@ def report(
                 for k, runs_k in shared.items()
             },
             "shared_machine_drain": asdict(drained),
+            "one_sequence_rounds": [{"served_wall_s": a, "in_process_wall_s": b} for a, b in one_seq],
             "torch_threads": torch.get_num_threads(),
             "workloads": {w.name: workloads.summary(w.items) for w in plans},
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -608,6 +647,19 @@ def _targets(
             f"each round's: {rounds(ROUTER_PAGED, ROUTER_EAGER)}; in-process: {each(in_process)}",
         ),
     ]
+
+
+def _one_seq_target(one_seq: list[tuple[float, float]], requests: int) -> Target:
+    ratios = [local / served for served, local in one_seq]
+    ratio = statistics.median(ratios)
+    return Target(
+        "served >= in-process at --max-num-seqs 1 (paged, router + worker / in-process, tok/s)",
+        f">= {GOAL_SERVED:.2f}x",
+        f"{ratio:.2f}x (median of {len(ratios)} rounds, each round's: "
+        + " / ".join(f"{x:.2f}" for x in ratios)
+        + f"; the mixed draw's first {requests} requests, one sequence a step)",
+        ratio >= GOAL_SERVED,
+    )
 
 
 def _shared_target(shared: dict[int, list[Run]]) -> Target:

@@ -51,6 +51,7 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
         "vs transformers continuous batching (router + worker, paged)",
         "offline mixed, router + worker, paged: processed tokens / compute bound",
         "paged >= eager on every offline workload (router + worker)",
+        "served >= in-process at --max-num-seqs 1 (paged, router + worker / in-process, tok/s)",
         "two hand-started workers on this machine vs one alone (output tok/s, no thread flags)",
         "a worker sent SIGTERM in that setup finishes its in-flight requests within --drain-timeout",
     ]
@@ -60,6 +61,8 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
     ]
     assert [row[0] for row in shared["rows"]] == [1, 2]
     assert all(row[2] > 0 for row in shared["rows"])  # both runs delivered every token
+    (one_seq,) = report["data"]["one_sequence_rounds"]  # --quick: one round
+    assert one_seq["served_wall_s"] > 0 and one_seq["in_process_wall_s"] > 0, one_seq
     drained = report["data"]["shared_machine_drain"]  # the tiny model's 16 tokens: signalled in flight
     assert drained["exit_code"] == 0 and drained["failed"] == 0, drained
     assert 0 < drained["on_worker"] == drained["completed"] < drained["requests"], drained

@@ -46,6 +46,9 @@ def test_quick_online_suite_on_the_tiny_model(
 
     assert [row[0] for row in crossing["rows"]] == ["paged", "eager"]
     assert all("req/s" in row[1] for row in crossing["rows"])
+    reported = report["targets"][0]  # summary.md lists the crossing with the targets
+    assert reported["name"] == "rate at which p99 TTFT passes 2 s (paged, eager)", reported
+    assert reported["measured"] == f"paged {crossing['rows'][0][1]}; eager {crossing['rows'][1][1]}", reported
     assert report["data"]["capacity_req_s"] > 0
 
     assert clients["columns"][1:3] == ["client", "requests"]
