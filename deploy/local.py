@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 def commands(router: str, argv: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The router and worker command lines (this interpreter, so the venv need not be activated)."""
     router_argv = [
-        sys.executable, "-m", "kvpact.router.cli", "--listen", router, "--expect-workers", "1",
+        sys.executable, "-m", "kvpact.router", "--listen", router, "--expect-workers", "1",
         "--paged-attn", argv.paged_attn, "--startup-timeout", f"{argv.startup_timeout:g}",
         "--http-listen", f"127.0.0.1:{argv.http_port}",
     ]  # fmt: skip

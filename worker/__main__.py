@@ -1,4 +1,5 @@
-"""`python -m kvpact.worker` and the `worker` command: OpenMP's waiting set before torch loads, then the CLI.
+"""`python -m kvpact.worker` and the `worker` command: OpenMP's waiting set before torch loads and gRPC's
+I/O before grpc loads (shared/grpc_io.py), then the CLI.
 
 torch's CPU ops run on OpenMP (libgomp), whose threads spin at every barrier for GOMP_SPINCOUNT iterations
 (300,000 by default) before they sleep. On a machine whose cores are shared (two workers, a router and its
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+from kvpact.shared.grpc_io import set_grpc_io
+
 SPIN_COUNT = "1000"  # iterations a waiting OpenMP thread spins before it sleeps (a few microseconds)
 
 
@@ -26,7 +29,8 @@ def set_openmp_waiting(env: MutableMapping[str, str]) -> None:
 
 def main() -> None:
     set_openmp_waiting(os.environ)
-    from kvpact.worker.cli import main as cli_main  # imports torch
+    set_grpc_io(os.environ)
+    from kvpact.worker.cli import main as cli_main  # imports torch and grpc
 
     cli_main()
 
