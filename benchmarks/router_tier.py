@@ -130,10 +130,25 @@ def model_tier(log_dir: Path, model: Path, extra_worker_flags: Sequence[str] = (
         yield tier
 
 
+def _stat_cpu_seconds(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each live thread of process `pid` so far, by thread id."""
+    result = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            result[int(task.name)] = _stat_cpu_seconds(task / "stat")
+        except OSError:  # the thread ended meanwhile
+            pass
+    return result
 
 
 @dataclass(slots=True)

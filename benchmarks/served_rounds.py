@@ -7,7 +7,10 @@ same engine in-process on the mixed workload, or two hand-started workers agains
 served: one router + paged worker and one in-process paged engine, built as the offline suite builds
 them (`--max-num-seqs 32`, `--max-num-batched-tokens 2048`), run the mixed draw alternately (which goes
 first alternates), each round's prompts shifted (`shifted_prompts`); prints each round's walls and
-in-process wall / served wall, then the median. `--max-num-seqs` and `--requests` (the mixed draw's
+in-process wall / served wall, and where the CPU went (each process's CPU-s and ms a token: the
+streaming client, the router, the worker, and this process's threads during the in-process run; the
+busiest threads of each: a worker's step thread, its C pool thread, torch's OpenMP helper, its event
+loop), then the median. `--max-num-seqs` and `--requests` (the mixed draw's
 first N) check the ratio where each step carries fewer sequences: issue 25 asks it to hold at 1 and 32
 (at 1, a run of the whole draw takes over a minute a side; `--requests 8` keeps it to about 20 s).
 `--requests` applies to shared too. shared: the suite's `shared_machine` (a router and 1, then 2, hand-started
@@ -28,6 +31,7 @@ from kvpact.shared.spec import DTYPES
 from kvpact.worker.loader.load import default_model_path, read_model_config
 
 MAX_MODEL_LEN, SEED = 1472, 1234
+THREADS_SHOWN = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,15 +57,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r}: one worker {runs[1][0].wall_s:.1f} s, two {runs[2][0].wall_s:.1f} s, "
                   f"two / one tok/s {shared_ratio(runs):.2f}", flush=True)  # fmt: skip
         return 0
-    ratios = []
-    for r, (served, local) in enumerate(
-        served_against_in_process(model, items, max_model_len, args.max_num_seqs, args.rounds)
-    ):
-        ratios.append(local / served)
-        print(f"round {r}: served {served:.1f} s, in-process {local:.1f} s, "
-              f"served / in-process tok/s {local / served:.2f}")  # fmt: skip
+    rounds = served_against_in_process(model, items, max_model_len, args.max_num_seqs, args.rounds)
+    num_tokens = sum(item.max_tokens for item in items)
+    for r, got in enumerate(rounds):
+        print(f"round {r}: served {got.served_s:.1f} s, in-process {got.in_process_s:.1f} s, "
+              f"served / in-process tok/s {got.in_process_s / got.served_s:.2f}")  # fmt: skip
+        served = {"client": [got.client_cpu_s], **got.served_threads_cpu_s}
+        for name, threads in [*served.items(), ("in-process", got.in_process_threads_cpu_s)]:
+            busy = ", ".join(f"{cpu:.2f}" for cpu in threads[:THREADS_SHOWN] if cpu >= 0.01)
+            print(f"  {name}: {sum(threads):.2f} CPU-s, {1000 * sum(threads) / num_tokens:.2f} ms a token "
+                  f"(busiest threads: {busy})")  # fmt: skip
+    ratios = [got.in_process_s / got.served_s for got in rounds]
     print(f"served / in-process, median of {len(ratios)} rounds: {statistics.median(ratios):.2f} "
-          f"(--max-num-seqs {args.max_num_seqs}, {len(items)} requests)")  # fmt: skip
+          f"(--max-num-seqs {args.max_num_seqs}, {len(items)} requests, {num_tokens} tokens)")  # fmt: skip
     return 0
 
 

@@ -42,6 +42,7 @@ the others first differ.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import statistics
 import time
@@ -64,6 +65,7 @@ from benchmarks.kvpact_systems import (
     stream_run,
 )
 from benchmarks.peers import Run
+from benchmarks.router_tier import cpu_seconds, thread_cpu_seconds
 from benchmarks.workloads import WorkItem
 from kvpact.client import AsyncClient
 from kvpact.deploy.processes import wait_for_exit
@@ -224,28 +226,54 @@ def _each_round(runs: dict[tuple[str, str], list[Run]], workload: str, system: s
     return " / ".join(f"{b.wall_s / a.wall_s:.2f}" for a, b in pairs)
 
 
+@dataclass(frozen=True, slots=True)
+class ServedRound:
+    """One round of `served_against_in_process`: each side's wall, and the CPU seconds each thread spent
+    during its run (largest first): the router's and the worker's threads during the served run, this
+    process's during the in-process run (the engine's threads and the caller's loop); `client_cpu_s`
+    is this process's during the served run (the streaming client)."""
+
+    served_s: float
+    in_process_s: float
+    served_threads_cpu_s: dict[str, list[float]]  # "router", the worker's id -> its threads' CPU-s
+    in_process_threads_cpu_s: list[float]
+    client_cpu_s: float
+
+
+def _threads_cpu_s(before: dict[int, float], after: dict[int, float]) -> list[float]:
+    return sorted((cpu - before.get(tid, 0.0) for tid, cpu in after.items()), reverse=True)
+
+
 def served_against_in_process(
     model: Path, items: Sequence[WorkItem], max_model_len: int, max_num_seqs: int, rounds: int
-) -> list[tuple[float, float]]:
+) -> list[ServedRound]:
     """Served (a router + paged worker) against the same engine in-process, both at `max_num_seqs` and the
-    throughput budget, on `items`: each round's (served wall s, in-process wall s), which goes first
-    alternating, round r's prompts shifted by r (`shifted_prompts`)."""
+    throughput budget, on `items`, which goes first alternating, round r's prompts shifted by r
+    (`shifted_prompts`); each side's threads' CPU read from /proc around its run."""
     vocab_size = read_model_config(model).vocab_size
     budget = ("--max-num-batched-tokens", str(THROUGHPUT_BUDGET))
     cluster = Cluster(model, "paged", max_model_len, max_num_seqs, worker_args=budget).start()
     result = []
     try:
         cluster.wait_ready()
+        pids = {handle.name: handle.pid for handle in cluster.handles}
         with open_engine(model, "paged", max_model_len, max_num_seqs, THROUGHPUT_BUDGET) as engine:
-            sides = {
-                "served": partial(stream_run, cluster.address),
-                "in-process": partial(run_engine, engine),
-            }
             for r in range(rounds):
                 shifted = shifted_prompts(items, r, vocab_size)
-                order = ("served", "in-process") if r % 2 == 0 else ("in-process", "served")
-                walls = {who: sides[who](shifted).wall_s for who in order}
-                result.append((walls["served"], walls["in-process"]))
+                for side in ("served", "in-process") if r % 2 == 0 else ("in-process", "served"):
+                    if side == "served":
+                        before = {name: thread_cpu_seconds(pid) for name, pid in pids.items()}
+                        client = cpu_seconds(os.getpid())
+                        served_s = stream_run(cluster.address, shifted).wall_s
+                        client = cpu_seconds(os.getpid()) - client
+                        served = {
+                            n: _threads_cpu_s(before[n], thread_cpu_seconds(p)) for n, p in pids.items()
+                        }
+                    else:
+                        mine = thread_cpu_seconds(os.getpid())
+                        in_process_s = run_engine(engine, shifted).wall_s
+                        local = _threads_cpu_s(mine, thread_cpu_seconds(os.getpid()))
+                result.append(ServedRound(served_s, in_process_s, served, local, client))
     finally:
         cluster.stop()
     return result
@@ -350,11 +378,12 @@ async def _drain_during(cluster: Cluster, load: Sequence[WorkItem]) -> Drained:
     async with AsyncClient(cluster.address, timeout=RUN_TIMEOUT_S) as client:
         tasks = [asyncio.create_task(one(client, k)) for k in range(len(load))]
         started = asyncio.create_task(all_started.wait())
-        pending = {started, *tasks}
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not started.done() and time.monotonic() < deadline:  # a stream that ends wakes it too
-            done, pending = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            if any(t.exception() for t in done if t is not started):
+        pending: set[asyncio.Task[object]] = {started, *tasks}
+        while not started.done():  # woken by the event, a stream that ended, or the timeout
+            done, pending = await asyncio.wait(
+                pending, timeout=RUN_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done or pending == {started} or any(t.exception() for t in done if t is not started):
                 break
         if not started.done():  # a stream failed, or not every one started, before the signal
             for task in (started, *tasks):
@@ -402,7 +431,7 @@ def report(
     max_model_len: int,
     shared: dict[int, list[Run]],
     drained: Drained,
-    one_seq: list[tuple[float, float]],
+    one_seq: list[ServedRound],
 ) -> SuiteResult:
     bound = max(bounds, key=lambda b: b.flops_per_s)
     command = _command(ctx)
@@ -529,7 +558,7 @@ def report(
                 for k, runs_k in shared.items()
             },
             "shared_machine_drain": asdict(drained),
-            "one_sequence_rounds": [{"served_wall_s": a, "in_process_wall_s": b} for a, b in one_seq],
+            "one_sequence_rounds": [asdict(r) for r in one_seq],
             "torch_threads": torch.get_num_threads(),
             "workloads": {w.name: workloads.summary(w.items) for w in plans},
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -649,8 +678,8 @@ def _targets(
     ]
 
 
-def _one_seq_target(one_seq: list[tuple[float, float]], requests: int) -> Target:
-    ratios = [local / served for served, local in one_seq]
+def _one_seq_target(one_seq: list[ServedRound], requests: int) -> Target:
+    ratios = [r.in_process_s / r.served_s for r in one_seq]
     ratio = statistics.median(ratios)
     return Target(
         "served >= in-process at --max-num-seqs 1 (paged, router + worker / in-process, tok/s)",

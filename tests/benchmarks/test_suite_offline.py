@@ -62,7 +62,9 @@ def test_quick_offline_suite_on_the_tiny_model(tmp_path: Path) -> None:
     assert [row[0] for row in shared["rows"]] == [1, 2]
     assert all(row[2] > 0 for row in shared["rows"])  # both runs delivered every token
     (one_seq,) = report["data"]["one_sequence_rounds"]  # --quick: one round
-    assert one_seq["served_wall_s"] > 0 and one_seq["in_process_wall_s"] > 0, one_seq
+    assert one_seq["served_s"] > 0 and one_seq["in_process_s"] > 0, one_seq
+    assert one_seq["client_cpu_s"] > 0 and one_seq["in_process_threads_cpu_s"][0] > 0, one_seq
+    assert sorted(one_seq["served_threads_cpu_s"]) == ["paged", "router"], one_seq
     drained = report["data"]["shared_machine_drain"]  # the tiny model's 16 tokens: signalled in flight
     assert drained["exit_code"] == 0 and drained["failed"] == 0, drained
     assert 0 < drained["on_worker"] == drained["completed"] < drained["requests"], drained
