@@ -9,7 +9,8 @@ import asyncio
 import grpc
 
 from kvpact.client import KvpactRpcError
-from kvpact.shared.limits import MAX_MESSAGE_BYTES
+from kvpact.router.connections import CHANNEL_OPTIONS, WORKER_WINDOW_BYTES
+from kvpact.shared.limits import GRPC_MESSAGE_OPTIONS, MAX_MESSAGE_BYTES
 from kvpact.v1 import generation_pb2
 from tests.factories.eventually import eventually_async
 from tests.router.doubles import WorkerDouble, one_worker_router, run_async
@@ -112,3 +113,48 @@ async def test_a_request_swollen_by_unknown_fields_is_served_and_fails_no_other_
         assert tokens == expected("big", 5)
         assert await asyncio.wait_for(other, 30) == expected("other", 300)  # its call was not failed
         assert double.requests[-1].ByteSize() < 100 and double.num_calls == 1
+
+
+async def _backlog_kib(options: list[tuple[str, int]]) -> int:
+    """KiB a server streaming 1 KiB messages as fast as it can gets ahead of a client on a channel with
+    `options` that read 3 MiB of them, then stopped reading for half a second."""
+    written = 0
+
+    async def flood(request: bytes, context: grpc.aio.ServicerContext):  # noqa: ANN202, ARG001
+        nonlocal written
+        if request == b"one":
+            yield bytes(MAX_MESSAGE_BYTES // 2)  # one message larger than the window
+            return
+        while True:
+            yield bytes(1024)
+            written += 1
+
+    handler = grpc.method_handlers_generic_handler(
+        "t.T", {"Flood": grpc.unary_stream_rpc_method_handler(flood)}
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            flood_call = channel.unary_stream("/t.T/Flood")
+            assert [len(m) async for m in flood_call(b"one")] == [MAX_MESSAGE_BYTES // 2]
+            call = flood_call(b"")
+            for _ in range(3 * 1024):
+                await asyncio.wait_for(call.read(), 10)
+            await asyncio.sleep(0.5)
+            call.cancel()
+            return written - 3 * 1024
+    finally:
+        await server.stop(None)
+
+
+@run_async
+async def test_a_router_that_stops_reading_holds_its_worker_back_within_the_window():
+    """The router's worker channel keeps a fixed flow-control window (router/connections.py), so a router
+    that falls behind holds the worker's writes back and the worker merges its ready tokens; gRPC's
+    default window, grown by BDP probing while data flows, let megabytes queue unmerged instead."""
+    window_kib = WORKER_WINDOW_BYTES // 1024
+    assert await _backlog_kib(CHANNEL_OPTIONS) <= 2 * window_kib
+    assert await _backlog_kib(GRPC_MESSAGE_OPTIONS) > 8 * window_kib
