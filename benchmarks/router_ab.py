@@ -34,12 +34,12 @@ LATENCY_RATE, LATENCY_TOKENS = 50.0, 100
 
 
 def measure(
-    load: str, seconds: float, streams: int, log_dir: Path, step_ms: float = STEP_MS
+    load: str, seconds: float, streams: int, log_dir: Path, step_ms: float = STEP_MS, event_loop: str = ""
 ) -> dict[str, object]:
     if load == "latency":
         life = LATENCY_TOKENS / LATENCY_RATE
         p99 = {}
-        with synthetic_tier(log_dir, tokens_per_s=LATENCY_RATE) as tier:
+        with synthetic_tier(log_dir, tokens_per_s=LATENCY_RATE, event_loop=event_loop) as tier:
             paths = {"direct": (tier.worker_addresses[0], "worker"), "router": (tier.router_target, "router")}
             for path, (address, service) in paths.items():
                 r = run_load(address, service, log_dir, streams=64, tokens_per_s=LATENCY_RATE,
@@ -49,7 +49,7 @@ def measure(
         return {"load": load, "direct_p99_ms": round(p99["direct"], 3),
                 "router_p99_ms": round(p99["router"], 3),
                 "added_p99_ms": round(p99["router"] - p99["direct"], 3)}  # fmt: skip
-    with synthetic_tier(log_dir, step_ms=step_ms if load == "steps" else 0.0) as tier:
+    with synthetic_tier(log_dir, step_ms=step_ms if load == "steps" else 0.0, event_loop=event_loop) as tier:
         watch = {"router-0": tier.pids["router-0"], "worker-0": tier.pids["worker-0"]}
         r = run_load(tier.router_target, "router", log_dir, streams=streams, seconds=seconds, warmup=1.0,
                      num_clients=2, watch=watch)  # fmt: skip
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="the counted window of each load")
     parser.add_argument("--streams", type=int, default=256, help="streams of the token and steps loads")
     parser.add_argument("--step-ms", type=float, default=STEP_MS, help="the steps load's step period")
+    parser.add_argument("--event-loop", default="", help="the router's --event-loop (default: its own)")
     args = parser.parse_args(argv)
     loads = [name for name in args.loads.split(",") if name]
     if unknown := [name for name in loads if name not in LOADS]:
@@ -72,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="router-ab-") as log_dir:
         for load in loads:
             print(
-                json.dumps(measure(load, args.seconds, args.streams, Path(log_dir), args.step_ms)), flush=True
+                json.dumps(
+                    measure(load, args.seconds, args.streams, Path(log_dir), args.step_ms, args.event_loop)
+                ),
+                flush=True,
             )
     return 0
 

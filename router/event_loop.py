@@ -1,9 +1,11 @@
-"""The router's event loop: `--event-loop asyncio|uvloop`.
+"""The router's event loop: `--event-loop uvloop|asyncio`.
 
-asyncio (the standard library's loop) is the default. uvloop was measured against it on the relay
-(benchmarks/suites/router.py, docs/performance.md "Router") and did not relay more tokens per CPU
-second on this project's hardware, so it is not a dependency; `--event-loop uvloop` runs on it where it
-is installed (pip install uvloop), for an operator who measures a gain on theirs.
+uvloop is the default (a dependency of the package on every platform it supports): since gRPC's I/O
+moved to its poller thread (shared/grpc_io.py), every completed gRPC operation wakes the loop from that
+thread, and uvloop folds the wake-ups that arrive together into one where asyncio writes its self-pipe
+for each. Measured on the relay, interleaved (docs/performance.md "Event loop and server options"):
+about 10% more tokens per router CPU-second, the same added latency. `--event-loop asyncio` runs the
+standard library's loop (where uvloop does not exist, Windows, it is the only one).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, TypeVar
 from kvpact.shared.errors import ConfigError
 
 EVENT_LOOPS = ("asyncio", "uvloop")
-DEFAULT_EVENT_LOOP = "asyncio"
+DEFAULT_EVENT_LOOP = "uvloop"
 T = TypeVar("T")
 
 
@@ -26,8 +28,8 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
         return None
     if importlib.util.find_spec("uvloop") is None:
         raise ConfigError(
-            "--event-loop uvloop: uvloop is not installed here; install it (pip install uvloop) or use "
-            "--event-loop asyncio"
+            "--event-loop uvloop (the default): uvloop is not installed here; install it (pip install "
+            "uvloop) or use --event-loop asyncio"
         )
     import uvloop
 

@@ -23,8 +23,8 @@ directly (kvpact.v1.Worker/Generate) or through the router (kvpact.v1.Generation
     holds the writes) the tokens that piled up go as one message; "messages per token" says how much
     merged. Tokens/s are wall-clock; on a machine where the client, the worker and the router share
     the cores, the router's own capacity is its tokens per CPU-second (its CPU time over the counted
-    window, read from /proc): what one router process relays with a core to itself. The router on the
-    default event loop (asyncio) is measured beside uvloop (`router --event-loop uvloop`).
+    window, read from /proc): what one router process relays with a core to itself. The router on its
+    default event loop (uvloop) is measured beside the standard one (`router --event-loop asyncio`).
 (c) a real model (ctx.model, one real worker): output tokens/s through the router vs directly.
 (d) scale-out: two router processes, each with its own worker, the client's streams spread over both
     (gRPC round_robin over the routers' addresses): aggregate tokens/s and tokens per CPU-second.
@@ -36,13 +36,13 @@ directly (kvpact.v1.Worker/Generate) or through the router (kvpact.v1.Generation
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
 from benchmarks.router_tier import LoadResult, model_tier, percentile, run_load, synthetic_tier
+from kvpact.router.event_loop import DEFAULT_EVENT_LOOP
 
 NAME = "router"
 TARGET_CAPACITY = 40_000.0  # streamed tokens/s through one router process at 256 streams
@@ -67,10 +67,10 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 def _plan(quick: bool) -> dict[str, Any]:
     if quick:
         return {"latency_s": 1.5, "capacity_s": 1.0, "rounds": 1, "warmup": 0.3, "model_rounds": 1,
-                "uvloop_streams": (256,),
+                "asyncio_streams": (256,),
                 "model_streams": 4, "model_tokens": 8, "model_requests": 4}  # fmt: skip
     return {"latency_s": 6.0, "capacity_s": 4.0, "rounds": 2, "warmup": 1.0, "model_rounds": 2,
-            "uvloop_streams": (64, 256),
+            "asyncio_streams": (64, 256),
             "model_streams": 8, "model_tokens": 16, "model_requests": 8}  # fmt: skip
 
 
@@ -299,17 +299,20 @@ def _pooled(runs: list[LoadResult]) -> LoadResult:
 def _capacity(log_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
     by: dict[tuple[int, str], LoadResult] = {}
     rows: list[list[Any]] = []
-    loops = [("asyncio", "router", (64, 256))]
-    if importlib.util.find_spec("uvloop") is not None:  # the dev extra installs it
-        loops.append(("uvloop", "router, uvloop", plan["uvloop_streams"]))
+    # the router's default loop (router/event_loop.py) with the direct and HTTP paths; asyncio beside it
+    loops = [
+        (DEFAULT_EVENT_LOOP, "router", (64, 256)),
+        ("asyncio", "router, asyncio", plan["asyncio_streams"]),
+    ]
     for loop, label, counts in loops:
-        with synthetic_tier(log_dir / f"capacity-{loop}", event_loop=loop, http=loop == "asyncio") as tier:
+        default = loop == DEFAULT_EVENT_LOOP
+        with synthetic_tier(log_dir / f"capacity-{loop}", event_loop=loop, http=default) as tier:
             watch = {"router-0": tier.pids["router-0"], "worker-0": tier.pids["worker-0"]}
             for streams in counts:
                 kwargs = {"streams": streams, "seconds": plan["capacity_s"], "warmup": plan["warmup"],
                           "num_clients": 2, "watch": watch}  # fmt: skip
                 runs = {label: lambda kw=kwargs, t=tier: run_load(t.router_target, "router", log_dir, **kw)}
-                if loop == "asyncio":
+                if default:
                     runs = {
                         "direct": lambda kw=kwargs, t=tier: run_load(
                             t.worker_addresses[0], "worker", log_dir, **kw

@@ -158,7 +158,7 @@ def test_event_loop_uvloop_where_it_is_missing_is_a_config_error(monkeypatch):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name: None if name == "uvloop" else real_find_spec(name)
     )
-    with pytest.raises(ConfigError, match="--event-loop uvloop: uvloop is not installed here"):
+    with pytest.raises(ConfigError, match=r"--event-loop uvloop \(the default\): uvloop is not installed"):
         loop_factory("uvloop")
 
 
