@@ -26,11 +26,12 @@ from kvpact.v1 import worker_pb2, worker_pb2_grpc
 # probing grows it to megabytes once data flows, so a router falling behind never held a worker back:
 # the backlog queued in the router's receive buffers as one message a step, unmerged. A fixed window of
 # WORKER_WINDOW_BYTES holds the worker back within a few engine steps of what the router has read (a
-# step's message for 256 streams is about 10 KB). The window is the call's, not a stream's: the router's
-# reader never waits for a slow client (router/worker_stream.py), so it only fills when the router's
-# own loop cannot keep up. One call's throughput is bounded by the window per round trip (32 KB in a
-# 1 ms round trip: about 800,000 tokens/s of plain chunks); a message larger than the window still
-# passes, gRPC granting a pending read what its message needs.
+# step's message for 256 streams is about 10 KB). Every request to the worker rides that one call, and
+# the router's reader never waits for a slow client (router/worker_stream.py), so the window only fills
+# when the router's own loop cannot keep up, never because of one request. One call's throughput is
+# bounded by the window per round trip (32 KB in a 1 ms round trip: about 800,000 tokens/s of plain
+# chunks); a message larger than the window still passes, gRPC granting a pending read what its
+# message needs.
 WORKER_WINDOW_BYTES = 32 * 1024
 CHANNEL_OPTIONS = [  # and the message limits of the router's and the workers' servers (shared/limits.py)
     *GRPC_MESSAGE_OPTIONS,
