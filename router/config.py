@@ -219,7 +219,7 @@ class RouterConfig:
         DEFAULT_EVENT_LOOP,
         "--event-loop",
         "the event loop the router runs on: uvloop (about 10%% more tokens per CPU-second on the relay, "
-        "docs/performance.md) or asyncio (the standard library's) (default: uvloop)",
+        f"docs/performance.md) or asyncio (the standard library's) (default: {DEFAULT_EVENT_LOOP})",
         choices=tuple(EVENT_LOOPS),
     )
     tls: TlsConfig | None = None  # --tls-* (shared/tls.py); None = plaintext (loopback)

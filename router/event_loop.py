@@ -1,24 +1,26 @@
 """The router's event loop: `--event-loop uvloop|asyncio`.
 
-uvloop is the default (a dependency of the package on every platform it supports): since gRPC's I/O
+uvloop is the default wherever it exists (a dependency of the package there, pyproject.toml's marker
+`sys_platform != 'win32'`; on Windows the default is asyncio): since gRPC's I/O
 moved to its poller thread (shared/grpc_io.py), every completed gRPC operation wakes the loop from that
 thread, and uvloop folds the wake-ups that arrive together into one where asyncio writes its self-pipe
 for each. Measured on the relay, interleaved (docs/performance.md "Event loop and server options"):
 about 10% more tokens per router CPU-second, the same added latency. `--event-loop asyncio` runs the
-standard library's loop (where uvloop does not exist, Windows, it is the only one).
+standard library's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvpact.shared.errors import ConfigError
 
 EVENT_LOOPS = ("asyncio", "uvloop")
-DEFAULT_EVENT_LOOP = "uvloop"
+DEFAULT_EVENT_LOOP = "asyncio" if sys.platform == "win32" else "uvloop"  # as pyproject installs it
 T = TypeVar("T")
 
 

@@ -62,6 +62,8 @@ def test_loading_then_loaded_but_not_admitted_then_admitted_then_draining(tiny_l
             wait_for_line(worker, r"^worker w-ready serving ", START_TIMEOUT_S)
             # loaded, registered `ready`, not admitted yet: still not ready for traffic
             assert health_status(address) == "NOT_SERVING"
+            # the worker says "serving" just before it sends its `ready` handshake: wait for it to arrive
+            eventually(lambda: registry.handshakes[-1].WhichOneof("outcome") == "ready", what="ready")
             assert registry.handshakes[-1].WhichOneof("outcome") == "ready"
             statuses, channel = watch_health(address)
             assert next_status(statuses) == NOT_SERVING
