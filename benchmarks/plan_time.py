@@ -61,7 +61,7 @@ def measure(args: argparse.Namespace) -> int:
 
     from kvpact.shared.spec import WorkerSpec
     from kvpact.worker.loader import estimate_weight_bytes, read_model_config, resolve_model_path
-    from kvpact.worker.loader.fingerprint import model_fingerprint
+    from kvpact.worker.loader.fingerprint import model_digests
     from kvpact.worker.loader.header import read_model_header
     from kvpact.worker.plan_only import make_plan
 
@@ -70,7 +70,7 @@ def measure(args: argparse.Namespace) -> int:
     def three_reads() -> None:  # what the plan read before the header
         read_model_config(path)
         estimate_weight_bytes(path, dtype=torch.float32)
-        model_fingerprint(path, max_model_len=2048, block_size=0, tensor_parallel_size=1)
+        model_digests(path)
 
     rows = [
         (

@@ -4,14 +4,18 @@
                           metadata but the tokenizer's) and each weight file's name, size and tensor header
     tokenizer             sha256 over the tokenizer (tokenizer.json + its config, or the GGUF vocabulary)
     chat-template         sha256 of the chat template the worker renders with ("none" without one)
+    dtype                 what its weights and activations run in, as realized (--dtype: float32, bfloat16)
+    cache-dtype           its KV cache's dtype as realized (--pa-cache-dtype; the eager cache: --dtype's)
     max-model-len         the longest sequence it plans
     block-size            its paged KV cache's block size (0: the eager cache, no blocks)
     tensor-parallel-size  its ranks
 
-A worker computes it before reading a weight (worker/loader/fingerprint.py: file headers only), so its
-plan carries it. `router --uniform LIST` names the fields that must agree (default UNIFORM_DEFAULT); a
-worker that differs from the workers already serving its model name in one of them is refused, both
-values named (`mismatch`). Converted to and from protobuf in shared/handshake_pb.py.
+A worker computes it before reading a weight (worker/loader/fingerprint.py: file headers only; the
+dtypes and sizes from its plan), so its plan carries it. `router --uniform LIST` names the fields that
+must agree. The default, UNIFORM_DEFAULT, is what changes the tokens a request gets: the files, and both
+dtypes (rounding moves greedy near-ties: a float32 and a bfloat16 worker answer one prompt differently);
+the sizes are opt-in. A worker that differs from the workers already serving its model name in one of
+them is refused, both values named (`mismatch`). Converted to and from protobuf in shared/handshake_pb.py.
 """
 
 from __future__ import annotations
@@ -21,8 +25,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
-FIELDS = ("model", "tokenizer", "chat-template", "max-model-len", "block-size", "tensor-parallel-size")
-UNIFORM_DEFAULT = ("model", "tokenizer", "chat-template")
+FIELDS = (
+    "model",
+    "tokenizer",
+    "chat-template",
+    "dtype",
+    "cache-dtype",
+    "max-model-len",
+    "block-size",
+    "tensor-parallel-size",
+)
+UNIFORM_DEFAULT = ("model", "tokenizer", "chat-template", "dtype", "cache-dtype")
+NOT_REPORTED = ""  # a dtype field of a worker older than the field
 NO_CHAT_TEMPLATE = "none"
 _DIGEST_SHOWN = 12  # hex digits of a digest an operator reads (the wire and --json carry all 64)
 
@@ -35,6 +49,8 @@ class Fingerprint:
     max_model_len: int = 0
     block_size: int = 0  # 0: the eager cache
     tensor_parallel_size: int = 1
+    dtype: str = NOT_REPORTED  # "float32", "bfloat16", ... (torch's name without "torch.")
+    cache_dtype: str = NOT_REPORTED
 
     def value(self, name: str) -> str | int:
         """The field that FIELDS calls `name`."""
@@ -48,6 +64,8 @@ class Fingerprint:
             return value[: len("sha256:") + _DIGEST_SHOWN]
         if name == "block-size" and value == 0:
             return "none (eager cache)"
+        if value == NOT_REPORTED:
+            return "not reported (a worker older than this router)"
         return str(value)
 
     def describe(self, names: Iterable[str] = FIELDS) -> str:

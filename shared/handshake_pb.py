@@ -279,6 +279,8 @@ def fingerprint_to_pb(fingerprint: Fingerprint) -> worker_pb2.Fingerprint:
         max_model_len=fingerprint.max_model_len,
         block_size=fingerprint.block_size,
         tensor_parallel_size=fingerprint.tensor_parallel_size,
+        dtype=fingerprint.dtype,
+        cache_dtype=fingerprint.cache_dtype,
     )
 
 
@@ -291,6 +293,8 @@ def fingerprint_from_pb(msg: worker_pb2.Fingerprint) -> Fingerprint:
         max_model_len=msg.max_model_len,
         block_size=msg.block_size,
         tensor_parallel_size=msg.tensor_parallel_size or 1,
+        dtype=msg.dtype,
+        cache_dtype=msg.cache_dtype,
     )
 
 

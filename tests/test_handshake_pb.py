@@ -258,8 +258,10 @@ def test_the_fingerprint_round_trips_and_an_unset_one_reads_as_its_defaults():
     from kvpact.shared.fingerprint import Fingerprint
     from kvpact.shared.handshake_pb import fingerprint_from_pb, fingerprint_to_pb
 
-    fingerprint = Fingerprint("sha256:" + "a" * 64, "sha256:" + "b" * 64, "none", 4096, 16, 2)
+    digests = ("sha256:" + "a" * 64, "sha256:" + "b" * 64, "none")
+    fingerprint = Fingerprint(*digests, 4096, 16, 2, dtype="bfloat16", cache_dtype="float16")
     assert fingerprint_from_pb(fingerprint_to_pb(fingerprint)) == fingerprint
     assert Fingerprint.from_json(fingerprint.to_json()) == fingerprint
     empty = fingerprint_from_pb(worker_pb2.Fingerprint())
     assert (empty.chat_template, empty.tensor_parallel_size, empty.block_size) == ("none", 1, 0)
+    assert empty.shown("dtype") == "not reported (a worker older than this router)"

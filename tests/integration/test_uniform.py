@@ -1,6 +1,7 @@
 """Interchangeable workers through real processes: two workers serving one model name with different
---max-model-len under `router --uniform max-model-len` fail the start (78; the one refused never reads a
-weight), the report naming both values; under `--uniform model` the same two are admitted and serve."""
+--max-model-len under `router --uniform max-model-len`, or a different --dtype under the default list,
+fail the start (78; the one refused never reads a weight), the report naming both values; under
+`--uniform model` the first two are admitted and serve."""
 
 from __future__ import annotations
 
@@ -21,17 +22,33 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=int(MAX_MODEL_LEN))
 
 
-def two_workers(model: Path, address: str) -> tuple[list[str], list[str]]:
+def two_workers(model: Path, address: str, *b_flags: str) -> tuple[list[str], list[str]]:
+    """w-a as worker_args makes it (--max-model-len 2048, float32); w-b the same with `b_flags`."""
     a = module_argv("kvpact.worker", *worker_args(model, address, "w-a"), "--log-format", "json")
-    b = module_argv("kvpact.worker", *worker_args(model, address, "w-b", "--max-model-len", "1024"),
-                    "--log-format", "json")  # fmt: skip
+    b = module_argv("kvpact.worker", *worker_args(model, address, "w-b", *b_flags), "--log-format", "json")
     return a, b
 
 
-def test_a_different_max_model_len_under_uniform_fails_the_start_naming_both_values(model, tmp_path):
-    argv = router_argv("--uniform", "model,max-model-len", "--expect-workers", "2", "--failed-linger", "5")
+@pytest.mark.parametrize(
+    ("uniform", "b_flags", "field", "values"),
+    [
+        (
+            ("--uniform", "model,max-model-len"),
+            ("--max-model-len", "1024"),
+            "max-model-len",
+            ("2048", "1024"),
+        ),
+        ((), ("--dtype", "bfloat16"), "dtype", ("float32", "bfloat16")),  # the default list
+    ],
+    ids=["max-model-len", "dtype-by-default"],
+)
+def test_a_worker_that_differs_fails_the_start_naming_both_values(
+    model, tmp_path, uniform, b_flags, field, values
+):
+    a_value, b_value = values
+    argv = router_argv(*uniform, "--expect-workers", "2", "--failed-linger", "5")
     with running(argv, name="router", log_dir=tmp_path) as router:
-        a_argv, b_argv = two_workers(model, router_address(router))
+        a_argv, b_argv = two_workers(model, router_address(router), *b_flags)
         with (
             running(a_argv, name="w-a", log_dir=tmp_path) as a,
             running(b_argv, name="w-b", log_dir=tmp_path) as b,
@@ -45,8 +62,8 @@ def test_a_different_max_model_len_under_uniform_fails_the_start_naming_both_val
     assert not any(loaded_weights(h) for h in refused)
     report = router.stderr()
     assert (
-        "max-model-len 1024 here, 2048 on worker 'w-a'" in report
-        or "max-model-len 2048 here, 1024 on worker 'w-b'" in report
+        f"{field} {b_value} here, {a_value} on worker 'w-a'" in report
+        or f"{field} {a_value} here, {b_value} on worker 'w-b'" in report
     ), report
     assert "exit code 78: the workers serving one model name are not interchangeable" in report
 
@@ -56,7 +73,7 @@ def test_the_same_two_are_admitted_under_uniform_model(model, tmp_path):
     argv = router_argv("--uniform", "model", "--expect-workers", "2")
     with running(argv, name="router", log_dir=tmp_path) as router:
         address = router_address(router)
-        a_argv, b_argv = two_workers(model, address)
+        a_argv, b_argv = two_workers(model, address, "--max-model-len", "1024")
         with (
             running(a_argv, name="w-a", log_dir=tmp_path) as a,
             running(b_argv, name="w-b", log_dir=tmp_path) as b,

@@ -1,6 +1,6 @@
 """`router --uniform LIST`: workers serving one model name must agree on the fingerprint's fields the list
-names (default model,tokenizer,chat-template). A worker that differs is refused with both values named;
-while the cluster starts that fails it (78, one report); after, it is refused alone."""
+names (default model,tokenizer,chat-template,dtype,cache-dtype). A worker that differs is refused with
+both values named; while the cluster starts that fails it (78, one report); after, it is refused alone."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def uniform(*argv: str) -> tuple[str, ...]:
 
 
 def test_the_list_replaces_the_default_and_an_unknown_name_exits_2_naming_it(capsys):
-    assert uniform() == UNIFORM_DEFAULT == ("model", "tokenizer", "chat-template")
+    assert uniform() == UNIFORM_DEFAULT == ("model", "tokenizer", "chat-template", "dtype", "cache-dtype")
     assert uniform("--uniform", "max-model-len,model") == ("model", "max-model-len")
     assert uniform("--uniform", "block-size", "--uniform", "tensor-parallel-size") == (
         "block-size",

@@ -15,12 +15,14 @@ from safetensors.torch import load_file, save_file
 
 from kvpact.shared.errors import ModelLoadError
 from kvpact.shared.fingerprint import Fingerprint, mismatch
-from kvpact.worker.loader.fingerprint import model_fingerprint
+from kvpact.worker.loader.fingerprint import model_digests
 from tests.factories.tiny_models import make_tiny_gguf
 
 
 def fingerprint(path: Path) -> Fingerprint:
-    return model_fingerprint(path, max_model_len=256, block_size=16, tensor_parallel_size=1)
+    return model_digests(path).fingerprint(
+        dtype="float32", cache_dtype="float32", max_model_len=256, block_size=16, tensor_parallel_size=1
+    )
 
 
 def copy_model(source: Path, target: Path) -> Path:

@@ -108,14 +108,17 @@ def test_a_real_plan_only_process_reads_no_weight_data(tiny_llama, tmp_path, siz
 
 def test_the_json_plan_carries_the_fingerprint_and_the_model_name(tiny_llama, never_load, capsys):
     options = parse_args(["--model", str(tiny_llama), "--max-model-len", "128", "--paged-attn", "on",
-                          "--model-name", "tiny", "--plan-only", "--json"])  # fmt: skip
+                          "--model-name", "tiny", "--pa-cache-dtype", "bfloat16", "--plan-only",
+                          "--json"])  # fmt: skip
     assert run_plan_only(options.spec, options.plan_json, options.model_name) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["model_name"] == "tiny"
     fingerprint = out["fingerprint"]
     assert sorted(fingerprint) == sorted(
-        ["model", "tokenizer", "chat-template", "max-model-len", "block-size", "tensor-parallel-size"]
-    )
+        ["model", "tokenizer", "chat-template", "dtype", "cache-dtype", "max-model-len", "block-size",
+         "tensor-parallel-size"]
+    )  # fmt: skip
+    assert (fingerprint["dtype"], fingerprint["cache-dtype"]) == ("float32", "bfloat16")
     assert fingerprint["model"].startswith("sha256:") and fingerprint["max-model-len"] == 128
     assert (fingerprint["block-size"], fingerprint["tensor-parallel-size"]) == (16, 1)
 

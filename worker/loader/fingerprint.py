@@ -34,20 +34,25 @@ class ModelDigests:
     tokenizer: str
     chat_template: str
 
-    def fingerprint(self, *, max_model_len: int, block_size: int, tensor_parallel_size: int) -> Fingerprint:
+    def fingerprint(
+        self, *, dtype: str, cache_dtype: str, max_model_len: int, block_size: int, tensor_parallel_size: int
+    ) -> Fingerprint:
+        """With the plan's numbers: the dtypes it runs (torch's names without "torch.") and its sizes."""
         return Fingerprint(
-            self.model, self.tokenizer, self.chat_template, max_model_len, block_size, tensor_parallel_size
+            self.model,
+            self.tokenizer,
+            self.chat_template,
+            max_model_len,
+            block_size,
+            tensor_parallel_size,
+            dtype=dtype,
+            cache_dtype=cache_dtype,
         )
 
 
-def model_fingerprint(
-    source: Path, *, max_model_len: int, block_size: int, tensor_parallel_size: int
-) -> Fingerprint:
-    """The fingerprint of the model at `source` (a Hugging Face directory or a GGUF file) as planned."""
-    digests = hf_digests(source) if source.is_dir() else gguf_digests(source, _contents(source))
-    return digests.fingerprint(
-        max_model_len=max_model_len, block_size=block_size, tensor_parallel_size=tensor_parallel_size
-    )
+def model_digests(source: Path) -> ModelDigests:
+    """The digests of the model at `source` (a Hugging Face directory or a GGUF file)."""
+    return hf_digests(source) if source.is_dir() else gguf_digests(source, _contents(source))
 
 
 def _digest(*parts: bytes) -> str:

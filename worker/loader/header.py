@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from kvpact.shared.fingerprint import Fingerprint
 from kvpact.worker.loader.fingerprint import ModelDigests, gguf_digests, hf_digests
 from kvpact.worker.loader.gguf_file import GGUFFile
 from kvpact.worker.loader.hf import read_hf_config, safetensors_files, safetensors_numel
@@ -32,11 +31,6 @@ class ModelHeader:
     def weight_bytes(self, dtype: torch.dtype) -> int:
         """Bytes the weights take once loaded in `dtype`."""
         return self.weight_numel * torch.empty((), dtype=dtype).element_size()
-
-    def fingerprint(self, *, max_model_len: int, block_size: int, tensor_parallel_size: int) -> Fingerprint:
-        return self.digests.fingerprint(
-            max_model_len=max_model_len, block_size=block_size, tensor_parallel_size=tensor_parallel_size
-        )
 
 
 def read_model_header(path: str | Path | None) -> ModelHeader:

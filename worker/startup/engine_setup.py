@@ -179,7 +179,9 @@ def _plan(
         max_num_seqs = _size_eager(p)
     features = p.ledger.states()
     block_size = p.paged_config.block_size if p.paged_config is not None else 0
-    fingerprint = header.fingerprint(
+    fingerprint = header.digests.fingerprint(
+        dtype=str(p.dtype).removeprefix("torch."),
+        cache_dtype=str(p.cache_dtype).removeprefix("torch."),
         max_model_len=p.max_model_len,
         block_size=block_size,
         tensor_parallel_size=spec.tensor_parallel_size,

@@ -308,6 +308,8 @@ class Fingerprint(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """"sha256:<hex>" over the config and each weight file's name, size, tensor header"""
     tokenizer: _builtins.str
@@ -318,6 +320,10 @@ class Fingerprint(_message.Message):
     block_size: _builtins.int
     """0: the eager cache (no blocks)"""
     tensor_parallel_size: _builtins.int
+    dtype: _builtins.str
+    """the weights' and activations' dtype it runs ("float32", "bfloat16"); "": not reported"""
+    cache_dtype: _builtins.str
+    """its KV cache's dtype; "": not reported"""
     def __init__(
         self,
         *,
@@ -327,10 +333,12 @@ class Fingerprint(_message.Message):
         max_model_len: _builtins.int = ...,
         block_size: _builtins.int = ...,
         tensor_parallel_size: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "chat_template", b"chat_template", "max_model_len", b"max_model_len", "model", b"model", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_dtype", b"cache_dtype", "chat_template", b"chat_template", "dtype", b"dtype", "max_model_len", b"max_model_len", "model", b"model", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
