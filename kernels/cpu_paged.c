@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -616,9 +616,10 @@ static inline __attribute__((always_inline)) void packed_tile(const float *restr
 }
 
 /* A chunk of a PackedJob (chunk c: its panels and rows, kvp_linear_packed_f32's split) with `tile`, whose
- * x, panels, bias and y are X, P, X and X; a panel is `panel_words` P elements. A macro, not a function
- * pointer: each case calls the tile with a constant row count, so its sums stay in registers. */
-#define PACKED_CHUNK(name, tile, X, P, panel_words)                                                            \
+ * x, panels, bias and y are X, P, X and X; a panel is `panel_words` P elements; a tile is at most ROWS
+ * rows. A macro, not a function pointer: each case calls the tile with a constant row count, so its
+ * sums stay in registers. */
+#define PACKED_CHUNK(name, tile, X, P, panel_words, ROWS)                                                      \
     static void name(void *arg, int64_t c) {                                                                  \
         const PackedJob *j = (const PackedJob *)arg;                                                          \
         const int64_t k = j->k, n = j->n, panels = n / PANEL;                                                 \
@@ -632,24 +633,24 @@ static inline __attribute__((always_inline)) void packed_tile(const float *restr
             X *y = (X *)j->y + q * PANEL;                                                                     \
             const X *x = (const X *)j->x;                                                                     \
             int64_t m = first_row;                                                                            \
-            for (; m + PANEL_ROWS <= end_row; m += PANEL_ROWS)                                                \
-                tile(x + m * k, k, PANEL_ROWS, p, bias, y + m * n, n);                                        \
+            for (; m + (ROWS) <= end_row; m += (ROWS))                                                        \
+                tile(x + m * k, k, (ROWS), p, bias, y + m * n, n);                                            \
             x += m * k;                                                                                       \
             y += m * n;                                                                                       \
             switch (end_row - m) {                                                                            \
             case 1: tile(x, k, 1, p, bias, y, n); break;                                                      \
-            case 2: tile(x, k, 2, p, bias, y, n); break;                                                      \
-            case 3: tile(x, k, 3, p, bias, y, n); break;                                                      \
-            case 4: tile(x, k, 4, p, bias, y, n); break;                                                      \
-            case 5: tile(x, k, 5, p, bias, y, n); break;                                                      \
-            case 6: if (PANEL_ROWS > 6) tile(x, k, 6, p, bias, y, n); break;                                  \
-            case 7: if (PANEL_ROWS > 7) tile(x, k, 7, p, bias, y, n); break;                                  \
+            case 2: if ((ROWS) > 2) tile(x, k, 2, p, bias, y, n); break;                                      \
+            case 3: if ((ROWS) > 3) tile(x, k, 3, p, bias, y, n); break;                                      \
+            case 4: if ((ROWS) > 4) tile(x, k, 4, p, bias, y, n); break;                                      \
+            case 5: if ((ROWS) > 5) tile(x, k, 5, p, bias, y, n); break;                                      \
+            case 6: if ((ROWS) > 6) tile(x, k, 6, p, bias, y, n); break;                                      \
+            case 7: if ((ROWS) > 7) tile(x, k, 7, p, bias, y, n); break;                                      \
             default: break;                                                                                   \
             }                                                                                                 \
         }                                                                                                     \
     }
 
-PACKED_CHUNK(packed_chunk, packed_tile, float, float, k * PANEL)
+PACKED_CHUNK(packed_chunk, packed_tile, float, float, k * PANEL, PANEL_ROWS)
 
 /* bfloat16 weights (a `--dtype bfloat16` model's), packed in pairs: panel p holds, for each pair of
  * input features (2i, 2i + 1), one 32-bit word per output feature j: w[p * PANEL + j, 2i] in its low
@@ -699,10 +700,105 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(const uint16_
         }
 }
 
-PACKED_CHUNK(packed_chunk_bf16, packed_tile_bf16, uint16_t, uint32_t, k / 2 * PANEL)
+PACKED_CHUNK(packed_chunk_bf16, packed_tile_bf16, uint16_t, uint32_t, k / 2 * PANEL, PANEL_ROWS)
+
+/* Q4_1 weights (the bundled GGUF's 4-bit blocks: for output j and each run of Q4_BLOCK input features,
+ * w = d_j * q + m_j, q in 0..15), kept as 4 bits where float32 holds exactly those values
+ * (kernels/cpu_paged.py `pack_q4` checks every weight). A panel is k / Q4_BLOCK blocks of
+ * Q4_BLOCK_BYTES: for each of the block's input features i, PANEL_VECTOR bytes, byte j holding output
+ * j's q in its low nibble and output PANEL_VECTOR + j's in its high one; then the block's d [PANEL] and
+ * m [PANEL], float32 (the file's float16, widened exactly). Six bits a weight against float32's 32: a
+ * decode step of a few rows, which is the weights' reads in float32, becomes a step of the tile's
+ * arithmetic. Each block's sum is factored, sum_i x_i (d q_i + m) = d (sum_i x_i q_i) + m (sum_i x_i):
+ * the same two multiply-adds a weight as float32 (on q, exact small integers) plus its nibble widened,
+ * and two a block. So the sums round in another order than float32's tile on the same weights (within
+ * float32 rounding; tests/kernels/test_cpu_paged.py), the same order at every row count and thread
+ * count. Measured (benchmarks/probes/q4_panels.c, one thread, SmolLM2-135M's 30 layers, AMD EPYC with
+ * AVX-512): 4.6 / 9.2 / 16.1 ms a step at 1 / 3 / 6 rows against float32's 18.9 / 17.2 / 17.3, and slower
+ * from 8 rows (the widening per tile; the multiply-adds then bound both), so decode steps of at most
+ * Q4_MAX_ROWS rows take it (kvp_decode_layers_f32) and everything else the float32 panels. */
+#define Q4_BLOCK 32
+enum { Q4_BLOCK_BYTES = Q4_BLOCK * PANEL_VECTOR + 2 * PANEL * (int)sizeof(float) };
+#if PANEL_VECTOR == 16
+#define Q4_ROWS 6 /* 4 x 6 sums in 32 registers */
+#define Q4_MAX_ROWS 6
+typedef int32_t nibble_vec __attribute__((vector_size(64)));
+static inline nibble_vec widen_bytes(const uint8_t *b) {
+    return (nibble_vec)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+}
+static inline panel_vec vfma(panel_vec a, panel_vec b, panel_vec c) {
+    return (panel_vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
 #else
-enum { PANEL = 0 };
+#define Q4_ROWS 2 /* 4 x 2 sums in 16 registers */
+#define Q4_MAX_ROWS 2 /* not measured: a tile of 2 rows widens the nibbles once per 2 */
+typedef int32_t nibble_vec __attribute__((vector_size(32)));
+static inline nibble_vec widen_bytes(const uint8_t *b) {
+    return (nibble_vec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+}
+static inline panel_vec vfma(panel_vec a, panel_vec b, panel_vec c) {
+    return (panel_vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+#endif
+
+/* sum of x[0..Q4_BLOCK), in one fixed order */
+static inline float block_sum(const float *x) {
+    panel_vec v = *(const panel_vec *)x;
+    for (int j = PANEL_VECTOR; j < Q4_BLOCK; j += PANEL_VECTOR) v += *(const panel_vec *)(x + j);
+    float s = 0.0f;
+    for (int l = 0; l < PANEL_VECTOR; l++) s += v[l];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void packed_tile_q4(const float *restrict x, const int64_t k,
+                                                                 const int mr, const uint8_t *restrict p,
+                                                                 const float *bias, float *restrict y,
+                                                                 const int64_t n) {
+    panel_vec lo[Q4_ROWS], hi[Q4_ROWS];
+    for (int r = 0; r < mr; r++) lo[r] = hi[r] = (panel_vec){0};
+    for (int64_t b = 0; b < k / Q4_BLOCK; b++) {
+        const uint8_t *blk = p + b * Q4_BLOCK_BYTES;
+        const float *xb = x + b * Q4_BLOCK;
+        panel_vec qlo[Q4_ROWS], qhi[Q4_ROWS];
+        for (int r = 0; r < mr; r++) qlo[r] = qhi[r] = (panel_vec){0};
+        for (int i = 0; i < Q4_BLOCK; i++) {
+            const nibble_vec u = widen_bytes(blk + i * PANEL_VECTOR);
+            const panel_vec q0 = __builtin_convertvector(u & 15, panel_vec);
+            const panel_vec q1 = __builtin_convertvector(u >> 4, panel_vec);
+            for (int r = 0; r < mr; r++) {
+                const float a = xb[r * k + i];
+                qlo[r] += a * q0;
+                qhi[r] += a * q1;
+            }
+        }
+        const float *dm = (const float *)(blk + Q4_BLOCK * PANEL_VECTOR);
+        const panel_vec d0 = *(const panel_vec *)dm, d1 = *(const panel_vec *)(dm + PANEL_VECTOR);
+        const panel_vec m0 = *(const panel_vec *)(dm + PANEL), m1 = *(const panel_vec *)(dm + PANEL + PANEL_VECTOR);
+        for (int r = 0; r < mr; r++) {
+            const float s = block_sum(xb + r * k);
+            const panel_vec sv = (panel_vec){0} + s;
+            lo[r] = vfma(sv, m0, vfma(d0, qlo[r], lo[r]));
+            hi[r] = vfma(sv, m1, vfma(d1, qhi[r], hi[r]));
+        }
+    }
+    const panel_vec c0 = bias ? *(const panel_vec *)bias : (panel_vec){0};
+    const panel_vec c1 = bias ? *(const panel_vec *)(bias + PANEL_VECTOR) : (panel_vec){0};
+    for (int r = 0; r < mr; r++) {
+        *(panel_vec *)(y + r * n) = lo[r] + c0;
+        *(panel_vec *)(y + r * n + PANEL_VECTOR) = hi[r] + c1;
+    }
+}
+
+PACKED_CHUNK(packed_chunk_q4, packed_tile_q4, float, uint8_t, k / Q4_BLOCK * Q4_BLOCK_BYTES, Q4_ROWS)
+#else
+enum { PANEL = 0, Q4_BLOCK_BYTES = 0 };
+#define Q4_MAX_ROWS 0
 #endif /* PANEL_VECTOR */
+
+/* The bytes of one Q4_1 block of a packed panel (kernels/cpu_paged.py `pack_q4`), 0 where nothing packs;
+ * and the most rows of a decode step that take Q4_1 panels (kvp_decode_layers_f32). */
+int64_t kvp_q4_block_bytes(void) { return Q4_BLOCK_BYTES; }
+int64_t kvp_q4_max_rows(void) { return Q4_BLOCK_BYTES ? Q4_MAX_ROWS : 0; }
 
 /* The panel width packed weights use on this build (kvp_linear_packed_f32's), 0 where there is none. */
 int64_t kvp_panel_width(void) { return PANEL; }
@@ -751,6 +847,17 @@ void kvp_linear_packed_bf16(const uint16_t *x, int64_t rows, const uint32_t *pac
 #endif
 }
 
+/* The same on Q4_1 panels (above; k a multiple of 32): x [rows, k], bias [n] or NULL and y [rows, n]
+ * float32. */
+void kvp_linear_packed_q4(const float *x, int64_t rows, const uint8_t *packed, const float *bias, int64_t n,
+                          int64_t k, float *y, int64_t num_threads) {
+#ifdef PANEL_VECTOR
+    run_packed(packed_chunk_q4, x, rows, packed, bias, n, k, y, num_threads);
+#else
+    (void)x, (void)rows, (void)packed, (void)bias, (void)n, (void)k, (void)y, (void)num_threads;
+#endif
+}
+
 /* out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight, per row (x, out [rows, dim] contiguous):
  * one call where torch.rms_norm dispatches about 18 ops (21 us a call at one row, measured). */
 void kvp_rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *weight, float eps, float *out) {
@@ -777,6 +884,9 @@ typedef struct {
     const float *post_norm;
     const void *gate_up, *down;
     void *key_cache, *value_cache;
+    /* the four projections again as Q4_1 panels (kvp_linear_packed_q4), for steps of at most
+       Q4_MAX_ROWS rows; NULL: none (the float32 ones run every step) */
+    const uint8_t *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
 } DecoderLayer;
 
 /* How a decoder layer's projections are laid out: [n, k] float32, packed float32, packed bfloat16 pairs
@@ -786,8 +896,17 @@ enum { PLAIN = 0, PACKED_F32 = 1, PACKED_BF16 = 2 };
 /* One of a decoder layer's projections, float32 x [rows, k] -> y [rows, n]. On bfloat16 pairs (w and
  * bias the model's bfloat16) x is rounded to bfloat16 (into x16) and the product, bias included and
  * rounded once (into y16), widened back: what the model's bf16 layer does with the same kernel. */
-static void projection(const float *x, int64_t rows, const void *w, const void *bias, int64_t n, int64_t k,
-                       float *y, int64_t num_threads, int64_t packed, uint16_t *x16, uint16_t *y16) {
+static void projection(const float *x, int64_t rows, const void *w, const uint8_t *w_q4, const void *bias,
+                       int64_t n, int64_t k, float *y, int64_t num_threads, int64_t packed, uint16_t *x16,
+                       uint16_t *y16) {
+#ifdef PANEL_VECTOR
+    if (w_q4 != NULL && rows <= Q4_MAX_ROWS) {
+        kvp_linear_packed_q4(x, rows, w_q4, bias, n, k, y, num_threads);
+        return;
+    }
+#else
+    (void)w_q4;
+#endif
     if (packed == PACKED_BF16) {
         for (int64_t i = 0; i < rows * k; i++) x16[i] = to_bf16(x[i]);
         kvp_linear_packed_bf16(x16, rows, (const uint32_t *)w, (const uint16_t *)bias, n, k, y16, num_threads);
@@ -835,7 +954,8 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
     for (int64_t l = 0; l < num_layers; l++) {
         const DecoderLayer *L = &layers[l];
         kvp_rms_norm_f32(x, rows, hidden, L->input_norm, eps, normed);
-        projection(normed, rows, L->qkv, L->qkv_bias, qkv_size, hidden, qkv, num_threads, packed, x16, y16);
+        projection(normed, rows, L->qkv, L->qkv_q4, L->qkv_bias, qkv_size, hidden, qkv, num_threads, packed, x16,
+                   y16);
         for (int64_t m = 0; m < rows; m++) {
             const float *c = cos + m * head_dim, *s = sin + m * head_dim;
             const float *src = qkv + m * qkv_size;
@@ -857,14 +977,16 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
                                 context_lens, rows, q_heads, kv_heads, head_dim, block_size, scale, attended,
                                 num_threads, cache_bf16);
         if (status) break; /* no score buffer: the attention output is incomplete */
-        projection(attended, rows, L->o, L->o_bias, hidden, q_size, delta, num_threads, packed, x16, y16);
+        projection(attended, rows, L->o, L->o_q4, L->o_bias, hidden, q_size, delta, num_threads, packed, x16,
+                   y16);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
         kvp_rms_norm_f32(x, rows, hidden, L->post_norm, eps, normed);
-        projection(normed, rows, L->gate_up, NULL, 2 * intermediate, hidden, gate_up, num_threads, packed, x16,
-                   y16);
+        projection(normed, rows, L->gate_up, L->gate_up_q4, NULL, 2 * intermediate, hidden, gate_up, num_threads,
+                   packed, x16, y16);
         for (int64_t m = 0; m < rows; m++)
             silu_mul(gate_up + m * 2 * intermediate, intermediate, act + m * intermediate);
-        projection(act, rows, L->down, NULL, hidden, intermediate, delta, num_threads, packed, x16, y16);
+        projection(act, rows, L->down, L->down_q4, NULL, hidden, intermediate, delta, num_threads, packed, x16,
+                   y16);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
     }
     free(buffer);

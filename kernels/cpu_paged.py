@@ -92,6 +92,7 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # (`python -m benchmarks.small_linear`, docs/performance.md). So a decode step of up to 64 sequences, and
 # a step of a 16-token prompt chunk beside up to 48 decodes, run on the C kernels.
 SMALL_BATCH_ROWS = 64
+Q4_BLOCK = 32  # input features per Q4_1 block (a GGUF's): one d and one m per output feature each
 
 
 class Layout(enum.IntEnum):
@@ -125,6 +126,10 @@ class DecoderLayer(ctypes.Structure):
             "down",
             "key_cache",
             "value_cache",
+            "qkv_q4",
+            "o_q4",
+            "gate_up_q4",
+            "down_q4",
         )
     ]
 
@@ -152,6 +157,8 @@ class CpuPagedOps:
     path: Path
     num_threads: int | None = None
     panel_width: int = 0  # packed weights' panel (kvp_panel_width); 0: this build packs none
+    q4_block_bytes: int = 0  # a Q4_1 block of a packed panel (kvp_q4_block_bytes); 0: none packs
+    q4_max_rows: int = 0  # decode steps of at most this many rows read Q4_1 panels (kvp_q4_max_rows)
 
     def write(self, key, value, key_cache, value_cache, slot_mapping, *, check=True) -> None:  # noqa: ANN001
         """key, value float32 [num_tokens, kv_heads, head_dim] into a float32 or bfloat16 cache."""
@@ -293,6 +300,62 @@ class CpuPagedOps:
                     out.data_ptr(),
                     self.num_threads or torch.get_num_threads(),
                 )
+        return out
+
+    def pack_q4(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [out, in] (float32, CPU) as Q4_1 panels for `packed_linear_q4` and the decode layers
+        (cpu_paged.c, "Q4_1 weights"), or None where it is not exactly Q4_1 (`q4_1_blocks`) or not of a
+        shape that packs (out a multiple of the panel width, in of Q4_BLOCK). uint8 [out / panel_width,
+        in / Q4_BLOCK, q4_block_bytes]."""
+        if not self.q4_block_bytes or weight.dim() != 2 or weight.shape[0] % self.panel_width:
+            return None
+        blocks = q4_1_blocks(weight)
+        if blocks is None:
+            return None
+        q, d, m = blocks
+        (out_features, in_features), width, half = weight.shape, self.panel_width, self.panel_width // 2
+        panels, num_blocks = out_features // width, in_features // Q4_BLOCK
+        # byte j of an input feature's row: output j's q low, output half + j's high
+        q = q.reshape(panels, 2, half, num_blocks, Q4_BLOCK)
+        nibbles = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(panels, num_blocks, Q4_BLOCK * half)
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:  # [out, blocks] -> [panels, blocks, 4 * width]
+            return t.reshape(panels, width, num_blocks).transpose(1, 2).contiguous().view(torch.uint8)
+
+        packed = torch.cat([nibbles, per_block(d), per_block(m)], dim=2).contiguous()
+        assert packed.shape[2] == self.q4_block_bytes, (packed.shape, self.q4_block_bytes)
+        return packed
+
+    def packed_linear_q4(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """F.linear(x, weight, bias) where `packed` is `pack_q4(weight)`: x [rows, in] float32 CPU."""
+        panels, num_blocks, block_bytes = packed.shape
+        out_features, in_features = panels * self.panel_width, num_blocks * Q4_BLOCK
+        if (
+            packed.dtype is not torch.uint8
+            or block_bytes != self.q4_block_bytes
+            or not packed.is_contiguous()
+        ):
+            raise ValueError(
+                f"packed_linear_q4: the weight must be `pack_q4`'s, got {packed.dtype} {packed.shape}"
+            )
+        if x.dim() != 2 or x.shape[1] != in_features or x.dtype is not _FLOAT32 or not x.is_cpu:
+            raise ValueError(f"packed_linear_q4: x must be float32 CPU [rows, {in_features}], got {x.shape}")
+        if not _bias_fits(bias, out_features):
+            raise ValueError(f"packed_linear_q4: bias must be a contiguous float32 CPU [{out_features}]")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], out_features, dtype=_FLOAT32)
+        self.library.kvp_linear_packed_q4(
+            x.data_ptr(),
+            x.shape[0],
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out_features,
+            in_features,
+            out.data_ptr(),
+            self.num_threads or torch.get_num_threads(),
+        )
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -596,9 +659,53 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_linear_packed_f32.restype = None
     library.kvp_linear_packed_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
     library.kvp_linear_packed_bf16.restype = None
+    library.kvp_linear_packed_q4.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
+    library.kvp_linear_packed_q4.restype = None
     library.kvp_panel_width.argtypes = []
     library.kvp_panel_width.restype = _i64
-    return CpuPagedOps(library, path, panel_width=int(library.kvp_panel_width()))
+    library.kvp_q4_block_bytes.argtypes = []
+    library.kvp_q4_block_bytes.restype = _i64
+    library.kvp_q4_max_rows.argtypes = []
+    library.kvp_q4_max_rows.restype = _i64
+    return CpuPagedOps(
+        library,
+        path,
+        panel_width=int(library.kvp_panel_width()),
+        q4_block_bytes=int(library.kvp_q4_block_bytes()),
+        q4_max_rows=int(library.kvp_q4_max_rows()),
+    )
+
+
+def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """weight [out, in] float32 as Q4_1 blocks: (q uint8 [out, in] in 0..15, d and m float32 [out,
+    in / Q4_BLOCK], each a float16's value) with d * q + m == weight exactly, the product rounded to
+    float32 and then the sum, as the gguf package dequantizes (what the loader did to a Q4_1 file).
+    None where some block is not: the weights were not dequantized from Q4_1, or were changed since.
+    A block's smallest weight is its m (its q is 0: the quantizer maps the minimum there); d is the
+    float16 nearest (max - m) / 15 or one of its four neighbours, the one that gives back every weight."""
+    out_features, in_features = weight.shape
+    if weight.dtype is not _FLOAT32 or in_features % Q4_BLOCK or not weight.numel():
+        return None
+    blocks = weight.detach().reshape(out_features, in_features // Q4_BLOCK, Q4_BLOCK)
+    m = blocks.amin(dim=2)
+    if not torch.equal(m.half().float(), m):
+        return None
+    offsets = blocks - m[..., None]
+    nearest = (offsets.amax(dim=2) / 15).half().view(torch.int16).int()
+    d = torch.zeros_like(m)
+    q = torch.zeros(blocks.shape, dtype=torch.uint8)
+    found = torch.zeros(m.shape, dtype=torch.bool)
+    for step in (0, -1, 1, -2, 2):
+        todo = ~found
+        candidate = (nearest[todo] + step).clamp(0, 0x7BFF).short().view(torch.float16).float()[:, None]
+        levels = torch.where(candidate > 0, offsets[todo] / candidate, 0.0).round().clamp(0, 15)
+        exact = (candidate * levels + m[todo][:, None] == blocks[todo]).all(dim=1)
+        where = todo.nonzero(as_tuple=True)
+        hit = tuple(i[exact] for i in where)
+        d[hit], q[hit], found[hit] = candidate[exact, 0], levels[exact].to(torch.uint8), True
+        if bool(found.all()):
+            return q.reshape(out_features, in_features), d, m
+    return None
 
 
 def required(dtype: torch.dtype, device: torch.device) -> CpuPagedOps:

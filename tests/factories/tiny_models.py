@@ -179,7 +179,8 @@ def make_tiny_gguf(
 ) -> Path:
     """Write the tiny model as a GGUF file the way llama.cpp's converter would (llama: Q/K rows
     permuted); returns the path. `architecture`: "llama" or "qwen2" (then q/k/v bias). `file_type`:
-    "f32", "f16" or "q8_0" (2-D weights; norms stay f32). Same kwargs as make_tiny_llama; with equal
+    "f32", "f16", "q8_0" or "q4_1" (2-D weights, q4_1 with every row a multiple of 32 long; norms stay
+    f32). Same kwargs as make_tiny_llama; with equal
     kwargs and file_type f32 the weights equal make_tiny_llama's / make_tiny_qwen2's exactly."""
     import gguf
 
@@ -210,6 +211,7 @@ def make_tiny_gguf(
         "f32": gguf.GGMLQuantizationType.F32,
         "f16": gguf.GGMLQuantizationType.F16,
         "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1,
     }
     qtype = qtypes[file_type]
     heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}

@@ -444,6 +444,14 @@ def test_an_avx2_build_packs_panels_of_16_and_computes_what_torch_does(monkeypat
         for threads in (1, 4):
             got = replace(ops, num_threads=threads).packed_linear(x, packed, bias)
             torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    # and Q4_1 panels of 16 (tiles of 2 rows)
+    weight = q4_1_weight(96, 64, seed=5)
+    packed = ops.pack_q4(weight)
+    assert packed is not None and packed.shape == (6, 2, ops.q4_block_bytes) and ops.q4_max_rows == 2
+    for rows in (1, 2, 3, 7):
+        x = torch.randn(rows, 64, generator=gen)
+        got = ops.packed_linear_q4(x, packed, bias)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
 def _split_linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -530,3 +538,53 @@ def test_decode_layers_refuse_step_tensors_the_c_code_would_misread(ops):
     with pytest.raises(ValueError, match="slot_mapping must be a contiguous torch.int64"):
         call(torch.tensor([3], dtype=torch.int32), one)
     call(torch.tensor([63]), one)  # the last slot, no layers: nothing to do, nothing refused
+
+
+def q4_1_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A random weight as a Q4_1 GGUF holds it: quantized by the gguf package and dequantized back, what
+    the loader gives the model for the bundled file's projections."""
+    import gguf
+
+    data = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)).numpy()
+    blocks = gguf.quants.quantize(data * 0.05, gguf.GGMLQuantizationType.Q4_1)
+    dequantized = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1)
+    return torch.from_numpy(dequantized.reshape(out_features, in_features).copy())
+
+
+def test_q4_1_blocks_give_back_every_weight_a_q4_1_file_held_and_nothing_else():
+    weight = q4_1_weight(64, 96, seed=1)
+    q, d, m = cpu_paged.q4_1_blocks(weight)
+    assert q.dtype is torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (64, 3)
+    assert torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m)  # the file's float16s
+    assert torch.equal(d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1), weight)
+    nudged = weight.clone()
+    nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))  # one weight one ulp off
+    assert cpu_paged.q4_1_blocks(nudged) is None
+    assert cpu_paged.q4_1_blocks(torch.randn(64, 96)) is None  # float32 weights of no Q4_1 file
+    assert cpu_paged.q4_1_blocks(weight[:, :90]) is None  # no whole blocks
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_q4_computes_what_float32_does_on_the_same_weights_and_each_row_alike_in_any_batch(
+    ops, with_bias
+):
+    ops = packing(ops)
+    weight = q4_1_weight(1536, 576, seed=2)
+    bias = torch.randn(1536) if with_bias else None
+    packed = ops.pack_q4(weight)
+    assert packed is not None and packed.dtype is torch.uint8
+    assert packed.shape == (1536 // ops.panel_width, 576 // cpu_paged.Q4_BLOCK, ops.q4_block_bytes)
+    assert packed.numel() * 5 < weight.numel() * 4  # 6 bits a weight
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(13, 576, generator=gen)
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    scale = x.abs().double() @ weight.abs().double().T + (0 if bias is None else bias.abs().double())
+    alone = [ops.packed_linear_q4(x[i : i + 1], packed, bias)[0] for i in range(13)]
+    for rows in (1, 2, 5, 6, 7, 13):
+        for threads in (1, 4):
+            got = replace(ops, num_threads=threads).packed_linear_q4(x[:rows], packed, bias)
+            assert ((got.double() - want[:rows]).abs() <= 1e-6 * scale[:rows]).all()  # float32 rounding
+            for i in range(rows):  # the sums' order is a row's own: the same bits alone or in any batch
+                assert torch.equal(got[i], alone[i]), (rows, threads, i)
+    assert ops.pack_q4(torch.randn(1536, 576)) is None  # not Q4_1: the float32 panels stay the only ones
+    assert ops.pack_q4(q4_1_weight(48, 576, seed=4)) is None  # not whole panels

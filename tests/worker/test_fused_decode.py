@@ -15,7 +15,7 @@ from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.worker.engine.engine import Engine
 from kvpact.worker.engine.fused_decode import _decode_batch
 from kvpact.worker.startup import engine_setup
-from tests.factories.tiny_models import make_tiny_llama, make_tiny_qwen2
+from tests.factories.tiny_models import make_tiny_gguf, make_tiny_llama, make_tiny_qwen2
 from tests.worker.conftest import greedy
 from tests.worker.test_parity import record_logits
 
@@ -90,20 +90,41 @@ def test_fused_decode_computes_what_the_layers_compute(make_engine, request, mod
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+SMOLLM_SHAPES = {
+    "hidden_size": 576,
+    "num_heads": 9,
+    "num_kv_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+}
+
+
+@pytest.fixture(scope="module")
+def smollm_shaped_q4_1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's shapes, 2 layers, in a Q4_1 GGUF as the bundled file is: its projections load
+    as float32 holding exactly Q4_1 values, so decode steps of a few sequences read Q4_1 panels."""
+    path = tmp_path_factory.mktemp("smollm-q4_1") / "model.gguf"
+    return make_tiny_gguf(path, file_type="q4_1", std=0.05, **SMOLLM_SHAPES)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"], ids=["paged", "eager"])
+def test_a_q4_1_model_decodes_its_small_steps_on_q4_1_panels_computing_what_the_layers_compute(
+    make_engine, smollm_shaped_q4_1, mode
+):
+    fused, plain = make_engine(smollm_shaped_q4_1, mode), make_engine(smollm_shaped_q4_1, mode)
+    assert fused.step_loop.runner.fused is not None
+    if not cpu_paged.load(torch.float32, torch.device("cpu")).q4_max_rows:  # type: ignore[union-attr]
+        pytest.skip("this build packs no weights (no AVX-512 or AVX2)")
+    assert fused.step_loop.runner.fused.q4.startswith("yes: 8 projections, for decode steps of up to")
+    assert_fused_computes_what_the_layers_compute(fused, plain)  # 4 sequences at most: all on Q4_1
+
+
 @pytest.fixture(scope="module")
 def smollm_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's layer shapes (hidden 576, 9 heads of 64, 3 KV heads, intermediate 1536), 2
     layers: the sizes the C code inlines, and large enough that its linear (gate_up) and its decode (4
     contexts of ~300 tokens) split over threads where torch has more than one."""
-    return make_tiny_llama(
-        tmp_path_factory.mktemp("smollm-shaped"),
-        hidden_size=576,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        std=0.05,
-    )
+    return make_tiny_llama(tmp_path_factory.mktemp("smollm-shaped"), std=0.05, **SMOLLM_SHAPES)
 
 
 @pytest.mark.parametrize("mode", ["on", "off"], ids=["paged", "eager"])
@@ -116,6 +137,9 @@ def test_at_the_default_models_shapes_the_c_layers_compute_what_the_layers_compu
     )
     plain.step_loop.runner.fused = None
     ran = fused_rows(fused)
+    q4 = fused.step_loop.runner.fused.q4  # type: ignore[union-attr]
+    assert q4 in ("no: layer 0's qkv projection does not hold exactly Q4_1 values",
+                  "no: the projections are not float32 panels")  # fmt: skip  # the latter: no panels here
     gen = torch.Generator().manual_seed(11)
     long_prompts = [tuple(torch.randint(3, 384, (290 + 7 * i,), generator=gen).tolist()) for i in range(4)]
     got, want = (

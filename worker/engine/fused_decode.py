@@ -24,6 +24,15 @@ float32 between them, where the layer-by-layer path rounds each op's result to b
 far from the same weights run in float32 (the projections' rounding, which they share, is most of it):
 tests/worker/test_fused_decode.py holds each to it.
 
+A float32 model whose projections hold exactly a GGUF's Q4_1 values (the bundled SmolLM2 file: the
+loader dequantized them; kernels/cpu_paged.py `q4_1_blocks` checks every weight) also gets them as Q4_1
+panels, six bits a weight beside the float32 panels' 32, and steps of a few sequences read those (at
+most `CpuPagedOps.q4_max_rows`, 6 with AVX-512: cpu_paged.c, "Q4_1 weights"): a step of a few sequences
+is the weights' reads in float32, so it then takes a quarter to a half of the time. The sums are
+factored per block, so these steps round in another order than the float32 panels (within float32
+rounding, as RoPE's above): one more way the two paths agree within LOGITS_ATOL, not bit for bit.
+`q4` says whether it applies and, when not, why.
+
 The weights' and pools' pointers are gathered once, when the engine is built: nothing replaces a
 parameter or a pool after that.
 """
@@ -67,6 +76,7 @@ class FusedDecode:
         self.cache_bf16 = cache.key[0].dtype is torch.bfloat16
         _check_shapes(model, cache, self.layout, ops.panel_width)
         self.float32_copies: list[torch.Tensor] = []  # a bfloat16 model's norm weights
+        self.q4_copies, self.q4 = _q4_panels(ops, model, self.layout)
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
@@ -91,6 +101,7 @@ class FusedDecode:
                     ptr(layer.mlp.down_proj.weight),
                     ptr(cache.key[i]),
                     ptr(cache.value[i]),
+                    *(ptr(t) for t in self.q4_copies[4 * i : 4 * i + 4]),
                 )
                 for i, layer in enumerate(decoder_layers(model))
             )
@@ -118,6 +129,28 @@ class FusedDecode:
             cache_bf16=self.cache_bf16,
         )
         return model.model.norm(x.to(self.dtype))
+
+
+def _q4_panels(ops: CpuPagedOps, model: LlamaForCausalLM, layout: Layout) -> tuple[list[torch.Tensor], str]:
+    """Each layer's qkv, o, gate_up and down projections as Q4_1 panels (`CpuPagedOps.pack_q4`), in that
+    order, and what the startup log says of them; no panels (and why) unless every projection packs."""
+    if layout is not Layout.PACKED_F32:
+        return [], "no: the projections are not float32 panels"
+    panels = []
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, linear in (
+            ("qkv", layer.self_attn.qkv_proj),
+            ("o", layer.self_attn.o_proj),
+            ("gate_up", layer.mlp.gate_up_proj),
+            ("down", layer.mlp.down_proj),
+        ):
+            packed = linear.weight  # [out / panel_width, in, panel_width]
+            weight = packed.transpose(1, 2).reshape(-1, packed.shape[1])
+            q4 = ops.pack_q4(weight)
+            if q4 is None:
+                return [], f"no: layer {i}'s {name} projection does not hold exactly Q4_1 values"
+            panels.append(q4)
+    return panels, f"yes: {len(panels)} projections, for decode steps of up to {ops.q4_max_rows} sequences"
 
 
 def _decode_batch(attn: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

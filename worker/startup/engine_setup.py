@@ -403,6 +403,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
         log.info(
             "small decode steps run every decoder layer in one C call",
             max_sequences=cpu_paged.SMALL_BATCH_ROWS,
+            q4_1_panels=runner.fused.q4,
         )
     if ranks is not None:
         ranks.ready()
