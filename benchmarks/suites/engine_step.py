@@ -17,7 +17,8 @@ and a few steps run under `torch.profiler` there for the breakdown by op group.
   floor a step cannot go under without faster matrix multiplies. On the C kernels a step of up to
   `SMALL_BATCH_ROWS` (kernels/cpu_paged.py) sequences runs its decoder layers in one C call
   (worker/engine/fused_decode.py): the profile shows that call as one group with its matmuls inside,
-  and the matmuls alone are the same C linear.
+  and the matmuls alone are the same C linear (on a Q4_1 model's Q4_1 panels where the step reads
+  those: at most `q4_max_rows` sequences).
 
 Reported: median step ms, matmul-alone ms, the share of the step outside the matmuls
 (1 - matmul / step), batch-1 step / matmul ratio, paged / eager step ratio (judged over the
@@ -40,6 +41,7 @@ import torch
 
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
 from benchmarks.kvpact_systems import greedy_request, share_weights
+from kvpact.kernels import cpu_paged
 from kvpact.shared.intent import PagedAttentionMode, cache_intent
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.engine import Engine
@@ -131,7 +133,9 @@ class _TimedRunner:
         log.steps.append((decodes, len(chunks), (time.perf_counter() - start) * 1e3))
         if log.profile_width and decodes == len(chunks) == log.profile_width:
             # Interleaved with the steps, so both see the same load on a shared machine.
-            log.matmul_ms.append(matmul_alone_ms(self._runner.model, decodes, reps=1))
+            log.matmul_ms.append(
+                matmul_alone_ms(self._runner.model, decodes, reps=1, fused=self._runner.fused)
+            )
         return result
 
 
@@ -166,20 +170,28 @@ def _prompts(n: int, lengths: list[int], vocab: int, seed: int) -> list[list[int
 
 
 @torch.inference_mode()
-def matmul_alone_ms(model: Any, rows: int, reps: int) -> float:
+def matmul_alone_ms(model: Any, rows: int, reps: int, fused: Any = None) -> float:
     """Median ms of the model's linear layers alone on `rows` tokens (and the LM head on `rows`), each
-    run the way the model runs it (its `matmul`: torch's, or the C kernels' small-batch linear)."""
+    run the way the model runs it (its `matmul`: torch's, or the C kernels' small-batch linear; `fused`,
+    the runner's C decode layers: their Q4_1 panels where a step of `rows` reads them)."""
     weights = []
-    for layer in model.model.layers:
+    q4 = fused.q4_copies if fused is not None and rows <= fused.ops.q4_max_rows else []
+    for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            weights.append((lin.matmul, lin.weight, lin.bias))
+        for j, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            if q4:
+                weights.append((fused.ops.packed_linear_q4, q4[4 * i + j], lin.bias))
+            else:
+                weights.append((lin.matmul, lin.weight, lin.bias))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     weights.append((model.head_matmul, head, None))
     dtype = head.dtype
 
     def features(w: torch.Tensor) -> int:
-        """Its input features: [out, in], packed [out / W, in, W], or bf16 pairs [out / W, in / 2, W, 2]."""
+        """Its input features: [out, in], packed [out / W, in, W], bf16 pairs [out / W, in / 2, W, 2], or
+        Q4_1 [out / W, in / 32, block bytes]."""
+        if w.dtype is torch.uint8:
+            return w.shape[1] * cpu_paged.Q4_BLOCK
         return w.shape[1] * (w.shape[3] if w.dim() == 4 else 1)
 
     inputs = {
@@ -246,7 +258,7 @@ def _run_scenario(
     log.profile_steps = 0
 
 
-def _summarize(cache: str, seqs: int, log: StepLog, model: Any) -> Scenario:
+def _summarize(cache: str, seqs: int, log: StepLog, model: Any, fused: Any = None) -> Scenario:
     times = [ms for d, n, ms in log.steps if d == n == seqs]
     groups, profiled = _breakdown(log)
     top: dict[str, float] = defaultdict(float)
@@ -259,7 +271,9 @@ def _summarize(cache: str, seqs: int, log: StepLog, model: Any) -> Scenario:
         step_ms=statistics.median(times) if times else float("nan"),
         step_times=times,
         matmul_times=list(log.matmul_ms),
-        matmul_ms=statistics.median(log.matmul_ms) if log.matmul_ms else matmul_alone_ms(model, seqs, reps=5),
+        matmul_ms=statistics.median(log.matmul_ms)
+        if log.matmul_ms
+        else matmul_alone_ms(model, seqs, reps=5, fused=fused),
         steps=len(times),
         groups=groups,
         profiled_ms=profiled,
@@ -308,7 +322,13 @@ def run(ctx: BenchContext) -> SuiteResult:
                 _run_scenario(engine, logs[(name, NUM_SEQS)], NUM_SEQS, lengths, tokens, ctx.seed + i)
                 _run_scenario(engine, logs[(name, 1)], 1, single, tokens, ctx.seed + 100 + i)
         scenarios = [
-            _summarize(name, n, logs[(name, n)], engines[name].step_loop.runner.model)
+            _summarize(
+                name,
+                n,
+                logs[(name, n)],
+                engines[name].step_loop.runner.model,
+                engines[name].step_loop.runner.fused,
+            )  # fmt: skip
             for name in engines
             for n in (NUM_SEQS, 1)
         ]
