@@ -716,12 +716,12 @@ PACKED_CHUNK(packed_chunk_bf16, packed_tile_bf16, uint16_t, uint32_t, k / 2 * PA
  * count. Measured (benchmarks/probes/q4_panels.c, one thread, SmolLM2-135M's 30 layers, AMD EPYC with
  * AVX-512): 4.6 / 9.2 / 16.1 ms a step at 1 / 3 / 6 rows against float32's 18.9 / 17.2 / 17.3, and slower
  * from 8 rows (the widening per tile; the multiply-adds then bound both), so decode steps of at most
- * Q4_MAX_ROWS rows take it (kvp_decode_layers_f32) and everything else the float32 panels. */
+ * QUANT_MAX_ROWS rows take it (kvp_decode_layers_f32) and everything else the float32 panels. */
 #define Q4_BLOCK 32
 enum { Q4_BLOCK_BYTES = Q4_BLOCK * PANEL_VECTOR + 2 * PANEL * (int)sizeof(float) };
 #if PANEL_VECTOR == 16
 #define Q4_ROWS 6 /* 4 x 6 sums in 32 registers */
-#define Q4_MAX_ROWS 6
+#define QUANT_MAX_ROWS 6
 typedef int32_t nibble_vec __attribute__((vector_size(64)));
 static inline nibble_vec widen_bytes(const uint8_t *b) {
     return (nibble_vec)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
@@ -731,7 +731,7 @@ static inline panel_vec vfma(panel_vec a, panel_vec b, panel_vec c) {
 }
 #else
 #define Q4_ROWS 2 /* 4 x 2 sums in 16 registers */
-#define Q4_MAX_ROWS 2 /* not measured: a tile of 2 rows widens the nibbles once per 2 */
+#define QUANT_MAX_ROWS 2 /* not measured: a tile of 2 rows widens the nibbles once per 2 */
 typedef int32_t nibble_vec __attribute__((vector_size(32)));
 static inline nibble_vec widen_bytes(const uint8_t *b) {
     return (nibble_vec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
@@ -790,15 +790,69 @@ static inline __attribute__((always_inline)) void packed_tile_q4(const float *re
 }
 
 PACKED_CHUNK(packed_chunk_q4, packed_tile_q4, float, uint8_t, k / Q4_BLOCK * Q4_BLOCK_BYTES, Q4_ROWS)
+
+/* Q8_0 weights (the bundled GGUF's token embedding, which is its tied LM head: w = d_j * q, q an int8,
+ * per output j and Q4_BLOCK input features), kept as 8 bits where float32 holds exactly those values
+ * (`pack_q8`). A block: for each input feature, PANEL int8s (byte j: output j), then d [PANEL] float32.
+ * Nine bits a weight; the sums factored as Q4_1's, d (sum_i x_i q_i), one multiply-add a block. */
+enum { Q8_BLOCK_BYTES = Q4_BLOCK * PANEL + PANEL * (int)sizeof(float) };
+#if PANEL_VECTOR == 16
+static inline nibble_vec widen_signed(const int8_t *b) {
+    return (nibble_vec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b));
+}
 #else
-enum { PANEL = 0, Q4_BLOCK_BYTES = 0 };
-#define Q4_MAX_ROWS 0
+static inline nibble_vec widen_signed(const int8_t *b) {
+    return (nibble_vec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b));
+}
+#endif
+
+static inline __attribute__((always_inline)) void packed_tile_q8(const float *restrict x, const int64_t k,
+                                                                 const int mr, const uint8_t *restrict p,
+                                                                 const float *bias, float *restrict y,
+                                                                 const int64_t n) {
+    panel_vec lo[Q4_ROWS], hi[Q4_ROWS];
+    for (int r = 0; r < mr; r++) lo[r] = hi[r] = (panel_vec){0};
+    for (int64_t b = 0; b < k / Q4_BLOCK; b++) {
+        const int8_t *blk = (const int8_t *)(p + b * Q8_BLOCK_BYTES);
+        const float *xb = x + b * Q4_BLOCK;
+        panel_vec qlo[Q4_ROWS], qhi[Q4_ROWS];
+        for (int r = 0; r < mr; r++) qlo[r] = qhi[r] = (panel_vec){0};
+        for (int i = 0; i < Q4_BLOCK; i++) {
+            const panel_vec q0 = __builtin_convertvector(widen_signed(blk + i * PANEL), panel_vec);
+            const panel_vec q1 = __builtin_convertvector(widen_signed(blk + i * PANEL + PANEL_VECTOR), panel_vec);
+            for (int r = 0; r < mr; r++) {
+                const float a = xb[r * k + i];
+                qlo[r] += a * q0;
+                qhi[r] += a * q1;
+            }
+        }
+        const float *d = (const float *)(blk + Q4_BLOCK * PANEL);
+        const panel_vec d0 = *(const panel_vec *)d, d1 = *(const panel_vec *)(d + PANEL_VECTOR);
+        for (int r = 0; r < mr; r++) {
+            lo[r] = vfma(d0, qlo[r], lo[r]);
+            hi[r] = vfma(d1, qhi[r], hi[r]);
+        }
+    }
+    const panel_vec c0 = bias ? *(const panel_vec *)bias : (panel_vec){0};
+    const panel_vec c1 = bias ? *(const panel_vec *)(bias + PANEL_VECTOR) : (panel_vec){0};
+    for (int r = 0; r < mr; r++) {
+        *(panel_vec *)(y + r * n) = lo[r] + c0;
+        *(panel_vec *)(y + r * n + PANEL_VECTOR) = hi[r] + c1;
+    }
+}
+
+PACKED_CHUNK(packed_chunk_q8, packed_tile_q8, float, uint8_t, k / Q4_BLOCK * Q8_BLOCK_BYTES, Q4_ROWS)
+#else
+enum { PANEL = 0, Q4_BLOCK_BYTES = 0, Q8_BLOCK_BYTES = 0 };
+#define QUANT_MAX_ROWS 0
 #endif /* PANEL_VECTOR */
 
-/* The bytes of one Q4_1 block of a packed panel (kernels/cpu_paged.py `pack_q4`), 0 where nothing packs;
- * and the most rows of a decode step that take Q4_1 panels (kvp_decode_layers_f32). */
+/* The bytes of one Q4_1 and one Q8_0 block of a packed panel (kernels/cpu_paged.py `pack_q4`,
+ * `pack_q8`), 0 where nothing packs; and the most rows that take them (kvp_decode_layers_f32, the LM
+ * head: kernels/cpu_paged.py `small_rows_linear`). */
 int64_t kvp_q4_block_bytes(void) { return Q4_BLOCK_BYTES; }
-int64_t kvp_q4_max_rows(void) { return Q4_BLOCK_BYTES ? Q4_MAX_ROWS : 0; }
+int64_t kvp_q8_block_bytes(void) { return Q8_BLOCK_BYTES; }
+int64_t kvp_quant_max_rows(void) { return Q4_BLOCK_BYTES ? QUANT_MAX_ROWS : 0; }
 
 /* The panel width packed weights use on this build (kvp_linear_packed_f32's), 0 where there is none. */
 int64_t kvp_panel_width(void) { return PANEL; }
@@ -858,6 +912,16 @@ void kvp_linear_packed_q4(const float *x, int64_t rows, const uint8_t *packed, c
 #endif
 }
 
+/* The same on Q8_0 panels (above). */
+void kvp_linear_packed_q8(const float *x, int64_t rows, const uint8_t *packed, const float *bias, int64_t n,
+                          int64_t k, float *y, int64_t num_threads) {
+#ifdef PANEL_VECTOR
+    run_packed(packed_chunk_q8, x, rows, packed, bias, n, k, y, num_threads);
+#else
+    (void)x, (void)rows, (void)packed, (void)bias, (void)n, (void)k, (void)y, (void)num_threads;
+#endif
+}
+
 /* out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight, per row (x, out [rows, dim] contiguous):
  * one call where torch.rms_norm dispatches about 18 ops (21 us a call at one row, measured). */
 void kvp_rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *weight, float eps, float *out) {
@@ -885,7 +949,7 @@ typedef struct {
     const void *gate_up, *down;
     void *key_cache, *value_cache;
     /* the four projections again as Q4_1 panels (kvp_linear_packed_q4), for steps of at most
-       Q4_MAX_ROWS rows; NULL: none (the float32 ones run every step) */
+       QUANT_MAX_ROWS rows; NULL: none (the float32 ones run every step) */
     const uint8_t *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
 } DecoderLayer;
 
@@ -900,7 +964,7 @@ static void projection(const float *x, int64_t rows, const void *w, const uint8_
                        int64_t n, int64_t k, float *y, int64_t num_threads, int64_t packed, uint16_t *x16,
                        uint16_t *y16) {
 #ifdef PANEL_VECTOR
-    if (w_q4 != NULL && rows <= Q4_MAX_ROWS) {
+    if (w_q4 != NULL && rows <= QUANT_MAX_ROWS) {
         kvp_linear_packed_q4(x, rows, w_q4, bias, n, k, y, num_threads);
         return;
     }

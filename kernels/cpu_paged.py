@@ -24,6 +24,10 @@ LM head are `pack`ed in place instead and `packed_linear` runs them at every bat
 outer-product tile with no reductions, faster than both at every size measured (docs/kernels.md,
 "Packed weights"). A `--dtype bfloat16` model's weights are packed too, in pairs: half the bytes, and
 with AVX512-BF16 one instruction per pair of multiply-adds; its activations stay bfloat16 in and out.
+A float32 model whose weights hold exactly a GGUF's Q4_1 or Q8_0 values (`q4_1_blocks`, `q8_0_blocks`
+check every one: the bundled SmolLM2 file's projections and its tied head) gets them packed again in
+those bits (`pack_q4`, `pack_q8`: 6 and 9 bits a weight), read by steps of at most `quant_max_rows`
+rows (the fused decode layers, `small_rows_linear` for the head), where float32's reads bound the step.
 And `rms_norm` (x, weight, eps): one call where torch.rms_norm dispatches about 18 ops. The model takes
 both through `use_kernels` (worker/startup/engine_setup.py `use_cpu_kernels`).
 
@@ -54,8 +58,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +164,8 @@ class CpuPagedOps:
     num_threads: int | None = None
     panel_width: int = 0  # packed weights' panel (kvp_panel_width); 0: this build packs none
     q4_block_bytes: int = 0  # a Q4_1 block of a packed panel (kvp_q4_block_bytes); 0: none packs
-    q4_max_rows: int = 0  # decode steps of at most this many rows read Q4_1 panels (kvp_q4_max_rows)
+    q8_block_bytes: int = 0  # a Q8_0 block of a packed panel (kvp_q8_block_bytes); 0: none packs
+    quant_max_rows: int = 0  # at most this many rows read Q4_1 / Q8_0 panels (kvp_quant_max_rows)
 
     def write(self, key, value, key_cache, value_cache, slot_mapping, *, check=True) -> None:  # noqa: ANN001
         """key, value float32 [num_tokens, kv_heads, head_dim] into a float32 or bfloat16 cache."""
@@ -326,17 +333,63 @@ class CpuPagedOps:
         assert packed.shape[2] == self.q4_block_bytes, (packed.shape, self.q4_block_bytes)
         return packed
 
+    def pack_q8(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [out, in] (float32, CPU) as Q8_0 panels for `packed_linear_q8` (cpu_paged.c, "Q8_0
+        weights"), or None where it is not exactly Q8_0 (`q8_0_blocks`) or not of a shape that packs.
+        uint8 [out / panel_width, in / Q4_BLOCK, q8_block_bytes]."""
+        if not self.q8_block_bytes or weight.dim() != 2 or weight.shape[0] % self.panel_width:
+            return None
+        blocks = q8_0_blocks(weight)
+        if blocks is None:
+            return None
+        q, d = blocks
+        (out_features, in_features), width = weight.shape, self.panel_width
+        panels, num_blocks = out_features // width, in_features // Q4_BLOCK
+        values = (
+            q.reshape(panels, width, num_blocks, Q4_BLOCK).permute(0, 2, 3, 1).reshape(panels, num_blocks, -1)
+        )
+        scales = d.reshape(panels, width, num_blocks).transpose(1, 2).contiguous().view(torch.uint8)
+        packed = torch.cat([values.view(torch.uint8), scales], dim=2).contiguous()
+        assert packed.shape[2] == self.q8_block_bytes, (packed.shape, self.q8_block_bytes)
+        return packed
+
     def packed_linear_q4(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """F.linear(x, weight, bias) where `packed` is `pack_q4(weight)`: x [rows, in] float32 CPU."""
-        panels, num_blocks, block_bytes = packed.shape
+        return self._packed_quantized(self.library.kvp_linear_packed_q4, self.q4_block_bytes, x, packed, bias)
+
+    def packed_linear_q8(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """F.linear(x, weight, bias) where `packed` is `pack_q8(weight)`: x [rows, in] float32 CPU."""
+        return self._packed_quantized(self.library.kvp_linear_packed_q8, self.q8_block_bytes, x, packed, bias)
+
+    def small_rows_linear(
+        self, quantized: torch.Tensor
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """A packed projection's matmul that reads `quantized` (its `pack_q8`) for at most
+        `quant_max_rows` rows (the weights' reads bound those) and the float32 panels it is given for
+        more (the multiply-adds bound those): the LM head's, whose rows are a step's sampled ones."""
+
+        def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            if x.dim() == 2 and x.shape[0] <= self.quant_max_rows:
+                return self.packed_linear_q8(x, quantized, bias)
+            return self.packed_linear(x, packed, bias)
+
+        return matmul
+
+    def _packed_quantized(
+        self,
+        kernel: Any,  # the library's kvp_linear_packed_q4 or _q8
+        block_bytes: int,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        panels, num_blocks, got_bytes = packed.shape
         out_features, in_features = panels * self.panel_width, num_blocks * Q4_BLOCK
-        if (
-            packed.dtype is not torch.uint8
-            or block_bytes != self.q4_block_bytes
-            or not packed.is_contiguous()
-        ):
+        if packed.dtype is not torch.uint8 or got_bytes != block_bytes or not packed.is_contiguous():
             raise ValueError(
                 f"packed_linear_q4: the weight must be `pack_q4`'s, got {packed.dtype} {packed.shape}"
             )
@@ -346,7 +399,7 @@ class CpuPagedOps:
             raise ValueError(f"packed_linear_q4: bias must be a contiguous float32 CPU [{out_features}]")
         x = x.contiguous()
         out = torch.empty(x.shape[0], out_features, dtype=_FLOAT32)
-        self.library.kvp_linear_packed_q4(
+        kernel(
             x.data_ptr(),
             x.shape[0],
             packed.data_ptr(),
@@ -659,21 +712,47 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_linear_packed_f32.restype = None
     library.kvp_linear_packed_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
     library.kvp_linear_packed_bf16.restype = None
-    library.kvp_linear_packed_q4.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
-    library.kvp_linear_packed_q4.restype = None
+    for name in ("kvp_linear_packed_q4", "kvp_linear_packed_q8"):
+        getattr(library, name).argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
+        getattr(library, name).restype = None
     library.kvp_panel_width.argtypes = []
     library.kvp_panel_width.restype = _i64
-    library.kvp_q4_block_bytes.argtypes = []
-    library.kvp_q4_block_bytes.restype = _i64
-    library.kvp_q4_max_rows.argtypes = []
-    library.kvp_q4_max_rows.restype = _i64
+    for name in ("kvp_q4_block_bytes", "kvp_q8_block_bytes", "kvp_quant_max_rows"):
+        getattr(library, name).argtypes = []
+        getattr(library, name).restype = _i64
     return CpuPagedOps(
         library,
         path,
         panel_width=int(library.kvp_panel_width()),
         q4_block_bytes=int(library.kvp_q4_block_bytes()),
-        q4_max_rows=int(library.kvp_q4_max_rows()),
+        q8_block_bytes=int(library.kvp_q8_block_bytes()),
+        quant_max_rows=int(library.kvp_quant_max_rows()),
     )
+
+
+def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """weight [out, in] float32 as Q8_0 blocks: (q int8 [out, in] in -127..127, d float32 [out, in /
+    Q4_BLOCK], each a float16's value) with d * q == weight exactly (a float16 times an int8 is exact in
+    float32: what the gguf package's dequantization gave), or None where some block is not. d is the
+    float16 nearest the block's largest |weight| / 127 (the quantizer's) or one of its four neighbours."""
+    out_features, in_features = weight.shape
+    if weight.dtype is not _FLOAT32 or in_features % Q4_BLOCK or not weight.numel():
+        return None
+    blocks = weight.detach().reshape(out_features, in_features // Q4_BLOCK, Q4_BLOCK)
+    nearest = (blocks.abs().amax(dim=2) / 127).half().view(torch.int16).int()
+    d = torch.zeros(nearest.shape)
+    q = torch.zeros(blocks.shape, dtype=torch.int8)
+    found = torch.zeros(nearest.shape, dtype=torch.bool)
+    for step in (0, -1, 1, -2, 2):
+        todo = ~found
+        candidate = (nearest[todo] + step).clamp(0, 0x7BFF).short().view(torch.float16).float()[:, None]
+        levels = torch.where(candidate > 0, blocks[todo] / candidate, 0.0).round().clamp(-127, 127)
+        exact = (candidate * levels == blocks[todo]).all(dim=1)
+        hit = tuple(i[exact] for i in todo.nonzero(as_tuple=True))
+        d[hit], q[hit], found[hit] = candidate[exact, 0], levels[exact].to(torch.int8), True
+        if bool(found.all()):
+            return q.reshape(out_features, in_features), d
+    return None
 
 
 def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -18,7 +18,7 @@ and a few steps run under `torch.profiler` there for the breakdown by op group.
   `SMALL_BATCH_ROWS` (kernels/cpu_paged.py) sequences runs its decoder layers in one C call
   (worker/engine/fused_decode.py): the profile shows that call as one group with its matmuls inside,
   and the matmuls alone are the same C linear (on a Q4_1 model's Q4_1 panels where the step reads
-  those: at most `q4_max_rows` sequences).
+  those: at most `quant_max_rows` sequences).
 
 Reported: median step ms, matmul-alone ms, the share of the step outside the matmuls
 (1 - matmul / step), batch-1 step / matmul ratio, paged / eager step ratio (judged over the
@@ -175,7 +175,7 @@ def matmul_alone_ms(model: Any, rows: int, reps: int, fused: Any = None) -> floa
     run the way the model runs it (its `matmul`: torch's, or the C kernels' small-batch linear; `fused`,
     the runner's C decode layers: their Q4_1 panels where a step of `rows` reads them)."""
     weights = []
-    q4 = fused.q4_copies if fused is not None and rows <= fused.ops.q4_max_rows else []
+    q4 = fused.q4_copies if fused is not None and rows <= fused.ops.quant_max_rows else []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         for j, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):

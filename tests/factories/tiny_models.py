@@ -179,9 +179,10 @@ def make_tiny_gguf(
 ) -> Path:
     """Write the tiny model as a GGUF file the way llama.cpp's converter would (llama: Q/K rows
     permuted); returns the path. `architecture`: "llama" or "qwen2" (then q/k/v bias). `file_type`:
-    "f32", "f16", "q8_0" or "q4_1" (2-D weights, q4_1 with every row a multiple of 32 long; norms stay
-    f32). Same kwargs as make_tiny_llama; with equal
-    kwargs and file_type f32 the weights equal make_tiny_llama's / make_tiny_qwen2's exactly."""
+    "f32", "f16", "q8_0" or "q4_1" (2-D weights; norms stay f32; q4_1 as llama.cpp's Q4_1 files are, the
+    bundled one among them: the token embedding and output in q8_0, every row a multiple of 32 long).
+    Same kwargs as make_tiny_llama; with equal kwargs and file_type f32 the weights equal
+    make_tiny_llama's / make_tiny_qwen2's exactly."""
     import gguf
 
     path = Path(path)
@@ -226,7 +227,10 @@ def make_tiny_gguf(
         if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
+            kind_qtype = qtypes["q8_0"] if file_type == "q4_1" and not name.startswith("blk.") else qtype
+            writer.add_tensor(
+                name, gguf.quants.quantize(np.ascontiguousarray(data), kind_qtype), raw_dtype=kind_qtype
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -447,11 +447,18 @@ def test_an_avx2_build_packs_panels_of_16_and_computes_what_torch_does(monkeypat
     # and Q4_1 panels of 16 (tiles of 2 rows)
     weight = q4_1_weight(96, 64, seed=5)
     packed = ops.pack_q4(weight)
-    assert packed is not None and packed.shape == (6, 2, ops.q4_block_bytes) and ops.q4_max_rows == 2
+    assert packed is not None and packed.shape == (6, 2, ops.q4_block_bytes) and ops.quant_max_rows == 2
     for rows in (1, 2, 3, 7):
         x = torch.randn(rows, 64, generator=gen)
         got = ops.packed_linear_q4(x, packed, bias)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    weight = gguf_weight(96, 64, seed=6, qtype="Q8_0")  # and Q8_0 panels of 16
+    packed = ops.pack_q8(weight)
+    assert packed is not None and packed.shape == (6, 2, ops.q8_block_bytes)
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(
+        ops.packed_linear_q8(x, packed, bias), torch.nn.functional.linear(x, weight, bias)
+    )
 
 
 def _split_linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -540,15 +547,19 @@ def test_decode_layers_refuse_step_tensors_the_c_code_would_misread(ops):
     call(torch.tensor([63]), one)  # the last slot, no layers: nothing to do, nothing refused
 
 
-def q4_1_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    """A random weight as a Q4_1 GGUF holds it: quantized by the gguf package and dequantized back, what
-    the loader gives the model for the bundled file's projections."""
+def gguf_weight(out_features: int, in_features: int, seed: int, qtype: str = "Q4_1") -> torch.Tensor:
+    """A random weight as a GGUF holds it (Q4_1: the bundled file's projections; Q8_0: its embedding and
+    tied head): quantized by the gguf package and dequantized back, what the loader gives the model."""
     import gguf
 
+    kind = gguf.GGMLQuantizationType[qtype]
     data = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)).numpy()
-    blocks = gguf.quants.quantize(data * 0.05, gguf.GGMLQuantizationType.Q4_1)
-    dequantized = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1)
+    dequantized = gguf.quants.dequantize(gguf.quants.quantize(data * 0.05, kind), kind)
     return torch.from_numpy(dequantized.reshape(out_features, in_features).copy())
+
+
+def q4_1_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    return gguf_weight(out_features, in_features, seed)
 
 
 def test_q4_1_blocks_give_back_every_weight_a_q4_1_file_held_and_nothing_else():
@@ -588,3 +599,28 @@ def test_packed_linear_q4_computes_what_float32_does_on_the_same_weights_and_eac
                 assert torch.equal(got[i], alone[i]), (rows, threads, i)
     assert ops.pack_q4(torch.randn(1536, 576)) is None  # not Q4_1: the float32 panels stay the only ones
     assert ops.pack_q4(q4_1_weight(48, 576, seed=4)) is None  # not whole panels
+
+
+def test_q8_0_blocks_and_panels_give_back_a_q8_0_weight_and_compute_what_float32_does(ops):
+    ops = packing(ops)
+    weight = gguf_weight(1536, 576, seed=6, qtype="Q8_0")
+    q, d = cpu_paged.q8_0_blocks(weight)
+    assert q.dtype is torch.int8 and torch.equal(d.half().float(), d)
+    assert torch.equal(d.repeat_interleave(32, dim=1) * q.float(), weight)
+    assert cpu_paged.q8_0_blocks(q4_1_weight(64, 96, seed=1)) is None  # Q4_1's offsets are not Q8_0
+    assert ops.pack_q8(torch.randn(1536, 576)) is None
+    packed = ops.pack_q8(weight)
+    assert packed.shape == (1536 // ops.panel_width, 576 // cpu_paged.Q4_BLOCK, ops.q8_block_bytes)
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(7))
+    want = torch.nn.functional.linear(x.double(), weight.double())
+    scale = x.abs().double() @ weight.abs().double().T
+    alone = [ops.packed_linear_q8(x[i : i + 1], packed)[0] for i in range(7)]
+    for rows in (1, 6, 7):
+        got = ops.packed_linear_q8(x[:rows], packed)
+        assert ((got.double() - want[:rows]).abs() <= 1e-6 * scale[:rows]).all()
+        assert all(torch.equal(got[i], alone[i]) for i in range(rows))
+    # the head's matmul: Q8_0 for a step's few sampled rows, the float32 panels past them
+    matmul = ops.small_rows_linear(packed)
+    few, many = x[: ops.quant_max_rows], torch.randn(ops.quant_max_rows + 1, 576)
+    assert torch.equal(matmul(few, ops.pack(weight), None), ops.packed_linear_q8(few, packed))
+    assert torch.equal(matmul(many, ops.pack(weight), None), ops.packed_linear(many, ops.pack(weight)))

@@ -102,7 +102,8 @@ SMOLLM_SHAPES = {
 @pytest.fixture(scope="module")
 def smollm_shaped_q4_1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's shapes, 2 layers, in a Q4_1 GGUF as the bundled file is: its projections load
-    as float32 holding exactly Q4_1 values, so decode steps of a few sequences read Q4_1 panels."""
+    as float32 holding exactly Q4_1 values (its embedding, the tied head, Q8_0 ones), so decode steps of
+    a few sequences read Q4_1 panels and their logits Q8_0 ones."""
     path = tmp_path_factory.mktemp("smollm-q4_1") / "model.gguf"
     return make_tiny_gguf(path, file_type="q4_1", std=0.05, **SMOLLM_SHAPES)
 
@@ -113,10 +114,12 @@ def test_a_q4_1_model_decodes_its_small_steps_on_q4_1_panels_computing_what_the_
 ):
     fused, plain = make_engine(smollm_shaped_q4_1, mode), make_engine(smollm_shaped_q4_1, mode)
     assert fused.step_loop.runner.fused is not None
-    if not cpu_paged.load(torch.float32, torch.device("cpu")).q4_max_rows:  # type: ignore[union-attr]
+    if not cpu_paged.load(torch.float32, torch.device("cpu")).quant_max_rows:  # type: ignore[union-attr]
         pytest.skip("this build packs no weights (no AVX-512 or AVX2)")
     assert fused.step_loop.runner.fused.q4.startswith("yes: 8 projections, for decode steps of up to")
-    assert_fused_computes_what_the_layers_compute(fused, plain)  # 4 sequences at most: all on Q4_1
+    # the tied head, the file's Q8_0 embedding, reads its Q8_0 panels for the few rows a step samples
+    assert "small_rows_linear" in fused.step_loop.runner.model.head_matmul.__qualname__
+    assert_fused_computes_what_the_layers_compute(fused, plain)  # 4 sequences at most: all quantized
 
 
 @pytest.fixture(scope="module")

@@ -461,9 +461,11 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
     packed instead and run the packed kernel at every batch size; so is the LM head where its vocabulary
     is such a multiple (a tied head packs the embedding's table, which its lookups then read packed).
     Bfloat16 (`--dtype bfloat16`): the same packing, in pairs, where the build packs; the rest of the
-    model stays on torch's bf16 ops. Returns what was packed, for the startup log ("" for nothing: the
-    kernels not realized, a build without panels, or output sizes that are not multiples of the
-    panel)."""
+    model stays on torch's bf16 ops. A float32 head holding exactly a GGUF's Q8_0 values (the bundled
+    model's tied embedding) is also packed as Q8_0, read for a step's few sampled rows (the decoder
+    layers' Q4_1 copies are worker/engine/fused_decode.py's). Returns what was packed, for the startup
+    log ("" for nothing: the kernels not realized, a build without panels, or output sizes that are not
+    multiples of the panel)."""
     weight = model.model.embed_tokens.weight
     dtype = weight.dtype
     if not (cpu_kernels and dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"):
@@ -480,12 +482,17 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
         packed.append(f"{len(projections)} projections")
     head = model.lm_head or model.model.embed_tokens  # the tensor compute_logits reads
     if ops.packs(head.weight):
+        # a Q8_0 head (the bundled GGUF's tied embedding) also as Q8_0 panels, for a step's few sampled rows
+        q8 = ops.pack_q8(head.weight) if dtype is torch.float32 else None
+        matmul = ops.packed_linear if q8 is None else ops.small_rows_linear(q8)
         if isinstance(head, Linear):
-            head.use_packed(ops.pack(head.weight), ops.packed_linear)
+            head.use_packed(ops.pack(head.weight), matmul)
         else:
             head.use_packed(ops.pack(head.weight))
-        model.head_matmul = ops.packed_linear
-        packed.append("the LM head")
+        model.head_matmul = matmul
+        packed.append(
+            "the LM head" + ("" if q8 is None else f" (and as Q8_0 for up to {ops.quant_max_rows} rows)")
+        )
     kind = "bfloat16 pairs" if dtype is torch.bfloat16 else "float32"
     return f"{' and '.join(packed)} in panels of {ops.panel_width} ({kind})" if packed else ""
 
