@@ -1,4 +1,4 @@
-/* Probe (not product code; docs/performance.md "Workers sharing a machine"): the packed tile of
+/* Probe (not product code; docs/performance.md "The file's own bits"): the packed tile of
  * kernels/cpu_paged.c on float32 weight panels against the same weights kept as the bundled GGUF stores
  * them (Q4_1: per 32 inputs of one output, w = d * q + m, q a 4-bit integer), float32 arithmetic, one
  * thread, on a decode step's projections of SmolLM2-135M (30 layers, each its own weights; no LM head).
@@ -6,7 +6,7 @@
  *
  *     cc -O3 -march=native -fno-math-errno -fno-trapping-math -ffinite-math-only -fno-signed-zeros \
  *        -fassociative-math -o /tmp/q4_panels benchmarks/probes/q4_panels.c
- *     /tmp/q4_panels ROWS fp32|q4 [REPS [LAYERS]]
+ *     /tmp/q4_panels ROWS fp32|q4|q4s [REPS [LAYERS]]
  *
  * q4: a panel of 32 outputs is a run of 32-input blocks, each 512 bytes of nibbles (row i's byte j:
  * output j in the low nibble, output 16 + j in the high one) and the 32 outputs' d and m as float32
@@ -15,7 +15,9 @@
  * multiply-adds as float32 plus its nibble's widening; sum_i x_i is computed once per row and block for
  * every panel. Before timing it checks q4 against float32 on the dequantized weights (exit 1 beyond a
  * relative 1e-5 of the sum of |terms|: the factored sum rounds in another order). Prints the best step
- * over REPS (default 20); LAYERS (default 30). */
+ * over REPS (default 20); LAYERS (default 30). q4s: the same sums through a scratch, each block's nibbles
+ * widened once into L1 for every row tile (slower at every row count measured: not what was built). The
+ * product's tile is kernels/cpu_paged.c's packed_tile_q4 (docs/performance.md "The file's own bits"). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

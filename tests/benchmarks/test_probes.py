@@ -1,5 +1,5 @@
-"""benchmarks/probes/*.c (the bf16 probes docs/performance.md quotes) build with the C kernels' flags, check
-their bf16 layouts against float32 before timing, and print their one line."""
+"""benchmarks/probes/*.c (the bf16 and Q4_1 probes docs/performance.md quotes) build with the C kernels'
+flags, check their layouts against float32 before timing, and print their one line."""
 
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ from kvpact.kernels import cpu_paged
 PROBES = Path(__file__).resolve().parents[2] / "benchmarks" / "probes"
 COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
+AVX512 = " avx512f" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("probes")
-    return {name: build(name, out) for name in ("bf16_panels", "bf16_kv")}
+    names = ("bf16_panels", "bf16_kv", *(("q4_panels",) if AVX512 else ()))
+    return {name: build(name, out) for name in names}
 
 
 def build(name: str, out: Path) -> Path:
@@ -54,3 +57,15 @@ def test_bf16_kv_agrees_with_float32_then_times_a_step(built, layout):
     )
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(rf"{layout}: best [\d.]+ ms a step, (11|5) MB of K/V \([\d.]+ GB/s\)\n", done.stdout)
+
+
+@pytest.mark.skipif(not AVX512, reason="q4_panels needs AVX-512")
+@pytest.mark.parametrize("layout", ["fp32", "q4", "q4s"])
+def test_q4_panels_agree_with_float32_then_time_a_step(built, layout):
+    done = subprocess.run(
+        [str(built["q4_panels"]), "3", layout, "1", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(
+        rf"{layout} rows 3: best [\d.]+ ms a step, (14|3) MB of weights \([\d.]+ GB/s\)\n", done.stdout
+    )
