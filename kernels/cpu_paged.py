@@ -61,7 +61,6 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -357,13 +356,13 @@ class CpuPagedOps:
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """F.linear(x, weight, bias) where `packed` is `pack_q4(weight)`: x [rows, in] float32 CPU."""
-        return self._packed_quantized(self.library.kvp_linear_packed_q4, self.q4_block_bytes, x, packed, bias)
+        return self._packed_quantized("q4", self.q4_block_bytes, x, packed, bias)
 
     def packed_linear_q8(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """F.linear(x, weight, bias) where `packed` is `pack_q8(weight)`: x [rows, in] float32 CPU."""
-        return self._packed_quantized(self.library.kvp_linear_packed_q8, self.q8_block_bytes, x, packed, bias)
+        return self._packed_quantized("q8", self.q8_block_bytes, x, packed, bias)
 
     def small_rows_linear(
         self, quantized: torch.Tensor
@@ -381,7 +380,7 @@ class CpuPagedOps:
 
     def _packed_quantized(
         self,
-        kernel: Any,  # the library's kvp_linear_packed_q4 or _q8
+        kind: str,  # "q4" or "q8": the kernel kvp_linear_packed_<kind>, the packing pack_<kind>
         block_bytes: int,
         x: torch.Tensor,
         packed: torch.Tensor,
@@ -389,26 +388,27 @@ class CpuPagedOps:
     ) -> torch.Tensor:
         panels, num_blocks, got_bytes = packed.shape
         out_features, in_features = panels * self.panel_width, num_blocks * Q4_BLOCK
+        name = f"packed_linear_{kind}"
         if packed.dtype is not torch.uint8 or got_bytes != block_bytes or not packed.is_contiguous():
-            raise ValueError(
-                f"packed_linear_q4: the weight must be `pack_q4`'s, got {packed.dtype} {packed.shape}"
-            )
+            raise ValueError(f"{name}: the weight must be `pack_{kind}`'s, got {packed.dtype} {packed.shape}")
         if x.dim() != 2 or x.shape[1] != in_features or x.dtype is not _FLOAT32 or not x.is_cpu:
-            raise ValueError(f"packed_linear_q4: x must be float32 CPU [rows, {in_features}], got {x.shape}")
+            raise ValueError(f"{name}: x must be float32 CPU [rows, {in_features}], got {x.shape}")
         if not _bias_fits(bias, out_features):
-            raise ValueError(f"packed_linear_q4: bias must be a contiguous float32 CPU [{out_features}]")
+            raise ValueError(f"{name}: bias must be a contiguous float32 CPU [{out_features}]")
+        kernel = getattr(self.library, f"kvp_linear_packed_{kind}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], out_features, dtype=_FLOAT32)
-        kernel(
-            x.data_ptr(),
-            x.shape[0],
-            packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out_features,
-            in_features,
-            out.data_ptr(),
-            self.num_threads or torch.get_num_threads(),
-        )
+        with _traced("kvpact::cpu_linear"):
+            kernel(
+                x.data_ptr(),
+                x.shape[0],
+                packed.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                out_features,
+                in_features,
+                out.data_ptr(),
+                self.num_threads or torch.get_num_threads(),
+            )
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -740,7 +740,7 @@ def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
         return None
     blocks = weight.detach().reshape(out_features, in_features // Q4_BLOCK, Q4_BLOCK)
     nearest = (blocks.abs().amax(dim=2) / 127).half().view(torch.int16).int()
-    d = torch.zeros(nearest.shape)
+    d = torch.zeros(nearest.shape, dtype=_FLOAT32)
     q = torch.zeros(blocks.shape, dtype=torch.int8)
     found = torch.zeros(nearest.shape, dtype=torch.bool)
     for step in (0, -1, 1, -2, 2):

@@ -619,6 +619,10 @@ def test_q8_0_blocks_and_panels_give_back_a_q8_0_weight_and_compute_what_float32
         got = ops.packed_linear_q8(x[:rows], packed)
         assert ((got.double() - want[:rows]).abs() <= 1e-6 * scale[:rows]).all()
         assert all(torch.equal(got[i], alone[i]) for i in range(rows))
+    with pytest.raises(
+        ValueError, match=r"packed_linear_q8: the weight must be `pack_q8`'s, got torch.uint8"
+    ):
+        ops.packed_linear_q8(x, ops.pack_q4(q4_1_weight(1536, 576, seed=2)))  # another layout's bytes
     # the head's matmul: Q8_0 for a step's few sampled rows, the float32 panels past them
     matmul = ops.small_rows_linear(packed)
     few, many = x[: ops.quant_max_rows], torch.randn(ops.quant_max_rows + 1, 576)
