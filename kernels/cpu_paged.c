@@ -702,9 +702,9 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(const uint16_
 
 PACKED_CHUNK(packed_chunk_bf16, packed_tile_bf16, uint16_t, uint32_t, k / 2 * PANEL, PANEL_ROWS)
 
-/* Q4_1 weights (the bundled GGUF's 4-bit blocks: for output j and each run of Q4_BLOCK input features,
+/* Q4_1 weights (the bundled GGUF's 4-bit blocks: for output j and each run of QUANT_BLOCK input features,
  * w = d_j * q + m_j, q in 0..15), kept as 4 bits where float32 holds exactly those values
- * (kernels/cpu_paged.py `pack_q4` checks every weight). A panel is k / Q4_BLOCK blocks of
+ * (kernels/cpu_paged.py `pack_q4` checks every weight). A panel is k / QUANT_BLOCK blocks of
  * Q4_BLOCK_BYTES: for each of the block's input features i, PANEL_VECTOR bytes, byte j holding output
  * j's q in its low nibble and output PANEL_VECTOR + j's in its high one; then the block's d [PANEL] and
  * m [PANEL], float32 (the file's float16, widened exactly). Six bits a weight against float32's 32: a
@@ -717,131 +717,121 @@ PACKED_CHUNK(packed_chunk_bf16, packed_tile_bf16, uint16_t, uint32_t, k / 2 * PA
  * AVX-512): 4.6 / 9.2 / 16.1 ms a step at 1 / 3 / 6 rows against float32's 18.9 / 17.2 / 17.3, and slower
  * from 8 rows (the widening per tile; the multiply-adds then bound both), so decode steps of at most
  * QUANT_MAX_ROWS rows take it (kvp_decode_layers_f32) and everything else the float32 panels. */
-#define Q4_BLOCK 32
-enum { Q4_BLOCK_BYTES = Q4_BLOCK * PANEL_VECTOR + 2 * PANEL * (int)sizeof(float) };
+#define QUANT_BLOCK 32
+enum { Q4_BLOCK_BYTES = QUANT_BLOCK * PANEL_VECTOR + 2 * PANEL * (int)sizeof(float) };
 #if PANEL_VECTOR == 16
-#define Q4_ROWS 6 /* 4 x 6 sums in 32 registers */
+#define QUANT_ROWS 6 /* 4 x 6 sums in 32 registers */
 #define QUANT_MAX_ROWS 6
-typedef int32_t nibble_vec __attribute__((vector_size(64)));
+typedef int32_t nibble_vec __attribute__((vector_size(64))); /* PANEL_VECTOR bytes widened */
 static inline nibble_vec widen_bytes(const uint8_t *b) {
     return (nibble_vec)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+}
+static inline nibble_vec widen_signed(const int8_t *b) {
+    return (nibble_vec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b));
 }
 static inline panel_vec vfma(panel_vec a, panel_vec b, panel_vec c) {
     return (panel_vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 }
 #else
-#define Q4_ROWS 2 /* 4 x 2 sums in 16 registers */
+#define QUANT_ROWS 2 /* 4 x 2 sums in 16 registers */
 #define QUANT_MAX_ROWS 2 /* not measured: a tile of 2 rows widens the nibbles once per 2 */
 typedef int32_t nibble_vec __attribute__((vector_size(32)));
 static inline nibble_vec widen_bytes(const uint8_t *b) {
     return (nibble_vec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+}
+static inline nibble_vec widen_signed(const int8_t *b) {
+    return (nibble_vec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b));
 }
 static inline panel_vec vfma(panel_vec a, panel_vec b, panel_vec c) {
     return (panel_vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 }
 #endif
 
-/* sum of x[0..Q4_BLOCK), in one fixed order */
+/* sum of x[0..QUANT_BLOCK), in one fixed order */
 static inline float block_sum(const float *x) {
     panel_vec v = *(const panel_vec *)x;
-    for (int j = PANEL_VECTOR; j < Q4_BLOCK; j += PANEL_VECTOR) v += *(const panel_vec *)(x + j);
+    for (int j = PANEL_VECTOR; j < QUANT_BLOCK; j += PANEL_VECTOR) v += *(const panel_vec *)(x + j);
     float s = 0.0f;
     for (int l = 0; l < PANEL_VECTOR; l++) s += v[l];
     return s;
 }
 
+/* Q8_0 weights (the bundled GGUF's token embedding, which is its tied LM head: w = d_j * q, q an int8,
+ * per output j and QUANT_BLOCK input features), kept as 8 bits where float32 holds exactly those values
+ * (`pack_q8`). A block: for each input feature, PANEL int8s (byte j: output j), then d [PANEL] float32.
+ * Nine bits a weight; the sums factored as Q4_1's, d (sum_i x_i q_i), one multiply-add a block. */
+enum { Q8_BLOCK_BYTES = QUANT_BLOCK * PANEL + PANEL * (int)sizeof(float) };
+
+/* A tile on Q4_1 (q8 0) or Q8_0 (q8 1) panels: each input feature's q for outputs [0, PANEL_VECTOR) and
+ * [PANEL_VECTOR, PANEL) widened to two vectors, summed against x per block, then per block
+ * lo += d * sum(x q), and + m * sum(x) for Q4_1. */
+static inline __attribute__((always_inline)) void packed_tile_quant(const float *restrict x, const int64_t k,
+                                                                    const int mr, const uint8_t *restrict p,
+                                                                    const float *bias, float *restrict y,
+                                                                    const int64_t n, const int q8) {
+    const int64_t feature_bytes = q8 ? PANEL : PANEL_VECTOR; /* one input feature's q of the panel */
+    const int64_t block_bytes = q8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
+    panel_vec lo[QUANT_ROWS], hi[QUANT_ROWS];
+    for (int r = 0; r < mr; r++) lo[r] = hi[r] = (panel_vec){0};
+    for (int64_t b = 0; b < k / QUANT_BLOCK; b++) {
+        const uint8_t *blk = p + b * block_bytes;
+        const float *xb = x + b * QUANT_BLOCK;
+        panel_vec qlo[QUANT_ROWS], qhi[QUANT_ROWS];
+        for (int r = 0; r < mr; r++) qlo[r] = qhi[r] = (panel_vec){0};
+        for (int i = 0; i < QUANT_BLOCK; i++) {
+            const uint8_t *row = blk + i * feature_bytes;
+            panel_vec q0, q1;
+            if (q8) {
+                q0 = __builtin_convertvector(widen_signed((const int8_t *)row), panel_vec);
+                q1 = __builtin_convertvector(widen_signed((const int8_t *)row + PANEL_VECTOR), panel_vec);
+            } else {
+                const nibble_vec u = widen_bytes(row);
+                q0 = __builtin_convertvector(u & 15, panel_vec);
+                q1 = __builtin_convertvector(u >> 4, panel_vec);
+            }
+            for (int r = 0; r < mr; r++) {
+                const float a = xb[r * k + i];
+                qlo[r] += a * q0;
+                qhi[r] += a * q1;
+            }
+        }
+        const float *dm = (const float *)(blk + QUANT_BLOCK * feature_bytes);
+        const panel_vec d0 = *(const panel_vec *)dm, d1 = *(const panel_vec *)(dm + PANEL_VECTOR);
+        for (int r = 0; r < mr; r++) {
+            lo[r] = vfma(d0, qlo[r], lo[r]);
+            hi[r] = vfma(d1, qhi[r], hi[r]);
+            if (!q8) {
+                const panel_vec s = (panel_vec){0} + block_sum(xb + r * k);
+                lo[r] = vfma(s, *(const panel_vec *)(dm + PANEL), lo[r]);
+                hi[r] = vfma(s, *(const panel_vec *)(dm + PANEL + PANEL_VECTOR), hi[r]);
+            }
+        }
+    }
+    const panel_vec c0 = bias ? *(const panel_vec *)bias : (panel_vec){0};
+    const panel_vec c1 = bias ? *(const panel_vec *)(bias + PANEL_VECTOR) : (panel_vec){0};
+    for (int r = 0; r < mr; r++) {
+        *(panel_vec *)(y + r * n) = lo[r] + c0;
+        *(panel_vec *)(y + r * n + PANEL_VECTOR) = hi[r] + c1;
+    }
+}
+
+/* PACKED_CHUNK's tiles (its call has no kind argument) */
 static inline __attribute__((always_inline)) void packed_tile_q4(const float *restrict x, const int64_t k,
                                                                  const int mr, const uint8_t *restrict p,
                                                                  const float *bias, float *restrict y,
                                                                  const int64_t n) {
-    panel_vec lo[Q4_ROWS], hi[Q4_ROWS];
-    for (int r = 0; r < mr; r++) lo[r] = hi[r] = (panel_vec){0};
-    for (int64_t b = 0; b < k / Q4_BLOCK; b++) {
-        const uint8_t *blk = p + b * Q4_BLOCK_BYTES;
-        const float *xb = x + b * Q4_BLOCK;
-        panel_vec qlo[Q4_ROWS], qhi[Q4_ROWS];
-        for (int r = 0; r < mr; r++) qlo[r] = qhi[r] = (panel_vec){0};
-        for (int i = 0; i < Q4_BLOCK; i++) {
-            const nibble_vec u = widen_bytes(blk + i * PANEL_VECTOR);
-            const panel_vec q0 = __builtin_convertvector(u & 15, panel_vec);
-            const panel_vec q1 = __builtin_convertvector(u >> 4, panel_vec);
-            for (int r = 0; r < mr; r++) {
-                const float a = xb[r * k + i];
-                qlo[r] += a * q0;
-                qhi[r] += a * q1;
-            }
-        }
-        const float *dm = (const float *)(blk + Q4_BLOCK * PANEL_VECTOR);
-        const panel_vec d0 = *(const panel_vec *)dm, d1 = *(const panel_vec *)(dm + PANEL_VECTOR);
-        const panel_vec m0 = *(const panel_vec *)(dm + PANEL), m1 = *(const panel_vec *)(dm + PANEL + PANEL_VECTOR);
-        for (int r = 0; r < mr; r++) {
-            const float s = block_sum(xb + r * k);
-            const panel_vec sv = (panel_vec){0} + s;
-            lo[r] = vfma(sv, m0, vfma(d0, qlo[r], lo[r]));
-            hi[r] = vfma(sv, m1, vfma(d1, qhi[r], hi[r]));
-        }
-    }
-    const panel_vec c0 = bias ? *(const panel_vec *)bias : (panel_vec){0};
-    const panel_vec c1 = bias ? *(const panel_vec *)(bias + PANEL_VECTOR) : (panel_vec){0};
-    for (int r = 0; r < mr; r++) {
-        *(panel_vec *)(y + r * n) = lo[r] + c0;
-        *(panel_vec *)(y + r * n + PANEL_VECTOR) = hi[r] + c1;
-    }
+    packed_tile_quant(x, k, mr, p, bias, y, n, 0);
 }
-
-PACKED_CHUNK(packed_chunk_q4, packed_tile_q4, float, uint8_t, k / Q4_BLOCK * Q4_BLOCK_BYTES, Q4_ROWS)
-
-/* Q8_0 weights (the bundled GGUF's token embedding, which is its tied LM head: w = d_j * q, q an int8,
- * per output j and Q4_BLOCK input features), kept as 8 bits where float32 holds exactly those values
- * (`pack_q8`). A block: for each input feature, PANEL int8s (byte j: output j), then d [PANEL] float32.
- * Nine bits a weight; the sums factored as Q4_1's, d (sum_i x_i q_i), one multiply-add a block. */
-enum { Q8_BLOCK_BYTES = Q4_BLOCK * PANEL + PANEL * (int)sizeof(float) };
-#if PANEL_VECTOR == 16
-static inline nibble_vec widen_signed(const int8_t *b) {
-    return (nibble_vec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b));
-}
-#else
-static inline nibble_vec widen_signed(const int8_t *b) {
-    return (nibble_vec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b));
-}
-#endif
-
 static inline __attribute__((always_inline)) void packed_tile_q8(const float *restrict x, const int64_t k,
                                                                  const int mr, const uint8_t *restrict p,
                                                                  const float *bias, float *restrict y,
                                                                  const int64_t n) {
-    panel_vec lo[Q4_ROWS], hi[Q4_ROWS];
-    for (int r = 0; r < mr; r++) lo[r] = hi[r] = (panel_vec){0};
-    for (int64_t b = 0; b < k / Q4_BLOCK; b++) {
-        const int8_t *blk = (const int8_t *)(p + b * Q8_BLOCK_BYTES);
-        const float *xb = x + b * Q4_BLOCK;
-        panel_vec qlo[Q4_ROWS], qhi[Q4_ROWS];
-        for (int r = 0; r < mr; r++) qlo[r] = qhi[r] = (panel_vec){0};
-        for (int i = 0; i < Q4_BLOCK; i++) {
-            const panel_vec q0 = __builtin_convertvector(widen_signed(blk + i * PANEL), panel_vec);
-            const panel_vec q1 = __builtin_convertvector(widen_signed(blk + i * PANEL + PANEL_VECTOR), panel_vec);
-            for (int r = 0; r < mr; r++) {
-                const float a = xb[r * k + i];
-                qlo[r] += a * q0;
-                qhi[r] += a * q1;
-            }
-        }
-        const float *d = (const float *)(blk + Q4_BLOCK * PANEL);
-        const panel_vec d0 = *(const panel_vec *)d, d1 = *(const panel_vec *)(d + PANEL_VECTOR);
-        for (int r = 0; r < mr; r++) {
-            lo[r] = vfma(d0, qlo[r], lo[r]);
-            hi[r] = vfma(d1, qhi[r], hi[r]);
-        }
-    }
-    const panel_vec c0 = bias ? *(const panel_vec *)bias : (panel_vec){0};
-    const panel_vec c1 = bias ? *(const panel_vec *)(bias + PANEL_VECTOR) : (panel_vec){0};
-    for (int r = 0; r < mr; r++) {
-        *(panel_vec *)(y + r * n) = lo[r] + c0;
-        *(panel_vec *)(y + r * n + PANEL_VECTOR) = hi[r] + c1;
-    }
+    packed_tile_quant(x, k, mr, p, bias, y, n, 1);
 }
 
-PACKED_CHUNK(packed_chunk_q8, packed_tile_q8, float, uint8_t, k / Q4_BLOCK * Q8_BLOCK_BYTES, Q4_ROWS)
+PACKED_CHUNK(packed_chunk_q4, packed_tile_q4, float, uint8_t, k / QUANT_BLOCK * Q4_BLOCK_BYTES, QUANT_ROWS)
+
+PACKED_CHUNK(packed_chunk_q8, packed_tile_q8, float, uint8_t, k / QUANT_BLOCK * Q8_BLOCK_BYTES, QUANT_ROWS)
 #else
 enum { PANEL = 0, Q4_BLOCK_BYTES = 0, Q8_BLOCK_BYTES = 0 };
 #define QUANT_MAX_ROWS 0

@@ -97,7 +97,7 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # (`python -m benchmarks.small_linear`, docs/performance.md). So a decode step of up to 64 sequences, and
 # a step of a 16-token prompt chunk beside up to 48 decodes, run on the C kernels.
 SMALL_BATCH_ROWS = 64
-Q4_BLOCK = 32  # input features per Q4_1 block (a GGUF's): one d and one m per output feature each
+QUANT_BLOCK = 32  # input features per Q4_1 block (a GGUF's): one d and one m per output feature each
 
 
 class Layout(enum.IntEnum):
@@ -206,18 +206,7 @@ class CpuPagedOps:
             return F.linear(x, weight, bias)
         x = x.contiguous()
         out = torch.empty(rows, out_features, dtype=_FLOAT32)
-        if rows:
-            with _traced("kvpact::cpu_linear"):
-                self.library.kvp_linear_f32(
-                    x.data_ptr(),
-                    rows,
-                    weight.data_ptr(),
-                    None if bias is None else bias.data_ptr(),
-                    out_features,
-                    in_features,
-                    out.data_ptr(),
-                    self.num_threads or torch.get_num_threads(),
-                )
+        self._run_linear(self.library.kvp_linear_f32, x, weight, bias, out)
         return out
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -293,26 +282,15 @@ class CpuPagedOps:
         rows = x.numel() // in_features
         flat = x.reshape(rows, in_features).contiguous()
         out = torch.empty(*x.shape[:-1], out_features, dtype=dtype)
-        if rows:
-            kernel = self.library.kvp_linear_packed_bf16 if bf16 else self.library.kvp_linear_packed_f32
-            with _traced("kvpact::cpu_linear"):
-                kernel(
-                    flat.data_ptr(),
-                    rows,
-                    packed.data_ptr(),
-                    None if bias is None else bias.data_ptr(),
-                    out_features,
-                    in_features,
-                    out.data_ptr(),
-                    self.num_threads or torch.get_num_threads(),
-                )
+        kernel = self.library.kvp_linear_packed_bf16 if bf16 else self.library.kvp_linear_packed_f32
+        self._run_linear(kernel, flat, packed, bias, out.view(rows, out_features))
         return out
 
     def pack_q4(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight [out, in] (float32, CPU) as Q4_1 panels for `packed_linear_q4` and the decode layers
         (cpu_paged.c, "Q4_1 weights"), or None where it is not exactly Q4_1 (`q4_1_blocks`) or not of a
-        shape that packs (out a multiple of the panel width, in of Q4_BLOCK). uint8 [out / panel_width,
-        in / Q4_BLOCK, q4_block_bytes]."""
+        shape that packs (out a multiple of the panel width, in of QUANT_BLOCK). uint8 [out / panel_width,
+        in / QUANT_BLOCK, q4_block_bytes]."""
         if not self.q4_block_bytes or weight.dim() != 2 or weight.shape[0] % self.panel_width:
             return None
         blocks = q4_1_blocks(weight)
@@ -320,10 +298,12 @@ class CpuPagedOps:
             return None
         q, d, m = blocks
         (out_features, in_features), width, half = weight.shape, self.panel_width, self.panel_width // 2
-        panels, num_blocks = out_features // width, in_features // Q4_BLOCK
+        panels, num_blocks = out_features // width, in_features // QUANT_BLOCK
         # byte j of an input feature's row: output j's q low, output half + j's high
-        q = q.reshape(panels, 2, half, num_blocks, Q4_BLOCK)
-        nibbles = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(panels, num_blocks, Q4_BLOCK * half)
+        q = q.reshape(panels, 2, half, num_blocks, QUANT_BLOCK)
+        nibbles = (
+            (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1).reshape(panels, num_blocks, QUANT_BLOCK * half)
+        )
 
         def per_block(t: torch.Tensor) -> torch.Tensor:  # [out, blocks] -> [panels, blocks, 4 * width]
             return t.reshape(panels, width, num_blocks).transpose(1, 2).contiguous().view(torch.uint8)
@@ -335,7 +315,7 @@ class CpuPagedOps:
     def pack_q8(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight [out, in] (float32, CPU) as Q8_0 panels for `packed_linear_q8` (cpu_paged.c, "Q8_0
         weights"), or None where it is not exactly Q8_0 (`q8_0_blocks`) or not of a shape that packs.
-        uint8 [out / panel_width, in / Q4_BLOCK, q8_block_bytes]."""
+        uint8 [out / panel_width, in / QUANT_BLOCK, q8_block_bytes]."""
         if not self.q8_block_bytes or weight.dim() != 2 or weight.shape[0] % self.panel_width:
             return None
         blocks = q8_0_blocks(weight)
@@ -343,9 +323,11 @@ class CpuPagedOps:
             return None
         q, d = blocks
         (out_features, in_features), width = weight.shape, self.panel_width
-        panels, num_blocks = out_features // width, in_features // Q4_BLOCK
+        panels, num_blocks = out_features // width, in_features // QUANT_BLOCK
         values = (
-            q.reshape(panels, width, num_blocks, Q4_BLOCK).permute(0, 2, 3, 1).reshape(panels, num_blocks, -1)
+            q.reshape(panels, width, num_blocks, QUANT_BLOCK)
+            .permute(0, 2, 3, 1)
+            .reshape(panels, num_blocks, -1)
         )
         scales = d.reshape(panels, width, num_blocks).transpose(1, 2).contiguous().view(torch.uint8)
         packed = torch.cat([values.view(torch.uint8), scales], dim=2).contiguous()
@@ -387,7 +369,7 @@ class CpuPagedOps:
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         panels, num_blocks, got_bytes = packed.shape
-        out_features, in_features = panels * self.panel_width, num_blocks * Q4_BLOCK
+        out_features, in_features = panels * self.panel_width, num_blocks * QUANT_BLOCK
         name = f"packed_linear_{kind}"
         if packed.dtype is not torch.uint8 or got_bytes != block_bytes or not packed.is_contiguous():
             raise ValueError(f"{name}: the weight must be `pack_{kind}`'s, got {packed.dtype} {packed.shape}")
@@ -395,21 +377,37 @@ class CpuPagedOps:
             raise ValueError(f"{name}: x must be float32 CPU [rows, {in_features}], got {x.shape}")
         if not _bias_fits(bias, out_features):
             raise ValueError(f"{name}: bias must be a contiguous float32 CPU [{out_features}]")
-        kernel = getattr(self.library, f"kvp_linear_packed_{kind}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], out_features, dtype=_FLOAT32)
+        self._run_linear(getattr(self.library, f"kvp_linear_packed_{kind}"), x, packed, bias, out)
+        return out
+
+    def _run_linear(
+        self,
+        kernel: Callable[..., None],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """out [rows, n] = x [rows, k] (contiguous) through one of the C linear kernels, whose arguments
+        they all share (x, rows, weight, bias, n, k, out, threads), on `weight` in its layout; n and k
+        are out's and x's. Under the profiler's kvpact::cpu_linear range (the engine_step suite's
+        matmuls)."""
+        rows, in_features = x.shape
+        if not rows:
+            return
         with _traced("kvpact::cpu_linear"):
             kernel(
                 x.data_ptr(),
-                x.shape[0],
-                packed.data_ptr(),
+                rows,
+                weight.data_ptr(),
                 None if bias is None else bias.data_ptr(),
-                out_features,
+                out.shape[1],
                 in_features,
                 out.data_ptr(),
                 self.num_threads or torch.get_num_threads(),
             )
-        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """torch.rms_norm over x's last dimension for a contiguous float32 CPU x [rows, dim] and weight
@@ -732,58 +730,69 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
 
 def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight [out, in] float32 as Q8_0 blocks: (q int8 [out, in] in -127..127, d float32 [out, in /
-    Q4_BLOCK], each a float16's value) with d * q == weight exactly (a float16 times an int8 is exact in
-    float32: what the gguf package's dequantization gave), or None where some block is not. d is the
-    float16 nearest the block's largest |weight| / 127 (the quantizer's) or one of its four neighbours."""
-    out_features, in_features = weight.shape
-    if weight.dtype is not _FLOAT32 or in_features % Q4_BLOCK or not weight.numel():
+    QUANT_BLOCK], each a float16's value) with d * q == weight exactly (a float16 times an int8 is exact in
+    float32: what the gguf package's dequantization gave), or None where some block is not. d: the
+    quantizer's, the block's largest |weight| / 127 (`_exact_blocks`)."""
+    blocks = _blocks(weight)
+    if blocks is None:
         return None
-    blocks = weight.detach().reshape(out_features, in_features // Q4_BLOCK, Q4_BLOCK)
-    nearest = (blocks.abs().amax(dim=2) / 127).half().view(torch.int16).int()
-    d = torch.zeros(nearest.shape, dtype=_FLOAT32)
-    q = torch.zeros(blocks.shape, dtype=torch.int8)
-    found = torch.zeros(nearest.shape, dtype=torch.bool)
-    for step in (0, -1, 1, -2, 2):
-        todo = ~found
-        candidate = (nearest[todo] + step).clamp(0, 0x7BFF).short().view(torch.float16).float()[:, None]
-        levels = torch.where(candidate > 0, blocks[todo] / candidate, 0.0).round().clamp(-127, 127)
-        exact = (candidate * levels == blocks[todo]).all(dim=1)
-        hit = tuple(i[exact] for i in todo.nonzero(as_tuple=True))
-        d[hit], q[hit], found[hit] = candidate[exact, 0], levels[exact].to(torch.int8), True
-        if bool(found.all()):
-            return q.reshape(out_features, in_features), d
-    return None
+    found = _exact_blocks(blocks, torch.zeros(blocks.shape[:2]), blocks.abs().amax(dim=2) / 127, -127, 127)
+    return None if found is None else (found[0].to(torch.int8).reshape(weight.shape), found[1])
 
 
 def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """weight [out, in] float32 as Q4_1 blocks: (q uint8 [out, in] in 0..15, d and m float32 [out,
-    in / Q4_BLOCK], each a float16's value) with d * q + m == weight exactly, the product rounded to
+    in / QUANT_BLOCK], each a float16's value) with d * q + m == weight exactly, the product rounded to
     float32 and then the sum, as the gguf package dequantizes (what the loader did to a Q4_1 file).
     None where some block is not: the weights were not dequantized from Q4_1, or were changed since.
-    A block's smallest weight is its m (its q is 0: the quantizer maps the minimum there); d is the
-    float16 nearest (max - m) / 15 or one of its four neighbours, the one that gives back every weight."""
-    out_features, in_features = weight.shape
-    if weight.dtype is not _FLOAT32 or in_features % Q4_BLOCK or not weight.numel():
+    A block's smallest weight is its m (its q is 0: the quantizer maps the minimum there); d: the
+    quantizer's, (max - m) / 15 (`_exact_blocks`)."""
+    blocks = _blocks(weight)
+    if blocks is None:
         return None
-    blocks = weight.detach().reshape(out_features, in_features // Q4_BLOCK, Q4_BLOCK)
     m = blocks.amin(dim=2)
     if not torch.equal(m.half().float(), m):
         return None
-    offsets = blocks - m[..., None]
-    nearest = (offsets.amax(dim=2) / 15).half().view(torch.int16).int()
-    d = torch.zeros_like(m)
-    q = torch.zeros(blocks.shape, dtype=torch.uint8)
-    found = torch.zeros(m.shape, dtype=torch.bool)
+    found = _exact_blocks(blocks, m, (blocks.amax(dim=2) - m) / 15, 0, 15)
+    return None if found is None else (found[0].to(torch.uint8).reshape(weight.shape), found[1], m)
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 [out, in] weight as [out, in / QUANT_BLOCK, QUANT_BLOCK], or None when it is not one."""
+    if (
+        weight.dim() != 2
+        or weight.dtype is not _FLOAT32
+        or weight.shape[1] % QUANT_BLOCK
+        or not weight.numel()
+    ):
+        return None
+    return weight.detach().reshape(weight.shape[0], -1, QUANT_BLOCK)
+
+
+def _exact_blocks(
+    blocks: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, lowest: int, highest: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(levels [out, blocks, QUANT_BLOCK] as floats, d [out, blocks]) with d * levels + base == blocks
+    exactly for every block (float32, product then sum, as the gguf package dequantizes), levels whole
+    numbers in [lowest, highest] and d a float16's value: the float16 nearest `scale` (the quantizer's
+    d before it was rounded to float16) or one of its four neighbours. None when a block has none (a
+    tensor that was never these blocks, where the nearest fits no block, stops after one pass)."""
+    offsets = blocks - base[..., None]
+    nearest = scale.half().view(torch.int16).int()
+    d = torch.zeros(scale.shape, dtype=_FLOAT32)
+    levels = torch.zeros(blocks.shape, dtype=_FLOAT32)
+    found = torch.zeros(scale.shape, dtype=torch.bool)
     for step in (0, -1, 1, -2, 2):
         todo = ~found
         candidate = (nearest[todo] + step).clamp(0, 0x7BFF).short().view(torch.float16).float()[:, None]
-        levels = torch.where(candidate > 0, offsets[todo] / candidate, 0.0).round().clamp(0, 15)
-        exact = (candidate * levels + m[todo][:, None] == blocks[todo]).all(dim=1)
-        where = todo.nonzero(as_tuple=True)
-        hit = tuple(i[exact] for i in where)
-        d[hit], q[hit], found[hit] = candidate[exact, 0], levels[exact].to(torch.uint8), True
+        tried = torch.where(candidate > 0, offsets[todo] / candidate, 0.0).round().clamp(lowest, highest)
+        exact = (candidate * tried + base[todo][:, None] == blocks[todo]).all(dim=1)
+        if step == 0 and not bool(exact.any()):  # the quantizer's own d fits no block: never these blocks
+            return None
+        hit = tuple(i[exact] for i in todo.nonzero(as_tuple=True))
+        d[hit], levels[hit], found[hit] = candidate[exact, 0], tried[exact], True
         if bool(found.all()):
-            return q.reshape(out_features, in_features), d, m
+            return levels, d
     return None
 
 

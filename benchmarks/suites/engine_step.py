@@ -191,7 +191,7 @@ def matmul_alone_ms(model: Any, rows: int, reps: int, fused: Any = None) -> floa
         """Its input features: [out, in], packed [out / W, in, W], bf16 pairs [out / W, in / 2, W, 2], or
         Q4_1 [out / W, in / 32, block bytes]."""
         if w.dtype is torch.uint8:
-            return w.shape[1] * cpu_paged.Q4_BLOCK
+            return w.shape[1] * cpu_paged.QUANT_BLOCK
         return w.shape[1] * (w.shape[3] if w.dim() == 4 else 1)
 
     inputs = {

@@ -38,15 +38,21 @@ def build(name: str, out: Path) -> Path:
     return exe
 
 
-@pytest.mark.parametrize("layout", ["fp32", "bf16", "bf16p"])
-def test_bf16_panels_agrees_with_float32_then_times_a_step(built, layout):
+PANELS = [("bf16_panels", layout, "14|7") for layout in ("fp32", "bf16", "bf16p")] + [
+    pytest.param("q4_panels", layout, "14|3", marks=pytest.mark.skipif(not AVX512, reason="needs AVX-512"))
+    for layout in ("fp32", "q4", "q4s")
+]
+
+
+@pytest.mark.parametrize(("probe", "layout", "megabytes"), PANELS)
+def test_a_panels_probe_agrees_with_float32_then_times_a_step(built, probe, layout, megabytes):
     # one layer, no LM head: a short run beside the rest of the suite
     done = subprocess.run(
-        [str(built["bf16_panels"]), "3", layout, "1", "1"], capture_output=True, text=True, timeout=120
+        [str(built[probe]), "3", layout, "1", "1"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(
-        rf"{layout} rows 3: best [\d.]+ ms a step, (14|7) MB of weights \([\d.]+ GB/s\)\n", done.stdout
+        rf"{layout} rows 3: best [\d.]+ ms a step, ({megabytes}) MB of weights \([\d.]+ GB/s\)\n", done.stdout
     )
 
 
@@ -57,15 +63,3 @@ def test_bf16_kv_agrees_with_float32_then_times_a_step(built, layout):
     )
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(rf"{layout}: best [\d.]+ ms a step, (11|5) MB of K/V \([\d.]+ GB/s\)\n", done.stdout)
-
-
-@pytest.mark.skipif(not AVX512, reason="q4_panels needs AVX-512")
-@pytest.mark.parametrize("layout", ["fp32", "q4", "q4s"])
-def test_q4_panels_agree_with_float32_then_time_a_step(built, layout):
-    done = subprocess.run(
-        [str(built["q4_panels"]), "3", layout, "1", "1"], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert re.fullmatch(
-        rf"{layout} rows 3: best [\d.]+ ms a step, (14|3) MB of weights \([\d.]+ GB/s\)\n", done.stdout
-    )

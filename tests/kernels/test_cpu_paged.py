@@ -584,7 +584,7 @@ def test_packed_linear_q4_computes_what_float32_does_on_the_same_weights_and_eac
     bias = torch.randn(1536) if with_bias else None
     packed = ops.pack_q4(weight)
     assert packed is not None and packed.dtype is torch.uint8
-    assert packed.shape == (1536 // ops.panel_width, 576 // cpu_paged.Q4_BLOCK, ops.q4_block_bytes)
+    assert packed.shape == (1536 // ops.panel_width, 576 // cpu_paged.QUANT_BLOCK, ops.q4_block_bytes)
     assert packed.numel() * 5 < weight.numel() * 4  # 6 bits a weight
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(13, 576, generator=gen)
@@ -610,7 +610,7 @@ def test_q8_0_blocks_and_panels_give_back_a_q8_0_weight_and_compute_what_float32
     assert cpu_paged.q8_0_blocks(q4_1_weight(64, 96, seed=1)) is None  # Q4_1's offsets are not Q8_0
     assert ops.pack_q8(torch.randn(1536, 576)) is None
     packed = ops.pack_q8(weight)
-    assert packed.shape == (1536 // ops.panel_width, 576 // cpu_paged.Q4_BLOCK, ops.q8_block_bytes)
+    assert packed.shape == (1536 // ops.panel_width, 576 // cpu_paged.QUANT_BLOCK, ops.q8_block_bytes)
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(7))
     want = torch.nn.functional.linear(x.double(), weight.double())
     scale = x.abs().double() @ weight.abs().double().T
