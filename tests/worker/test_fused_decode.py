@@ -13,19 +13,18 @@ import torch
 from kvpact.kernels import cpu_paged
 from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.worker.engine.engine import Engine
-from kvpact.worker.engine.fused_decode import _decode_batch
 from kvpact.worker.startup import engine_setup
 from tests.factories.tiny_models import make_tiny_gguf, make_tiny_llama, make_tiny_qwen2
-from tests.worker.conftest import greedy
+from tests.worker.conftest import greedy, paced_steps, run_staggered
 from tests.worker.test_parity import record_logits
 
 LOGITS_ATOL = 1e-4  # measured ~1e-6: RoPE's fused multiply-adds and the C SiLU's exp round differently
 
 
 def fused_rows(engine: Engine) -> list[int]:
-    """The row count of every step the C decode layers ran, recorded as the engine steps. A decodes-only
-    step of at most SMALL_BATCH_ROWS sequences that they declined fails the test at once (they must
-    take every one); steps with a prefill are the model's."""
+    """The row count of every step the C decode layers ran, recorded as the engine steps. A step of at
+    most SMALL_BATCH_ROWS rows (decodes, prompt chunks or both) that they declined fails the test at once:
+    they must take every one."""
     fused = engine.step_loop.runner.fused
     assert fused is not None, "the C decode layers were not installed"
     ran: list[int] = []
@@ -36,8 +35,8 @@ def fused_rows(engine: Engine) -> list[int]:
         rows = input_ids.shape[0]
         if hidden is not None:
             ran.append(rows)
-        elif _decode_batch(attn) is not None and rows <= cpu_paged.SMALL_BATCH_ROWS:
-            raise AssertionError(f"a decodes-only step of {rows} sequences did not run the C decode layers")
+        elif rows <= cpu_paged.SMALL_BATCH_ROWS:
+            raise AssertionError(f"a step of {rows} rows did not run the C decode layers")
         return hidden
 
     fused.run = spy  # type: ignore[method-assign]
@@ -88,6 +87,42 @@ def test_fused_decode_computes_what_the_layers_compute(make_engine, request, mod
     assert_fused_computes_what_the_layers_compute(fused, plain)
     stats = fused.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("mode", ["on", "off"], ids=["paged", "eager"])
+def test_prompt_chunks_beside_decodes_run_in_c_over_their_cached_prefix(make_engine, tiny_llama, mode):
+    """Prompts of 23-50 tokens arriving while others decode, at most 3 prompt tokens beside the decodes: each
+    prompt is prefilled in chunks that attend over the part already in the cache, in the same steps as
+    the decodes. Both run in the C call (a chunk's tokens as rows of their own context) and compute
+    what the model's own forward computes, with the paged cache's shared prefix blocks too."""
+    fused, plain = (make_engine(tiny_llama, mode, prompt_tokens_beside_decodes=3) for _ in range(2))
+    plain.step_loop.runner.fused = None
+    steps: list[tuple[int, int]] = []  # C steps with both: (decode rows, prompt rows past their start)
+    run = fused.step_loop.runner.fused.run  # type: ignore[union-attr]
+
+    def spy(input_ids, positions, attn):  # type: ignore[no-untyped-def]
+        hidden = run(input_ids, positions, attn)
+        rows, decodes = input_ids.shape[0], attn.num_decodes
+        assert hidden is not None or rows > cpu_paged.SMALL_BATCH_ROWS, f"a {rows}-row step was not in C"
+        if 0 < decodes < rows:
+            steps.append((decodes, int((positions[decodes:] > 0).sum())))
+        return hidden
+
+    fused.step_loop.runner.fused.run = spy  # type: ignore[union-attr,method-assign]
+    shared = prompts(4)[3][:20]  # a shared 20-token prefix: cached blocks on the paged cache
+    requests = [greedy(f"r{i}", shared + p[: 3 + 10 * i], 8) for i, p in enumerate(prompts(4))]
+    results = {}
+    for engine in (fused, plain):
+        paced_steps(engine, 0.004)
+        logits = record_logits(engine)
+        tokens = [r.token_ids for r in run_staggered(engine, requests, gap_s=0.02)]
+        results[engine is fused] = tokens, logits
+    assert results[True][0] == results[False][0]
+    for rid, rows in results[False][1].items():
+        torch.testing.assert_close(
+            torch.stack(results[True][1][rid]), torch.stack(rows), atol=LOGITS_ATOL, rtol=0
+        )
+    assert steps and max(prompt for _, prompt in steps) > 0, steps
 
 
 SMOLLM_SHAPES = {

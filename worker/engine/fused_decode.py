@@ -1,19 +1,25 @@
-"""Small decode steps through every decoder layer in one C call (part of the `cpu-kernels` feature).
+"""Small steps through every decoder layer in one C call (part of the `cpu-kernels` feature).
 
 A decode step of a few sequences is all weight reads, and the C kernels read the weights at memory
 speed (kernels/cpu_paged.py); what was left of a batch-1 step outside its matmuls was the Python
 between them: per layer, five module calls, the views of the fused projections, RoPE's four ops, two
 residual adds and the attention step (docs/performance.md). So a step that is
 
-- decodes only (one new token per sequence), at most SMALL_BATCH_ROWS of them,
+- at most SMALL_BATCH_ROWS rows (tokens): decodes, prompt chunks or both,
 - on a cache whose decodes run the C decode kernel (paged or eager, float32 or bfloat16 on the CPU),
 - of a single-device model with float32 CPU weights, or bfloat16 ones packed (`--dtype bfloat16`), and
   no tensor-parallel reduce,
 
 runs the embedding and the final norm in torch and every layer in between with
 `kvp_decode_layers_f32`: the same kernels the layer-by-layer path calls (C linear, RMSNorm, decode),
-with RoPE, the K/V write, SiLU and the residual adds written out in C. RoPE and SiLU round differently
-from torch's ops (a fused multiply-add, libm's expf), so the two paths agree within float32 rounding,
+with RoPE, the K/V write, SiLU and the residual adds written out in C. A prompt chunk's token at
+position p is one more row: its sequence's block table, a context of p + 1 tokens; each layer writes
+every row's K/V before any row attends, so the chunk attends causally over its cached prefix and
+itself, what the model's prefill attention computes (`_step_rows`). That is what keeps a step with a
+16-token chunk beside a few decodes (the worker's default budget) near a decode step of as many rows
+(docs/performance.md, "Prompt chunks in the C call"). RoPE and SiLU round differently
+from torch's ops (a fused multiply-add, libm's expf), and a chunk's attention sums in the decode kernel's
+order, so the two paths agree within float32 rounding,
 not bit for bit (tests/worker/test_fused_decode.py holds them together). Every other step runs the
 model's Python forward.
 
@@ -108,10 +114,12 @@ class FusedDecode:
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: object) -> torch.Tensor | None:
-        """The final hidden states [rows, hidden] of a qualifying decode step, else None."""
+        """The final hidden states [rows, hidden] of a qualifying step, else None."""
         rows = input_ids.shape[0]
-        batch = _decode_batch(attn)
-        if batch is None or not 0 < rows <= cpu_paged.SMALL_BATCH_ROWS:
+        if not 0 < rows <= cpu_paged.SMALL_BATCH_ROWS:
+            return None
+        step = _step_rows(attn, positions, self.block_size)
+        if step is None:
             return None
         model = self.model
         x = model.model.embed_tokens(input_ids).float()  # a new tensor: the C code updates it in place
@@ -122,7 +130,7 @@ class FusedDecode:
             self.shape,
             cos,
             sin,
-            *batch,
+            *step,
             self.block_size,
             self.num_blocks * self.block_size,
             layout=self.layout,
@@ -153,13 +161,29 @@ def _q4_panels(ops: CpuPagedOps, model: LlamaForCausalLM, layout: Layout) -> tup
     return panels, f"yes: {len(panels)} projections, for decode steps of up to {ops.quant_max_rows} sequences"
 
 
-def _decode_batch(attn: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(slot_mapping, block_tables, context_lens) of a decodes-only step (its cache runs the C decode
-    kernel: `fused_decode` built this for no other)."""
-    if isinstance(attn, PagedAttentionStep) and not attn.has_prefills:
-        return attn.slot_mapping, attn.decode_tables, attn.decode_context_lens
-    if isinstance(attn, EagerAttentionStep) and not attn.prefills and attn.num_decodes:
-        return attn.decode_flat_slots, attn.decode_tables, attn.decode_context_lens
+def _step_rows(
+    attn: object, positions: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(slot_mapping int64, block_tables int32, context_lens int32), one row per token, of a step on a
+    cache whose decodes run the C decode kernel (`fused_decode` built this for no other), else None.
+    A prompt chunk's token at position p is a row like a decode's: its sequence's table and a context of
+    p + 1, as every row's K/V is written before any row attends (kvp_decode_layers_f32), so the chunk
+    attends causally over its cached prefix and itself. Decodes-only steps reuse the step's tensors."""
+    if isinstance(attn, PagedAttentionStep):
+        if not attn.has_prefills:
+            return attn.slot_mapping, attn.decode_tables, attn.decode_context_lens
+        decodes, prefills = attn.decode_tables, attn.prefill_tables
+        lengths = attn.prefill_start_loc[1:] - attn.prefill_start_loc[:-1]
+        tables = torch.zeros(positions.shape[0], max(decodes.shape[1], prefills.shape[1]), dtype=torch.int32)
+        tables[: attn.num_decodes, : decodes.shape[1]] = decodes
+        tables[attn.num_decodes :, : prefills.shape[1]] = prefills.repeat_interleave(lengths, 0)
+        return attn.slot_mapping, tables, (positions + 1).to(torch.int32)
+    if isinstance(attn, EagerAttentionStep):
+        if not attn.prefills:
+            return attn.decode_flat_slots, attn.decode_tables, attn.decode_context_lens
+        chunk_slots = [slot for slot, _, n, _ in attn.prefills for _ in range(n)]
+        slots = torch.cat((attn.decode_slots, torch.tensor(chunk_slots, dtype=torch.long)))
+        return slots * block_size + positions, slots.to(torch.int32)[:, None], (positions + 1).to(torch.int32)
     return None
 
 

@@ -401,8 +401,8 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     runner.fused = fused_decode(loaded.model, cache)  # None under tensor parallel or a staged map
     if runner.fused is not None:
         log.info(
-            "small decode steps run every decoder layer in one C call",
-            max_sequences=cpu_paged.SMALL_BATCH_ROWS,
+            "small steps run every decoder layer in one C call",
+            max_rows=cpu_paged.SMALL_BATCH_ROWS,
             q4_1_panels=runner.fused.q4,
         )
     if ranks is not None:
