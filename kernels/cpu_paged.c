@@ -974,25 +974,38 @@ static void projection(const float *x, int64_t rows, const void *w, const uint8_
 
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
-/* A decode step of `rows` sequences (one new token each) through `num_layers` layers in one call: what
- * the model's Python would do layer by layer with the kernels above, without a dispatch between them
- * (at one row that dispatch was a quarter of the step). x [rows, hidden] is the residual stream, updated
- * in place. cos, sin [rows, head_dim]: RotaryEmbedding.cos_sin's (sin negated on the first half), so
- * dimension i rotates as x[i] * cos[i] + x[i +- head_dim / 2] * sin[i]. Each token's rotated K and its V
- * go to its slot (rounded to bfloat16 where cache_bf16), then it attends over its context
- * (kvp_decode_f32's tables). `packed`: how the layers' four projections are laid out (PLAIN,
- * PACKED_F32, PACKED_BF16: a bfloat16 model's, whose biases stay bfloat16 and whose norm weights the
- * caller gives as float32; the residual stream and every op between the projections stay float32). Returns 0, or 1 when memory
- * could not be had (x is then incomplete). */
-int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
+/* A step of `rows` tokens (decodes, and prompt chunks' tokens as rows of their own context) from their
+ * token ids to the final hidden states in one call: what the model's Python would do layer by layer
+ * with the kernels above, without a dispatch between them (at one row that dispatch was a quarter of
+ * the step). Row m: token_ids[m]'s row of `embed` (float32, or bfloat16 where embed_bf16, widened;
+ * [vocab, hidden], or packed in panels of embed_panel tokens for a tied LM head: kernels/cpu_paged.py
+ * `pack`), rotated at positions[m] (RoPE: angle positions[m] * inv_freq[i] in float32, libm's
+ * cosf / sinf; dimension i rotates as x[i] * cos + x[i +- head_dim / 2] * (-+ sin), RotaryEmbedding's
+ * layout), its rotated K and its V to slots[m] (rounded to bfloat16 where cache_bf16; a slot < 0 writes
+ * nothing), then attending over its first context_lens[m] tokens through its table (kvp_decode_f32's
+ * tables); every row's K/V is written before any row attends. `packed`: how the layers' four
+ * projections are laid out (PLAIN, PACKED_F32, PACKED_BF16: a bfloat16 model's, whose biases stay
+ * bfloat16 and whose norm weights the caller gives as float32; the residual stream and every op
+ * between the projections stay float32). x [rows, hidden]: out, the residual stream after the last
+ * layer, normed by final_norm (float32 [hidden]) unless it is NULL. Returns 0; 1 when memory could not
+ * be had; 2 a token id outside [0, vocab); 3 a slot at or past num_slots; 4 a context_lens under 1
+ * (x is then incomplete). */
+int kvp_decode_layers_f32(float *x, int64_t rows, const int64_t *token_ids, const int64_t *positions,
+                          const void *embed, int64_t embed_bf16, int64_t embed_panel, int64_t vocab,
+                          const float *inv_freq,
+                          const float *final_norm, const DecoderLayer *layers, int64_t num_layers,
                           int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                          int64_t intermediate, float eps, float scale, const float *cos, const float *sin,
-                          const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
-                          const int32_t *context_lens, int64_t block_size, int64_t num_threads,
-                          int64_t packed, int64_t cache_bf16) {
+                          int64_t intermediate, float eps, float scale, const int64_t *slots, int64_t num_slots,
+                          const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
+                          int64_t block_size, int64_t num_threads, int64_t packed, int64_t cache_bf16) {
+    for (int64_t m = 0; m < rows; m++) {
+        if (token_ids[m] < 0 || token_ids[m] >= vocab) return 2;
+        if (slots[m] >= num_slots) return 3;
+        if (context_lens[m] < 1) return 4;
+    }
     const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, half = head_dim / 2;
-    const int64_t floats = rows * (hidden * 2 + qkv_size + q_size * 2 + intermediate * 3) + kv_size;
+    const int64_t floats = rows * (hidden * 2 + qkv_size + q_size * 2 + intermediate * 3 + head_dim * 2) + kv_size;
     /* bfloat16 pairs: a projection's input and output rounded (the widest of each) */
     const int64_t halves = packed == PACKED_BF16
                                ? rows * (max3(hidden, q_size, intermediate) + max3(qkv_size, hidden, 2 * intermediate))
@@ -1003,7 +1016,35 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
     float *normed = buffer, *delta = normed + rows * hidden, *qkv = delta + rows * hidden;
     float *query = qkv + rows * qkv_size, *attended = query + rows * q_size;
     float *gate_up = attended + rows * q_size, *act = gate_up + rows * 2 * intermediate;
-    float *key = act + rows * intermediate; /* one token's rotated K, before it goes to the cache */
+    float *cos = act + rows * intermediate, *sin = cos + rows * head_dim;
+    float *key = sin + rows * head_dim; /* one token's rotated K, before it goes to the cache */
+    for (int64_t m = 0; m < rows; m++) {
+        float *row = x + m * hidden;
+        const int64_t t = token_ids[m];
+        if (embed_panel) { /* feature i of token t: in t's panel, embed_panel apart (bf16: in pairs) */
+            const int64_t base = t / embed_panel * hidden * embed_panel, lane = t % embed_panel;
+            if (embed_bf16) {
+                const uint16_t *e = (const uint16_t *)embed + base;
+                for (int64_t i = 0; i < hidden; i++) row[i] = from_bf16(e[((i / 2) * embed_panel + lane) * 2 + i % 2]);
+            } else {
+                const float *e = (const float *)embed + base;
+                for (int64_t i = 0; i < hidden; i++) row[i] = e[i * embed_panel + lane];
+            }
+        } else if (embed_bf16) {
+            const uint16_t *e = (const uint16_t *)embed + t * hidden;
+            for (int64_t i = 0; i < hidden; i++) row[i] = from_bf16(e[i]);
+        } else {
+            memcpy(row, (const float *)embed + t * hidden, (size_t)hidden * sizeof(float));
+        }
+        const float p = (float)positions[m];
+        float *c = cos + m * head_dim, *sn = sin + m * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float angle = p * inv_freq[i];
+            c[i] = c[i + half] = cosf(angle);
+            sn[i + half] = sinf(angle);
+            sn[i] = -sn[i + half];
+        }
+    }
     int status = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const DecoderLayer *L = &layers[l];
@@ -1042,6 +1083,10 @@ int kvp_decode_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, in
         projection(act, rows, L->down, L->down_q4, NULL, hidden, intermediate, delta, num_threads, packed, x16,
                    y16);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += delta[i];
+    }
+    if (status == 0 && final_norm != NULL) {
+        kvp_rms_norm_f32(x, rows, hidden, final_norm, eps, normed);
+        memcpy(x, normed, (size_t)(rows * hidden) * sizeof(float));
     }
     free(buffer);
     return status;

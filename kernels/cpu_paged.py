@@ -31,10 +31,10 @@ rows (the fused decode layers, `small_rows_linear` for the head), where float32'
 And `rms_norm` (x, weight, eps): one call where torch.rms_norm dispatches about 18 ops. The model takes
 both through `use_kernels` (worker/startup/engine_setup.py `use_cpu_kernels`).
 
-And `decode_layers`: a decode step of at most SMALL_BATCH_ROWS sequences through every decoder layer in
-one C call (the kernels above, RoPE and the K/V write, SiLU and the residual adds between them), where
-the Python between the kernels was a quarter of a batch-1 step; worker/engine/fused_decode.py decides
-when a step takes it.
+And `decode_layers`: a step of at most SMALL_BATCH_ROWS tokens from their ids to the final hidden
+states in one C call (the embedding row, RoPE's angles, the kernels above with the K/V write, SiLU and
+the residual adds between them, the final norm), where the Python between the kernels was a quarter of
+a batch-1 step; worker/engine/fused_decode.py decides when a step takes it.
 
 The cache holds float32 or bfloat16 (`--pa-cache-dtype bfloat16`: half the bytes to read per decoded
 token, and twice the tokens per budget); what goes in and comes out is float32 either way (queries, new
@@ -150,6 +150,19 @@ class DecoderShape:
     intermediate: int
     eps: float
     scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEnds:
+    """What kvp_decode_layers_f32 runs before the first layer and after the last: the token embedding
+    of `vocab` tokens (float32 or bfloat16, contiguous: [vocab, hidden], or as `pack` laid it out for a
+    tied LM head), RoPE's inverse frequencies [head_dim / 2] float32 (RotaryEmbedding's), and the final
+    norm's weight [hidden] float32 (None: the caller norms)."""
+
+    embed: torch.Tensor
+    vocab: int
+    inv_freq: torch.Tensor
+    final_norm: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,11 +445,11 @@ class CpuPagedOps:
 
     def decode_layers(  # noqa: PLR0913 - the C function's arguments
         self,
-        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ends: ModelEnds,
         layers: ctypes.Array[DecoderLayer],
         shape: DecoderShape,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
@@ -444,22 +457,22 @@ class CpuPagedOps:
         num_slots: int,
         layout: Layout = Layout.PLAIN,
         cache_bf16: bool = False,
-    ) -> None:
-        """x [rows, hidden] (the residual stream after the embedding, updated in place) through every
-        layer of `layers` for a decode step: one new token per sequence, written to its slot
-        (slot_mapping int64 [rows]), then attending over its first context_lens[i] tokens through
-        block_tables (decode's). cos, sin: RotaryEmbedding.cos_sin's [rows, 1, head_dim] float32.
-        num_slots: the pools' blocks x block_size. layout: the layers' projections' (PACKED_BF16: a
-        bfloat16 model's, biases bfloat16 too; its norm weights given as float32 copies, x float32 all
-        the same). cache_bf16: the pools hold bfloat16 (else float32). The
-        caller (worker/engine/fused_decode.py) built `layers` from tensors it checked and keeps alive;
-        here the step's own tensors are checked, as decode and write check theirs on a step's first
-        layer."""
-        rows = x.shape[0]
+    ) -> torch.Tensor:
+        """The final hidden states [rows, hidden] float32 of a step of `rows` tokens (token_ids, positions
+        int64 [rows]) through the embedding (`ends`), every layer of `layers` and the final norm (`ends`:
+        none when its `final_norm` is None, the residual stream then). Each token is written to its slot
+        (slot_mapping int64 [rows]), then attends over its first context_lens[i] tokens through its row
+        of block_tables: decodes one new token each, a prompt chunk's tokens a row each (context: its
+        position + 1). num_slots: the pools' blocks x block_size. layout: the layers' projections'
+        (PACKED_BF16: a bfloat16 model's, biases bfloat16 too; its norm weights given as float32
+        copies, the residual stream float32 all the same). cache_bf16: the pools hold bfloat16 (else
+        float32). The caller (worker/engine/fused_decode.py) built `ends` and `layers` from tensors it
+        checked and keeps alive; here the step's own tensors are checked (their ids, slots and contexts'
+        values in C, before any layer runs), as decode and write check theirs on a step's first layer."""
+        rows = token_ids.shape[0]
         for name, t, dtype, shape_ in (
-            ("x", x, _FLOAT32, (rows, shape.hidden)),
-            ("cos", cos, _FLOAT32, (rows, 1, shape.head_dim)),
-            ("sin", sin, _FLOAT32, (rows, 1, shape.head_dim)),
+            ("token_ids", token_ids, torch.int64, (rows,)),
+            ("positions", positions, torch.int64, (rows,)),
             ("slot_mapping", slot_mapping, torch.int64, (rows,)),
             ("block_tables", block_tables, torch.int32, (rows, block_tables.shape[-1])),
             ("context_lens", context_lens, torch.int32, (rows,)),
@@ -469,16 +482,21 @@ class CpuPagedOps:
                     f"decode_layers: {name} must be a contiguous {dtype} CPU tensor of shape {shape_}, "
                     f"got {t.dtype} {tuple(t.shape)} on {t.device}"
                 )
+        x = torch.empty(rows, shape.hidden)
         if rows == 0:
-            return
-        if int(slot_mapping.max()) >= num_slots:
-            raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())}, past the cache's end")
-        if int(context_lens.min()) < 1:
-            raise ValueError("context_lens must be >= 1 (the decoded token is in the cache)")
+            return x
         with _traced("kvpact::cpu_decode_layers"):
             status = self.library.kvp_decode_layers_f32(
                 x.data_ptr(),
                 rows,
+                token_ids.data_ptr(),
+                positions.data_ptr(),
+                ends.embed.data_ptr(),
+                ends.embed.dtype is torch.bfloat16,
+                ends.embed.shape[2] if ends.embed.dim() > 2 else 0,
+                ends.vocab,
+                ends.inv_freq.data_ptr(),
+                None if ends.final_norm is None else ends.final_norm.data_ptr(),
                 layers,
                 len(layers),
                 shape.hidden,
@@ -488,9 +506,8 @@ class CpuPagedOps:
                 shape.intermediate,
                 shape.eps,
                 shape.scale,
-                cos.data_ptr(),
-                sin.data_ptr(),
                 slot_mapping.data_ptr(),
+                num_slots,
                 block_tables.data_ptr(),
                 block_tables.stride(0),
                 context_lens.data_ptr(),
@@ -499,8 +516,16 @@ class CpuPagedOps:
                 int(layout),
                 int(cache_bf16),
             )
-        if status:
+        if status == 1:
             raise MemoryError("the C decode layers could not allocate their step buffers")
+        if status:
+            refused = {
+                2: f"a token id is outside the vocabulary [0, {ends.vocab})",
+                3: f"slot_mapping holds a slot past the cache's end ({num_slots} slots)",
+                4: "context_lens must be >= 1 (the token is in the cache)",
+            }
+            raise ValueError(f"decode_layers: {refused[status]}")
+        return x
 
     def decode(  # noqa: ANN001 - the reference's arguments
         self,
@@ -702,9 +727,10 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
     library.kvp_linear_f32.restype = None
     library.kvp_rms_norm_f32.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     library.kvp_rms_norm_f32.restype = None
-    library.kvp_decode_layers_f32.argtypes = [_ptr, _i64, ctypes.POINTER(DecoderLayer), _i64]
-    library.kvp_decode_layers_f32.argtypes += [_i64] * 5 + [_f32, _f32, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
-    library.kvp_decode_layers_f32.argtypes += [_i64, _i64, _i64, _i64]
+    library.kvp_decode_layers_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
+    library.kvp_decode_layers_f32.argtypes += [ctypes.POINTER(DecoderLayer), _i64, _i64, _i64, _i64, _i64]
+    library.kvp_decode_layers_f32.argtypes += [_i64, _f32, _f32]
+    library.kvp_decode_layers_f32.argtypes += [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
     library.kvp_decode_layers_f32.restype = ctypes.c_int
     library.kvp_linear_packed_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64]
     library.kvp_linear_packed_f32.restype = None

@@ -526,25 +526,31 @@ def test_rms_norm_equals_torch(ops, rows):
 
 
 def test_decode_layers_refuse_step_tensors_the_c_code_would_misread(ops):
-    """Checked before any layer runs (so no layers are needed here): a slot past the pools' end, a
-    context of 0 tokens, and a slot mapping of the wrong dtype, each named."""
+    """Checked before any layer runs (so no layers are needed here): a token id outside the embedding, a
+    slot past the pools' end, a context of 0 tokens, and a slot mapping of the wrong dtype, each named."""
     shape = cpu_paged.DecoderShape(
         hidden=8, q_heads=2, kv_heads=1, head_dim=4, intermediate=16, eps=1e-5, scale=0.5
     )
     no_layers = (cpu_paged.DecoderLayer * 0)()
-    x, rope = torch.zeros(1, 8), torch.zeros(1, 1, 4)
+    ends = cpu_paged.ModelEnds(torch.randn(10, 8), 10, torch.ones(2), torch.ones(8))
     table, one = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
 
-    def call(slots: torch.Tensor, context_lens: torch.Tensor) -> None:
-        ops.decode_layers(x, no_layers, shape, rope, rope, slots, table, context_lens, 16, 64)
+    def call(slots: torch.Tensor, context_lens: torch.Tensor, token: int = 9) -> torch.Tensor:
+        ids, positions = torch.tensor([token]), torch.tensor([0])
+        return ops.decode_layers(ids, positions, ends, no_layers, shape, slots, table, context_lens, 16, 64)
 
-    with pytest.raises(ValueError, match="slot 64, past the cache's end"):
+    with pytest.raises(ValueError, match=r"a token id is outside the vocabulary \[0, 10\)"):
+        call(torch.tensor([3]), one, token=10)
+    with pytest.raises(ValueError, match=r"a slot past the cache's end \(64 slots\)"):
         call(torch.tensor([64]), one)
     with pytest.raises(ValueError, match="context_lens must be >= 1"):
         call(torch.tensor([3]), torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="slot_mapping must be a contiguous torch.int64"):
         call(torch.tensor([3], dtype=torch.int32), one)
-    call(torch.tensor([63]), one)  # the last slot, no layers: nothing to do, nothing refused
+    # the last slot and token, no layers: the embedding row, normed by the final norm
+    row = ends.embed[9]
+    want = row / torch.sqrt(row.pow(2).mean() + 1e-5)
+    torch.testing.assert_close(call(torch.tensor([63]), one)[0], want)
 
 
 def gguf_weight(out_features: int, in_features: int, seed: int, qtype: str = "Q4_1") -> torch.Tensor:

@@ -32,7 +32,7 @@ from kvpact.worker.scheduler.paged import PagedScheduler
 from kvpact.worker.startup import checks, engine_setup
 from kvpact.worker.startup.device import KERNEL_SUPPORT, DeviceProbe
 from tests.factories.tiny_models import make_tiny_llama
-from tests.worker.conftest import collect, greedy, worker_spec
+from tests.worker.conftest import collect, greedy, paced_steps, worker_spec
 
 GiB = 2**30
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x 2 layers x 2 kv heads x head_dim 16 x fp32
@@ -124,9 +124,11 @@ async def _drain(stream) -> None:
 
 def test_the_prompt_bound_beside_decodes_reaches_the_scheduler(tiny_llama):
     """Two sequences decode, a 100-token prompt arrives: --prompt-tokens-beside-decodes 8 prefills it
-    8 tokens a step beside them."""
+    8 tokens a step beside them (steps paced: a tiny model's steps, prompt chunks' too, take well under
+    a millisecond in the C call, so the decoders would otherwise finish before the prompt arrives)."""
     spec = replace(worker_spec(tiny_llama, "on", context_tokens=1024), prompt_tokens_beside_decodes=8)
     engine = engine_setup.build_engine(engine_setup.plan_startup(spec))
+    paced_steps(engine)
     try:
         scheduler = engine.step_loop.scheduler
         assert scheduler.prompt_tokens_beside_decodes == 8
@@ -143,7 +145,7 @@ def test_the_prompt_bound_beside_decodes_reaches_the_scheduler(tiny_llama):
         scheduler.schedule = recorded
 
         async def long_prompt_after_two_decoders() -> None:
-            decoders = [engine.generate(greedy(f"d{n}x", [5 + n, 6, 7], 30)) for n in range(2)]
+            decoders = [engine.generate(greedy(f"d{n}x", [5 + n, 6, 7], 60)) for n in range(2)]
             for stream in decoders:  # each has its first token: both decode from here on
                 await asyncio.wait_for(anext(stream), 60)
             await asyncio.wait_for(collect(engine, greedy("long", list(range(1, 101)), 2)), 60)

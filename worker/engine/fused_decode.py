@@ -10,18 +10,20 @@ residual adds and the attention step (docs/performance.md). So a step that is
 - of a single-device model with float32 CPU weights, or bfloat16 ones packed (`--dtype bfloat16`), and
   no tensor-parallel reduce,
 
-runs the embedding and the final norm in torch and every layer in between with
-`kvp_decode_layers_f32`: the same kernels the layer-by-layer path calls (C linear, RMSNorm, decode),
-with RoPE, the K/V write, SiLU and the residual adds written out in C. A prompt chunk's token at
+runs from its token ids to its final hidden states in `kvp_decode_layers_f32`: the embedding row, RoPE's
+angles, every layer with the same kernels the layer-by-layer path calls (C linear, RMSNorm, decode)
+and RoPE, the K/V write, SiLU and the residual adds written out in C, and the final norm (a bfloat16
+model's in torch after the call, rounded as its layer rounds). A batch-1 step is then that one call,
+the LM head and the sampler. A prompt chunk's token at
 position p is one more row: its sequence's block table, a context of p + 1 tokens; each layer writes
 every row's K/V before any row attends, so the chunk attends causally over its cached prefix and
 itself, what the model's prefill attention computes (`_step_rows`). That is what keeps a step with a
 16-token chunk beside a few decodes (the worker's default budget) near a decode step of as many rows
-(docs/performance.md, "Prompt chunks in the C call"). RoPE and SiLU round differently
-from torch's ops (a fused multiply-add, libm's expf), and a chunk's attention sums in the decode kernel's
-order, so the two paths agree within float32 rounding,
-not bit for bit (tests/worker/test_fused_decode.py holds them together). Every other step runs the
-model's Python forward.
+(docs/performance.md, "Prompt chunks in the C call"). RoPE and SiLU round differently from torch's ops
+(libm's cosf / sinf / expf, a fused multiply-add), and a chunk's attention sums in the decode kernel's
+order, so the two paths agree within float32 rounding, not bit for bit
+(tests/worker/test_fused_decode.py holds them together). Every other step runs the model's Python
+forward.
 
 A bfloat16 model's layers run the same way, on its packed bf16 projections (the kernel its layers
 call, each projection's input and output, bias included, rounded to bfloat16 as there), with the
@@ -50,7 +52,7 @@ from typing import cast
 import torch
 
 from kvpact.kernels import cpu_paged
-from kvpact.kernels.cpu_paged import CpuPagedOps, DecoderLayer, DecoderShape, Layout
+from kvpact.kernels.cpu_paged import CpuPagedOps, DecoderLayer, DecoderShape, Layout, ModelEnds
 from kvpact.worker.kv.eager import EagerAttentionStep, EagerCache
 from kvpact.worker.kv.paged import PagedAttentionStep, PagedCache
 from kvpact.worker.model import LlamaForCausalLM
@@ -83,6 +85,10 @@ class FusedDecode:
         _check_shapes(model, cache, self.layout, ops.panel_width)
         self.float32_copies: list[torch.Tensor] = []  # a bfloat16 model's norm weights
         self.q4_copies, self.q4 = _q4_panels(ops, model, self.layout)
+        # a bfloat16 model's final norm rounds to bfloat16 as its layer does: torch's, after the C call
+        final_norm = model.model.norm.weight if self.dtype is torch.float32 else None
+        embed = model.model.embed_tokens
+        self.ends = ModelEnds(embed.weight, embed.num_embeddings, model.rotary.inv_freq, final_norm)
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
@@ -121,22 +127,19 @@ class FusedDecode:
         step = _step_rows(attn, positions, self.block_size)
         if step is None:
             return None
-        model = self.model
-        x = model.model.embed_tokens(input_ids).float()  # a new tensor: the C code updates it in place
-        cos, sin = model.rotary.cos_sin(positions, torch.float32)
-        self.ops.decode_layers(
-            x,
+        x = self.ops.decode_layers(
+            input_ids,
+            positions,
+            self.ends,
             self.layers,
             self.shape,
-            cos,
-            sin,
             *step,
             self.block_size,
             self.num_blocks * self.block_size,
             layout=self.layout,
             cache_bf16=self.cache_bf16,
         )
-        return model.model.norm(x.to(self.dtype))
+        return x if self.ends.final_norm is not None else self.model.model.norm(x.to(self.dtype))
 
 
 def _q4_panels(ops: CpuPagedOps, model: LlamaForCausalLM, layout: Layout) -> tuple[list[torch.Tensor], str]:
@@ -245,6 +248,24 @@ def _check_shapes(
         "mlp.gate_up_proj.weight": projection(2 * c.intermediate_size, c.hidden_size),
         "mlp.down_proj.weight": projection(c.hidden_size, c.intermediate_size),
     }
+    embed, inv_freq, norm = model.model.embed_tokens, model.rotary.inv_freq, model.model.norm.weight
+    p = embed.panel  # a tied head's packed table: [vocab / p, hidden, p], or bfloat16 pairs
+    table = (
+        (embed.num_embeddings, c.hidden_size)
+        if not p
+        else (embed.num_embeddings // p, c.hidden_size // 2, p, 2)
+        if embed.weight.dtype is torch.bfloat16
+        else (embed.num_embeddings // p, c.hidden_size, p)
+    )
+    for name, tensor, shape in (
+        ("the embedding", embed.weight, table),
+        ("RoPE's inv_freq", inv_freq, (hd // 2,)),
+        ("the final norm", norm, (c.hidden_size,)),
+    ):
+        if tuple(tensor.shape) != shape or not tensor.is_contiguous() or not tensor.is_cpu:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the C code reads a contiguous {shape}")
+    if inv_freq.dtype is not torch.float32:
+        raise ValueError(f"RoPE's inv_freq is {inv_freq.dtype}, the C code reads float32")
     if len(cache.key) != len(layers) or len(cache.value) != len(layers):
         raise ValueError(f"the cache has {len(cache.key)} layers' pools, the model {len(layers)} layers")
     for i, layer in enumerate(layers):

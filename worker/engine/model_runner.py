@@ -87,11 +87,12 @@ class ModelRunner:
             hidden = self.graphs.run(ordered)  # a captured decode step, replayed
         else:
             hidden = self._forward(ordered, len(decodes), input_ids, positions, block_copies)
-        rows = to_device(torch.tensor(sample_rows, dtype=torch.long), hidden.device)
         seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]
         if not seqs:
             return StepResult([], [], [], [])
-        logits = self.model.compute_logits(hidden[rows])
+        if sample_rows != list(range(hidden.shape[0])):  # else every row, in order: a decodes-only step's
+            hidden = hidden[to_device(torch.tensor(sample_rows, dtype=torch.long), hidden.device)]
+        logits = self.model.compute_logits(hidden)
         sampled = sample(logits, [s.sample_row() for s in seqs])
         kept = logits if self.keep_logits else None
         return StepResult(seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, kept)

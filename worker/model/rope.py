@@ -51,6 +51,11 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         self._inv_freq = rope_inv_freq(head_dim, theta, scaling)
 
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """`[head_dim // 2]` float32: the angle of position p at pair i is p * inv_freq[i] (in float32)."""
+        return self._inv_freq
+
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
