@@ -15,6 +15,7 @@ FEATURE_TITLES = {  # how a message names each feature, with its verb
     "paged-attn": "PagedAttention was",
     "prefix-caching": "Prefix caching was",
     "cpu-kernels": "The C CPU kernels were",
+    "quant-kernels": "The quantized (Q4_1 / Q8_0) kernels were",
     "cuda-graphs": "CUDA graphs were",
 }
 

@@ -21,9 +21,16 @@ from dataclasses import dataclass, field, fields
 from kvpact.shared import reasons
 from kvpact.shared.errors import FeatureRequiredError, PagedAttentionRequiredError
 from kvpact.shared.options import check_options, option
-from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING, Finding
+from kvpact.shared.reasons import (
+    CPU_KERNELS,
+    CUDA_GRAPHS,
+    PAGED_ATTN,
+    PREFIX_CACHING,
+    QUANT_KERNELS,
+    Finding,
+)
 
-FEATURES = (PAGED_ATTN, PREFIX_CACHING, CPU_KERNELS, CUDA_GRAPHS)  # their order everywhere
+FEATURES = (PAGED_ATTN, PREFIX_CACHING, CPU_KERNELS, QUANT_KERNELS, CUDA_GRAPHS)  # their order everywhere
 GROUP = "optional features (auto: use where it works, else fall back naming why; on: or exit 78; off)"
 
 
@@ -70,6 +77,15 @@ class FeatureIntents:
         "weights packed in place, on a CPU with AVX-512 or AVX2), and decode steps of up to 64 "
         "sequences through every layer in one C call. Need a CPU device, a float32 or bfloat16 "
         "KV cache and a C compiler: auto falls back to pure torch naming why, on fails startup.",
+    )
+    quant_kernels: FeatureMode = _mode_option(
+        QUANT_KERNELS,
+        "steps of a few rows (6 with AVX-512, 2 with AVX2) read a GGUF's own 4-bit weights: the decoder "
+        "projections as Q4_1 and a Q8_0 LM head as Q8_0, kept beside the float32 copy (~0.2 of its "
+        "bytes), summed in float32 (a batch-1 step of the bundled model ~3x faster). Needs cpu-kernels "
+        "(it never turns it on), a float32 model, layers in one C call (no tensor parallel, one "
+        "--device-map entry), AVX2 or AVX-512, and projections stored as Q4_1 in a GGUF file, every "
+        "value checked after loading: auto realizes off naming why, on fails startup.",
     )
     cuda_graphs: FeatureMode = _mode_option(
         CUDA_GRAPHS,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 PAGED_ATTN = "paged-attn"  # the feature names (shared/features.py has them all)
 PREFIX_CACHING = "prefix-caching"
 CPU_KERNELS = "cpu-kernels"
+QUANT_KERNELS = "quant-kernels"
 CUDA_GRAPHS = "cuda-graphs"
 EVERY_FEATURE = "every feature"  # a reason any feature may give (Reason.feature)
 
@@ -249,6 +250,59 @@ CPU_KERNELS_BUILD = Reason(
     "install a C compiler (gcc) or set CC; or --cpu-kernels auto/off",
     feature=CPU_KERNELS,
 )
+QUANT_NEEDS_CPU_KERNELS = Reason(
+    "quant kernels need cpu kernels",
+    "kernels",
+    "the quantized weights are read inside the C kernels' one-call decode layers, and cpu-kernels is off "
+    "here (it never turns on for this feature)",
+    "the GGUF's quantized weights are read by the C kernels and cpu-kernels is off here ({why})",
+    "--cpu-kernels auto or on (and what its own reason names), or --quant-kernels auto/off",
+    feature=QUANT_KERNELS,
+)
+QUANT_DTYPE = Reason(
+    "quant kernels dtype",
+    "loader",
+    "the model runs in a dtype other than float32 (--dtype bfloat16): its projections are then rounded "
+    "off the file's quantized values",
+    "the model runs in {dtype} and the quantized kernels read a float32 model's exact GGUF values",
+    "--dtype auto or float32, or --quant-kernels auto/off",
+    feature=QUANT_KERNELS,
+)
+QUANT_ONE_CALL = Reason(
+    "quant kernels one call",
+    "device",
+    "the decoder layers do not run in one C call on one device: tensor parallel, or a --device-map of "
+    "two or more stages",
+    "the quantized weights are read by the one-call decode layers and this worker splits its layers ({how})",
+    "--tensor-parallel-size 1 and one --device-map entry, or --quant-kernels auto/off",
+    feature=QUANT_KERNELS,
+)
+QUANT_NO_PANELS = Reason(
+    "quant kernels cpu",
+    "build",
+    "this CPU has neither AVX-512 nor AVX2, so the C kernels pack no weights (kernels/cpu_paged.c)",
+    "the C kernels pack no weights on this CPU (neither AVX-512 nor AVX2)",
+    "a CPU with AVX2 or AVX-512, or --quant-kernels auto/off",
+    feature=QUANT_KERNELS,
+)
+QUANT_STORED = Reason(
+    "quant kernels storage",
+    "loader",
+    "the model's decoder projections are not stored as Q4_1 in a GGUF file (the kernels read the "
+    "file's own 4-bit values), read from the file's header before any weight",
+    "the decoder projections are stored as {storage}, not Q4_1 in a GGUF file",
+    "a Q4_1 GGUF (the bundled model is one), or --quant-kernels auto/off",
+    feature=QUANT_KERNELS,
+)
+QUANT_EXACT = Reason(
+    "quant kernels values",
+    "loader",
+    "after loading, a decoder projection does not hold exactly Q4_1 values (each weight is checked "
+    "against the block scale and minimum recovered from it)",
+    "the loaded weights cannot be packed as Q4_1: {why}",
+    "report it with the model file, or --quant-kernels auto/off",
+    feature=QUANT_KERNELS,
+)
 NO_CUDA = Reason(
     "no CUDA device",
     "device",
@@ -329,6 +383,12 @@ REASONS = (
     CPU_KERNELS_DTYPE,
     CPU_KERNELS_WINDOW,
     CPU_KERNELS_BUILD,
+    QUANT_NEEDS_CPU_KERNELS,
+    QUANT_DTYPE,
+    QUANT_ONE_CALL,
+    QUANT_NO_PANELS,
+    QUANT_STORED,
+    QUANT_EXACT,
     NO_CUDA,
     GRAPHS_NEED_TRITON,
     GRAPHS_CAPTURE,

@@ -649,7 +649,9 @@ def test_plan_judges_each_worker_on_its_node_and_says_78_then_1_without_resource
     assert any(r.startswith("cpu-0 ok bundle 0 on node") for r in rows), out
     assert any(r.startswith("triton-0 refused it was started with --paged-attn on") for r in rows), out
     for rank in (0, 1):  # the TP worker's ranks, each with its own plan
-        assert f"tp-0 {rank} cpu ok +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in rows, out
+        assert (
+            f"tp-0 {rank} cpu ok +paged-attn +prefix-caching +cpu-kernels !quant-kernels !cuda-graphs" in rows
+        ), out
     assert any(r.startswith("tp-0 ok bundle 3 on node") for r in rows), out
     assert (
         err.rstrip()

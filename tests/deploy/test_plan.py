@@ -26,7 +26,9 @@ from kvpact.worker.plan_only import make_plan, verdict_json
 from tests.factories.tiny_models import make_tiny_llama
 
 AUTO, ON, OFF = FeatureMode.AUTO, FeatureMode.ON, FeatureMode.OFF
-ALL_AUTO = {"paged-attn": AUTO, "prefix-caching": AUTO, "cpu-kernels": AUTO, "cuda-graphs": AUTO}
+ALL_AUTO = dict.fromkeys(
+    ("paged-attn", "prefix-caching", "cpu-kernels", "quant-kernels", "cuda-graphs"), AUTO
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +90,14 @@ def test_a_tensor_parallel_workers_ranks_are_shown_each_with_its_own_plan(model)
     assert judged[1].ranks == ()  # one rank: no rank rows
     table = render(judged, ())
     assert "WORKER  RANK  DEVICE  VERDICT  ITS OWN PLAN (+ on, ! fell back, - off)" in table
-    assert "tp-0    0     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in table
-    assert "tp-0    1     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in table
+    assert (
+        "tp-0    0     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !quant-kernels !cuda-graphs"
+        in table
+    )
+    assert (
+        "tp-0    1     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !quant-kernels !cuda-graphs"
+        in table
+    )
     assert "a-0     0" not in table
 
 

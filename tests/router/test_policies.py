@@ -21,6 +21,7 @@ def test_every_feature_defaults_to_auto():
         "paged-attn": AUTO,
         "prefix-caching": AUTO,
         "cpu-kernels": AUTO,
+        "quant-kernels": AUTO,
         "cuda-graphs": AUTO,
     }
 
@@ -31,6 +32,7 @@ def test_policy_is_repeatable_and_paged_attn_is_its_shorthand():
         "paged-attn": ON,
         "prefix-caching": AUTO,
         "cpu-kernels": OFF,
+        "quant-kernels": AUTO,
         "cuda-graphs": ON,
     }
     assert config("--policy", "paged-attn=off").policy is OFF
@@ -45,7 +47,7 @@ def test_policy_is_repeatable_and_paged_attn_is_its_shorthand():
         (["--policy", "cuda-graphs=on", "--policy", "cuda-graphs=off"],
          "--policy cuda-graphs=on and --policy cuda-graphs=off disagree"),
         (["--policy", "graphs=on"],
-         "NAME one of paged-attn, prefix-caching, cpu-kernels, cuda-graphs, got 'graphs=on'"),
+         "NAME one of paged-attn, prefix-caching, cpu-kernels, quant-kernels, cuda-graphs, got 'graphs=on'"),
         (["--policy", "cuda-graphs=yes"], "expected NAME=auto|on|off"),
     ],
 )  # fmt: skip

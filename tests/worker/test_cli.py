@@ -107,7 +107,7 @@ def test_every_flag_reaches_the_spec():
             "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
             "--paged-attn", "on", "--pa-memory-bytes", "1000000", "--pa-cache-dtype", "float16",
             "--pa-backend", "torch", "--prefix-caching", "off", "--cpu-kernels", "on",
-            "--cuda-graphs", "off", "--listen", "0.0.0.0:7000",
+            "--quant-kernels", "on", "--cuda-graphs", "off", "--listen", "0.0.0.0:7000",
             "--router", "10.0.0.1:50051", "--router-timeout", "5", "--worker-id", "w1", "--threads", "3",
         ]
     )  # fmt: skip
@@ -120,7 +120,7 @@ def test_every_flag_reaches_the_spec():
     assert paged is not None and spec.cache.required
     assert paged.memory_bytes == 1_000_000
     assert paged.cache_dtype is CacheDtype.FLOAT16 and paged.backend is PagedBackend.TORCH
-    assert spec.features == FeatureIntents(FeatureMode.OFF, FeatureMode.ON, FeatureMode.OFF)
+    assert spec.features == FeatureIntents(FeatureMode.OFF, FeatureMode.ON, FeatureMode.ON, FeatureMode.OFF)
     assert (options.listen_host, options.listen_port) == ("0.0.0.0", 7000)
     assert options.router == "10.0.0.1:50051"
     assert (options.router_timeout_s, options.worker_id, options.model_name) == (5.0, "w1", "x")

@@ -4,7 +4,9 @@ build decides, the real build: auto realizes off naming the reason, on fails nam
 from __future__ import annotations
 
 import pytest
+import torch
 
+from kvpact.kernels import cpu_paged
 from kvpact.shared.errors import FeatureRequiredError
 from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
 from kvpact.worker.startup import checks, engine_setup
@@ -37,7 +39,9 @@ def state(p, name: str) -> FeatureState:  # type: ignore[no-untyped-def]
 
 def test_every_feature_is_planned_in_order_and_defaults_to_auto(tiny_llama):
     p = plan(tiny_llama)
-    assert [f.name for f in p.features] == ["paged-attn", "prefix-caching", "cpu-kernels", "cuda-graphs"]
+    assert [f.name for f in p.features] == [
+        "paged-attn", "prefix-caching", "cpu-kernels", "quant-kernels", "cuda-graphs"
+    ]  # fmt: skip
     assert all(f.requested is AUTO for f in p.features)
 
 
@@ -119,6 +123,65 @@ def test_cpu_kernels_on_a_gpu_cache_name_the_device(head64, monkeypatch):
         "c-kernels-need-cpu",
         "the C kernels run on CPU tensors and this worker's KV cache is on cuda",
     )
+
+
+# ---- quant-kernels ----
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A tiny Q4_1 GGUF, as the bundled model is stored: quant-kernels can realize."""
+    from tests.factories.tiny_models import make_tiny_gguf
+
+    return make_tiny_gguf(tmp_path_factory.mktemp("q4_1") / "model.gguf", file_type="q4_1")
+
+
+def test_quant_kernels_are_planned_for_a_q4_1_gguf_and_name_why_not_elsewhere(tiny_llama, q4_1_gguf):
+    if not cpu_paged.load(torch.float32, torch.device("cpu")).quant_max_rows:  # type: ignore[union-attr]
+        pytest.skip("this build packs no weights (no AVX-512 or AVX2)")
+    assert state(plan(q4_1_gguf, quant_kernels=ON), "quant-kernels").realized
+    s = state(plan(tiny_llama), "quant-kernels")  # a safetensors checkpoint
+    assert (s.realized, s.code, s.component, s.message) == (
+        False,
+        "quant-kernels-storage",
+        "loader",
+        "the decoder projections are stored as safetensors, not Q4_1 in a GGUF file",
+    )
+    with pytest.raises(FeatureRequiredError) as info:
+        plan(tiny_llama, quant_kernels=ON)
+    assert str(info.value) == (
+        "The quantized (Q4_1 / Q8_0) kernels were explicitly requested (--quant-kernels on), but the decoder "
+        "projections are stored as safetensors, not Q4_1 in a GGUF file. [loader]"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "message"),
+    [
+        (
+            {"cpu_kernels": OFF},
+            "quant-kernels-need-cpu-kernels",
+            "the GGUF's quantized weights are read by the C kernels and cpu-kernels is off here "
+            "(--cpu-kernels off)",
+        ),
+        (
+            {"dtype": "bfloat16"},
+            "quant-kernels-dtype",
+            "the model runs in bfloat16 and the quantized kernels read a float32 model's exact GGUF values",
+        ),
+    ],
+    ids=["cpu-kernels-off", "bfloat16"],
+)
+def test_quant_kernels_on_fail_before_loading_naming_what_they_need(q4_1_gguf, flags, code, message):
+    dtype = flags.pop("dtype", "auto")
+    spec = worker_spec(q4_1_gguf, "auto", dtype=dtype, features=FeatureIntents(quant_kernels=ON, **flags))
+    with pytest.raises(FeatureRequiredError) as info:
+        engine_setup.plan_startup(spec)
+    assert (info.value.feature, info.value.code) == ("quant-kernels", code)
+    assert message in str(info.value)
+    auto = worker_spec(q4_1_gguf, "auto", dtype=dtype, features=FeatureIntents(**flags))
+    s = state(engine_setup.plan_startup(auto), "quant-kernels")
+    assert (s.realized, s.code, s.message) == (False, code, message)
 
 
 # ---- cuda-graphs ----

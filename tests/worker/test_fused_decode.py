@@ -152,6 +152,7 @@ def test_a_q4_1_model_decodes_its_small_steps_on_q4_1_panels_computing_what_the_
     if not cpu_paged.load(torch.float32, torch.device("cpu")).quant_max_rows:  # type: ignore[union-attr]
         pytest.skip("this build packs no weights (no AVX-512 or AVX2)")
     assert fused.step_loop.runner.fused.q4.startswith("yes: 8 projections, for decode steps of up to")
+    assert "quant-kernels" in {f.name for f in fused.realized.features if f.realized}
     # the tied head, the file's Q8_0 embedding, reads its Q8_0 panels for the few rows a step samples
     assert "small_rows_linear" in fused.step_loop.runner.model.head_matmul.__qualname__
     assert_fused_computes_what_the_layers_compute(fused, plain)  # 4 sequences at most: all quantized
@@ -175,9 +176,8 @@ def test_at_the_default_models_shapes_the_c_layers_compute_what_the_layers_compu
     )
     plain.step_loop.runner.fused = None
     ran = fused_rows(fused)
-    q4 = fused.step_loop.runner.fused.q4  # type: ignore[union-attr]
-    assert q4 in ("no: layer 0's qkv projection does not hold exactly Q4_1 values",
-                  "no: the projections are not float32 panels")  # fmt: skip  # the latter: no panels here
+    # a safetensors model: quant-kernels realized off before loading, so no Q4_1 panels are tried
+    assert fused.step_loop.runner.fused.q4 == "no: quant-kernels off"  # type: ignore[union-attr]
     gen = torch.Generator().manual_seed(11)
     long_prompts = [tuple(torch.randint(3, 384, (290 + 7 * i,), generator=gen).tolist()) for i in range(4)]
     got, want = (
@@ -265,3 +265,36 @@ def test_a_bfloat16_model_runs_the_c_layers_on_its_packed_weights_as_near_float3
         assert compared >= 24, f"tokens left float32's too early to compare: {compared} steps"
     # the last one admitted decodes its 11 steps after its prefill, with no prefill beside them
     assert max(ran, default=0) > 1 and len(ran) >= 11, ran
+
+
+@pytest.mark.parametrize("mode", [FeatureMode.AUTO, FeatureMode.ON], ids=["auto", "on"])
+def test_quant_kernels_whose_loaded_values_are_not_q4_1_fall_back_after_loading(tiny_llama, mode):
+    """The one check after loading: every projection's values. Planned as if the file's header had said
+    Q4_1 (this model is float32 safetensors): auto builds the worker without the panels, naming the
+    first projection that is not Q4_1; on fails startup naming it."""
+    from kvpact.shared.errors import FeatureRequiredError
+    from kvpact.shared.features import FeatureState
+    from tests.worker.conftest import worker_spec
+
+    if not cpu_paged.load(torch.float32, torch.device("cpu")).quant_max_rows:  # type: ignore[union-attr]
+        pytest.skip("this build packs no weights (no AVX-512 or AVX2)")
+    plan = engine_setup.plan_startup(worker_spec(tiny_llama, "on"))
+    plan.features = tuple(
+        f if f.name != "quant-kernels" else FeatureState("quant-kernels", mode, True) for f in plan.features
+    )
+    why = (
+        "the loaded weights cannot be packed as Q4_1: layer 0's qkv projection does not hold exactly Q4_1 "
+        "values"
+    )
+    if mode is FeatureMode.ON:
+        with pytest.raises(FeatureRequiredError, match=r"--quant-kernels on\), but " + why) as info:
+            engine_setup.build_engine(plan)
+        assert info.value.code == "quant-kernels-values"
+        return
+    engine = engine_setup.build_engine(plan)
+    try:
+        (s,) = [f for f in engine.realized.features if f.name == "quant-kernels"]
+        assert (s.realized, s.code, s.message) == (False, "quant-kernels-values", why)
+        assert engine.step_loop.runner.fused is not None and not engine.step_loop.runner.fused.q4_copies
+    finally:
+        engine.close()

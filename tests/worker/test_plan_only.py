@@ -42,6 +42,7 @@ def test_a_plan_that_meets_the_intent_is_ok_and_names_every_features_reason(tiny
         "paged-attn": ("on", "on"),
         "prefix-caching": ("auto", "on"),
         "cpu-kernels": ("auto", "on"),
+        "quant-kernels": ("auto", "off"),  # a safetensors model
         "cuda-graphs": ("auto", "off"),
     }
     (graphs,) = [f for f in out["features"] if f["name"] == "cuda-graphs"]
@@ -172,7 +173,9 @@ def test_the_text_plan_has_a_row_per_rank(tiny_llama, never_load, monkeypatch, c
     assert run_plan_only(options.spec, options.plan_json) == 78
     out = capsys.readouterr().out
     assert "RANK  DEVICE  VERDICT  ITS OWN PLAN" in out
-    assert "0     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !cuda-graphs" in out
+    assert (
+        "0     cpu     ok       +paged-attn +prefix-caching +cpu-kernels !quant-kernels !cuda-graphs" in out
+    )
     assert "1     cpu     refused  paged-attn: [cache-budget] kv-budget: the KV cache budget" in out
     assert "verdict: refused (exit 78)" in out
 

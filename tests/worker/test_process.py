@@ -206,7 +206,7 @@ def test_started_before_its_router_it_retries_registers_and_heartbeats(model_dir
     # Each beat carries every feature's realized state, as the ready handshake reported it (drift).
     assert all(h.features == readies[0].ready.features for h in registry.heartbeats)
     assert [f.name for f in registry.heartbeats[0].features] == [
-        "paged-attn", "prefix-caching", "cpu-kernels", "cuda-graphs"
+        "paged-attn", "prefix-caching", "cpu-kernels", "quant-kernels", "cuda-graphs"
     ]  # fmt: skip
     assert "admitted by router" in worker.stdout()
     assert "Traceback" not in worker.stderr()

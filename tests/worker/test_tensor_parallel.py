@@ -210,7 +210,8 @@ def test_under_on_a_ranks_refusal_of_another_feature_fails_before_loading_naming
 def test_every_feature_of_the_registry_is_checked_on_every_rank():
     names = [getattr(check, "__name__", "") for _, check in checks.CHECKS]
     assert [n for n in names if n.startswith("every_rank")] == [
-        "every_rank(prefix-caching)", "every_rank(cpu-kernels)", "every_rank(cuda-graphs)"
+        "every_rank(prefix-caching)", "every_rank(cpu-kernels)", "every_rank(quant-kernels)",
+        "every_rank(cuda-graphs)"
     ]  # fmt: skip
     assert names.index("every_rank(cpu-kernels)") == names.index("cpu_kernels_build") + 1
     # a feature with no checks of its own (one added to the registry later) still gets its agreement

@@ -39,7 +39,8 @@ most `CpuPagedOps.quant_max_rows`, 6 with AVX-512: cpu_paged.c, "Q4_1 weights"):
 is the weights' reads in float32, so it then takes a quarter to a half of the time. The sums are
 factored per block, so these steps round in another order than the float32 panels (within float32
 rounding, as RoPE's above): one more way the two paths agree within LOGITS_ATOL, not bit for bit.
-`q4` says whether it applies and, when not, why.
+That is the `quant-kernels` feature (its pre-load checks: worker/startup/checks.py; the values, checked
+here, are its one check after loading); `q4` says whether it applies and, when not, why.
 
 The weights' and pools' pointers are gathered once, when the engine is built: nothing replaces a
 parameter or a pool after that.
@@ -63,7 +64,9 @@ class FusedDecode:
     """`run` a step through the C decode layers, or None where it does not qualify (the caller then
     runs the model). Build with `fused_decode`, which says whether this model and cache qualify."""
 
-    def __init__(self, ops: CpuPagedOps, model: LlamaForCausalLM, cache: PagedCache | EagerCache) -> None:
+    def __init__(
+        self, ops: CpuPagedOps, model: LlamaForCausalLM, cache: PagedCache | EagerCache, quant: bool = False
+    ) -> None:
         c = model.config
         self.ops, self.model = ops, model
         self.shape = DecoderShape(
@@ -84,7 +87,9 @@ class FusedDecode:
         self.cache_bf16 = cache.key[0].dtype is torch.bfloat16
         _check_shapes(model, cache, self.layout, ops.panel_width)
         self.float32_copies: list[torch.Tensor] = []  # a bfloat16 model's norm weights
-        self.q4_copies, self.q4 = _q4_panels(ops, model, self.layout)
+        self.q4_copies, self.q4 = (
+            _q4_panels(ops, model, self.layout) if quant else ([], "no: quant-kernels off")
+        )
         # a bfloat16 model's final norm rounds to bfloat16 as its layer does: torch's, after the C call
         final_norm = model.model.norm.weight if self.dtype is torch.float32 else None
         embed = model.model.embed_tokens
@@ -190,8 +195,9 @@ def _step_rows(
     return None
 
 
-def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
-    """The C decode layers for this model and cache, or None where they do not apply: a cache without
+def fused_decode(model: LlamaForCausalLM, cache: object, quant: bool = False) -> FusedDecode | None:
+    """The C decode layers for this model and cache (with its Q4_1 panels where `quant`: quant-kernels
+    realized, and every projection packs), or None where they do not apply: a cache without
     the C decode kernel (--cpu-kernels off or fallen back, a staged --device-map), weights not all float32
     or all bfloat16 on the CPU, bfloat16 projections not packed (a build without panels), or tensor
     parallel (a rank's layers reduce over the others')."""
@@ -213,7 +219,7 @@ def fused_decode(model: LlamaForCausalLM, cache: object) -> FusedDecode | None:
         )
     ):
         return None
-    return FusedDecode(cpu_paged.required(torch.float32, torch.device("cpu")), model, cache)
+    return FusedDecode(cpu_paged.required(torch.float32, torch.device("cpu")), model, cache, quant)
 
 
 def _check_shapes(

@@ -1,5 +1,6 @@
-"""What a pre-load plan reads of a model, read once: its config, its weights' element count and its
-identity digests (the fingerprint's model, tokenizer and chat template).
+"""What a pre-load plan reads of a model, read once: its config, its weights' element count, its
+identity digests (the fingerprint's model, tokenizer and chat template) and how its decoder projections
+are stored (the quant-kernels check: worker/startup/checks.py).
 
 NOTE: a GGUF file's header (metadata and tensor directory) is parsed once here, about 0.15 s for the
 default model, where the plan used to parse it for the config, the weight estimate and the fingerprint
@@ -9,6 +10,7 @@ data is read. The header is a plain dataclass: it travels pickled to the other r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,8 @@ class ModelHeader:
     config: ModelConfig
     weight_numel: int  # tied embeddings counted once (a tied GGUF stores no output.weight)
     digests: ModelDigests
+    # the decoder projections' storage: their GGUF tensor types ("Q4_1"), or ("safetensors",)
+    projection_storage: tuple[str, ...]
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
         """Bytes the weights take once loaded in `dtype`."""
@@ -41,7 +45,13 @@ def read_model_header(path: str | Path | None) -> ModelHeader:
         counts = safetensors_numel(safetensors_files(source))
         if config.tie_word_embeddings:
             counts.pop("lm_head.weight", None)
-        return ModelHeader(source, config, sum(counts.values()), hf_digests(source))
+        return ModelHeader(source, config, sum(counts.values()), hf_digests(source), ("safetensors",))
     gguf = GGUFFile(source)
     config = ModelConfig.from_hf_dict(gguf.config_dict(), source=str(source))
-    return ModelHeader(source, config, gguf.weight_numel(), gguf_digests(source, gguf.contents))
+    storage = sorted({t.qtype.name for t in gguf.contents.tensors if _PROJECTION.fullmatch(t.name)})
+    return ModelHeader(
+        source, config, gguf.weight_numel(), gguf_digests(source, gguf.contents), tuple(storage)
+    )
+
+
+_PROJECTION = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")

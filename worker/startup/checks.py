@@ -22,7 +22,14 @@ from kvpact.shared import reasons
 from kvpact.shared.capability import ModelTraits, choose_backend
 from kvpact.shared.features import FeatureIntents, Ledger
 from kvpact.shared.intent import PagedAttentionConfig, PagedBackend
-from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING, Finding
+from kvpact.shared.reasons import (
+    CPU_KERNELS,
+    CUDA_GRAPHS,
+    PAGED_ATTN,
+    PREFIX_CACHING,
+    QUANT_KERNELS,
+    Finding,
+)
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.kv import sizing
 from kvpact.worker.model import ModelConfig
@@ -48,6 +55,7 @@ class Planning:
     max_num_batched_tokens: int
     weight_bytes: int
     bytes_per_token: int
+    projection_storage: tuple[str, ...]  # the model header's (GGUF tensor types, or "safetensors")
     backend: PagedBackend | None = None  # set by the device check
     paged_size: sizing.PagedSize | None = None  # set by the KV budget check
     rank_verdicts: tuple[RankVerdict, ...] = field(default_factory=tuple)  # ranks 1..N-1's own plans
@@ -202,6 +210,42 @@ def cpu_kernels_build(p: Planning) -> Finding | None:
     return reasons.CPU_KERNELS_BUILD.found(error=loaded) if isinstance(loaded, str) else None
 
 
+def quant_needs_cpu_kernels(p: Planning) -> Finding | None:
+    if p.in_force(CPU_KERNELS):
+        return None
+    found = p.ledger.findings.get(CPU_KERNELS)
+    return reasons.QUANT_NEEDS_CPU_KERNELS.found(why=found.message if found else "--cpu-kernels off")
+
+
+def quant_dtype(p: Planning) -> Finding | None:
+    if p.dtype is not torch.float32:
+        return reasons.QUANT_DTYPE.found(dtype=str(p.dtype).removeprefix("torch."))
+    return None
+
+
+def quant_one_call(p: Planning) -> Finding | None:
+    if p.spec.tensor_parallel_size > 1:
+        return reasons.QUANT_ONE_CALL.found(how=f"--tensor-parallel-size {p.spec.tensor_parallel_size}")
+    if len(p.spec.device_map) > 1:
+        return reasons.QUANT_ONE_CALL.found(how=f"a --device-map of {len(p.spec.device_map)} stages")
+    return None
+
+
+def quant_panels(p: Planning) -> Finding | None:
+    """cpu-kernels' build check loaded the kernels; a build without panels has no quantized ones."""
+    ops = cpu_paged.load(torch.float32, p.probe.device)
+    if isinstance(ops, str) or not ops.quant_max_rows:
+        return reasons.QUANT_NO_PANELS.found()
+    return None
+
+
+def quant_stored(p: Planning) -> Finding | None:
+    """From the file's header: the values are checked after loading (engine_setup, QUANT_EXACT)."""
+    if p.projection_storage != ("Q4_1",):
+        return reasons.QUANT_STORED.found(storage=" and ".join(p.projection_storage) or "no known tensors")
+    return None
+
+
 def cuda_graphs_device(p: Planning) -> Finding | None:
     if p.probe.info.kind != "cuda":
         return reasons.NO_CUDA.found(device=p.probe.info.kind)
@@ -245,6 +289,11 @@ CHECKS: tuple[tuple[str, Check], ...] = agreed_on_every_rank((
     (CPU_KERNELS, cpu_kernels_dtype),
     (CPU_KERNELS, cpu_kernels_window),
     (CPU_KERNELS, cpu_kernels_build),
+    (QUANT_KERNELS, quant_needs_cpu_kernels),
+    (QUANT_KERNELS, quant_dtype),
+    (QUANT_KERNELS, quant_one_call),
+    (QUANT_KERNELS, quant_panels),
+    (QUANT_KERNELS, quant_stored),
     (CUDA_GRAPHS, cuda_graphs_device),
     (CUDA_GRAPHS, cuda_graphs_triton),
 ))  # fmt: skip

@@ -26,7 +26,7 @@ from kvpact.shared.features import FeatureIntents, FeatureState, Ledger, describ
 from kvpact.shared.fingerprint import Fingerprint
 from kvpact.shared.intent import CacheDtype, PagedBackend
 from kvpact.shared.realized import BuiltFeatures, RealizedCache, realizes
-from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING
+from kvpact.shared.reasons import CPU_KERNELS, CUDA_GRAPHS, PAGED_ATTN, PREFIX_CACHING, QUANT_KERNELS, Finding
 from kvpact.shared.scheduler_choice import CacheKind, select_scheduler
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.engine.cpu_share import CpuShare
@@ -268,6 +268,7 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe, header: ModelHeader | None = No
         max_model_len_source=source,
         max_num_batched_tokens=spec.max_num_batched_tokens or defaults.max_num_batched_tokens,
         weight_bytes=header.weight_bytes(dtype),
+        projection_storage=header.projection_storage,
         bytes_per_token=sizing.kv_bytes_per_token(
             config.num_layers, config.num_kv_heads, config.head_dim, itemsize
         ),
@@ -328,7 +329,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype, stages=stages)
     if ranks is not None:  # rank 0's shard; `config` below then counts this rank's heads
         loaded.model = shard_model(loaded.model, 0, ranks.world, ranks.all_reduce)
-    packed = use_cpu_kernels(loaded.model, plan.realizes(CPU_KERNELS))
+    packed = use_cpu_kernels(loaded.model, plan.realizes(CPU_KERNELS), plan.realizes(QUANT_KERNELS))
     if packed:
         log.info("the C kernels run packed weights", what=packed)
     config = loaded.model.config
@@ -390,6 +391,17 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     if plan.realizes(CUDA_GRAPHS):
         assert isinstance(cache, PagedCache)  # the plan's cuda_graphs_triton check
         features, graphs = _capture_graphs(plan, loaded.model, cache, log)
+    quant = plan.realizes(QUANT_KERNELS)
+    fused = fused_decode(loaded.model, cache, quant=quant)  # None under tensor parallel or a staged map
+    if fused is not None:
+        log.info(
+            "small steps run every decoder layer in one C call",
+            max_rows=cpu_paged.SMALL_BATCH_ROWS,
+            q4_1_panels=fused.q4,
+        )
+    if quant and (fused is None or not fused.q4_copies):  # the values, checked now they are loaded
+        why = fused.q4.removeprefix("no: ") if fused is not None else "the decoder layers are not one C call"
+        features = _fall_back_after_load(features, QUANT_KERNELS, reasons.QUANT_EXACT.found(why=why), log)
     realized = realized_cache(plan, cache, features)
     log.info(
         "realized KV cache\n" + realized_table(realized),
@@ -398,13 +410,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     )
     runner = ModelRunner(loaded.model, cache, stages[0].device)
     runner.graphs = graphs
-    runner.fused = fused_decode(loaded.model, cache)  # None under tensor parallel or a staged map
-    if runner.fused is not None:
-        log.info(
-            "small steps run every decoder layer in one C call",
-            max_rows=cpu_paged.SMALL_BATCH_ROWS,
-            q4_1_panels=runner.fused.q4,
-        )
+    runner.fused = fused
     if ranks is not None:
         ranks.ready()
         runner.ranks = ranks
@@ -425,8 +431,8 @@ def _capture_graphs(
     plan: WorkerPlan, model: LlamaForCausalLM, cache: PagedCache, log: Any
 ) -> tuple[tuple[FeatureState, ...], DecodeGraphs | None]:
     """CUDA graphs for decode, captured and checked against the eager step (they need the weights, so
-    this is the one check after loading): the features as built, and the graphs, or None where the
-    capture or its check failed (cuda-graphs' door: recorded under auto, raised under on)."""
+    this runs after loading): the features as built, and the graphs, or None where the capture or its
+    check failed (cuda-graphs' door: recorded under auto, raised under on)."""
     began = time.monotonic()
     graphs = DecodeGraphs(model, cache, plan.max_num_seqs, plan.max_model_len)
     device = str(cache.device)
@@ -445,15 +451,24 @@ def _capture_graphs(
             )
             return plan.features, graphs
         finding = reasons.GRAPHS_PARITY.found(device=device, error=error, tolerance=PARITY_TOLERANCE)
-    mode = next(f.requested for f in plan.features if f.name == CUDA_GRAPHS)
-    ledger = Ledger({CUDA_GRAPHS: mode})
-    ledger.fall_back(CUDA_GRAPHS, finding)  # on: raises FeatureRequiredError (exit 78)
-    features = updated_states(plan.features, (ledger.state(CUDA_GRAPHS),))
-    log_fallbacks(tuple(f for f in features if f.name == CUDA_GRAPHS), log)
-    return features, None
+    return _fall_back_after_load(plan.features, CUDA_GRAPHS, finding, log), None
 
 
-def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
+def _fall_back_after_load(
+    features: tuple[FeatureState, ...], feature: str, finding: Finding, log: Any
+) -> tuple[FeatureState, ...]:
+    """A check that needs the loaded weights (cuda-graphs' capture, quant-kernels' values) found
+    `feature` cannot run: its door, as before loading (auto: recorded and logged; on: raises
+    FeatureRequiredError, exit 78). Returns `features` with its new state."""
+    mode = next(f.requested for f in features if f.name == feature)
+    ledger = Ledger({feature: mode})
+    ledger.fall_back(feature, finding)
+    updated = updated_states(features, (ledger.state(feature),))
+    log_fallbacks(tuple(f for f in updated if f.name == feature), log)
+    return updated
+
+
+def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool, quant: bool = False) -> str:
     """Where --cpu-kernels realized and the weights are float32 or bfloat16, the model runs the C
     kernels (kernels/cpu_paged.py). Float32: every RMSNorm, and the projections and LM head of small
     batches (larger ones stay on torch's matmul). Where the build packs (AVX-512 or AVX2) and every
@@ -461,11 +476,11 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
     packed instead and run the packed kernel at every batch size; so is the LM head where its vocabulary
     is such a multiple (a tied head packs the embedding's table, which its lookups then read packed).
     Bfloat16 (`--dtype bfloat16`): the same packing, in pairs, where the build packs; the rest of the
-    model stays on torch's bf16 ops. A float32 head holding exactly a GGUF's Q8_0 values (the bundled
-    model's tied embedding) is also packed as Q8_0, read for a step's few sampled rows (the decoder
-    layers' Q4_1 copies are worker/engine/fused_decode.py's). Returns what was packed, for the startup
-    log ("" for nothing: the kernels not realized, a build without panels, or output sizes that are not
-    multiples of the panel)."""
+    model stays on torch's bf16 ops. Under `quant` (quant-kernels realized), a float32 head holding
+    exactly a GGUF's Q8_0 values (the bundled model's tied embedding) is also packed as Q8_0, read for
+    a step's few sampled rows (the decoder layers' Q4_1 copies are worker/engine/fused_decode.py's).
+    Returns what was packed, for the startup log ("" for nothing: the kernels not realized, a build
+    without panels, or output sizes that are not multiples of the panel)."""
     weight = model.model.embed_tokens.weight
     dtype = weight.dtype
     if not (cpu_kernels and dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"):
@@ -483,7 +498,7 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
     head = model.lm_head or model.model.embed_tokens  # the tensor compute_logits reads
     if ops.packs(head.weight):
         # a Q8_0 head (the bundled GGUF's tied embedding) also as Q8_0 panels, for a step's few sampled rows
-        q8 = ops.pack_q8(head.weight) if dtype is torch.float32 else None
+        q8 = ops.pack_q8(head.weight) if quant and dtype is torch.float32 else None
         matmul = ops.packed_linear if q8 is None else ops.small_rows_linear(q8)
         if isinstance(head, Linear):
             head.use_packed(ops.pack(head.weight), matmul)

@@ -133,7 +133,7 @@ def test_health_is_open_and_models_carry_the_realized_state(cluster: Cluster):
     assert worker["worker_id"] == "w" and worker["requested"] == {"paged_attn": "on"}
     assert worker["realized"]["kv_cache"] == "paged" and worker["realized"]["fallbacks"] == []
     assert ext["policies"] == {"paged-attn": "auto", "prefix-caching": "auto", "cpu-kernels": "auto",
-                               "cuda-graphs": "auto"}  # fmt: skip
+                               "quant-kernels": "auto", "cuda-graphs": "auto"}  # fmt: skip
     features = {f["name"]: f for f in worker["realized"]["features"]}
     assert features["prefix-caching"]["realized"] is True
     assert (features["cuda-graphs"]["realized"], features["cuda-graphs"]["reason"]) == (
