@@ -87,8 +87,8 @@ def share_weights(engine: Engine, source: Engine) -> None:
             raise ValueError(f"share_weights: {name} {tuple(mine.shape)} is not {other} {tuple(their.shape)}")
         mine.data = their.data
     runner = engine.step_loop.runner
-    if runner.fused is not None:
-        runner.fused = fused_decode(model, runner.cache)
+    if runner.fused is not None:  # with its Q4_1 panels where it had them (quant-kernels realized)
+        runner.fused = fused_decode(model, runner.cache, quant=bool(runner.fused.q4_copies))
 
 
 def _fold(item: WorkItem, vocab_size: int) -> WorkItem:

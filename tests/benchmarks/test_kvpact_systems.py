@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 import pytest
+import torch
 
 from benchmarks.kvpact_systems import open_engine, run_engine, share_weights
 from benchmarks.workloads import WorkItem
@@ -39,3 +40,22 @@ def test_weights_of_another_shape_are_refused(tmp_path):
         other = stack.enter_context(open_engine(wide, "eager", 64, 4))
         with pytest.raises(ValueError, match="share_weights: .*mlp"):
             share_weights(other, small)
+
+
+def test_sharing_weights_keeps_the_q4_1_panels(tmp_path):
+    """A Q4_1 GGUF's engines run their small steps on Q4_1 panels (quant-kernels); the eager engine's C
+    decode layers, gathered again on the paged engine's weights, keep theirs (packed from those)."""
+    from kvpact.kernels import cpu_paged
+    from tests.factories.tiny_models import make_tiny_gguf
+
+    if not cpu_paged.load(torch.float32, torch.device("cpu")).quant_max_rows:  # type: ignore[union-attr]
+        pytest.skip("this build packs no weights (no AVX-512 or AVX2)")
+    model = make_tiny_gguf(tmp_path / "model.gguf", file_type="q4_1")
+    with ExitStack() as stack:
+        paged = stack.enter_context(open_engine(model, "paged", 64, 4))
+        eager = stack.enter_context(open_engine(model, "eager", 64, 4))
+        assert eager.step_loop.runner.fused.q4_copies  # type: ignore[union-attr]
+        share_weights(eager, paged)
+        fused = eager.step_loop.runner.fused
+        assert fused is not None and fused.q4.startswith("yes: "), fused and fused.q4
+        assert run_engine(eager, ITEMS).outputs == run_engine(paged, ITEMS).outputs
