@@ -40,7 +40,14 @@ def test_visible_devices_are_the_assigned_ids_or_none():
     assert visible_devices([0, 3]) == "0,3"
 
 
-def _environ(pid: int) -> dict[str, str]:
+def _environ(pid: int, marker: str) -> dict[str, str]:
+    """The environment `pid` was exec'd with, once it has been: between fork and exec the child still
+    shows its parent's (the actor's, which lacks what Ray set at run time), so wait (up to 30 s) until
+    its command line holds `marker`, an argument of the worker's own."""
+    deadline = time.monotonic() + 30
+    while marker not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+        assert time.monotonic() < deadline, f"process {pid} did not exec the worker within 30 s"
+        time.sleep(0.05)
     raw = Path(f"/proc/{pid}/environ").read_bytes()
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
@@ -60,7 +67,8 @@ def test_the_worker_process_sees_exactly_the_gpus_of_its_bundle(local_ray: None,
         try:
             assigned = ray.get(actor.placement.remote(), timeout=120)["gpu_ids"]
             pid = ray.get(actor.start.remote([*argv, "--worker-id", f"w{num_gpus}"]), timeout=60)
-            seen[num_gpus] = (assigned, _environ(pid).get("CUDA_VISIBLE_DEVICES"))
+            environ = _environ(pid, f"--worker-id\0w{num_gpus}")  # its arguments, NUL-separated
+            seen[num_gpus] = (assigned, environ.get("CUDA_VISIBLE_DEVICES"))
             assert ray.get(actor.poll.remote(), timeout=30) is None  # still running when read
             ray.get(actor.stop.remote(5), timeout=30)
         finally:
