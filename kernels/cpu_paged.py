@@ -245,6 +245,12 @@ class CpuPagedOps:
             return panels.reshape(*panels.shape[:2], in_features // 2, 2).transpose(1, 2).contiguous()
         return panels.transpose(1, 2).contiguous()
 
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        """`pack`'s float32 panels [out / W, in, W] back as [out, in] (a copy): what `pack_q4` and
+        `pack_q8` read of a weight that was packed first."""
+        return packed.transpose(1, 2).reshape(-1, packed.shape[1])
+
     def packs(self, weight: torch.Tensor) -> bool:
         """Whether `pack` takes this weight: a build with panels, float32 or bfloat16 CPU [out, in], out
         a multiple of the panel width (every projection of the Llama-family models measured), in even

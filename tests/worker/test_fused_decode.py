@@ -151,11 +151,20 @@ def test_a_q4_1_model_decodes_its_small_steps_on_q4_1_panels_computing_what_the_
     assert fused.step_loop.runner.fused is not None
     if not cpu_paged.load(torch.float32, torch.device("cpu")).quant_max_rows:  # type: ignore[union-attr]
         pytest.skip("this build packs no weights (no AVX-512 or AVX2)")
-    assert fused.step_loop.runner.fused.q4.startswith("yes: 8 projections, for decode steps of up to")
+    assert fused.step_loop.runner.fused.q4.startswith("yes: 8 projections, for steps of up to")
     assert "quant-kernels" in {f.name for f in fused.realized.features if f.realized}
     # the tied head, the file's Q8_0 embedding, reads its Q8_0 panels for the few rows a step samples
     assert "small_rows_linear" in fused.step_loop.runner.model.head_matmul.__qualname__
     assert_fused_computes_what_the_layers_compute(fused, plain)  # 4 sequences at most: all quantized
+
+
+def test_quant_kernels_off_packs_no_quantized_copy(make_engine, smollm_shaped_q4_1):
+    """--quant-kernels off on a Q4_1 GGUF: the layers and the head keep their float32 panels alone."""
+    engine = make_engine(smollm_shaped_q4_1, "on", features=FeatureIntents(quant_kernels=FeatureMode.OFF))
+    runner = engine.step_loop.runner
+    assert runner.fused is not None and runner.fused.q4 == "no: quant-kernels off"
+    assert not runner.fused.q4_copies
+    assert "small_rows_linear" not in runner.model.head_matmul.__qualname__
 
 
 @pytest.fixture(scope="module")

@@ -87,8 +87,9 @@ class FusedDecode:
         self.cache_bf16 = cache.key[0].dtype is torch.bfloat16
         _check_shapes(model, cache, self.layout, ops.panel_width)
         self.float32_copies: list[torch.Tensor] = []  # a bfloat16 model's norm weights
-        self.q4_copies, self.q4 = (
-            _q4_panels(ops, model, self.layout) if quant else ([], "no: quant-kernels off")
+        # why a step of a few rows does not read Q4_1 panels ("": it does)
+        self.q4_copies, self.q4_missing = (
+            _q4_panels(ops, model, self.layout) if quant else ([], "quant-kernels off")
         )
         # a bfloat16 model's final norm rounds to bfloat16 as its layer does: torch's, after the C call
         final_norm = model.model.norm.weight if self.dtype is torch.float32 else None
@@ -124,6 +125,13 @@ class FusedDecode:
             )
         )
 
+    @property
+    def q4(self) -> str:
+        """What the startup log says of the Q4_1 panels: yes and for how many rows, or no and why."""
+        if self.q4_missing:
+            return f"no: {self.q4_missing}"
+        return f"yes: {len(self.q4_copies)} projections, for steps of up to {self.ops.quant_max_rows} rows"
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: object) -> torch.Tensor | None:
         """The final hidden states [rows, hidden] of a qualifying step, else None."""
         rows = input_ids.shape[0]
@@ -149,9 +157,9 @@ class FusedDecode:
 
 def _q4_panels(ops: CpuPagedOps, model: LlamaForCausalLM, layout: Layout) -> tuple[list[torch.Tensor], str]:
     """Each layer's qkv, o, gate_up and down projections as Q4_1 panels (`CpuPagedOps.pack_q4`), in that
-    order, and what the startup log says of them; no panels (and why) unless every projection packs."""
+    order, and ""; or none, and why not, unless every projection packs."""
     if layout is not Layout.PACKED_F32:
-        return [], "no: the projections are not float32 panels"
+        return [], "the projections are not float32 panels"
     panels = []
     for i, layer in enumerate(decoder_layers(model)):
         for name, linear in (
@@ -160,13 +168,11 @@ def _q4_panels(ops: CpuPagedOps, model: LlamaForCausalLM, layout: Layout) -> tup
             ("gate_up", layer.mlp.gate_up_proj),
             ("down", layer.mlp.down_proj),
         ):
-            packed = linear.weight  # [out / panel_width, in, panel_width]
-            weight = packed.transpose(1, 2).reshape(-1, packed.shape[1])
-            q4 = ops.pack_q4(weight)
+            q4 = ops.pack_q4(ops.unpack(linear.weight))
             if q4 is None:
-                return [], f"no: layer {i}'s {name} projection does not hold exactly Q4_1 values"
+                return [], f"layer {i}'s {name} projection does not hold exactly Q4_1 values"
             panels.append(q4)
-    return panels, f"yes: {len(panels)} projections, for decode steps of up to {ops.quant_max_rows} sequences"
+    return panels, ""
 
 
 def _step_rows(
@@ -255,13 +261,11 @@ def _check_shapes(
         "mlp.down_proj.weight": projection(c.hidden_size, c.intermediate_size),
     }
     embed, inv_freq, norm = model.model.embed_tokens, model.rotary.inv_freq, model.model.norm.weight
-    p = embed.panel  # a tied head's packed table: [vocab / p, hidden, p], or bfloat16 pairs
+    # a tied head packs the table as the projections are packed (`use_cpu_kernels`), or leaves it
     table = (
-        (embed.num_embeddings, c.hidden_size)
-        if not p
-        else (embed.num_embeddings // p, c.hidden_size // 2, p, 2)
-        if embed.weight.dtype is torch.bfloat16
-        else (embed.num_embeddings // p, c.hidden_size, p)
+        projection(embed.num_embeddings, c.hidden_size)
+        if embed.panel
+        else (embed.num_embeddings, c.hidden_size)
     )
     for name, tensor, shape in (
         ("the embedding", embed.weight, table),

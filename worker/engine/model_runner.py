@@ -90,7 +90,8 @@ class ModelRunner:
         seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]
         if not seqs:
             return StepResult([], [], [], [])
-        if sample_rows != list(range(hidden.shape[0])):  # else every row, in order: a decodes-only step's
+        rows = hidden.shape[0]
+        if len(sample_rows) != rows or sample_rows != list(range(rows)):  # else every row in order (decodes)
             hidden = hidden[to_device(torch.tensor(sample_rows, dtype=torch.long), hidden.device)]
         logits = self.model.compute_logits(hidden)
         sampled = sample(logits, [s.sample_row() for s in seqs])

@@ -22,6 +22,8 @@ from kvpact.worker.loader.hf import read_hf_config, safetensors_files, safetenso
 from kvpact.worker.loader.load import resolve_model_path
 from kvpact.worker.model import ModelConfig
 
+_PROJECTION = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")  # GGUF names
+
 
 @dataclass(frozen=True, slots=True)
 class ModelHeader:
@@ -52,6 +54,3 @@ def read_model_header(path: str | Path | None) -> ModelHeader:
     return ModelHeader(
         source, config, gguf.weight_numel(), gguf_digests(source, gguf.contents), tuple(storage)
     )
-
-
-_PROJECTION = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")

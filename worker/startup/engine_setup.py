@@ -329,7 +329,7 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
     loaded = load_model(plan.model_path, device=plan.probe.device, dtype=plan.dtype, stages=stages)
     if ranks is not None:  # rank 0's shard; `config` below then counts this rank's heads
         loaded.model = shard_model(loaded.model, 0, ranks.world, ranks.all_reduce)
-    packed = use_cpu_kernels(loaded.model, plan.realizes(CPU_KERNELS), plan.realizes(QUANT_KERNELS))
+    packed = use_cpu_kernels(loaded.model, plan.realizes(CPU_KERNELS))
     if packed:
         log.info("the C kernels run packed weights", what=packed)
     config = loaded.model.config
@@ -399,9 +399,11 @@ def _build(plan: WorkerPlan, log: Any, cpu_share: CpuShare | None) -> Engine:
             max_rows=cpu_paged.SMALL_BATCH_ROWS,
             q4_1_panels=fused.q4,
         )
-    if quant and (fused is None or not fused.q4_copies):  # the values, checked now they are loaded
-        why = fused.q4.removeprefix("no: ") if fused is not None else "the decoder layers are not one C call"
+    if quant and (fused is None or fused.q4_missing):  # the values, checked now they are loaded
+        why = fused.q4_missing if fused is not None else "the decoder layers are not one C call"
         features = _fall_back_after_load(features, QUANT_KERNELS, reasons.QUANT_EXACT.found(why=why), log)
+    elif quant:
+        log.info("the LM head's Q8_0 panels", q8_0_head=use_q8_head(loaded.model))
     realized = realized_cache(plan, cache, features)
     log.info(
         "realized KV cache\n" + realized_table(realized),
@@ -468,7 +470,7 @@ def _fall_back_after_load(
     return updated
 
 
-def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool, quant: bool = False) -> str:
+def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool) -> str:
     """Where --cpu-kernels realized and the weights are float32 or bfloat16, the model runs the C
     kernels (kernels/cpu_paged.py). Float32: every RMSNorm, and the projections and LM head of small
     batches (larger ones stay on torch's matmul). Where the build packs (AVX-512 or AVX2) and every
@@ -476,11 +478,9 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool, quant: bool = Fa
     packed instead and run the packed kernel at every batch size; so is the LM head where its vocabulary
     is such a multiple (a tied head packs the embedding's table, which its lookups then read packed).
     Bfloat16 (`--dtype bfloat16`): the same packing, in pairs, where the build packs; the rest of the
-    model stays on torch's bf16 ops. Under `quant` (quant-kernels realized), a float32 head holding
-    exactly a GGUF's Q8_0 values (the bundled model's tied embedding) is also packed as Q8_0, read for
-    a step's few sampled rows (the decoder layers' Q4_1 copies are worker/engine/fused_decode.py's).
-    Returns what was packed, for the startup log ("" for nothing: the kernels not realized, a build
-    without panels, or output sizes that are not multiples of the panel)."""
+    model stays on torch's bf16 ops (quant-kernels' Q8_0 head: `use_q8_head`). Returns what was packed,
+    for the startup log ("" for nothing: the kernels not realized, a build without panels, or output
+    sizes that are not multiples of the panel)."""
     weight = model.model.embed_tokens.weight
     dtype = weight.dtype
     if not (cpu_kernels and dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"):
@@ -497,19 +497,30 @@ def use_cpu_kernels(model: LlamaForCausalLM, cpu_kernels: bool, quant: bool = Fa
         packed.append(f"{len(projections)} projections")
     head = model.lm_head or model.model.embed_tokens  # the tensor compute_logits reads
     if ops.packs(head.weight):
-        # a Q8_0 head (the bundled GGUF's tied embedding) also as Q8_0 panels, for a step's few sampled rows
-        q8 = ops.pack_q8(head.weight) if quant and dtype is torch.float32 else None
-        matmul = ops.packed_linear if q8 is None else ops.small_rows_linear(q8)
         if isinstance(head, Linear):
-            head.use_packed(ops.pack(head.weight), matmul)
+            head.use_packed(ops.pack(head.weight), ops.packed_linear)
         else:
             head.use_packed(ops.pack(head.weight))
-        model.head_matmul = matmul
-        packed.append(
-            "the LM head" + ("" if q8 is None else f" (and as Q8_0 for up to {ops.quant_max_rows} rows)")
-        )
+        model.head_matmul = ops.packed_linear
+        packed.append("the LM head")
     kind = "bfloat16 pairs" if dtype is torch.bfloat16 else "float32"
     return f"{' and '.join(packed)} in panels of {ops.panel_width} ({kind})" if packed else ""
+
+
+def use_q8_head(model: LlamaForCausalLM) -> str:
+    """quant-kernels realized (the decoder layers' Q4_1 panels: worker/engine/fused_decode.py): where the
+    LM head is packed float32 panels holding exactly a GGUF's Q8_0 values (the bundled model's tied
+    embedding), it is also packed as Q8_0 and read for a step's few sampled rows (`small_rows_linear`).
+    Returns what the startup log says of it."""
+    ops = cpu_paged.required(torch.float32, torch.device("cpu"))
+    head = (model.lm_head or model.model.embed_tokens).weight
+    if head.dtype is not torch.float32 or head.dim() != 3:
+        return "no: the LM head is not float32 panels"
+    q8 = ops.pack_q8(ops.unpack(head))
+    if q8 is None:
+        return "no: the LM head does not hold exactly Q8_0 values"
+    model.head_matmul = ops.small_rows_linear(q8)
+    return f"yes: for steps sampling up to {ops.quant_max_rows} rows"
 
 
 def start_ranks(spec: WorkerSpec, visible_gpus: str | None = None) -> RankGroup:
