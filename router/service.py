@@ -153,43 +153,48 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         is full (RESOURCE_EXHAUSTED) the next worker with room is tried. Once a chunk went out, a failure
         ends the stream with the worker's status (never a retry: no duplicate tokens)."""
         self._prepare(request)
-        tried: set[str] = set()
-        num_retries = 0
-        entry = self._route(request, tried)
-        while True:
-            tried.add(entry.worker_id)
-            produced = False
-            bound = structlog.contextvars.bound_contextvars(
-                request_id=request.request_id, worker_id=entry.worker_id, api=api
-            )
-            try:
-                with bound:
-                    async with aclosing(self._forward(entry, request, timeout, api)) as chunks:
-                        async for chunk in chunks:
-                            produced = True
-                            yield chunk
-                return
-            except WorkerCallFailed as failure:
-                if failure.worker_gone:
-                    await self.cluster.call_failed(entry, f"a call to it failed: {failure.details}")
-                retry = not produced and (
-                    (failure.worker_gone and num_retries < MAX_RETRIES_GONE) or failure.worker_full
+        # in flight from here to its end, retries included: what the router's drain waits for
+        self.cluster.num_relaying += 1
+        try:
+            tried: set[str] = set()
+            num_retries = 0
+            entry = self._route(request, tried)
+            while True:
+                tried.add(entry.worker_id)
+                produced = False
+                bound = structlog.contextvars.bound_contextvars(
+                    request_id=request.request_id, worker_id=entry.worker_id, api=api
                 )
-                if not retry:
-                    raise
-                num_retries += failure.worker_gone
-                failed_worker = entry.worker_id
                 try:
-                    entry = self._route(request, tried)
-                except (NoLiveWorker, Overloaded):
-                    raise failure from None
-                log.info(
-                    "request_retried",
-                    request_id=request.request_id,
-                    failed_worker=failed_worker,
-                    code=failure.code.name,
-                    next_worker=entry.worker_id,
-                )
+                    with bound:
+                        async with aclosing(self._forward(entry, request, timeout, api)) as chunks:
+                            async for chunk in chunks:
+                                produced = True
+                                yield chunk
+                    return
+                except WorkerCallFailed as failure:
+                    if failure.worker_gone:
+                        await self.cluster.call_failed(entry, f"a call to it failed: {failure.details}")
+                    retry = not produced and (
+                        (failure.worker_gone and num_retries < MAX_RETRIES_GONE) or failure.worker_full
+                    )
+                    if not retry:
+                        raise
+                    num_retries += failure.worker_gone
+                    failed_worker = entry.worker_id
+                    try:
+                        entry = self._route(request, tried)
+                    except (NoLiveWorker, Overloaded):
+                        raise failure from None
+                    log.info(
+                        "request_retried",
+                        request_id=request.request_id,
+                        failed_worker=failed_worker,
+                        code=failure.code.name,
+                        next_worker=entry.worker_id,
+                    )
+        finally:
+            self.cluster.num_relaying -= 1
 
     async def _forward(
         self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, timeout: float | None, api: str
@@ -202,7 +207,6 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         code = grpc.StatusCode.OK
         num_tokens = 0
         entry.num_outstanding += 1
-        self.cluster.num_relaying += 1
         started = last = time.monotonic()
         timings = self.metrics.stream(request.model, api) if self.metrics is not None else None
         tag, inbox = stream.start(request, timeout)
@@ -236,7 +240,6 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         finally:
             await chunks.aclose()
             entry.num_outstanding -= 1
-            self.cluster.num_relaying -= 1
             if inbox.end is None:
                 stream.abort(tag)
             log.debug(
