@@ -214,6 +214,8 @@ class PagedAttentionStep:
     and context_lens [num_seqs] int32 (tokens in the cache after the write, the new ones included);
     prefill_start_loc [num_prefills + 1] int32 offsets into the prefill part of the batch and
     max_prefill_len, its longest chunk (so the prefill kernel need not read it back from the device);
+    the prefill group's tensors exist only where `has_prefills` (a decodes-only step builds three
+    tensors, not six: at batch 1 this metadata is part of what a step spends outside its matmuls);
     decode_splits, chosen once. Sequence i has block table `tables[i]` and computes tokens
     `starts[i] : starts[i] + lengths[i]`; the first num_decodes are one-token decodes.
 
@@ -239,17 +241,19 @@ class PagedAttentionStep:
         for table, start, n in zip(tables, starts, lengths, strict=True):
             slots += block_slots(table, start, start + n, bs)
         context_lens = [start + n for start, n in zip(starts, lengths, strict=True)]
-        prefill_lengths = lengths[d:]
         self.slot_mapping = to_device(torch.tensor(slots, dtype=torch.int64), dev)
         self.decode_tables = to_device(_block_tables(tables[:d]), dev)
         self.decode_context_lens = to_device(torch.tensor(context_lens[:d], dtype=torch.int32), dev)
-        self.prefill_tables = to_device(_block_tables(tables[d:]), dev)
-        self.prefill_context_lens = to_device(torch.tensor(context_lens[d:], dtype=torch.int32), dev)
-        self.prefill_start_loc = to_device(
-            torch.tensor([0, *itertools.accumulate(prefill_lengths)], dtype=torch.int32), dev
-        )
-        self.max_prefill_len = max(prefill_lengths, default=0)
         self.has_prefills = len(tables) > num_decodes
+        self.max_prefill_len = 0
+        if self.has_prefills:  # a decodes-only step (most steps) builds none of the prefill half
+            prefill_lengths = lengths[d:]
+            self.prefill_tables = to_device(_block_tables(tables[d:]), dev)
+            self.prefill_context_lens = to_device(torch.tensor(context_lens[d:], dtype=torch.int32), dev)
+            self.prefill_start_loc = to_device(
+                torch.tensor([0, *itertools.accumulate(prefill_lengths)], dtype=torch.int32), dev
+            )
+            self.max_prefill_len = max(prefill_lengths)
         self.decode_splits = (
             decode_splits
             if decode_splits is not None
