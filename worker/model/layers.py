@@ -41,6 +41,11 @@ class Embedding(nn.Embedding):
     `panel` elements apart (float32), or in pairs `panel` pairs apart (bfloat16, kernels/cpu_paged.py
     `pack`)."""
 
+    def reset_parameters(self) -> None:
+        """Nothing to initialise: `build_model` allocates the table on the meta device and the loader
+        writes every row. (nn.Embedding's own `normal_` on a meta tensor imports torch._dynamo: 1.4-1.9 s
+        of every worker's start on a 2-core machine, for values never read.)"""
+
     @property
     def panel(self) -> int:
         """The packed table's panel width (kernels/cpu_paged.py `pack`); 0: [vocab, hidden]."""
