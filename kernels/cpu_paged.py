@@ -811,21 +811,27 @@ def _exact_blocks(
     tensor that was never these blocks, where the nearest fits no block, stops after one pass)."""
     offsets = blocks - base[..., None]
     nearest = scale.half().view(torch.int16).int()
-    d = torch.zeros(scale.shape, dtype=_FLOAT32)
-    levels = torch.zeros(blocks.shape, dtype=_FLOAT32)
-    found = torch.zeros(scale.shape, dtype=torch.bool)
-    for step in (0, -1, 1, -2, 2):
-        todo = ~found
-        candidate = (nearest[todo] + step).clamp(0, 0x7BFF).short().view(torch.float16).float()[:, None]
-        tried = torch.where(candidate > 0, offsets[todo] / candidate, 0.0).round().clamp(lowest, highest)
-        exact = (candidate * tried + base[todo][:, None] == blocks[todo]).all(dim=1)
-        if step == 0 and not bool(exact.any()):  # the quantizer's own d fits no block: never these blocks
-            return None
-        hit = tuple(i[exact] for i in todo.nonzero(as_tuple=True))
-        d[hit], levels[hit], found[hit] = candidate[exact, 0], tried[exact], True
+
+    def attempt(step: int, at: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
+        """(d, levels, exact) with d the float16 `step` ulps from the nearest, for the blocks `at` (every
+        block: None, the first pass, which finds nearly all without copying them out)."""
+        pick = (lambda t: t) if at is None else (lambda t: t[at])
+        candidate = (pick(nearest) + step).clamp(0, 0x7BFF).short().view(torch.float16).float()[..., None]
+        tried = torch.where(candidate > 0, pick(offsets) / candidate, 0.0).round_().clamp_(lowest, highest)
+        exact = (candidate * tried + pick(base)[..., None] == pick(blocks)).all(dim=-1)
+        return candidate[..., 0], tried, exact
+
+    d, levels, found = attempt(0, None)
+    if not bool(found.any()):  # the quantizer's own d fits no block: never these blocks
+        return None
+    for step in (-1, 1, -2, 2):
         if bool(found.all()):
             return levels, d
-    return None
+        todo = (~found).nonzero(as_tuple=True)
+        candidate, tried, exact = attempt(step, todo)
+        hit = tuple(i[exact] for i in todo)
+        d[hit], levels[hit], found[hit] = candidate[exact], tried[exact], True
+    return (levels, d) if bool(found.all()) else None
 
 
 def required(dtype: torch.dtype, device: torch.device) -> CpuPagedOps:

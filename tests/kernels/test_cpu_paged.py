@@ -581,6 +581,27 @@ def test_q4_1_blocks_give_back_every_weight_a_q4_1_file_held_and_nothing_else():
     assert cpu_paged.q4_1_blocks(weight[:, :90]) is None  # no whole blocks
 
 
+def test_the_block_search_takes_a_float16_up_to_two_steps_from_the_quantizers_estimate():
+    # Blocks of known Q4_1 values (d and m float16s, levels 0..15 with both ends present); the estimate
+    # handed to the search is d itself for some blocks and 1 or 2 float16 steps off it for others: every
+    # block is found with its own d and levels; 3 steps off is past the search, so nothing is.
+    gen = torch.Generator().manual_seed(0)
+    out_features, num_blocks = 8, 12
+    d = (torch.rand(out_features, num_blocks, generator=gen) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(out_features, num_blocks, generator=gen) * 0.1).half().float()
+    q = torch.randint(0, 16, (out_features, num_blocks, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    blocks = d[..., None] * q.float() + m[..., None]
+    steps = torch.tensor([0, -1, 1, -2, 2, 0]).repeat(out_features * num_blocks // 6)
+    steps = steps.view(out_features, num_blocks).short()
+    estimate = (d.half().view(torch.int16) + steps).view(torch.float16)
+    found = cpu_paged._exact_blocks(blocks, m, estimate.float(), 0, 15)
+    assert found is not None
+    assert torch.equal(found[0], q.float()) and torch.equal(found[1], d)
+    too_far = (d.half().view(torch.int16) + 3).view(torch.float16).float()
+    assert cpu_paged._exact_blocks(blocks, m, too_far, 0, 15) is None
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_q4_computes_what_float32_does_on_the_same_weights_and_each_row_alike_in_any_batch(
     ops, with_bias
