@@ -13,7 +13,7 @@ each submitted all at once. Every system generates exactly the same tokens per r
     % of bound       = processed tok/s / compute bound (benchmarks/compute_bound.py)
 
 Every kvpact row but one runs the throughput step budget (`--max-num-batched-tokens 2048`, THROUGHPUT_BUDGET):
-these are batch jobs. The server's default budget is ITL-first (on the CPU at most 16 prompt tokens in a
+these are batch jobs. The server's default budget is ITL-first (on the CPU at most 12 prompt tokens in a
 step that carries decodes; the online and step_budget suites judge it), and a burst pays for it: the row
 "paged, router + worker, server default budget" shows what, on the mixed workload. vLLM makes the same
 split (its offline `LLM` class takes a larger default budget than its API server).

@@ -39,7 +39,7 @@ from benchmarks.workloads import WorkItem
 
 BESIDE_FLAG = "--prompt-tokens-beside-decodes"
 OLD_DEFAULT = ("--max-num-batched-tokens", "2048")  # no bound beside decodes: every prompt in one chunk
-BESIDE, QUICK_BESIDE = (48, 32, 24, 16), ()  # --prompt-tokens-beside-decodes N, one row each
+BESIDE, QUICK_BESIDE = (32, 16, 8), ()  # --prompt-tokens-beside-decodes N, one row each
 LOAD_FACTOR = 1.5
 WINDOW_S, QUICK_WINDOW_S = 15.0, 3.0
 MAX_REQUESTS, QUICK_MAX_REQUESTS = 24, 8

@@ -98,8 +98,8 @@ def test_cpu_default_paged_budget_is_capped_at_what_max_num_seqs_can_use(tiny_ll
 @pytest.mark.parametrize(
     ("mode", "flag", "beside_flag", "budget", "beside_decodes"),
     [
-        ("on", 0, 0, 2048, 16),  # the CPU default: 2048 a step, at most 16 prompt tokens beside decodes
-        ("off", 0, 0, 2048, 16),
+        ("on", 0, 0, 2048, 12),  # the CPU default: 2048 a step, at most 12 prompt tokens beside decodes
+        ("off", 0, 0, 2048, 12),
         ("on", 64, 0, 64, None),  # an explicit budget is the step's budget whatever runs
         ("off", 4096, 0, 4096, None),
         ("on", 0, 24, 2048, 24),  # --prompt-tokens-beside-decodes sets the bound, with either budget

@@ -18,7 +18,7 @@ the LM head and the sampler. A prompt chunk's token at
 position p is one more row: its sequence's block table, a context of p + 1 tokens; each layer writes
 every row's K/V before any row attends, so the chunk attends causally over its cached prefix and
 itself, what the model's prefill attention computes (`_step_rows`). That is what keeps a step with a
-16-token chunk beside a few decodes (the worker's default budget) near a decode step of as many rows
+12-token chunk beside a few decodes (the worker's default budget) near a decode step of as many rows
 (docs/performance.md, "Prompt chunks in the C call"). RoPE and SiLU round differently from torch's ops
 (libm's cosf / sinf / expf, a fused multiply-add), and a chunk's attention sums in the decode kernel's
 order, so the two paths agree within float32 rounding, not bit for bit

@@ -7,7 +7,7 @@ Defaults (quoted by `worker --help`):
                           model's max positions (`fit_paged` / `fit_eager`)
   --max-num-seqs 0        EAGER: 8 slots on CPU/MPS, 16 on CUDA; PAGED: 32 on CPU/MPS, 256 on CUDA
   --max-num-batched-tokens 0   2048 on CPU/MPS, 8192 on CUDA (longer prompts are prefilled in chunks);
-                               CPU/MPS: at most 16 of them prompt tokens while a sequence decodes
+                               CPU/MPS: at most 12 of them prompt tokens while a sequence decodes
                                (`DeviceDefaults.prompt_tokens_beside_decodes`); an explicit N is the step's
                                budget whatever runs
   --prompt-tokens-beside-decodes 0   that bound: the device default (none with an explicit
@@ -53,13 +53,15 @@ class DeviceDefaults:
     # decode step, the target's limit itself. Once decode steps of up to 64 sequences ran on the C
     # kernels the fixed part shrank (a 16-sequence step 1.5x faster) and 32 went over it too (p99 ITL
     # 2.57x the median at 1.5x capacity, 24 2.25x, 16 1.77x: benchmarks/suites/step_budget.py,
-    # docs/performance.md "Step token budget"); 16 keeps it under. A step with no
+    # docs/performance.md "Step token budget"). Once decode steps read Q4_1 panels (a decode step
+    # 2-3x faster again), 16 sat at the line (1.80-2.36x over four runs) and 12 under it (1.64, 1.73
+    # in two runs, output tok/s within those runs' noise of 16's). A step with no
     # decode (a lone prompt, a burst's first step) takes the whole budget. `--prompt-tokens-beside-
     # decodes N` replaces it.
     prompt_tokens_beside_decodes: int | None = None
 
 
-CPU_DEFAULTS = DeviceDefaults(CPU_MAX_MODEL_LEN, 8, 32, 2048, prompt_tokens_beside_decodes=16)
+CPU_DEFAULTS = DeviceDefaults(CPU_MAX_MODEL_LEN, 8, 32, 2048, prompt_tokens_beside_decodes=12)
 GPU_DEFAULTS = DeviceDefaults(None, 16, 256, 8192)
 
 
