@@ -12,10 +12,10 @@ import argparse
 import sys
 
 from kvpact.router.config import RouterConfig, resolve_policies
-from kvpact.router.event_loop import loop_factory, run_loop
 from kvpact.shared.auth import read_secrets
 from kvpact.shared.cli import add_log_args
 from kvpact.shared.errors import EXIT_FATAL, BindError, ConfigError
+from kvpact.shared.event_loop import loop_factory, run_loop
 from kvpact.shared.exit_codes import exit_codes_help
 from kvpact.shared.log import configure_logging
 from kvpact.shared.options import add_options, option_values

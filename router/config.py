@@ -7,9 +7,9 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvpact.router.balancing import BALANCES, DEFAULT_BALANCE
-from kvpact.router.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from kvpact.shared.cli import host_port, seconds, tcp_port
 from kvpact.shared.errors import ConfigError
+from kvpact.shared.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from kvpact.shared.features import FEATURES, FeatureMode
 from kvpact.shared.fingerprint import FIELDS, UNIFORM_DEFAULT, merge_uniform, parse_uniform
 from kvpact.shared.intent import PagedAttentionMode

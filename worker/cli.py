@@ -6,7 +6,6 @@ Exit codes: kvpact.shared.exit_codes.EXIT_CODES (rendered into `worker --help`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import socket
 import sys
@@ -22,6 +21,7 @@ from kvpact.kernels.support import (
 )
 from kvpact.shared.cli import add_log_args
 from kvpact.shared.errors import ConfigError
+from kvpact.shared.event_loop import loop_factory, run_loop
 from kvpact.shared.exit_codes import exit_codes_help
 from kvpact.shared.features import FeatureIntents
 from kvpact.shared.intent import (
@@ -166,6 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
         values["worker_id"] = values["worker_id"] or f"{socket.gethostname()}-{os.getpid()}"
         if values["plan_json"] and not values["plan_only"]:
             raise ConfigError("--json goes with --plan-only (it prints the plan as JSON); add --plan-only")
+        loop_factory(values["event_loop"])  # --event-loop uvloop where it is not installed: said here
         return WorkerOptions(
             spec=spec_from_args(args),
             tls=tls_from_args(args),
@@ -185,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         configure_logging(options.log_format, options.log_level, fields={"worker_id": options.worker_id})
         exit_now(run_plan_only(options.spec, options.plan_json, options.model_name))
     try:
-        code = asyncio.run(run_worker(options))
+        code = run_loop(run_worker(options), loop_factory(options.event_loop))
     except KeyboardInterrupt:  # Ctrl-C before the worker's own handlers were installed: a requested stop
         code = 0
     exit_now(code)

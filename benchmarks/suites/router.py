@@ -42,7 +42,7 @@ from typing import Any
 
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
 from benchmarks.router_tier import LoadResult, model_tier, percentile, run_load, synthetic_tier
-from kvpact.router.event_loop import DEFAULT_EVENT_LOOP
+from kvpact.shared.event_loop import DEFAULT_EVENT_LOOP
 
 NAME = "router"
 TARGET_CAPACITY = 40_000.0  # streamed tokens/s through one router process at 256 streams
@@ -299,7 +299,7 @@ def _pooled(runs: list[LoadResult]) -> LoadResult:
 def _capacity(log_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
     by: dict[tuple[int, str], LoadResult] = {}
     rows: list[list[Any]] = []
-    # the router's default loop (router/event_loop.py) with the direct and HTTP paths; asyncio beside it
+    # the router's default loop (shared/event_loop.py) with the direct and HTTP paths; asyncio beside it
     loops = [
         (DEFAULT_EVENT_LOOP, "router", (64, 256)),
         ("asyncio", "router, asyncio", plan["asyncio_streams"]),

@@ -95,7 +95,8 @@ class OnCluster:
 
 @pytest.fixture(scope="module")
 def on_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OnCluster]:
-    """`router --paged-attn on --expect-workers 2` and two `--paged-attn on` workers (torch backend, CPU)."""
+    """`router --paged-attn on --expect-workers 2` and two `--paged-attn on` workers (torch backend, CPU):
+    w-a on the default event loop (uvloop), w-b on `--event-loop asyncio`."""
     log_dir = tmp_path_factory.mktemp("on-cluster")
     with running(
         router_argv("--paged-attn", "on", "--expect-workers", "2"), name="router", log_dir=log_dir
@@ -104,7 +105,9 @@ def on_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         assert health_status(address) == "NOT_SERVING"
         assert health_status(address, "kvpact.v1.Generation") == "NOT_SERVING"
         a_args = worker_args(model, address, "w-a", "--paged-attn", "on")
-        b_args = worker_args(model, address, "w-b", "--paged-attn", "on", "--pa-backend", "torch")
+        b_args = worker_args(
+            model, address, "w-b", "--paged-attn", "on", "--pa-backend", "torch", "--event-loop", "asyncio"
+        )
         with (
             started_worker(a_args, log_dir=log_dir, name="w-a", wait_serving=False, timeout_s=START_S) as a,
             started_worker(b_args, log_dir=log_dir, name="w-b", wait_serving=False, timeout_s=START_S) as b,
@@ -144,13 +147,13 @@ def test_on_cluster_serves_paged_workers_and_relays_the_workers_exact_tokens(on_
             and chunks[-1].finish_reason == "length"
             and chunks[-1].usage.completion_tokens == 24
         )
-        worker_id = chunks[-1].worker_id
         direct_request = build_request("The quick brown fox", model="tiny", max_tokens=24, temperature=0.0,
                                        ignore_eos=True)  # fmt: skip
-        with grpc.insecure_channel(on_cluster.workers[worker_id]) as channel:
-            direct = list(worker_pb2_grpc.WorkerStub(channel).Generate(direct_request, timeout=30))
-        assert routed == [t for c in direct for t in c.token_ids]
-        assert "".join(c.text for c in chunks) == "".join(c.text for c in direct)
+        for worker_address in on_cluster.workers.values():  # either event loop: the same tokens and text
+            with grpc.insecure_channel(worker_address) as channel:
+                direct = list(worker_pb2_grpc.WorkerStub(channel).Generate(direct_request, timeout=30))
+            assert routed == [t for c in direct for t in c.token_ids]
+            assert "".join(c.text for c in chunks) == "".join(c.text for c in direct)
         completion = client.complete("The quick brown fox", max_tokens=24, temperature=0.0, ignore_eos=True)
         assert list(completion.token_ids) == routed
 

@@ -150,8 +150,8 @@ def test_either_event_loop_serves_streams(tmp_path, loop):
 def test_event_loop_uvloop_where_it_is_missing_is_a_config_error(monkeypatch):
     import importlib.util
 
-    from kvpact.router.event_loop import loop_factory
     from kvpact.shared.errors import ConfigError
+    from kvpact.shared.event_loop import loop_factory
 
     assert loop_factory("asyncio") is None
     real_find_spec = importlib.util.find_spec

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from kvpact.shared.event_loop import DEFAULT_EVENT_LOOP
 from kvpact.shared.features import FeatureIntents, FeatureMode
 from kvpact.shared.intent import CacheDtype, PagedAttentionMode, PagedBackend
 from kvpact.shared.spec import LayerPlacement
@@ -91,6 +92,7 @@ def test_defaults():
     assert options.worker_id  # hostname-pid
     assert options.advertise_host is None and options.labels == ()
     assert options.spec.threads is None  # unset: the worker's share of the machine
+    assert options.event_loop == DEFAULT_EVENT_LOOP
 
 
 def test_advertise_host_and_labels():
@@ -150,6 +152,7 @@ def test_every_flag_reaches_the_spec():
         (["--label", "ray.node"], "expected KEY=VALUE, got 'ray.node'"),
         (["--no-kv-cache"], "unrecognized arguments: --no-kv-cache"),  # removed: it was always refused
         (["--threads", "0"], "argument --threads: expected a whole number > 0 and <= 4294967295, got '0'"),
+        (["--event-loop", "tokio"], "argument --event-loop: invalid choice: 'tokio'"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
@@ -157,3 +160,17 @@ def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
         parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_event_loop_uvloop_where_it_is_not_installed_exits_2_naming_the_flag(monkeypatch, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "uvloop" else real_find_spec(name)
+    )
+    assert parse_args(["--event-loop", "asyncio"]).event_loop == "asyncio"
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--event-loop", "uvloop"])
+    assert exc.value.code == 2
+    assert "--event-loop uvloop (the default): uvloop is not installed" in capsys.readouterr().err
