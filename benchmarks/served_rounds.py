@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = served_against_in_process(model, items, max_model_len, args.max_num_seqs, args.rounds)
     num_tokens = sum(item.max_tokens for item in items)
     for r, got in enumerate(rounds):
-        print(f"round {r}: served {got.served_s:.1f} s, in-process {got.in_process_s:.1f} s, "
+        print(f"round {r}: served {got.served_s:.3g} s, in-process {got.in_process_s:.3g} s, "
               f"served / in-process tok/s {got.in_process_s / got.served_s:.2f}")  # fmt: skip
         served = {"client": [got.client_cpu_s], **got.served_threads_cpu_s}
         for name, threads in [*served.items(), ("in-process", got.in_process_threads_cpu_s)]:
