@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             outside = f"{statistics.median(gaps):.2f}" if gaps else "-"
             print(
-                f"| {size} | {len(ms)} | {statistics.median(ms):.1f} | {min(ms):.1f} | {outside} |",
+                f"| {size} | {len(ms)} | {statistics.median(ms):.3g} | {min(ms):.3g} | {outside} |",
                 flush=True,
             )
     return 0

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = median_ms["eager"] / median_ms["paged"] if median_ms["paged"] else float("nan")
             ratios.append(ratio)
             print(f"round {r}: decode step of {len(items)} sequences, median: "
-                  f"paged {median_ms['paged']:.1f} ms, eager {median_ms['eager']:.1f} ms, "
+                  f"paged {median_ms['paged']:.3g} ms, eager {median_ms['eager']:.3g} ms, "
                   f"eager / paged {ratio:.2f}", flush=True)  # fmt: skip
         print(f"eager / paged, median of {len(ratios)} rounds: {statistics.median(ratios):.2f}")
     return 0
