@@ -153,48 +153,55 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
         is full (RESOURCE_EXHAUSTED) the next worker with room is tried. Once a chunk went out, a failure
         ends the stream with the worker's status (never a retry: no duplicate tokens)."""
         self._prepare(request)
-        # in flight from here to its end, retries included: what the router's drain waits for
-        self.cluster.num_relaying += 1
+        self.cluster.num_relaying += 1  # in flight from here to its end, retries included: the drain's count
         try:
-            tried: set[str] = set()
-            num_retries = 0
-            entry = self._route(request, tried)
-            while True:
-                tried.add(entry.worker_id)
-                produced = False
-                bound = structlog.contextvars.bound_contextvars(
-                    request_id=request.request_id, worker_id=entry.worker_id, api=api
-                )
-                try:
-                    with bound:
-                        async with aclosing(self._forward(entry, request, timeout, api)) as chunks:
-                            async for chunk in chunks:
-                                produced = True
-                                yield chunk
-                    return
-                except WorkerCallFailed as failure:
-                    if failure.worker_gone:
-                        await self.cluster.call_failed(entry, f"a call to it failed: {failure.details}")
-                    retry = not produced and (
-                        (failure.worker_gone and num_retries < MAX_RETRIES_GONE) or failure.worker_full
-                    )
-                    if not retry:
-                        raise
-                    num_retries += failure.worker_gone
-                    failed_worker = entry.worker_id
-                    try:
-                        entry = self._route(request, tried)
-                    except (NoLiveWorker, Overloaded):
-                        raise failure from None
-                    log.info(
-                        "request_retried",
-                        request_id=request.request_id,
-                        failed_worker=failed_worker,
-                        code=failure.code.name,
-                        next_worker=entry.worker_id,
-                    )
+            async with aclosing(self._retried(request, timeout, api)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             self.cluster.num_relaying -= 1
+
+    async def _retried(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None, api: str
+    ) -> AsyncGenerator[RelayedChunk, None]:
+        """`relay`'s worker calls: the first worker routed to, then the retries (see `relay`)."""
+        tried: set[str] = set()
+        num_retries = 0
+        entry = self._route(request, tried)
+        while True:
+            tried.add(entry.worker_id)
+            produced = False
+            bound = structlog.contextvars.bound_contextvars(
+                request_id=request.request_id, worker_id=entry.worker_id, api=api
+            )
+            try:
+                with bound:
+                    async with aclosing(self._forward(entry, request, timeout, api)) as chunks:
+                        async for chunk in chunks:
+                            produced = True
+                            yield chunk
+                return
+            except WorkerCallFailed as failure:
+                if failure.worker_gone:
+                    await self.cluster.call_failed(entry, f"a call to it failed: {failure.details}")
+                retry = not produced and (
+                    (failure.worker_gone and num_retries < MAX_RETRIES_GONE) or failure.worker_full
+                )
+                if not retry:
+                    raise
+                num_retries += failure.worker_gone
+                failed_worker = entry.worker_id
+                try:
+                    entry = self._route(request, tried)
+                except (NoLiveWorker, Overloaded):
+                    raise failure from None
+                log.info(
+                    "request_retried",
+                    request_id=request.request_id,
+                    failed_worker=failed_worker,
+                    code=failure.code.name,
+                    next_worker=entry.worker_id,
+                )
 
     async def _forward(
         self, entry: WorkerEntry, request: generation_pb2.GenerateRequest, timeout: float | None, api: str
