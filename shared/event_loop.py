@@ -6,8 +6,9 @@ thread (shared/grpc_io.py), every completed gRPC operation wakes the loop from t
 folds the wake-ups that arrive together into one where asyncio writes its self-pipe for each (the
 worker's step thread also wakes its loop once a step, `call_soon_threadsafe`). Measured, interleaved
 (docs/performance.md "Event loop and server options"): on the router's relay about 10% more tokens per
-router CPU-second at the same added latency; in the worker at one sequence a step, 18% less CPU per
-token on its threads besides the step's. `--event-loop asyncio` runs the standard library's loop.
+router CPU-second at the same added latency; in the worker at one sequence a step, 19% less CPU per
+token on its threads besides the step's (`python -m benchmarks.served_ab`). `--event-loop asyncio`
+runs the standard library's loop.
 """
 
 from __future__ import annotations

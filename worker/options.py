@@ -127,7 +127,7 @@ class WorkerOptions:
     event_loop: str = option(
         DEFAULT_EVENT_LOOP,
         "--event-loop",
-        "the event loop the worker serves on: uvloop (about 18%% less CPU per token on the worker's "
+        "the event loop the worker serves on: uvloop (about 19%% less CPU per token on the worker's "
         "serving threads at one sequence a step, docs/performance.md) or asyncio (the standard "
         f"library's) (default: {DEFAULT_EVENT_LOOP})",
         choices=tuple(EVENT_LOOPS),

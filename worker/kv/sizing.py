@@ -55,7 +55,7 @@ class DeviceDefaults:
     # 2.57x the median at 1.5x capacity, 24 2.25x, 16 1.77x: benchmarks/suites/step_budget.py,
     # docs/performance.md "Step token budget"). Once decode steps read Q4_1 panels (a decode step
     # 2-3x faster again), 16 sat at the line (1.80-2.36x over five runs) and 12 under it (1.64-1.90 in
-    # three), at the same output tok/s under that load but 0.88x on a burst of 32. A step with no
+    # three), at the same output tok/s under that load and 0.91-1.01x 16's on a burst of 32. A step with no
     # decode (a lone prompt, a burst's first step) takes the whole budget. `--prompt-tokens-beside-
     # decodes N` replaces it.
     prompt_tokens_beside_decodes: int | None = None
