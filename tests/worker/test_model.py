@@ -4,6 +4,10 @@ Tolerance: prefill logits within 1e-4 absolute of transformers' (measured ~5e-6 
 the two differ only in matmul blocking: fused q/k/v and gate/up here). Greedy tokens must be equal.
 """
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -299,3 +303,24 @@ def test_rotary_is_bit_identical_to_rotate_half(dtype):
     got = apply_rotary(x, *rotary.cos_sin(positions, dtype))
     assert got.dtype == dtype and got.is_contiguous()
     assert torch.equal(got, expected)
+
+
+# --- startup ------------------------------------------------------------------------------------------
+
+LOAD_AND_LIST_IMPORTS = (
+    "import json, sys\n"
+    "from kvpact.worker.loader import load_model\n"
+    "load_model(sys.argv[1])\n"
+    "print(json.dumps(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules)))"
+)
+
+
+def test_loading_a_model_imports_neither_sympy_nor_dynamo(tmp_path):
+    """A worker's start pays for neither: nn.Embedding's init on the meta device imported torch._dynamo
+    (1.4-1.9 s) and Module.to_empty imports sympy (0.5 s); the loader builds without both."""
+    directory = make_tiny_llama(tmp_path, seed=7)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_LIST_IMPORTS, str(directory)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout.splitlines()[-1]) == []  # the last line: the loader logs before it

@@ -190,6 +190,12 @@ def _parts(param_name: str) -> tuple[str, ...]:
     return ()
 
 
+def _allocate(module: nn.Module, device: torch.device | str) -> None:
+    """`module.to_empty(device=device)`, but through torch.empty: to_empty's torch.empty_like of a meta
+    tensor imports sympy (through torch._refs), half a second of every worker's start."""
+    module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 def build_model(
     config: ModelConfig,
     device: torch.device | str,
@@ -204,12 +210,12 @@ def build_model(
         model = LlamaForCausalLM(config)
     model = model.to(dtype=dtype)
     first, last = stages[0].device, stages[-1].device
-    model.model.embed_tokens.to_empty(device=first)
+    _allocate(model.model.embed_tokens, first)
     for stage in stages:
         for layer in model.model.layers[stage.start : stage.stop]:
-            layer.to_empty(device=stage.device)
-    model.model.norm.to_empty(device=last)
+            _allocate(layer, stage.device)
+    _allocate(model.model.norm, last)
     if model.lm_head is not None:
-        model.lm_head.to_empty(device=last)
+        _allocate(model.lm_head, last)
     model.stages = stages if len(stages) > 1 else ()  # one stage: wherever the model is moved later
     return model.eval()
