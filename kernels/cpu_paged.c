@@ -847,6 +847,64 @@ int64_t kvp_quant_max_rows(void) { return Q4_BLOCK_BYTES ? QUANT_MAX_ROWS : 0; }
 /* The panel width packed weights use on this build (kvp_linear_packed_f32's), 0 where there is none. */
 int64_t kvp_panel_width(void) { return PANEL; }
 
+/* The value of a float16's bits (at most 0x7BFF: positive and finite), exactly. */
+static float half_value(const uint32_t bits) {
+    if (bits < 0x400) return (float)bits * 0x1p-24f; /* subnormal: bits * 2^-24 */
+    const uint32_t u = ((bits >> 10) + 112) << 23 | (bits & 0x3FF) << 13;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The bits of the float16 nearest f >= 0 (ties to even, as torch's .half()); 0x7C00 (infinity) past the
+ * largest. */
+static int32_t nearest_half(const float f) {
+    if (!(f < 65520.0f)) return 0x7C00;
+    if (f < 0x1p-14f) return (int32_t)rintf(f * 0x1p24f); /* subnormal (1024: the smallest normal) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t h = ((u >> 23) - 112) << 10 | (u & 0x7FFFFF) >> 13;
+    const uint32_t rest = u & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++; /* a carry into the exponent is right too */
+    return (int32_t)h;
+}
+
+/* The block search behind kernels/cpu_paged.py `exact_blocks` (its docstring is the contract): for each
+ * block of 32 weights w [rows, k] (k a multiple of 32; base and scale [rows, k / 32]), the d that is the
+ * float16 nearest its scale or 1-2 float16 steps from it (tried in the order 0, -1, 1, -2, 2) and whole
+ * levels in [lowest, highest] with d * level + base == w for every weight of the block; writes them to
+ * levels [rows, k] and d [rows, k / 32]. Returns 0 when every block has them, else 1 (at the first
+ * block that has none). A float16 times a level of at most 8 bits is exact in float32, so the product and
+ * the sum round once however the compiler contracts them, as the gguf package's dequantization did. */
+int64_t kvp_exact_blocks(const float *w, int64_t rows, int64_t k, const float *base, const float *scale,
+                         int64_t lowest, int64_t highest, int8_t *levels, float *d) {
+    static const int32_t steps[] = {0, -1, 1, -2, 2};
+    const int64_t num_blocks = rows * (k / 32);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const float *block = w + b * 32, m = base[b];
+        const int32_t nearest = nearest_half(scale[b]);
+        int found = 0;
+        for (int s = 0; s < 5 && !found; s++) {
+            int32_t bits = nearest + steps[s];
+            bits = bits < 0 ? 0 : bits > 0x7BFF ? 0x7BFF : bits;
+            const float candidate = half_value((uint32_t)bits);
+            int exact = 1;
+            for (int i = 0; i < 32; i++) {
+                float level = candidate > 0.0f ? rintf((block[i] - m) / candidate) : 0.0f;
+                level = level < (float)lowest ? (float)lowest : level > (float)highest ? (float)highest : level;
+                exact &= candidate * level + m == block[i];
+                levels[b * 32 + i] = (int8_t)level;
+            }
+            if (exact) {
+                d[b] = candidate;
+                found = 1;
+            }
+        }
+        if (!found) return 1;
+    }
+    return 0;
+}
+
 #ifdef PANEL_VECTOR
 /* Runs `chunk` over a PackedJob: split over panels, and over rows too where there are fewer panels than
  * chunks and 64 rows or more to each part (a prefill chunk on many threads). */

@@ -568,20 +568,20 @@ def q4_1_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     return gguf_weight(out_features, in_features, seed)
 
 
-def test_q4_1_blocks_give_back_every_weight_a_q4_1_file_held_and_nothing_else():
+def test_q4_1_blocks_give_back_every_weight_a_q4_1_file_held_and_nothing_else(ops):
     weight = q4_1_weight(64, 96, seed=1)
-    q, d, m = cpu_paged.q4_1_blocks(weight)
+    q, d, m = ops.q4_1_blocks(weight)
     assert q.dtype is torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (64, 3)
     assert torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m)  # the file's float16s
     assert torch.equal(d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1), weight)
     nudged = weight.clone()
     nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))  # one weight one ulp off
-    assert cpu_paged.q4_1_blocks(nudged) is None
-    assert cpu_paged.q4_1_blocks(torch.randn(64, 96)) is None  # float32 weights of no Q4_1 file
-    assert cpu_paged.q4_1_blocks(weight[:, :90]) is None  # no whole blocks
+    assert ops.q4_1_blocks(nudged) is None
+    assert ops.q4_1_blocks(torch.randn(64, 96)) is None  # float32 weights of no Q4_1 file
+    assert ops.q4_1_blocks(weight[:, :90]) is None  # no whole blocks
 
 
-def test_the_block_search_takes_a_float16_up_to_two_steps_from_the_quantizers_estimate():
+def test_the_block_search_takes_a_float16_up_to_two_steps_from_the_quantizers_estimate(ops):
     # Blocks of known Q4_1 values (d and m float16s, levels 0..15 with both ends present); the estimate
     # handed to the search is d itself for some blocks and 1 or 2 float16 steps off it for others: every
     # block is found with its own d and levels; 3 steps off is past the search, so nothing is.
@@ -595,11 +595,24 @@ def test_the_block_search_takes_a_float16_up_to_two_steps_from_the_quantizers_es
     steps = torch.tensor([0, -1, 1, -2, 2, 0]).repeat(out_features * num_blocks // 6)
     steps = steps.view(out_features, num_blocks).short()
     estimate = (d.half().view(torch.int16) + steps).view(torch.float16)
-    found = cpu_paged._exact_blocks(blocks, m, estimate.float(), 0, 15)
+    found = ops.exact_blocks(blocks, m, estimate.float(), 0, 15)
     assert found is not None
-    assert torch.equal(found[0], q.float()) and torch.equal(found[1], d)
+    assert torch.equal(found[0].long(), q) and torch.equal(found[1], d)
     too_far = (d.half().view(torch.int16) + 3).view(torch.float16).float()
-    assert cpu_paged._exact_blocks(blocks, m, too_far, 0, 15) is None
+    assert ops.exact_blocks(blocks, m, too_far, 0, 15) is None
+
+
+def test_the_block_search_rounds_its_scale_to_the_nearest_float16_as_torch_does(ops):
+    # Blocks of zeros fit every candidate (level 0), so each block's d is the float16 nearest its scale:
+    # every positive float16, every midpoint between two (ties to even), and values past the largest.
+    values = torch.arange(0, 0x7BFF, dtype=torch.int32).short().view(torch.float16).float()
+    midpoints = ((values[:-1].double() + values[1:].double()) / 2).float()
+    scale = torch.cat((values, midpoints, torch.tensor([65519.0, 65520.0, 1e6])))
+    found = ops.exact_blocks(
+        torch.zeros(len(scale), 1, 32), torch.zeros(len(scale), 1), scale[:, None], 0, 15
+    )
+    assert found is not None
+    assert torch.equal(found[1][:, 0], scale.half().float().clamp(max=65504))
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -631,10 +644,10 @@ def test_packed_linear_q4_computes_what_float32_does_on_the_same_weights_and_eac
 def test_q8_0_blocks_and_panels_give_back_a_q8_0_weight_and_compute_what_float32_does(ops):
     ops = packing(ops)
     weight = gguf_weight(1536, 576, seed=6, qtype="Q8_0")
-    q, d = cpu_paged.q8_0_blocks(weight)
+    q, d = ops.q8_0_blocks(weight)
     assert q.dtype is torch.int8 and torch.equal(d.half().float(), d)
     assert torch.equal(d.repeat_interleave(32, dim=1) * q.float(), weight)
-    assert cpu_paged.q8_0_blocks(q4_1_weight(64, 96, seed=1)) is None  # Q4_1's offsets are not Q8_0
+    assert ops.q8_0_blocks(q4_1_weight(64, 96, seed=1)) is None  # Q4_1's offsets are not Q8_0
     assert ops.pack_q8(torch.randn(1536, 576)) is None
     packed = ops.pack_q8(weight)
     assert packed.shape == (1536 // ops.panel_width, 576 // cpu_paged.QUANT_BLOCK, ops.q8_block_bytes)

@@ -33,10 +33,10 @@ far from the same weights run in float32 (the projections' rounding, which they 
 tests/worker/test_fused_decode.py holds each to it.
 
 A float32 model whose projections hold exactly a GGUF's Q4_1 values (the bundled SmolLM2 file: the
-loader dequantized them; kernels/cpu_paged.py `q4_1_blocks` checks every weight) also gets them as Q4_1
-panels, six bits a weight beside the float32 panels' 32, and steps of a few sequences read those (at
-most `CpuPagedOps.quant_max_rows`, 6 with AVX-512: cpu_paged.c, "Q4_1 weights"): a step of a few sequences
-is the weights' reads in float32, so it then takes a quarter to a half of the time. The sums are
+loader dequantized them; `CpuPagedOps.q4_1_blocks` checks every weight) also gets them as Q4_1 panels,
+six bits a weight beside the float32 panels' 32, and steps of a few sequences read those (at most
+`CpuPagedOps.quant_max_rows`, 6 with AVX-512: cpu_paged.c, "Q4_1 weights"): a step of a few sequences is
+the weights' reads in float32, so it then takes a quarter to a half of the time. The sums are
 factored per block, so these steps round in another order than the float32 panels (within float32
 rounding, as RoPE's above): one more way the two paths agree within LOGITS_ATOL, not bit for bit.
 That is the `quant-kernels` feature (its pre-load checks: worker/startup/checks.py; the values, checked
