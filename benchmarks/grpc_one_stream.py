@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import grpc
@@ -86,6 +87,13 @@ def _client_process(target: str, results: Any) -> None:
     run_loop(_read(target, results), loop_factory("uvloop"))
 
 
+def _get(queue: Any, timeout_s: float, what: str) -> Any:
+    try:
+        return queue.get(timeout=timeout_s)
+    except Empty:
+        raise RuntimeError(f"{what} within {timeout_s:g} s (its traceback, if any, is above)") from None
+
+
 @contextlib.contextmanager
 def _grpc_io_environment() -> Iterator[None]:
     """os.environ with the router's and the worker's gRPC I/O setting while processes are spawned (they
@@ -109,17 +117,19 @@ def measure(transport: str, gap_ms: float, seconds: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="kvpact-one-stream-") as tmp, _grpc_io_environment():
         address = f"unix:{Path(tmp) / 'one.sock'}" if transport == "unix" else "127.0.0.1:0"
         server = ctx.Process(target=_server_process, args=(address, gap_ms / 1000, count, ready), daemon=True)
-        procs = [server]
+        started = []
         try:
             server.start()
-            port = ready.get(timeout=START_S)
+            started.append(server)
+            port = _get(ready, START_S, "the server did not start")
             target = address if transport == "unix" else f"127.0.0.1:{port}"
-            procs.append(ctx.Process(target=_client_process, args=(target, results), daemon=True))
-            procs[1].start()
-            received, client_s, wall = results.get(timeout=START_S + seconds * 2 + 60)
-            server_s = ready.get(timeout=START_S)
+            client = ctx.Process(target=_client_process, args=(target, results), daemon=True)
+            client.start()
+            started.append(client)
+            received, client_s, wall = _get(results, START_S + seconds * 2 + 60, "the client did not finish")
+            server_s = _get(ready, START_S, "the server did not report its CPU")
         finally:
-            for p in procs:
+            for p in started:
                 p.kill()
                 p.join(timeout=5)
     if received != count:
@@ -143,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         gaps = [float(g) for g in args.gaps.split(",")]
     except ValueError:
         parser.error(f"--gaps: {args.gaps!r} is not a list of milliseconds (e.g. 0,10)")
+    if any(gap < 0 or gap > args.seconds * 1000 for gap in gaps):
+        parser.error(f"--gaps: each gap must be 0 to --seconds ({args.seconds:g} s) in ms, got {args.gaps}")
     print("CPU and wall per message, µs\n")
     print("| transport | gap ms | round | client CPU | server CPU | wall |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -857,9 +857,10 @@ static float half_value(const uint32_t bits) {
 }
 
 /* The bits of the float16 nearest f >= 0 (ties to even, as torch's .half()); 0x7C00 (infinity) past the
- * largest. */
+ * largest, 0 for f <= 0. */
 static int32_t nearest_half(const float f) {
-    if (!(f < 65520.0f)) return 0x7C00;
+    if (f <= 0.0f) return 0;
+    if (f >= 65520.0f) return 0x7C00;
     if (f < 0x1p-14f) return (int32_t)rintf(f * 0x1p24f); /* subnormal (1024: the smallest normal) */
     uint32_t u;
     memcpy(&u, &f, sizeof u);

@@ -313,9 +313,8 @@ class CpuPagedOps:
         blocks = _blocks(weight)
         if blocks is None:
             return None
-        found = self.exact_blocks(
-            blocks, torch.zeros(blocks.shape[:2]), blocks.abs().amax(dim=2) / 127, -127, 127
-        )
+        zero = torch.zeros(blocks.shape[:2], dtype=_FLOAT32)
+        found = self.exact_blocks(blocks, zero, blocks.abs().amax(dim=2) / 127, -127, 127)
         return None if found is None else (found[0].reshape(weight.shape), found[1])
 
     def q4_1_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -343,16 +342,31 @@ class CpuPagedOps:
         (the quantizer's d before it was rounded to float16) or one of its four neighbours. None when a
         block has none (a tensor that was never these blocks stops at its first block). One pass in C
         (kvp_exact_blocks), 0.11 s for the bundled model's 120 projections on one thread, where the same
-        search in torch's elementwise ops took 0.55-0.75 s on two (docs/performance.md, session 32)."""
-        blocks = blocks.contiguous()
+        search in torch's elementwise ops took 0.55-0.75 s on two (docs/performance.md, session 32).
+        blocks, base and scale: float32 CPU tensors, [out, blocks, QUANT_BLOCK] and [out, blocks], finite
+        (a caller's check: the library assumes finite math); ValueError otherwise."""
+        num_blocks = blocks.shape[:-1]
+        if not (
+            blocks.dim() == 3 and blocks.shape[2] == QUANT_BLOCK and base.shape == scale.shape == num_blocks
+        ):
+            raise ValueError(
+                f"exact_blocks: blocks must be [out, blocks, {QUANT_BLOCK}] and base and scale [out, "
+                f"blocks], got {tuple(blocks.shape)}, {tuple(base.shape)} and {tuple(scale.shape)}"
+            )
+        if any(t.dtype is not _FLOAT32 or t.device.type != "cpu" for t in (blocks, base, scale)):
+            raise ValueError("exact_blocks: blocks, base and scale must be float32 CPU tensors")
+        if not -128 <= lowest <= highest <= 127:
+            raise ValueError(f"exact_blocks: levels {lowest}..{highest} do not fit an int8")
+        # held here, not made inside the call's arguments: a copy would be freed before C reads it
+        blocks, base, scale = blocks.contiguous(), base.contiguous(), scale.contiguous()
         levels = torch.empty(blocks.shape, dtype=torch.int8)
-        d = torch.empty(blocks.shape[:2])
+        d = torch.empty(num_blocks, dtype=_FLOAT32)
         missed = self.library.kvp_exact_blocks(
             blocks.data_ptr(),
             blocks.shape[0],
             blocks.shape[1] * QUANT_BLOCK,
-            base.float().contiguous().data_ptr(),
-            scale.float().contiguous().data_ptr(),
+            base.data_ptr(),
+            scale.data_ptr(),
             lowest,
             highest,
             levels.data_ptr(),
@@ -818,12 +832,15 @@ def load(dtype: torch.dtype, device: torch.device) -> CpuPagedOps | str:
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor | None:
-    """A float32 [out, in] weight as [out, in / QUANT_BLOCK, QUANT_BLOCK], or None when it is not one."""
+    """A float32 [out, in] CPU weight as [out, in / QUANT_BLOCK, QUANT_BLOCK], or None when it is not one
+    or holds a value that is not finite (no GGUF block dequantizes to one)."""
     if (
         weight.dim() != 2
         or weight.dtype is not _FLOAT32
+        or weight.device.type != "cpu"
         or weight.shape[1] % QUANT_BLOCK
         or not weight.numel()
+        or not bool(torch.isfinite(weight).all())
     ):
         return None
     return weight.detach().reshape(weight.shape[0], -1, QUANT_BLOCK)

@@ -604,15 +604,31 @@ def test_the_block_search_takes_a_float16_up_to_two_steps_from_the_quantizers_es
 
 def test_the_block_search_rounds_its_scale_to_the_nearest_float16_as_torch_does(ops):
     # Blocks of zeros fit every candidate (level 0), so each block's d is the float16 nearest its scale:
-    # every positive float16, every midpoint between two (ties to even), and values past the largest.
-    values = torch.arange(0, 0x7BFF, dtype=torch.int32).short().view(torch.float16).float()
+    # every positive float16, every midpoint between two (ties to even) and the floats either side of
+    # it, values past the largest, and 0.
+    values = torch.arange(0, 0x7C00, dtype=torch.int32).short().view(torch.float16).float()
     midpoints = ((values[:-1].double() + values[1:].double()) / 2).float()
-    scale = torch.cat((values, midpoints, torch.tensor([65519.0, 65520.0, 1e6])))
-    found = ops.exact_blocks(
-        torch.zeros(len(scale), 1, 32), torch.zeros(len(scale), 1), scale[:, None], 0, 15
-    )
+    beside = [torch.nextafter(midpoints, torch.tensor(side)) for side in (0.0, float("inf"))]
+    scale = torch.cat((values, midpoints, *beside, torch.tensor([65519.0, 65520.0, 1e6])))
+    zeros = torch.zeros(len(scale), 1)
+    found = ops.exact_blocks(torch.zeros(len(scale), 1, 32), zeros, scale[:, None], 0, 15)
     assert found is not None
     assert torch.equal(found[1][:, 0], scale.half().float().clamp(max=65504))
+
+
+def test_the_block_search_says_what_it_cannot_take(ops):
+    blocks, base = torch.zeros(4, 2, 32), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match=r"blocks must be \[out, blocks, 32\].*got \(4, 2, 16\)"):
+        ops.exact_blocks(torch.zeros(4, 2, 16), base, base, 0, 15)
+    with pytest.raises(ValueError, match=r"got \(4, 2, 32\), \(4, 3\) and \(4, 2\)"):
+        ops.exact_blocks(blocks, torch.zeros(4, 3), base, 0, 15)
+    with pytest.raises(ValueError, match="must be float32 CPU tensors"):
+        ops.exact_blocks(blocks, base.double(), base, 0, 15)
+    with pytest.raises(ValueError, match=r"levels 0..255 do not fit an int8"):
+        ops.exact_blocks(blocks, base, base, 0, 255)
+    weight = q4_1_weight(64, 96, seed=1)
+    weight[3, 7] = float("nan")  # no GGUF block holds one: never these blocks
+    assert ops.q4_1_blocks(weight) is None and ops.q8_0_blocks(weight) is None
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
