@@ -9,6 +9,7 @@ import torch
 from kvpact.kernels import cpu_paged
 from kvpact.shared.errors import FeatureRequiredError
 from kvpact.shared.features import FeatureIntents, FeatureMode, FeatureState
+from kvpact.worker.loader.header import read_model_header
 from kvpact.worker.startup import checks, engine_setup
 from tests.factories.tiny_models import make_tiny_llama
 from tests.worker.conftest import worker_spec
@@ -153,6 +154,21 @@ def test_quant_kernels_are_planned_for_a_q4_1_gguf_and_name_why_not_elsewhere(ti
         "The quantized (Q4_1 / Q8_0) kernels were explicitly requested (--quant-kernels on), but the decoder "
         "projections are stored as safetensors, not Q4_1 in a GGUF file. [loader]"
     )
+
+
+def test_the_weights_memory_counts_quant_kernels_copies_wherever_they_may_be_made(q4_1_gguf):
+    if not cpu_paged.load(torch.float32, torch.device("cpu")).quant_max_rows:  # type: ignore[union-attr]
+        pytest.skip("this build packs no weights (no AVX-512 or AVX2)")
+    header = read_model_header(q4_1_gguf)
+    float32 = 4 * header.weight_numel
+    # the projections' Q4_1 panels at 6 bits a weight, the head's Q8_0 ones at 9
+    copies = header.projection_numel * 6 // 8 + header.head_numel * 9 // 8
+    assert header.projection_numel and header.head_storage == "Q8_0"
+    assert plan(q4_1_gguf).weight_bytes == float32 + copies
+    for off in ({"quant_kernels": OFF}, {"cpu_kernels": OFF}):
+        assert plan(q4_1_gguf, **off).weight_bytes == float32
+    spec = worker_spec(q4_1_gguf, "auto", dtype="bfloat16")  # no copies of a bfloat16 model
+    assert engine_setup.plan_startup(spec).weight_bytes == float32 // 2
 
 
 @pytest.mark.parametrize(

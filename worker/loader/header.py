@@ -33,6 +33,9 @@ class ModelHeader:
     digests: ModelDigests
     # the decoder projections' storage: their GGUF tensor types ("Q4_1"), or ("safetensors",)
     projection_storage: tuple[str, ...]
+    projection_numel: int = 0  # the decoder projections' elements (GGUF; 0 for safetensors)
+    head_storage: str = ""  # the LM head's GGUF tensor type (output.weight, else the tied token_embd.weight)
+    head_numel: int = 0
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
         """Bytes the weights take once loaded in `dtype`."""
@@ -50,7 +53,16 @@ def read_model_header(path: str | Path | None) -> ModelHeader:
         return ModelHeader(source, config, sum(counts.values()), hf_digests(source), ("safetensors",))
     gguf = GGUFFile(source)
     config = ModelConfig.from_hf_dict(gguf.config_dict(), source=str(source))
-    storage = sorted({t.qtype.name for t in gguf.contents.tensors if _PROJECTION.fullmatch(t.name)})
+    projections = [t for t in gguf.contents.tensors if _PROJECTION.fullmatch(t.name)]
+    by_name = {t.name: t for t in gguf.contents.tensors}
+    head = by_name.get("output.weight") or by_name.get("token_embd.weight")
     return ModelHeader(
-        source, config, gguf.weight_numel(), gguf_digests(source, gguf.contents), tuple(storage)
+        source,
+        config,
+        gguf.weight_numel(),
+        gguf_digests(source, gguf.contents),
+        tuple(sorted({t.qtype.name for t in projections})),
+        projection_numel=sum(t.num_elements for t in projections),
+        head_storage=head.qtype.name if head is not None else "",
+        head_numel=head.num_elements if head is not None else 0,
     )

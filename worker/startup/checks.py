@@ -20,7 +20,7 @@ import torch
 from kvpact.kernels import cpu_paged
 from kvpact.shared import reasons
 from kvpact.shared.capability import ModelTraits, choose_backend
-from kvpact.shared.features import FeatureIntents, Ledger
+from kvpact.shared.features import FeatureIntents, FeatureMode, Ledger
 from kvpact.shared.intent import PagedAttentionConfig, PagedBackend
 from kvpact.shared.reasons import (
     CPU_KERNELS,
@@ -32,6 +32,7 @@ from kvpact.shared.reasons import (
 )
 from kvpact.shared.spec import WorkerSpec
 from kvpact.worker.kv import sizing
+from kvpact.worker.loader.header import ModelHeader
 from kvpact.worker.model import ModelConfig
 from kvpact.worker.parallel.rank_verdict import RankVerdict
 from kvpact.worker.startup.device import DeviceProbe
@@ -244,6 +245,25 @@ def quant_stored(p: Planning) -> Finding | None:
     if p.projection_storage != ("Q4_1",):
         return reasons.QUANT_STORED.found(storage=" and ".join(p.projection_storage) or "no known tensors")
     return None
+
+
+def quant_copy_bytes(p: Planning, header: ModelHeader) -> int:
+    """What quant-kernels' copies add beside the float32 weights (the projections' Q4_1 panels, 6 bits a
+    weight, and the head's Q8_0 ones, 9: worker/engine/fused_decode.py, engine_setup.use_q8_head) where
+    it is not off and its checks that read no other feature's verdict pass; else 0. The KV budget is
+    sized before quant-kernels' verdict (it follows cpu-kernels', which reads paged-attn's), so the
+    weights' memory counts the copies wherever they may be made: one that a later check, or the values'
+    own check after loading, turns down leaves its bytes unused, never more memory used than planned."""
+    if FeatureMode.OFF in (p.spec.features.mode(QUANT_KERNELS), p.spec.features.mode(CPU_KERNELS)):
+        return 0
+    if quant_dtype(p) or quant_one_call(p) or quant_panels(p) or quant_stored(p):
+        return 0
+    ops = cpu_paged.required(torch.float32, p.probe.device)
+    block = ops.panel_width * cpu_paged.QUANT_BLOCK  # the weights of one panel's block
+    copies = header.projection_numel // block * ops.q4_block_bytes
+    if header.head_storage == "Q8_0":
+        copies += header.head_numel // block * ops.q8_block_bytes
+    return copies
 
 
 def cuda_graphs_device(p: Planning) -> Finding | None:

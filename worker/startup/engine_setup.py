@@ -50,7 +50,7 @@ from kvpact.worker.scheduler.base import Scheduler
 from kvpact.worker.scheduler.block_manager import BlockManager
 from kvpact.worker.scheduler.eager import EagerScheduler
 from kvpact.worker.scheduler.paged import PagedScheduler
-from kvpact.worker.startup.checks import Planning, run_checks
+from kvpact.worker.startup.checks import Planning, quant_copy_bytes, run_checks
 from kvpact.worker.startup.device import DeviceProbe, missing_map_device, probe_device
 from kvpact.worker.startup.kernel_warmup import warm_up_paged_kernels
 
@@ -255,7 +255,7 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe, header: ModelHeader | None = No
     max_model_len, fit_to_cache, source = _max_model_len(spec, config, defaults)
     itemsize = torch.empty((), dtype=cache_dtype).element_size()
     modes = {PAGED_ATTN: spec.cache.mode} | {n: spec.features.mode(n) for n in FeatureIntents.names()}
-    return Planning(
+    p = Planning(
         spec=spec,
         probe=probe,
         config=config,
@@ -273,6 +273,8 @@ def _begin(spec: WorkerSpec, probe: DeviceProbe, header: ModelHeader | None = No
             config.num_layers, config.num_kv_heads, config.head_dim, itemsize
         ),
     )
+    p.weight_bytes += quant_copy_bytes(p, header)
+    return p
 
 
 def _size_eager(p: Planning) -> int:
