@@ -33,6 +33,9 @@ from kvpact.worker.kv.paged import PagedCache
 from kvpact.worker.loader.load import default_model_path
 
 MAX_MODEL_LEN = 512
+# A batch whose requests reached the step thread too far apart for a step with all of them decoding (a
+# loaded machine, a tiny model's few tokens) is run again, at most this many times in all.
+ATTEMPTS = 3
 
 
 async def _batch(engine: Engine, size: int, tokens: int) -> None:
@@ -75,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         print("| sequences | decode steps | median ms | min ms | outside the run, median ms |")
         print("|---:|---:|---:|---:|---:|")
         for size in sizes:
-            steps.clear()
-            asyncio.run(_batch(engine, size, args.tokens))
-            decoding = [s.prompt_tokens == 0 and s.decodes == size for s in steps]
+            for _ in range(ATTEMPTS):
+                steps.clear()
+                asyncio.run(_batch(engine, size, args.tokens))
+                decoding = [s.prompt_tokens == 0 and s.decodes == size for s in steps]
+                if any(decoding):
+                    break
             ms = [1000 * (s.ended - s.began) for s, d in zip(steps, decoding, strict=True) if d]
-            if not ms:  # the requests reached the step thread too far apart to all decode in one step
+            if not ms:  # every attempt's requests reached the step thread too far apart to decode together
                 print(f"| {size} | 0 | - | - | - |", flush=True)
                 continue
             gaps = [
