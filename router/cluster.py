@@ -321,18 +321,20 @@ class Cluster:
         entry = self.registry.drain(request.worker_id, request.reason)
         if entry is None:
             return worker_pb2.DrainReply(known=False)
+        # as the drain found them: its streams go on finishing while the health and report are updated
+        reply = worker_pb2.DrainReply(
+            known=True, state=entry.state.value, num_outstanding=entry.num_outstanding
+        )
         log.info(
             "worker_drain_requested",
             worker_id=entry.worker_id,
             reason=entry.drain_reason,
-            state=entry.state.value,
-            num_outstanding=entry.num_outstanding,
+            state=reply.state,
+            num_outstanding=reply.num_outstanding,
         )
         await self.refresh_health()
         self.write_report()
-        return worker_pb2.DrainReply(
-            known=True, state=entry.state.value, num_outstanding=entry.num_outstanding
-        )
+        return reply
 
     async def deregister(self, request: worker_pb2.DeregisterRequest) -> worker_pb2.DeregisterReply:
         entry = self.registry.remove(request.worker_id, request.registration_id)

@@ -7,6 +7,7 @@ The launcher runs as its own process (joining through $RAY_ADDRESS) and is stopp
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
@@ -502,11 +503,14 @@ def test_scale_up_to_2_then_down_to_1_drains_the_leaver_with_its_streams_and_lea
             thread.join(120)
         assert down.returncode == 0, output + launch.output()[-3000:]
         assert "kvpact-launch scale: group cpu: 1 admitted workers (cpu-0)" in output
-        assert in_flight_at_drain > 0, "cpu-1 had no stream in flight when the router drained it"
-        assert {s.worker_id for s in streams} == {"cpu-0", "cpu-1"}
         assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [
             ("", "length", STREAM_TOKENS)
         ] * len(streams)  # no request lost, the leaver's included
+        assert {s.worker_id for s in streams} == {"cpu-0", "cpu-1"}
+        assert in_flight_at_drain > 0, (
+            f"cpu-1 had no stream in flight when the router drained it; {len(streams)} streams by worker: "
+            f"{collections.Counter(s.worker_id for s in streams)}\n" + launch.output()[-3000:]
+        )
         print(f"scale-down under load: {len(streams)} streams OK, {in_flight_at_drain} on cpu-1 at its drain")
         with Client(router, timeout=30) as kvpact:
             status = kvpact.cluster_status()

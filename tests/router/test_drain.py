@@ -126,3 +126,26 @@ async def test_registry_drain_routes_nothing_new_and_says_drain_in_every_heartbe
         assert router.cluster.registry.get("a").state is WorkerState.DRAINING  # not revived to ADMITTED
         await registry.Deregister(worker_pb2.DeregisterRequest(worker_id="a", registration_id=rid))
         assert [w.worker_id for w in (await client.cluster_status()).workers] == ["b"]
+
+
+@run_async
+async def test_registry_drain_reports_the_streams_in_flight_as_the_drain_found_them():
+    """kvpact-launch prints the count the reply carries: the streams on the worker when it was drained,
+    not what is left after the router updated its health (they go on finishing meanwhile)."""
+    async with (
+        running_router() as router,
+        serving_double(WorkerDouble("a")) as a,
+        registry_stub(router) as registry,
+    ):
+        await registry.Register(ready("a", a.address))
+        entry = router.cluster.registry.get("a")
+        entry.num_outstanding = 2  # two streams relaying when the drain comes
+        refresh = router.cluster.refresh_health
+
+        async def while_they_finish() -> None:
+            entry.num_outstanding = 0
+            await refresh()
+
+        router.cluster.refresh_health = while_they_finish  # type: ignore[method-assign]
+        reply = await registry.Drain(worker_pb2.DrainRequest(worker_id="a", reason="scale-down"))
+        assert (reply.known, reply.state, reply.num_outstanding) == (True, "draining", 2)
