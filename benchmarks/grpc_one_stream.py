@@ -15,7 +15,8 @@ over the call) and the wall per message. Both sides are spawned processes, so th
 
 What it showed (docs/performance.md, "What one message costs", session 32): a paced message costs each
 side several times what a streamed one does (every message wakes the poller thread and the loop from
-sleep), and a Unix socket costs more than loopback TCP.
+sleep), more the longer the gap; a Unix socket saves a tenth to a fifth of a paced message and nothing
+at full speed.
 """
 
 from __future__ import annotations
@@ -34,17 +35,13 @@ from typing import Any
 
 import grpc
 
+from benchmarks.grpc_floor import CHUNK
 from kvpact.shared.event_loop import loop_factory, run_loop
 from kvpact.shared.grpc_io import set_grpc_io
 
-MESSAGE = b"\x0a\x05hello\x10\x07" + b"x" * 20  # about a one-token GenerateChunk's size
 FULL_SPEED_MESSAGES = 20_000
 TRANSPORTS = ("tcp", "unix")
 START_S = 20.0
-
-
-def _raw(b: bytes) -> bytes:
-    return b
 
 
 async def _serve(address: str, gap_s: float, count: int, ready: Any) -> None:
@@ -53,12 +50,11 @@ async def _serve(address: str, gap_s: float, count: int, ready: Any) -> None:
         for _ in range(count):
             if gap_s:
                 await asyncio.sleep(gap_s)
-            yield MESSAGE
+            yield CHUNK
         ready.put(time.process_time() - started)  # once the last message was written
 
-    handler = grpc.method_handlers_generic_handler(
-        "one", {"Stream": grpc.unary_stream_rpc_method_handler(stream, _raw, _raw)}
-    )
+    stream_handler = grpc.unary_stream_rpc_method_handler(stream)  # raw bytes both ways
+    handler = grpc.method_handlers_generic_handler("one", {"Stream": stream_handler})
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port(address)
@@ -74,7 +70,7 @@ def _server_process(address: str, gap_s: float, count: int, ready: Any) -> None:
 async def _read(target: str, results: Any) -> None:
     """Puts (messages, this process's CPU s, wall s) for one call on a connected channel."""
     async with grpc.aio.insecure_channel(target) as channel:
-        stream = channel.unary_stream("/one/Stream", request_serializer=_raw, response_deserializer=_raw)
+        stream = channel.unary_stream("/one/Stream")  # raw bytes both ways
         await channel.channel_ready()
         cpu, started = time.process_time(), time.perf_counter()
         received = 0

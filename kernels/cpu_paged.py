@@ -341,8 +341,8 @@ class CpuPagedOps:
         levels whole numbers in [lowest, highest] and d a float16's value: the float16 nearest `scale`
         (the quantizer's d before it was rounded to float16) or one of its four neighbours. None when a
         block has none (a tensor that was never these blocks stops at its first block). One pass in C
-        (kvp_exact_blocks), 0.11 s for the bundled model's 120 projections on one thread, where the same
-        search in torch's elementwise ops took 0.55-0.75 s on two (docs/performance.md, session 32).
+        (kvp_exact_blocks), where the same search in torch's elementwise ops was most of the packing's
+        time (docs/performance.md, "Startup in C, and what one message costs").
         blocks, base and scale: float32 CPU tensors, [out, blocks, QUANT_BLOCK] and [out, blocks], finite
         (a caller's check: the library assumes finite math); ValueError otherwise."""
         num_blocks = blocks.shape[:-1]
