@@ -27,6 +27,8 @@ Every time comes from this machine's one clock (UTC wall time), at these well-de
 and the report must say `shutdown:  sent` for each worker it names (or, for the worker that reported
 its own failure or that the router refused, which exit on their own, `already gone` / `not asked`):
 every known worker was told to stop. Target (issue 13): report - worker report < 2 s.
+A CLI run that did not tell every worker leaves its processes' output under the --out directory
+(`failfast-logs/cli-N/`, named in the table's notes): the workers' JSON logs say what each was doing.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class FailRun:
     router_exit: float
     launcher_exit: float | None = None
     shutdown: dict[str, str] = field(default_factory=dict)  # worker id -> the report's shutdown line
+    logs: Path | None = None  # its processes' output, where a run that missed a worker keeps it
 
     @property
     def to_report_s(self) -> float:
@@ -96,6 +99,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             ray_note = ""
         except ImportError:
             ray_note = "skipped: ray is not installed (pip install 'kvpact[ray]')"
+    kept = _keep_missed_logs(runs, ctx.out_dir / f"{NAME}-logs")
     shutil.rmtree(scratch, ignore_errors=True)  # the processes' logs; kept when a run raised
     suffix = " --quick" if ctx.quick else ""
     command = f"python -m benchmarks.run --suites {NAME}{suffix}"
@@ -135,6 +139,7 @@ def run(ctx: BenchContext) -> SuiteResult:
             "CLI: the healthy worker (--pa-backend torch) is known to the router before the refused one "
             "(--pa-backend triton on CPU) starts",
             "Ray: kvpact-launch on a local Ray (1 fake GPU torch cannot use), its exit after the teardown",
+            *kept,
         ],
     )
     worst = max(r.to_report_s for r in runs)
@@ -170,6 +175,21 @@ def run(ctx: BenchContext) -> SuiteResult:
         },
         figure=_figure(runs),
     )
+
+
+def _keep_missed_logs(runs: list[FailRun], into: Path) -> list[str]:
+    """Copy the processes' output of each run that did not tell every worker under `into` (the run's
+    --out directory), so the next engineer can read why; a note naming each copy."""
+    notes = []
+    for i, r in enumerate(runs):
+        if r.all_told or r.logs is None or not r.logs.is_dir():
+            continue
+        target = into / f"{r.path.lower()}-{i}"
+        shutil.copytree(r.logs, target, dirs_exist_ok=True)
+        notes.append(
+            f"run {i + 1} ({r.path}) did not tell every worker: its processes' output is in {target}"
+        )
+    return notes
 
 
 # -- the CLI path ---------------------------------------------------------------------------------------
@@ -232,6 +252,7 @@ def _cli_run(ctx: BenchContext, logs: Path) -> FailRun:
             report=_event_time(router_lines, "cluster_failed", router),
             router_exit=router_exit,
             shutdown=_shutdown_lines(router.stderr()),
+            logs=logs,
         )
     finally:
         for handle in reversed(started):

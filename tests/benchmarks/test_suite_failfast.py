@@ -25,3 +25,21 @@ def test_quick_failfast_suite_times_the_cli_path_and_says_ray_was_skipped(tmp_pa
     (target,) = result["targets"]
     assert target["name"].startswith("fail-fast") and target["met"] in (True, False)
     assert "CLI" in target["measured"]
+
+
+def test_a_run_that_missed_a_worker_keeps_its_processes_output_and_a_told_one_does_not(tmp_path: Path):
+    from benchmarks.suites.failfast import FailRun, _keep_missed_logs
+
+    def run(name: str, healthy: str) -> FailRun:
+        logs = tmp_path / "scratch" / name
+        logs.mkdir(parents=True)
+        (logs / "healthy.stderr").write_text(f"{name}'s healthy worker log\n")
+        shutdown = {"healthy": healthy, "refused": "already gone (its startup failed; it exits on its own)"}
+        return FailRun("CLI", 78, 0.0, 0.8, 0.9, shutdown=shutdown, logs=logs)
+
+    runs = [run("told", "sent"), run("missed", "could not be told (DEADLINE_EXCEEDED: Deadline Exceeded)")]
+    notes = _keep_missed_logs(runs, tmp_path / "out" / "failfast-logs")
+    kept = tmp_path / "out" / "failfast-logs" / "cli-1"
+    assert notes == [f"run 2 (CLI) did not tell every worker: its processes' output is in {kept}"]
+    assert (kept / "healthy.stderr").read_text() == "missed's healthy worker log\n"
+    assert sorted(p.name for p in (tmp_path / "out" / "failfast-logs").iterdir()) == ["cli-1"]
