@@ -90,6 +90,7 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
                 response.top_logprobs.extend(chunk.top_logprobs)
+                response.tokens.extend(chunk.tokens)
                 response.worker_id = chunk.worker_id
                 if chunk.finish_reason:
                     response.finish_reason = chunk.finish_reason

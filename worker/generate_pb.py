@@ -98,9 +98,10 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
         worker_id=worker_id,
         index=output.index,
         top_logprobs=[
-            generation_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+            generation_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs, tokens=t.tokens)
             for t in output.top_logprobs
         ],
+        tokens=output.tokens,
     )
     if output.finish_reason is not None:
         chunk.finish_reason = _FINISH_TO_PB[output.finish_reason]

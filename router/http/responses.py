@@ -7,9 +7,11 @@ Shapes (what the openai SDK's types read):
 - with `stream_options.include_usage`, every chunk has `usage: null` and one last chunk has empty
   `choices` and the usage; usage.prompt_tokens_details.cached_tokens is the prefix cache's hit
   (Usage.cached_prompt_tokens).
-- logprobs: the router holds no tokenizer, so a token is named by its text where a chunk carries exactly
-  one token (the worker sends one per step) and as `token_id:<id>` otherwise, alternatives
-  (top_logprobs) always as `token_id:<id>` (vLLM's `return_tokens_as_token_ids` form).
+- logprobs: a token, sampled or an alternative (top_logprobs), is named by the text the worker decoded for
+  it alone (GenerateChunk.tokens, TopLogprobs.tokens; `bytes` are that text's UTF-8), as vLLM names
+  them. The router holds no tokenizer: from a worker that sends no names (one older than them), a
+  token is named by the chunk's text where the chunk carries exactly one token and as `token_id:<id>`
+  otherwise (vLLM's `return_tokens_as_token_ids` form).
 
 A worker's usage counts its own request: prompt and cached tokens once per prompt (the largest any of
 its chunks reported), completion tokens summed over its completions.
@@ -36,8 +38,19 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def token_name(chunk: generation_pb2.GenerateChunk, token_id: int) -> str:
-    return chunk.text if len(chunk.token_ids) == 1 else f"token_id:{token_id}"
+def token_names(chunk: generation_pb2.GenerateChunk) -> list[str]:
+    """A name for each of the chunk's tokens (the module docstring's logprobs rule)."""
+    if len(chunk.tokens) == len(chunk.token_ids):
+        return list(chunk.tokens)
+    if len(chunk.token_ids) == 1:
+        return [chunk.text]
+    return [f"token_id:{t}" for t in chunk.token_ids]
+
+
+def alternative_names(top: generation_pb2.TopLogprobs) -> list[str]:
+    if len(top.tokens) == len(top.token_ids):
+        return list(top.tokens)
+    return [f"token_id:{t}" for t in top.token_ids]
 
 
 @dataclass(slots=True)
@@ -164,15 +177,11 @@ class Rendering:
 
     def _logprobs(self, choice: _Choice, chunk: generation_pb2.GenerateChunk) -> dict[str, Any]:
         entries = []
-        for k, token_id in enumerate(chunk.token_ids):
-            name = token_name(chunk, token_id)
+        for k, name in enumerate(token_names(chunk)):
             logprob = chunk.logprobs[k] if k < len(chunk.logprobs) else None
             alternatives = chunk.top_logprobs[k] if k < len(chunk.top_logprobs) else None
             top = (
-                [
-                    (f"token_id:{t}", lp)
-                    for t, lp in zip(alternatives.token_ids, alternatives.logprobs, strict=False)
-                ]
+                list(zip(alternative_names(alternatives), alternatives.logprobs, strict=False))
                 if alternatives is not None
                 else []
             )
@@ -192,7 +201,7 @@ class Rendering:
         offsets, offset = [], choice.num_chars
         for name, _, _ in entries:
             offsets.append(offset)
-            offset += len(name) if len(chunk.token_ids) == 1 else 0
+            offset += len(name) if len(chunk.token_ids) == 1 or chunk.tokens else 0
         part = {
             "tokens": [name for name, _, _ in entries],
             "token_logprobs": [logprob for _, logprob, _ in entries],

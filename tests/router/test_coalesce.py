@@ -152,11 +152,13 @@ def test_merge_carries_top_logprobs_in_order_and_never_joins_two_completions():
     def with_top(i: int, index: int = 0) -> RelayedChunk:
         c = chunk(i)
         c.index = index
-        c.top_logprobs.add(token_ids=[i, i + 100], logprobs=[-0.1, -2.0])
+        c.top_logprobs.add(token_ids=[i, i + 100], logprobs=[-0.1, -2.0], tokens=[f"t{i}", f"t{i + 100}"])
+        c.tokens.append(f"t{i}")
         return RelayedChunk.of(c)
 
     merged = merge_chunks([with_top(0), with_top(1), with_top(2)]).message
     assert [list(t.token_ids) for t in merged.top_logprobs] == [[0, 100], [1, 101], [2, 102]]
+    assert list(merged.tokens) == ["t0", "t1", "t2"] and list(merged.top_logprobs[2].tokens) == ["t2", "t102"]
     assert list(merged.logprobs) == pytest.approx([0, -0.1, -0.2])
     ready = [with_top(0), with_top(1), with_top(2, index=1), with_top(3, index=1), with_top(4)]
     batches = [coalesce.take_batch(ready) for _ in range(3)]

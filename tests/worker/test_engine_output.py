@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvpact.worker.engine.output_stream import OutputStream
-from kvpact.worker.engine.request import FinishReason, SamplingParams
+from kvpact.worker.engine.request import FinishReason, SamplingParams, TopLogprobs
 from kvpact.worker.engine.sequence import Sequence
 from kvpact.worker.tokenizer import Tokenizer
 from tests.factories.tiny_models import EOS_ID, tiny_tokenizer
@@ -60,3 +60,13 @@ def test_a_stop_string_prefix_held_back_is_released_when_max_tokens_ends_the_out
     first, last = s.on_token(ids[0], None), s.on_token(ids[1], None)
     assert last.finish_reason is FinishReason.LENGTH
     assert first.text + last.text == text
+
+
+def test_with_logprobs_each_token_and_alternative_is_named_by_its_own_text():
+    s = stream(max_tokens=50)
+    world, emoji = ids_of(" world"), ids_of("🙂")
+    named = [s.on_token(t, -0.5, TopLogprobs([t, EOS_ID], [-0.5, -2.0])) for t in world + emoji]
+    assert "".join(n for p in named[: len(world)] for n in p.tokens) == " world"
+    assert [p.tokens for p in named[len(world) :]] == [["\ufffd"]] * len(emoji)  # a byte of the emoji alone
+    assert all(p.top_logprobs[0].tokens == [p.tokens[0], "<|im_end|>"] for p in named)  # special shown
+    assert s.on_token(world[0], None).tokens == []  # logprobs not asked for: nothing named

@@ -159,7 +159,11 @@ def test_n_completions_stream_with_their_index_and_a_cancel_frees_all_their_bloc
     assert sorted({c.index for c in chunks}) == [0, 1, 2]
     per_index = [[t for c in chunks if c.index == i for t in c.token_ids] for i in range(3)]
     assert per_index[0] == per_index[1] == per_index[2] and len(per_index[0]) == 5  # greedy: alike
-    assert all(len(c.top_logprobs) == len(c.token_ids) for c in chunks)
+    assert all(len(c.top_logprobs) == len(c.token_ids) == len(c.tokens) for c in chunks)
+    greedy_named = [
+        (c.tokens[k], c.top_logprobs[k].tokens[0]) for c in chunks for k in range(len(c.token_ids))
+    ]
+    assert all(name == top for name, top in greedy_named)  # greedy: the token is its first alternative
     assert [c.HasField("usage") for c in chunks] == [False] * (len(chunks) - 1) + [True]
     assert chunks[-1].usage.completion_tokens == 15
     total = stub.Stats(worker_pb2.StatsRequest(), timeout=5).num_total_blocks

@@ -1,7 +1,8 @@
 """Turn one sequence's sampled tokens into streamed `GenerationOutput` pieces.
 
 Per token: stop token ids (EOS unless ignore_eos, and the request's own) end the sequence and are
-not detokenized; any other token goes through the incremental detokenizer (never half a UTF-8
+not detokenized (with logprobs, every token is also named by its own text, stop tokens included:
+`Tokenizer.token_texts`); any other token goes through the incremental detokenizer (never half a UTF-8
 character) and the stop-string matcher (which holds back a tail that may begin a stop string, and
 cuts the text before a matched stop string). max_tokens ends it with LENGTH. The last piece carries
 whatever text was still held and the finish reason.
@@ -55,6 +56,7 @@ class OutputStream:
         self.request.streams.append(self)
         self.request.num_unfinished += 1
         self.sink = self.request.sink
+        self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.num_prompt_tokens])
         self._stop = StopMatcher(stop)
         # time.monotonic() seconds, for the engine's observer (queue time, TTFT, inter-token latency)
@@ -78,6 +80,8 @@ class OutputStream:
                 reason = FinishReason.STOP
         if reason is not None:
             text += self._tail()
+        if top_logprobs is not None:
+            top_logprobs.tokens = self._tokenizer.token_texts(top_logprobs.token_ids)
         return GenerationOutput(
             request_id=seq.request_id,
             text=text,
@@ -87,6 +91,7 @@ class OutputStream:
             usage=self._finish(reason) if reason is not None else None,
             top_logprobs=[top_logprobs] if top_logprobs is not None else [],
             index=seq.index,
+            tokens=self._tokenizer.token_texts([token_id]) if logprob is not None else [],
         )
 
     def finish_early(self, reason: FinishReason) -> None:

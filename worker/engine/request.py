@@ -165,6 +165,7 @@ class TopLogprobs:
 
     token_ids: list[int]
     logprobs: list[float]
+    tokens: list[str] = field(default_factory=list)  # each id's text (Tokenizer.token_texts), once named
 
 
 @dataclass(slots=True)
@@ -182,6 +183,7 @@ class GenerationOutput:
     usage: Usage | None = None
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     index: int = 0
+    tokens: list[str] = field(default_factory=list)  # with logprobs: each token id's text, decoded alone
 
 
 def merge_pieces(first: GenerationOutput, then: GenerationOutput) -> GenerationOutput:
@@ -195,6 +197,7 @@ def merge_pieces(first: GenerationOutput, then: GenerationOutput) -> GenerationO
         usage=then.usage,
         top_logprobs=first.top_logprobs + then.top_logprobs,
         index=first.index,
+        tokens=first.tokens + then.tokens,
     )
 
 
@@ -221,6 +224,7 @@ class GenerationResult:
     finish_reason: FinishReason
     usage: Usage
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
 
     @classmethod
     def join(cls, outputs: list[GenerationOutput]) -> GenerationResult:
@@ -234,6 +238,7 @@ class GenerationResult:
             finish_reason=last.finish_reason,
             usage=last.usage,
             top_logprobs=[t for o in outputs for t in o.top_logprobs],
+            tokens=[t for o in outputs for t in o.tokens],
         )
 
     @classmethod

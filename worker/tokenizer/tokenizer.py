@@ -33,6 +33,7 @@ class Tokenizer:
         origin: str = "tokenizer",
     ) -> None:
         self.backend = backend
+        self._token_texts: dict[int, str] = {}  # token_texts' memory (dict updates hold the GIL)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
@@ -84,6 +85,18 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each id's text decoded alone, special tokens shown: what logprobs name a token by (OpenAI's
+        `token`, vLLM's decoded token). A token that is part of a UTF-8 character decodes to U+FFFD; one
+        whose text depends on its neighbours (a SentencePiece word start) reads as the decoder shows it
+        alone. Remembered per id: a request with top_logprobs names up to 21 tokens a step."""
+        names = self._token_texts
+        missing = [i for i in dict.fromkeys(ids) if i not in names]
+        if missing:
+            texts = self.backend.decode_batch([[i] for i in missing], skip_special_tokens=False)
+            names.update(zip(missing, texts, strict=True))
+        return [names[i] for i in ids]
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any

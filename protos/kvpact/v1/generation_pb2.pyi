@@ -214,19 +214,25 @@ class TopLogprobs(_message.Message):
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """each id's text, decoded alone (GenerateChunk.tokens)"""
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        tokens: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -351,6 +357,7 @@ class GenerateChunk(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """text delta (never half a UTF-8 character)"""
@@ -370,6 +377,13 @@ class GenerateChunk(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
         """one per token id, when top_logprobs > 0"""
 
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """One per token id, when logprobs are requested: the id's text decoded alone, special tokens shown
+        (what logprobs name a token by; part of a UTF-8 character decodes to U+FFFD). The text deltas above
+        are the output; these name single tokens.
+        """
+
     def __init__(
         self,
         *,
@@ -382,10 +396,11 @@ class GenerateChunk(_message.Message):
         worker_id: _builtins.str = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         index: _builtins.int = ...,
+        tokens: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tokens", b"tokens", "top_logprobs", b"top_logprobs", "usage", b"usage", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -403,6 +418,7 @@ class CompleteResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
@@ -417,6 +433,10 @@ class CompleteResponse(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
         """one per token id, when top_logprobs > 0"""
 
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """one per token id, when logprobs are requested (GenerateChunk.tokens)"""
+
     def __init__(
         self,
         *,
@@ -428,10 +448,11 @@ class CompleteResponse(_message.Message):
         usage: Global___Usage | None = ...,
         worker_id: _builtins.str = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+        tokens: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tokens", b"tokens", "top_logprobs", b"top_logprobs", "usage", b"usage", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -159,6 +159,30 @@ def test_chat_stream_rendering_role_first_finish_last_usage_apart():
                               "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
 
 
+def test_logprobs_name_tokens_and_alternatives_by_the_workers_texts_and_fall_back_to_ids():
+    named = generation_pb2.GenerateChunk(
+        request_id="r", text="Hello", token_ids=[5, 6], logprobs=[-0.5, -0.25], tokens=["Hel", "lo"]
+    )
+    named.top_logprobs.add(token_ids=[5, 9], logprobs=[-0.5, -1.0], tokens=["Hel", "<|im_end|>"])
+    named.top_logprobs.add(token_ids=[6, 9], logprobs=[-0.25, -3.0], tokens=["lo", "<|im_end|>"])
+    chat = Rendering(True, "a", "m", logprobs=True, include_usage=False).add(0, named)
+    [hel, lo] = chat["logprobs"]["content"]
+    assert (hel["token"], hel["bytes"], lo["token"]) == ("Hel", [72, 101, 108], "lo")
+    assert [t["token"] for t in hel["top_logprobs"]] == ["Hel", "<|im_end|>"]
+    text = Rendering(False, "b", "m", logprobs=True, include_usage=False).add(0, named)
+    assert text["logprobs"]["tokens"] == ["Hel", "lo"] and text["logprobs"]["text_offset"] == [0, 3]
+    assert text["logprobs"]["top_logprobs"] == [
+        {"Hel": -0.5, "<|im_end|>": -1.0},
+        {"lo": -0.25, "<|im_end|>": -3.0},
+    ]
+    del named.tokens[:]  # a worker that sends no names
+    for top in named.top_logprobs:
+        del top.tokens[:]
+    old = Rendering(False, "c", "m", logprobs=True, include_usage=False).add(0, named)
+    assert old["logprobs"]["tokens"] == ["token_id:5", "token_id:6"]
+    assert old["logprobs"]["top_logprobs"][0] == {"token_id:5": -0.5, "token_id:9": -1.0}
+
+
 def test_whole_completions_with_two_choices():
     r = Rendering(False, "x", "m", logprobs=False, include_usage=False)
     r.add(1, chunk("b", 2, index=1, finish=generation_pb2.FINISH_REASON_STOP, usage=(3, 1, 0)))

@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP front (router/http/) through the official `openai` SDK and raw HTTP, against
 a real `router --http-listen` and one `--paged-attn on` worker on a tiny Llama (one cluster per module).
 
-Parameters the worker does not honor yet (penalties, top_logprobs, min_tokens, n, response_format) have
-their end-to-end test as it should pass once honored, marked xfail(strict) until the worker side merges,
-and a test of today's behaviour: a 400 naming the parameter, never a 500.
+Every parameter the front accepts has its end-to-end test here (penalties, logprobs and top_logprobs with
+their token names, min_tokens, n, response_format); one it refuses gets a 400 naming it, never a 500.
 """
 
 from __future__ import annotations
@@ -202,6 +201,9 @@ def test_completions_text_token_ids_and_several_prompts(cluster: Cluster):
     assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
     (choice,) = reply.choices
     assert choice.finish_reason == "length" and len(choice.logprobs.token_logprobs) == 5
+    assert len(choice.logprobs.tokens) == 5 and not any(
+        t.startswith("token_id:") for t in choice.logprobs.tokens
+    )
     assert reply.usage.completion_tokens == 5
     several = sdk.completions.create(
         model="tiny", prompt=["Hello", "Other"], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
@@ -370,6 +372,10 @@ def test_top_logprobs_and_penalties_and_min_tokens(cluster: Cluster):
     content = reply.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert reply.usage.completion_tokens == 4
+    # every token named by its text, as an SDK user reads it: greedy, so each is its own first alternative
+    names = [(t.token, [a.token for a in t.top_logprobs]) for t in content]
+    assert all(token == top[0] and not token.startswith("token_id:") for token, top in names), names
+    assert all(t.bytes == list(t.token.encode()) for t in content)
 
 
 def test_a_json_schema_response_parses(cluster: Cluster):
