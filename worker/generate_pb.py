@@ -45,6 +45,7 @@ def sampling_from_pb(msg: generation_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         top_logprobs=msg.top_logprobs,
+        logit_bias=dict(msg.logit_bias),
     )
 
 

@@ -54,17 +54,19 @@ ERROR_TYPE = {
     504: "timeout_error",
 }
 UPSTREAM = 502
-# A worker refuses a GenerateRequest field by its proto name; the client sent the OpenAI parameter.
+# A worker refuses a GenerateRequest field by its name (a sampling field without "sampling.": its
+# messages come from worker/engine/request.py's validate); the client sent the OpenAI parameter.
 PARAM_OF_FIELD = {
-    "sampling.presence_penalty": "presence_penalty",
-    "sampling.frequency_penalty": "frequency_penalty",
-    "sampling.top_logprobs": "top_logprobs",
-    "sampling.temperature": "temperature",
-    "sampling.top_p": "top_p",
-    "sampling.top_k": "top_k",
-    "sampling.min_p": "min_p",
-    "sampling.repetition_penalty": "repetition_penalty",
-    "sampling.seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "top_logprobs": "top_logprobs",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "seed": "seed",
+    "logit_bias": "logit_bias",
     "min_tokens": "min_tokens",
     "response_format": "response_format",
     "max_tokens": "max_tokens",

@@ -112,6 +112,10 @@ def _common(body: _Generation, max_tokens: int | None) -> generation_pb2.Generat
         request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if body.stop_token_ids:
         request.stop_token_ids.extend(body.stop_token_ids)
+    for token, bias in (body.logit_bias or {}).items():
+        if int(token) >= 1 << 32:
+            raise HttpError(400, f"logit_bias: {token} is not a token id", "logit_bias")
+        sampling.logit_bias[int(token)] = bias
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
         request.response_format.json_object = True

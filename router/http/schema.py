@@ -3,7 +3,7 @@
 Invariant: every field declared here is honored (router/http/requests.py maps each one onto the
 GenerateRequest, or refuses a value it cannot honor by name); anything not declared is refused by
 `extra="forbid"` with a 400 naming it, as OpenAI's own API does. The few OpenAI parameters that a
-client may send with a neutral value (`echo: false`, `best_of: 1`, `tools: []`, `logit_bias: {}`...)
+client may send with a neutral value (`echo: false`, `best_of: 1`, `tools: []`, `functions: []`...)
 are declared so that the neutral value passes and any other value is refused by name.
 """
 
@@ -19,6 +19,9 @@ MAX_N = 128  # completions per request (OpenAI's own cap)
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_USER_CHARS = 256
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+# A logit_bias key: a token id, written as a JSON object key (a string of digits)
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 # OpenAI parameters kvpact does not implement; a neutral value (None, [], {}, false) is taken as "not
 # asked for", anything else gets a 400 naming the parameter and this reason.
 REFUSED: dict[str, str] = {
@@ -27,7 +30,6 @@ REFUSED: dict[str, str] = {
     "parallel_tool_calls": "tool calling is not implemented by kvpact",
     "functions": "function calling is not implemented by kvpact",
     "function_call": "function calling is not implemented by kvpact",
-    "logit_bias": "logit_bias is not implemented by kvpact",
     "echo": "echoing the prompt is not implemented by kvpact",
     "suffix": "suffix (fill-in-the-middle) is not implemented by kvpact",
     "best_of": "best_of is not implemented by kvpact; use n",
@@ -101,13 +103,14 @@ class _Generation(_Strict):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, lt=1 << 32)] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] | None = None
+    # OpenAI's: token ids (as JSON object keys, so strings) -> a bias added to the logit
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     # OpenAI parameters that are refused unless neutral (REFUSED)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    logit_bias: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None

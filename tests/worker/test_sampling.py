@@ -228,6 +228,23 @@ def test_top_logprobs_are_the_k_most_likely_raw_tokens_per_row():
     assert last is not None and last.token_ids == [7] and got.token_ids[2] == 0
 
 
+def test_logit_bias_moves_only_its_rows_tokens_and_keeps_raw_logprobs():
+    logits = logits_of(LOGITS, LOGITS, LOGITS)
+    got = sample(
+        logits,
+        [
+            row(temperature=0, logit_bias={5: 100.0}, logprobs=True),  # -2.0 + 100: forced
+            row(temperature=0, logit_bias={7: -1.5, 0: 0.25}),  # 7: 1.5, 0: 2.25 -> 0 wins
+            row(temperature=0),  # untouched
+        ],
+    )
+    assert got.token_ids == [5, 0, 7]
+    assert got.logprobs[0] == pytest.approx(torch.log_softmax(torch.tensor(LOGITS), 0)[5].item())
+    gen = make_generator(0, torch.device("cpu"))
+    banned = row(generator=gen, temperature=5.0, logit_bias={7: -100.0, 0: -100.0})
+    assert not {sample(logits_of(LOGITS), [banned]).token_ids[0] for _ in range(400)} & {7, 0}
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
@@ -236,6 +253,8 @@ def test_top_logprobs_are_the_k_most_likely_raw_tokens_per_row():
         (dict(frequency_penalty=math.nan), "frequency_penalty must be in [-2, 2]"),
         (dict(logprobs=True, top_logprobs=21), "top_logprobs must be in [0, 20], got 21"),
         (dict(top_logprobs=2), "top_logprobs (2) needs logprobs"),
+        (dict(logit_bias={3: 100.5}), "logit_bias values must be in [-100, 100], got 3: 100.5"),
+        (dict(logit_bias={3: math.inf}), "logit_bias values must be in [-100, 100]"),
     ],
 )
 def test_penalty_and_top_logprobs_out_of_range_are_refused(params, message):

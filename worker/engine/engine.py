@@ -328,6 +328,9 @@ class Engine:
         bad_stop = [t for t in request.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise RequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop[:5]}")
+        bad_bias = [t for t in request.sampling.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise RequestError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad_bias[:5]}")
         n, limit = len(ids), self.max_model_len
         if n == 0:
             raise RequestError("the prompt is empty after tokenization")

@@ -18,6 +18,7 @@ from kvpact.shared.limits import MAX_COMPLETIONS, check_completion_budget, excer
 MAX_SEED = 2**64 - 1
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 
 
 @dataclass(slots=True)
@@ -25,7 +26,8 @@ class SamplingParams:
     """temperature 0 = greedy. top_k 0, top_p 1, min_p 0, repetition_penalty 1 and presence/frequency
     penalty 0 disable those. A seed makes the sampled tokens a function of (seed, prompt) alone, whatever
     else is in the batch. `top_logprobs` > 0 (needs `logprobs`) also returns that many most likely
-    alternatives per sampled token."""
+    alternatives per sampled token. `logit_bias` adds its value to its token's logit before sampling
+    (100 all but forces the token, -100 all but bans it)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -37,6 +39,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the generated tokens
     top_logprobs: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +70,13 @@ class SamplingParams:
             raise RequestError(
                 f"top_logprobs ({self.top_logprobs}) needs logprobs: set logprobs too, or top_logprobs to 0"
             )
+        bad = [
+            f"{t}: {b}"
+            for t, b in self.logit_bias.items()
+            if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS)
+        ]
+        if bad:
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {', '.join(bad[:5])}")
 
 
 CHAT_ROLES = ("system", "user", "assistant")

@@ -1,10 +1,11 @@
 """Pick the next token of every sequence in a step from its logits row.
 
 Order, per row (the same as Hugging Face's logits processors): repetition penalty -> presence and
-frequency penalties (OpenAI's, over the generated tokens) -> masks (the stop tokens before min_tokens,
-a grammar's allowed tokens) -> greedy argmax (temperature 0) or temperature -> top-k -> top-p -> min-p
--> one draw. Each stage runs only on the rows that use it, as one batched op: a batch that uses none
-pays one pass over the rows' `processed` flags (what the repetition penalty's own check cost before).
+frequency penalties (OpenAI's, over the generated tokens) -> logit bias (OpenAI's) -> masks (the stop
+tokens before min_tokens, a grammar's allowed tokens) -> greedy argmax (temperature 0) or temperature
+-> top-k -> top-p -> min-p -> one draw. Each stage runs only on the rows that use it, as one batched
+op: a batch that uses none pays one pass over the rows' `processed` flags (what the repetition
+penalty's own check cost before).
 The filters run vectorized over the batch; only the draw is per row, because a seeded request draws
 from its own torch.Generator so that its tokens depend on (seed, prompt) alone, never on what else is
 in the batch. Unseeded rows share one batched draw from the global generator.
@@ -50,6 +51,7 @@ class SampleRow:
             p.repetition_penalty != 1.0
             or p.presence_penalty
             or p.frequency_penalty
+            or p.logit_bias
             or self.masked_token_ids
             or self.grammar is not None
         )
@@ -84,6 +86,7 @@ def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> Sampled:
     if processed:
         logits = _apply_repetition_penalty(logits, rows, processed)
         logits = _apply_output_penalties(logits, rows, processed)
+        logits = _apply_logit_bias(logits, rows, processed)
         logits = _apply_masks(logits, rows, processed)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     token_ids = logits.argmax(dim=-1)  # every row greedy is the common case; sampled rows are overwritten
@@ -120,6 +123,21 @@ def _apply_output_penalties(logits: torch.Tensor, rows: Seq[SampleRow], among: l
     idx = _indices(penalized, device)
     logits = logits.clone()
     logits[idx] = logits[idx] - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Seq[SampleRow], among: list[int]) -> torch.Tensor:
+    """OpenAI's logit_bias: each named token's bias added to its logit (one indexed add for the batch)."""
+    biased = [i for i in among if rows[i].params.logit_bias]
+    if not biased:
+        return logits
+    device = logits.device
+    row_ids = [i for i in biased for _ in rows[i].params.logit_bias]
+    token_ids = [t for i in biased for t in rows[i].params.logit_bias]
+    biases = [b for i in biased for b in rows[i].params.logit_bias.values()]
+    logits = logits.clone()
+    index = (_indices(row_ids, device), _indices(token_ids, device))
+    logits.index_put_(index, _values(biases, device).to(logits.dtype), accumulate=True)
     return logits
 
 

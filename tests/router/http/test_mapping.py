@@ -61,7 +61,7 @@ def test_completions_prompts_and_integer_logprobs():
 
 @pytest.mark.parametrize(
     "neutral",
-    [{"tools": []}, {"tool_choice": None}, {"logit_bias": {}}, {"store": False}, {"modalities": ["text"]}],
+    [{"tools": []}, {"tool_choice": None}, {"functions": []}, {"store": False}, {"modalities": ["text"]}],
 )
 def test_a_neutral_value_of_a_refused_parameter_passes(neutral):
     chat(**neutral)
@@ -71,7 +71,7 @@ def test_a_neutral_value_of_a_refused_parameter_passes(neutral):
     ("params", "name"),
     [
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
@@ -81,6 +81,15 @@ def test_a_refused_value_is_a_400_naming_it(params, name):
     with pytest.raises(HttpError) as err:
         chat(**params)
     assert err.value.status == 400 and err.value.param == name and name in err.value.message
+
+
+def test_logit_bias_maps_token_ids_written_as_keys_onto_the_sampling_params():
+    assert dict(chat(logit_bias={"5": 100, "12": -2.5}).sampling.logit_bias) == {5: 100.0, 12: -2.5}
+    [r] = completion_requests(CompletionRequest(prompt="a", logit_bias={"7": -100}))
+    assert dict(r.sampling.logit_bias) == {7: -100.0} and not chat().sampling.logit_bias
+    with pytest.raises(HttpError) as err:
+        chat(logit_bias={"4294967296": 1})
+    assert err.value.status == 400 and err.value.param == "logit_bias"
 
 
 def test_completions_take_max_completion_tokens_as_guidellm_sends_it():

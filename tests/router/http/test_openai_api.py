@@ -34,7 +34,7 @@ from tests.factories.processes import (
     wait_for_health,
     wait_for_line,
 )
-from tests.factories.tiny_models import make_tiny_llama
+from tests.factories.tiny_models import make_tiny_llama, tiny_tokenizer
 
 KEY = "sk-test-key"
 START_S = 90.0
@@ -241,7 +241,7 @@ def test_async_sdk_streams_completions(cluster: Cluster):
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"temperature": 3}, "temperature"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
@@ -376,6 +376,23 @@ def test_top_logprobs_and_penalties_and_min_tokens(cluster: Cluster):
     names = [(t.token, [a.token for a in t.top_logprobs]) for t in content]
     assert all(token == top[0] and not token.startswith("token_id:") for token, top in names), names
     assert all(t.bytes == list(t.token.encode()) for t in content)
+
+
+def test_logit_bias_forces_a_token_and_an_id_past_the_vocabulary_is_a_400_naming_it(cluster: Cluster):
+    sdk = cluster.sdk()
+    fox = tiny_tokenizer().encode(" fox", add_special_tokens=False).ids[-1]
+    reply = sdk.completions.create(
+        model="tiny", prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(fox): 100},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].text == tiny_tokenizer().decode([fox] * 3)
+    for bias, message in (
+        ({"999999": 1}, "logit_bias token ids must be in"),
+        ({"1": 101}, "less than or equal"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk.completions.create(model="tiny", prompt="Hello", max_tokens=2, logit_bias=bias)
+        assert err.value.body["param"].startswith("logit_bias") and message in err.value.body["message"]
 
 
 def test_a_json_schema_response_parses(cluster: Cluster):
