@@ -91,6 +91,8 @@ class GenerationService(router_pb2_grpc.GenerationServicer):
                 response.logprobs.extend(chunk.logprobs)
                 response.top_logprobs.extend(chunk.top_logprobs)
                 response.tokens.extend(chunk.tokens)
+                if chunk.HasField("prompt"):
+                    response.prompt.CopyFrom(chunk.prompt)
                 response.worker_id = chunk.worker_id
                 if chunk.finish_reason:
                     response.finish_reason = chunk.finish_reason

@@ -21,6 +21,7 @@ from kvpact.worker.engine.request import (
     Prompt,
     ResponseFormat,
     SamplingParams,
+    TopLogprobs,
 )
 
 if TYPE_CHECKING:  # torch comes with it: a process that only converts chunks needs none
@@ -46,6 +47,7 @@ def sampling_from_pb(msg: generation_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         top_logprobs=msg.top_logprobs,
         logit_bias=dict(msg.logit_bias),
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -87,6 +89,7 @@ def request_from_pb(msg: generation_pb2.GenerateRequest, request_id: str) -> Gen
         min_tokens=msg.min_tokens,
         response_format=response_format_from_pb(msg),
         n=max(msg.n, 1),  # 0 (unset) = 1
+        echo=msg.echo,
     )
 
 
@@ -98,12 +101,20 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
         logprobs=output.logprobs,
         worker_id=worker_id,
         index=output.index,
-        top_logprobs=[
-            generation_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs, tokens=t.tokens)
-            for t in output.top_logprobs
-        ],
+        top_logprobs=[_top_to_pb(t) for t in output.top_logprobs],
         tokens=output.tokens,
     )
+    if output.prompt is not None:
+        echo = output.prompt
+        chunk.prompt.CopyFrom(
+            generation_pb2.PromptEcho(
+                text=echo.text,
+                token_ids=echo.token_ids,
+                tokens=echo.tokens,
+                logprobs=echo.logprobs,
+                top_logprobs=[_top_to_pb(t) for t in echo.top_logprobs],
+            )
+        )
     if output.finish_reason is not None:
         chunk.finish_reason = _FINISH_TO_PB[output.finish_reason]
     if output.usage is not None:
@@ -135,3 +146,7 @@ def capabilities_to_pb(probe: DeviceProbe) -> worker_pb2.Capabilities:
         triton_version=info.triton_version or "",
         supported_backends=backends,
     )
+
+
+def _top_to_pb(top: TopLogprobs) -> generation_pb2.TopLogprobs:
+    return generation_pb2.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs, tokens=top.tokens)

@@ -78,6 +78,10 @@ def completion_requests(body: CompletionRequest) -> list[generation_pb2.Generate
         if body.logprobs is not None:
             request.sampling.logprobs = True
             request.sampling.top_logprobs = body.logprobs
+        if body.echo:
+            request.echo = True
+            if body.logprobs is not None:  # lm-eval's loglikelihood: echo, logprobs 1, max_tokens 1
+                request.sampling.prompt_logprobs = body.logprobs
         request.request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
         requests.append(request)
     return requests

@@ -47,6 +47,26 @@ def token_names(chunk: generation_pb2.GenerateChunk) -> list[str]:
     return [f"token_id:{t}" for t in chunk.token_ids]
 
 
+Row = tuple[str, float | None, list[tuple[str, float]] | None]  # a token's name, logprob, alternatives
+
+
+def echoed_rows(echoed: generation_pb2.PromptEcho) -> list[Row]:
+    """An echoed prompt's tokens as logprobs rows: the first without logprob or alternatives (it has no
+    context), the rest with what the worker computed (None where none was asked for)."""
+    rows: list[Row] = [(echoed.tokens[0], None, None)] if echoed.tokens else []
+    for k, name in enumerate(echoed.tokens[1:]):
+        logprob = echoed.logprobs[k] if k < len(echoed.logprobs) else None
+        top = echoed.top_logprobs[k] if k < len(echoed.top_logprobs) else None
+        rows.append(
+            (
+                name,
+                logprob,
+                None if top is None else list(zip(alternative_names(top), top.logprobs, strict=True)),
+            )
+        )
+    return rows
+
+
 def alternative_names(top: generation_pb2.TopLogprobs) -> list[str]:
     if len(top.tokens) == len(top.token_ids):
         return list(top.tokens)
@@ -101,18 +121,21 @@ class Rendering:
         finish = FINISH_REASON.get(chunk.finish_reason)
         if finish is not None:
             choice.finish_reason = finish
-        logprobs = self._logprobs(choice, chunk) if self.logprobs and chunk.token_ids else None
-        choice.text.append(chunk.text)
-        choice.num_chars += len(chunk.text)
-        if not chunk.text and finish is None and logprobs is None and choice.started:
+        echoed = chunk.prompt if not self.chat and chunk.HasField("prompt") else None
+        text = chunk.text if echoed is None else echoed.text + chunk.text
+        wanted = self.logprobs and (chunk.token_ids or echoed is not None)
+        logprobs = self._logprobs(choice, chunk, echoed) if wanted else None
+        choice.text.append(text)
+        choice.num_chars += len(text)
+        if not text and finish is None and logprobs is None and choice.started:
             return None
         if self.chat:
-            delta: dict[str, Any] = {"content": chunk.text} if chunk.text or not choice.started else {}
+            delta: dict[str, Any] = {"content": text} if text or not choice.started else {}
             if not choice.started:
                 delta["role"] = "assistant"
             out = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            out = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+            out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         choice.started = True
         return out
 
@@ -175,7 +198,11 @@ class Rendering:
 
     # -- logprobs
 
-    def _logprobs(self, choice: _Choice, chunk: generation_pb2.GenerateChunk) -> dict[str, Any]:
+    def _logprobs(
+        self, choice: _Choice, chunk: generation_pb2.GenerateChunk, echoed: generation_pb2.PromptEcho | None
+    ) -> dict[str, Any]:
+        """The chunk's logprobs object (chat: `content` entries; completions: the legacy lists, an echoed
+        prompt's tokens first: the first has no logprob, having no context)."""
         entries = []
         for k, name in enumerate(token_names(chunk)):
             logprob = chunk.logprobs[k] if k < len(chunk.logprobs) else None
@@ -199,15 +226,21 @@ class Rendering:
             choice.logprobs.extend(content)
             return {"content": content}
         offsets, offset = [], choice.num_chars
+        prompt = echoed_rows(echoed) if echoed is not None else []
+        for name, _, _ in prompt:
+            offsets.append(offset)
+            offset += len(name)
+        if echoed is not None:
+            offset = choice.num_chars + len(echoed.text)
         for name, _, _ in entries:
             offsets.append(offset)
             offset += len(name) if len(chunk.token_ids) == 1 or chunk.tokens else 0
+        rows = prompt + [(name, logprob, top) for name, logprob, top in entries]
+        with_tops = any(top for _, _, top in entries) or bool(echoed is not None and echoed.top_logprobs)
         part = {
-            "tokens": [name for name, _, _ in entries],
-            "token_logprobs": [logprob for _, logprob, _ in entries],
-            "top_logprobs": [dict(top) for _, _, top in entries]
-            if any(top for _, _, top in entries)
-            else None,
+            "tokens": [name for name, _, _ in rows],
+            "token_logprobs": [logprob for _, logprob, _ in rows],
+            "top_logprobs": [None if top is None else dict(top) for _, _, top in rows] if with_tops else None,
             "text_offset": offsets,
         }
         choice.logprobs.append(part)

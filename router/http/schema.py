@@ -3,7 +3,7 @@
 Invariant: every field declared here is honored (router/http/requests.py maps each one onto the
 GenerateRequest, or refuses a value it cannot honor by name); anything not declared is refused by
 `extra="forbid"` with a 400 naming it, as OpenAI's own API does. The few OpenAI parameters that a
-client may send with a neutral value (`echo: false`, `best_of: 1`, `tools: []`, `functions: []`...)
+client may send with a neutral value (`best_of: 1`, `tools: []`, `functions: []`, `store: false`...)
 are declared so that the neutral value passes and any other value is refused by name.
 """
 
@@ -30,7 +30,6 @@ REFUSED: dict[str, str] = {
     "parallel_tool_calls": "tool calling is not implemented by kvpact",
     "functions": "function calling is not implemented by kvpact",
     "function_call": "function calling is not implemented by kvpact",
-    "echo": "echoing the prompt is not implemented by kvpact",
     "suffix": "suffix (fill-in-the-middle) is not implemented by kvpact",
     "best_of": "best_of is not implemented by kvpact; use n",
     "audio": "audio output is not implemented by kvpact",
@@ -148,6 +147,6 @@ class ChatCompletionRequest(_Generation):
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
-    echo: Any = None
+    echo: bool = False  # the prompt first in each choice's text (and, with logprobs, its tokens' logprobs)
     suffix: Any = None
     best_of: Any = None

@@ -41,6 +41,7 @@ from kvpact.worker.engine.request import (
     GenerationOutput,
     GenerationRequest,
     GenerationResult,
+    PromptEcho,
 )
 from kvpact.worker.engine.sequence import Sequence
 from kvpact.worker.engine.step_loop import StepLoop
@@ -172,6 +173,7 @@ class Engine:
         prompt_ids, max_tokens, compiled = prepared
         eos = frozenset() if request.ignore_eos else self.tokenizer.eos_token_ids
         streams = RequestStreams(sink)
+        echo = self._echo(request, prompt_ids) if request.echo else None
         for index in range(request.n):
             seq = Sequence.create(
                 seq_id=next(self._seq_ids),
@@ -185,7 +187,7 @@ class Engine:
                 grammar=_grammar_state(compiled),
                 index=index,
             )
-            OutputStream(seq, self.tokenizer, request.stop, streams)
+            OutputStream(seq, self.tokenizer, request.stop, streams, echo)
         with self._in_flight.lock:  # with close() under the same lock, a queued add is always drained
             if self.step_loop.closed.is_set():
                 raise EngineClosedError("the engine is closed")
@@ -304,6 +306,17 @@ class Engine:
                         f"({type(e).__name__}: {e}); send the request without response_format"
                     ) from e
             return self._grammars
+
+    def _echo(self, request: GenerationRequest, prompt_ids: list[int]) -> PromptEcho:
+        """The prompt as echoed (its logprobs come later, from the steps that compute it): a text prompt's
+        own text, else its token ids decoded, special tokens shown."""
+        prompt = request.prompt
+        text = (
+            prompt
+            if isinstance(prompt, str)
+            else self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        )
+        return PromptEcho(text, list(prompt_ids), self.tokenizer.token_texts(prompt_ids))
 
     def _prepare(self, request: GenerationRequest) -> Prepared:
         """Validate, tokenize and compile the request's grammar (in a prepare thread or the caller's,

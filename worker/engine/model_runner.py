@@ -3,7 +3,8 @@
 The flat batch puts the one-token chunks (decodes) first, then the longer chunks, so each cache's
 AttentionStep sees `num_decodes` decode rows followed by prefill/extend rows. Logits are computed only
 for the last token of chunks that reach their sequence's end (a middle chunk of a long prompt samples
-nothing).
+nothing), and for the prompt tokens of a sequence whose prompt's logprobs were asked for
+(`_record_prompt_logprobs`).
 
 `device` is where the step's inputs go: the first stage's (worker/model/stages.py); the sampled rows are
 read on the device the hidden states come back on.
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from kvpact.worker.engine.decode_graphs import DecodeGraphs
     from kvpact.worker.engine.fused_decode import FusedDecode
     from kvpact.worker.parallel.ranks import RankGroup
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits over the vocabulary are held at once
 
 
 @dataclass(slots=True)
@@ -73,7 +77,9 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         block_copies: list[tuple[int, int]] = []
+        first_rows: list[int] = []  # each chunk's first row in the flat batch
         for c in ordered:
+            first_rows.append(len(input_ids))
             if c.block_copies:
                 block_copies += c.block_copies
             input_ids += c.seq.token_ids[c.start : c.end]
@@ -87,6 +93,9 @@ class ModelRunner:
             hidden = self.graphs.run(ordered)  # a captured decode step, replayed
         else:
             hidden = self._forward(ordered, len(decodes), input_ids, positions, block_copies)
+        for c, first in zip(ordered, first_rows, strict=True):
+            if c.seq.needs_prompt_logprobs:
+                self._record_prompt_logprobs(c, hidden[first : first + c.num_tokens])
         seqs = [s for c in ordered if c.samples for s in (c.seq, *c.forks)]
         if not seqs:
             return StepResult([], [], [], [])
@@ -97,6 +106,26 @@ class ModelRunner:
         sampled = sample(logits, [s.sample_row() for s in seqs])
         kept = logits if self.keep_logits else None
         return StepResult(seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, kept)
+
+    def _record_prompt_logprobs(self, c: ScheduledChunk, hidden: torch.Tensor) -> None:
+        """The chunk's share of its prompt's logprobs: its row for position p predicts token p + 1,
+        recorded where p + 1 is a prompt token not recorded yet (a prompt recomputed after a preemption
+        records nothing twice). The logits over the vocabulary go PROMPT_LOGITS_ROWS rows at a time."""
+        seq = c.seq
+        k = seq.sampling.prompt_logprobs or 0
+        end = min(c.end, seq.num_prompt_tokens - 1)
+        for lo in range(max(c.start, len(seq.prompt_logprobs)), end, PROMPT_LOGITS_ROWS):
+            hi = min(lo + PROMPT_LOGITS_ROWS, end)
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[lo - c.start : hi - c.start]), dim=-1
+            )
+            targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1], dtype=torch.long, device=logprobs.device)
+            seq.prompt_logprobs += logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            if k:
+                values, ids = logprobs.topk(k, dim=-1)
+                seq.prompt_top_logprobs += [
+                    TopLogprobs(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                ]
 
     def _forward(
         self,

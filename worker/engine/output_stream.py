@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvpact.worker.engine.request import FinishReason, GenerationOutput, TopLogprobs, Usage
+from kvpact.worker.engine.request import FinishReason, GenerationOutput, PromptEcho, TopLogprobs, Usage
 from kvpact.worker.engine.sequence import Sequence
 from kvpact.worker.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
@@ -48,10 +48,17 @@ class RequestStreams:
 
 class OutputStream:
     def __init__(
-        self, seq: Sequence, tokenizer: Tokenizer, stop: tuple[str, ...], sink: Sink | RequestStreams
+        self,
+        seq: Sequence,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...],
+        sink: Sink | RequestStreams,
+        echo: PromptEcho | None = None,
     ) -> None:
-        """`sink`: the request's (n = 1), or the RequestStreams this stream joins (in index order)."""
+        """`sink`: the request's (n = 1), or the RequestStreams this stream joins (in index order).
+        `echo`: the prompt its first piece carries (GenerationRequest.echo), the logprobs added then."""
         self.seq = seq
+        self._echo = echo
         self.request = sink if isinstance(sink, RequestStreams) else RequestStreams(sink)
         self.request.streams.append(self)
         self.request.num_unfinished += 1
@@ -84,6 +91,7 @@ class OutputStream:
             top_logprobs.tokens = self._tokenizer.token_texts(top_logprobs.token_ids)
         return GenerationOutput(
             request_id=seq.request_id,
+            prompt=self._echoed() if self._echo is not None and seq.num_output_tokens == 1 else None,
             text=text,
             token_ids=[token_id],
             logprobs=[logprob] if logprob is not None else [],
@@ -92,6 +100,19 @@ class OutputStream:
             top_logprobs=[top_logprobs] if top_logprobs is not None else [],
             index=seq.index,
             tokens=self._tokenizer.token_texts([token_id]) if logprob is not None else [],
+        )
+
+    def _echoed(self) -> PromptEcho:
+        """The prompt with its logprobs, as the request's first completion computed them (the others
+        forked its blocks, so they computed none)."""
+        assert self._echo is not None
+        computed = self.request.streams[0].seq
+        top = [
+            TopLogprobs(t.token_ids, t.logprobs, self._tokenizer.token_texts(t.token_ids))
+            for t in computed.prompt_top_logprobs
+        ]
+        return PromptEcho(
+            self._echo.text, self._echo.token_ids, self._echo.tokens, list(computed.prompt_logprobs), top
         )
 
     def finish_early(self, reason: FinishReason) -> None:

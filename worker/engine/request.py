@@ -40,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the generated tokens
     top_logprobs: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
+    prompt_logprobs: int | None = None  # with echo: the prompt's logprobs and this many alternatives each
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +70,10 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise RequestError(
                 f"top_logprobs ({self.top_logprobs}) needs logprobs: set logprobs too, or top_logprobs to 0"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
             )
         bad = [
             f"{t}: {b}"
@@ -105,7 +110,8 @@ class GenerationRequest:
     `max_tokens` None = min(256, what fits in max_model_len after the prompt). `min_tokens`: EOS and
     the stop token ids cannot be sampled before that many tokens were generated (stop strings still
     apply). `n` completions of the prompt (1..MAX_COMPLETIONS), each with its own `index`; a seeded
-    request's completion i draws from seed + i."""
+    request's completion i draws from seed + i. `echo`: each completion's first piece carries the
+    prompt (`PromptEcho`; its logprobs with `sampling.prompt_logprobs`)."""
 
     request_id: str
     prompt: Prompt
@@ -117,6 +123,7 @@ class GenerationRequest:
     min_tokens: int = 0
     response_format: ResponseFormat | None = None
     n: int = 1
+    echo: bool = False
 
     def validate(self) -> None:
         """Checks that need no tokenizer (the engine checks lengths and token ids after tokenizing)."""
@@ -153,6 +160,10 @@ class GenerationRequest:
             )
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")
+        if self.sampling.prompt_logprobs is not None and not self.echo:
+            raise RequestError(
+                "prompt_logprobs needs echo (the prompt comes back with its logprobs); set echo"
+            )
         self.sampling.validate()
 
 
@@ -179,6 +190,19 @@ class TopLogprobs:
 
 
 @dataclass(slots=True)
+class PromptEcho:
+    """The prompt as the worker tokenized it (GenerationRequest.echo): its text (the request's own, or its
+    token ids decoded), ids, each id's text alone, and with prompt_logprobs each token's logprob after the
+    first (the first has no context) and its alternatives."""
+
+    text: str
+    token_ids: list[int]
+    tokens: list[str]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class GenerationOutput:
     """One streamed piece: the text delta and the tokens sampled since the last piece (one logprob per
     token when requested, one TopLogprobs per token when top_logprobs > 0), of completion `index`
@@ -194,6 +218,7 @@ class GenerationOutput:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     index: int = 0
     tokens: list[str] = field(default_factory=list)  # with logprobs: each token id's text, decoded alone
+    prompt: PromptEcho | None = None  # echo: on each completion's first piece
 
 
 def merge_pieces(first: GenerationOutput, then: GenerationOutput) -> GenerationOutput:
@@ -208,6 +233,7 @@ def merge_pieces(first: GenerationOutput, then: GenerationOutput) -> GenerationO
         top_logprobs=first.top_logprobs + then.top_logprobs,
         index=first.index,
         tokens=first.tokens + then.tokens,
+        prompt=first.prompt or then.prompt,
     )
 
 
@@ -235,6 +261,7 @@ class GenerationResult:
     usage: Usage
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
+    prompt: PromptEcho | None = None
 
     @classmethod
     def join(cls, outputs: list[GenerationOutput]) -> GenerationResult:
@@ -249,6 +276,7 @@ class GenerationResult:
             usage=last.usage,
             top_logprobs=[t for o in outputs for t in o.top_logprobs],
             tokens=[t for o in outputs for t in o.tokens],
+            prompt=next((o.prompt for o in outputs if o.prompt is not None), None),
         )
 
     @classmethod

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpact.worker.engine.request import FinishReason, SamplingParams
+from kvpact.worker.engine.request import FinishReason, SamplingParams, TopLogprobs
 from kvpact.worker.engine.sampling import SampleRow, make_generator
 from kvpact.worker.scheduler.block_manager import BlockTable
 
@@ -59,6 +59,9 @@ class Sequence:
     slot: int | None = None  # EAGER
     block_table: BlockTable = field(default_factory=lambda: BlockTable(block_ids=[]))  # PAGED
     logprobs: list[float] = field(default_factory=list)
+    # sampling.prompt_logprobs: token p + 1's logprob given the prompt up to p, for p = 0 .. prompt - 2
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     _row: SampleRow | None = field(default=None, repr=False)  # sample_row's, built while _row_early
     _row_early: bool = field(default=False, repr=False)
@@ -105,6 +108,15 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs were asked for and are not all computed: its prompt must be computed
+        from its first token (no cached prefix), and the steps that compute it record them."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -110,11 +110,11 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
-        return len(self._cached_prefix(token_ids)[0]) * self.block_size
+    def num_cached_tokens(self, token_ids: Sequence[int], reuse: bool = True) -> int:
+        return len(self._cached_prefix(token_ids, reuse)[0]) * self.block_size
 
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int) -> bool:
-        block_ids, _ = self._cached_prefix(token_ids)
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, reuse: bool = True) -> bool:
+        block_ids, _ = self._cached_prefix(token_ids, reuse)
         num_reused_free = sum(1 for b in block_ids if self._ref_counts[b] == 0)
         num_fresh = max(0, self._num_blocks_for(num_tokens) - len(block_ids))
         return num_reused_free + num_fresh <= self.num_free_blocks
@@ -133,20 +133,22 @@ class BlockManager:
 
     # ---- mutations ----
 
-    def allocate(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> int:
+    def allocate(
+        self, table: BlockTable, token_ids: Sequence[int], num_tokens: int, reuse: bool = True
+    ) -> int:
         if table.block_ids or id(table) in self._tables:
             raise ValueError(
                 "allocate() needs a fresh, empty BlockTable; this one is live "
                 "(use grow() to extend it, or free() it first)"
             )
-        cached_ids, last_hash = self._cached_prefix(token_ids)
+        cached_ids, last_hash = self._cached_prefix(token_ids, reuse)
         num_cached = len(cached_ids) * self.block_size
         if num_tokens < num_cached or num_tokens > len(token_ids):
             raise ValueError(
                 f"num_tokens ({num_tokens}) must lie in [num_cached_tokens={num_cached}, "
                 f"len(token_ids)={len(token_ids)}]"
             )
-        if not self.can_allocate(token_ids, num_tokens):
+        if not self.can_allocate(token_ids, num_tokens, reuse):
             raise OutOfBlocksError(
                 f"allocating {num_tokens} tokens needs more than the "
                 f"{self.num_free_blocks} free blocks; check can_allocate() first"
@@ -246,11 +248,12 @@ class BlockManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], BlockHash]:
-        """Leading cached blocks of token_ids (never all of it) and the last one's hash."""
+    def _cached_prefix(self, token_ids: Sequence[int], reuse: bool = True) -> tuple[list[int], BlockHash]:
+        """Leading cached blocks of token_ids (never all of it) and the last one's hash; none where
+        `reuse` is False (a sequence whose prompt's logprobs must be computed token by token)."""
         block_ids: list[int] = []
         parent = _ROOT_HASH
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not reuse:
             return block_ids, parent
         bs = self.block_size
         for i in range(max(0, (len(token_ids) - 1) // bs)):

@@ -95,11 +95,12 @@ class PagedScheduler(Scheduler):
             seats = 1 + len(seq.pending_forks)
             if len(self.running) + len(forked) + self._num_reserved + seats > self.max_num_seqs:
                 break
-            if not bm.can_allocate(seq.token_ids, seq.num_tokens):
+            reuse = not seq.needs_prompt_logprobs
+            if not bm.can_allocate(seq.token_ids, seq.num_tokens, reuse):
                 break
-            num_cached = bm.num_cached_tokens(seq.token_ids)
+            num_cached = bm.num_cached_tokens(seq.token_ids, reuse)
             n = min(seq.num_tokens - num_cached, budget)
-            num_cached = bm.allocate(seq.block_table, seq.token_ids, num_cached + n)
+            num_cached = bm.allocate(seq.block_table, seq.token_ids, num_cached + n, reuse)
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             if seq.num_admissions == 0:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvpact/v1/generation.proto\x12\tkvpact.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvpact.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x97\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12<\n\nlogit_bias\x18\x0b \x03(\x0b\x32(.kvpact.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"F\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\"\x81\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.kvpact.v1.ChatPromptH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.kvpact.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvpact.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\t\n\x01n\x18\x0c \x01(\r\x12\x32\n\x0fresponse_format\x18\r \x01(\x0b\x32\x19.kvpact.v1.ResponseFormatB\x08\n\x06promptB\r\n\x0b_max_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x87\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvpact.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvpact.v1.Usage\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.kvpact.v1.TopLogprobs\x12\r\n\x05index\x18\t \x01(\r\x12\x0e\n\x06tokens\x18\n \x03(\t\"\xfb\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvpact.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvpact.v1.Usage\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.kvpact.v1.TopLogprobs\x12\x0e\n\x06tokens\x18\t \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvpact/v1/generation.proto\x12\tkvpact.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvpact.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc9\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12<\n\nlogit_bias\x18\x0b \x03(\x0b\x32(.kvpact.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\rH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"F\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\"\x8f\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.kvpact.v1.ChatPromptH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.kvpact.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvpact.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\t\n\x01n\x18\x0c \x01(\r\x12\x32\n\x0fresponse_format\x18\r \x01(\x0b\x32\x19.kvpact.v1.ResponseFormat\x12\x0c\n\x04\x65\x63ho\x18\x0e \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokens\"}\n\nPromptEcho\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x16.kvpact.v1.TopLogprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xae\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvpact.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvpact.v1.Usage\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.kvpact.v1.TopLogprobs\x12\r\n\x05index\x18\t \x01(\r\x12\x0e\n\x06tokens\x18\n \x03(\t\x12%\n\x06prompt\x18\x0b \x01(\x0b\x32\x15.kvpact.v1.PromptEcho\"\xa2\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvpact.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvpact.v1.Usage\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.kvpact.v1.TopLogprobs\x12\x0e\n\x06tokens\x18\t \x03(\t\x12%\n\x06prompt\x18\n \x01(\x0b\x32\x15.kvpact.v1.PromptEcho*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1715
-  _globals['_FINISHREASON']._serialized_end=1835
+  _globals['_FINISHREASON']._serialized_start=1984
+  _globals['_FINISHREASON']._serialized_end=2104
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATPROMPT']._serialized_start=87
@@ -42,19 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=143
   _globals['_TOKENIDS']._serialized_end=166
   _globals['_SAMPLINGPARAMS']._serialized_start=169
-  _globals['_SAMPLINGPARAMS']._serialized_end=576
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=470
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=518
-  _globals['_RESPONSEFORMAT']._serialized_start=578
-  _globals['_RESPONSEFORMAT']._serialized_end=648
-  _globals['_TOPLOGPROBS']._serialized_start=650
-  _globals['_TOPLOGPROBS']._serialized_end=716
-  _globals['_GENERATEREQUEST']._serialized_start=719
-  _globals['_GENERATEREQUEST']._serialized_end=1104
-  _globals['_USAGE']._serialized_start=1106
-  _globals['_USAGE']._serialized_end=1193
-  _globals['_GENERATECHUNK']._serialized_start=1196
-  _globals['_GENERATECHUNK']._serialized_end=1459
-  _globals['_COMPLETERESPONSE']._serialized_start=1462
-  _globals['_COMPLETERESPONSE']._serialized_end=1713
+  _globals['_SAMPLINGPARAMS']._serialized_end=626
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=500
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=548
+  _globals['_RESPONSEFORMAT']._serialized_start=628
+  _globals['_RESPONSEFORMAT']._serialized_end=698
+  _globals['_TOPLOGPROBS']._serialized_start=700
+  _globals['_TOPLOGPROBS']._serialized_end=766
+  _globals['_GENERATEREQUEST']._serialized_start=769
+  _globals['_GENERATEREQUEST']._serialized_end=1168
+  _globals['_PROMPTECHO']._serialized_start=1170
+  _globals['_PROMPTECHO']._serialized_end=1295
+  _globals['_USAGE']._serialized_start=1297
+  _globals['_USAGE']._serialized_end=1384
+  _globals['_GENERATECHUNK']._serialized_start=1387
+  _globals['_GENERATECHUNK']._serialized_end=1689
+  _globals['_COMPLETERESPONSE']._serialized_start=1692
+  _globals['_COMPLETERESPONSE']._serialized_end=1982
 # @@protoc_insertion_point(module_scope)

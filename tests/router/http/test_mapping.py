@@ -103,9 +103,9 @@ def test_completions_take_max_completion_tokens_as_guidellm_sends_it():
     assert err.value.status == 400 and err.value.param == "max_completion_tokens"
 
 
-def test_completions_refuse_echo_and_best_of_but_take_their_neutral_values():
-    completion_requests(CompletionRequest(prompt="a", echo=False, best_of=1))
-    for params, name in (({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "z"}, "suffix")):
+def test_completions_refuse_best_of_and_suffix_but_take_their_neutral_values():
+    completion_requests(CompletionRequest(prompt="a", best_of=1))
+    for params, name in (({"best_of": 3}, "best_of"), ({"suffix": "z"}, "suffix")):
         with pytest.raises(HttpError) as err:
             completion_requests(CompletionRequest(prompt="a", **params))
         assert err.value.param == name
@@ -190,6 +190,34 @@ def test_logprobs_name_tokens_and_alternatives_by_the_workers_texts_and_fall_bac
     old = Rendering(False, "c", "m", logprobs=True, include_usage=False).add(0, named)
     assert old["logprobs"]["tokens"] == ["token_id:5", "token_id:6"]
     assert old["logprobs"]["top_logprobs"][0] == {"token_id:5": -0.5, "token_id:9": -1.0}
+
+
+def test_echo_asks_for_the_prompt_and_with_logprobs_for_its_logprobs():
+    [plain] = completion_requests(CompletionRequest(prompt="a", echo=True))
+    assert plain.echo and not plain.sampling.HasField("prompt_logprobs")
+    [scored] = completion_requests(CompletionRequest(prompt="a", echo=True, logprobs=1))
+    assert scored.echo and scored.sampling.prompt_logprobs == 1 and scored.sampling.top_logprobs == 1
+
+
+def test_an_echoed_prompt_comes_first_in_the_text_and_the_logprobs_its_first_token_without_one():
+    first = generation_pb2.GenerateChunk(
+        request_id="r", text=" x", token_ids=[9], logprobs=[-0.5], tokens=[" x"]
+    )
+    first.top_logprobs.add(token_ids=[9], logprobs=[-0.5], tokens=[" x"])
+    first.prompt.text, first.prompt.tokens[:] = "Hi there", ["Hi", " there"]
+    first.prompt.token_ids[:], first.prompt.logprobs[:] = [5, 6], [-2.0]
+    first.prompt.top_logprobs.add(token_ids=[7], logprobs=[-1.0], tokens=[" here"])
+    r = Rendering(False, "e", "m", logprobs=True, include_usage=False)
+    streamed = r.add(0, first)
+    assert streamed is not None and streamed["text"] == "Hi there x"
+    assert streamed["logprobs"] == {
+        "tokens": ["Hi", " there", " x"],
+        "token_logprobs": [None, -2.0, -0.5],
+        "top_logprobs": [None, {" here": -1.0}, {" x": -0.5}],
+        "text_offset": [0, 2, 8],
+    }
+    whole = r.whole()["choices"][0]
+    assert whole["text"] == "Hi there x" and whole["logprobs"]["tokens"] == ["Hi", " there", " x"]
 
 
 def test_whole_completions_with_two_choices():

@@ -395,6 +395,27 @@ def test_logit_bias_forces_a_token_and_an_id_past_the_vocabulary_is_a_400_naming
         assert err.value.body["param"].startswith("logit_bias") and message in err.value.body["message"]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_an_evaluation_harness_asks(cluster: Cluster):
+    # lm-eval's loglikelihood request: echo, logprobs 1, max_tokens 1, greedy; the prompt as token ids
+    prompt = tiny_tokenizer().encode("The quick brown fox", add_special_tokens=False).ids
+    with Client(cluster.grpc, timeout=30, api_key=KEY) as client:  # the sampled token's id and logprob
+        sampled = client.complete(prompt, max_tokens=1, temperature=0, logprobs=True, ignore_eos=True)
+    ask = dict(
+        model="tiny", max_tokens=1, temperature=0, logprobs=1, echo=True, extra_body={"ignore_eos": True}
+    )
+    scored = cluster.sdk().completions.create(prompt=[*prompt, *sampled.token_ids], **ask).choices[0]
+    lp = scored.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(prompt) + 2 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert scored.text.startswith(tiny_tokenizer().decode(prompt))
+    # the echoed token after `prompt` is scored as the model scored it when it sampled it there
+    assert lp.token_logprobs[len(prompt)] == pytest.approx(sampled.logprobs[0], abs=1e-4)
+    # greedy: it was the most likely token, so it is its own first alternative (lm-eval's is_greedy)
+    assert lp.top_logprobs[len(prompt)] == {
+        lp.tokens[len(prompt)]: pytest.approx(sampled.logprobs[0], abs=1e-4)
+    }
+
+
 def test_a_json_schema_response_parses(cluster: Cluster):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     reply = cluster.sdk().chat.completions.create(
