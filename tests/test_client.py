@@ -7,7 +7,9 @@ import grpc
 import pytest
 
 from kvpact.client import (
+    Alternative,
     Client,
+    EchoedPrompt,
     KvpactRpcError,
     Model,
     Usage,
@@ -49,6 +51,13 @@ def test_build_request_from_text_with_every_parameter():
     assert s.HasField("temperature") and s.temperature == 0.0 and s.top_k == 5 and s.seed == 3 and s.logprobs
     assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1)
     assert list(request.stop) == ["\n"] and list(request.stop_token_ids) == [2] and request.ignore_eos
+    more = build_request(
+        "hi", min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={7: -100.0},
+        logprobs=True, top_logprobs=3, echo=True, prompt_logprobs=1,
+    )  # fmt: skip
+    m = more.sampling
+    assert more.min_tokens == 2 and more.echo and dict(m.logit_bias) == {7: -100.0}
+    assert (m.presence_penalty, m.frequency_penalty, m.top_logprobs, m.prompt_logprobs) == (0.5, -0.5, 3, 1)
 
 
 def test_build_request_leaves_unset_what_was_not_given():
@@ -57,6 +66,11 @@ def test_build_request_leaves_unset_what_was_not_given():
     assert not request.HasField("max_tokens")
     for field in ("temperature", "top_p", "repetition_penalty", "seed"):
         assert not request.sampling.HasField(field)
+    assert (
+        not request.echo
+        and not request.sampling.HasField("prompt_logprobs")
+        and not request.sampling.logit_bias
+    )
 
 
 def test_build_request_from_messages_and_bad_prompts():
@@ -99,7 +113,15 @@ def test_chunk_and_completion_conversions():
     assert chunk_from_pb(generation_pb2.GenerateChunk(text="b")).finish_reason is None
     assert chunk_from_pb(generation_pb2.GenerateChunk(text="b")).usage is None
     done = completion_from_pb(generation_pb2.CompleteResponse(text="ab", finish_reason=3))
-    assert done.finish_reason == "abort" and done.text == "ab"
+    assert done.finish_reason == "abort" and done.text == "ab" and done.prompt is None
+    named = generation_pb2.GenerateChunk(text="a", token_ids=[1], logprobs=[-0.5], tokens=["a"])
+    named.top_logprobs.add(token_ids=[1, 2], logprobs=[-0.5, -1.0], tokens=["a", "b"])
+    named.prompt.text, named.prompt.token_ids[:], named.prompt.tokens[:] = "xy", [3, 4], ["x", "y"]
+    named.prompt.logprobs.append(-2.0)
+    named.prompt.top_logprobs.add(token_ids=[5], logprobs=[-1.5], tokens=["z"])
+    c = chunk_from_pb(named)
+    assert c.tokens == ("a",) and c.top_logprobs == ((Alternative(1, "a", -0.5), Alternative(2, "b", -1.0)),)
+    assert c.prompt == EchoedPrompt("xy", (3, 4), ("x", "y"), (-2.0,), ((Alternative(5, "z", -1.5),),))
 
 
 def test_the_status_table_shows_realized_kinds_reasons_and_failures():

@@ -20,6 +20,14 @@ key travels as `authorization: Bearer <key>` metadata with every call; it is nev
 `AsyncClient` is the same on grpc.aio: `await client.complete(...)`,
 `async for chunk in client.generate(...)`.
 
+The keyword arguments are `GenerateParams` (sampling, penalties, logit_bias, min_tokens, logprobs with
+top_logprobs, echo with prompt_logprobs); with logprobs each token comes with its text (`tokens`) and,
+with top_logprobs, its `Alternative`s; with echo the first chunk (or the completion) has the prompt as an
+`EchoedPrompt`. Scoring a continuation, as an evaluation harness does:
+
+    done = client.complete(prompt_ids + continuation_ids, max_tokens=1, echo=True, prompt_logprobs=0)
+    score = sum(done.prompt.logprobs[len(prompt_ids) - 1 :])  # logprobs[i - 1] is token i's
+
 Errors: every failed call raises `KvpactRpcError`, a `grpc.RpcError` subclass carrying the server's
 status as `.code` (a `grpc.StatusCode`) and `.details` (its message), e.g. NOT_FOUND naming the served
 models, UNAVAILABLE while the cluster is starting, DEADLINE_EXCEEDED past `timeout`. A value the wire
@@ -35,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict, Unpack
+from typing import Any, NamedTuple, TypedDict, Unpack
 
 import grpc
 
@@ -44,7 +52,9 @@ from kvpact.client.transport import TransportParams, open_channel, with_api_key
 from kvpact.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
 __all__ = [
+    "Alternative",
     "AsyncClient",
+    "EchoedPrompt",
     "GenerateParams",
     "Chunk",
     "Client",
@@ -80,7 +90,14 @@ class GenerateParams(TypedDict, total=False):
     stop: Sequence[str]
     stop_token_ids: Sequence[int]
     ignore_eos: bool
-    logprobs: bool
+    min_tokens: int  # EOS and the stop token ids cannot end the output before this many tokens
+    presence_penalty: float  # [-2, 2], 0 = off (OpenAI's)
+    frequency_penalty: float  # [-2, 2], 0 = off (OpenAI's)
+    logit_bias: Mapping[int, float]  # token id -> added to its logit, [-100, 100] (OpenAI's)
+    logprobs: bool  # each token's logprob and its text (`tokens`)
+    top_logprobs: int  # with logprobs: that many most likely alternatives per token (at most 20)
+    echo: bool  # the first chunk carries the prompt (`prompt`)
+    prompt_logprobs: int | None  # with echo: the prompt tokens' logprobs, and that many alternatives each
     request_id: str  # "" = assigned by the router
 
 
@@ -109,9 +126,31 @@ class Usage:
     cached_prompt_tokens: int = 0
 
 
+class Alternative(NamedTuple):
+    """One of a position's most likely tokens (top_logprobs)."""
+
+    token_id: int
+    token: str  # its text, decoded alone
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class EchoedPrompt:
+    """The prompt as the worker tokenized it (echo): `logprobs` and `top_logprobs` (prompt_logprobs) have
+    one entry per token after the first, which has no context."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]
+    logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[tuple[Alternative, ...], ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One streamed piece. The last one has `finish_reason` ("stop", "length", "abort") and `usage`."""
+    """One streamed piece. The last one has `finish_reason` ("stop", "length", "abort") and `usage`.
+    With logprobs: one logprob and one text (`tokens`) per token id, with top_logprobs its alternatives;
+    with echo, the first chunk has the prompt."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -120,6 +159,9 @@ class Chunk:
     logprobs: tuple[float, ...] = ()
     request_id: str = ""
     worker_id: str = ""
+    tokens: tuple[str, ...] = ()
+    top_logprobs: tuple[tuple[Alternative, ...], ...] = ()
+    prompt: EchoedPrompt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +173,9 @@ class Completion:
     logprobs: tuple[float, ...] = ()
     request_id: str = ""
     worker_id: str = ""
+    tokens: tuple[str, ...] = ()
+    top_logprobs: tuple[tuple[Alternative, ...], ...] = ()
+    prompt: EchoedPrompt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +203,14 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    min_tokens: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
     logprobs: bool = False,
+    top_logprobs: int = 0,
+    echo: bool = False,
+    prompt_logprobs: int | None = None,
     request_id: str = "",
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a prompt (text or token ids) or chat messages ({"role", "content"} dicts).
@@ -167,7 +219,21 @@ def build_request(
     _check_unsigned("top_k", top_k, UINT32_MAX, " (0 = disabled)")
     _check_unsigned("seed", seed, UINT64_MAX)
     _check_unsigned("stop_token_ids", stop_token_ids, UINT32_MAX)
-    sampling = generation_pb2.SamplingParams(top_k=top_k, min_p=min_p, logprobs=logprobs)
+    _check_unsigned("min_tokens", min_tokens, UINT32_MAX)
+    _check_unsigned("top_logprobs", top_logprobs, UINT32_MAX)
+    _check_unsigned("prompt_logprobs", prompt_logprobs, UINT32_MAX)
+    _check_unsigned("logit_bias token ids", list(logit_bias or ()), UINT32_MAX)
+    sampling = generation_pb2.SamplingParams(
+        top_k=top_k,
+        min_p=min_p,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=dict(logit_bias or {}),
+    )
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     if temperature is not None:
         sampling.temperature = temperature
     if top_p is not None:
@@ -185,6 +251,8 @@ def build_request(
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        echo=echo,
     )
     if max_tokens is not None:
         request.max_tokens = max_tokens
@@ -227,7 +295,29 @@ def _result_fields(msg: generation_pb2.GenerateChunk | generation_pb2.CompleteRe
         "logprobs": tuple(msg.logprobs),
         "request_id": msg.request_id,
         "worker_id": msg.worker_id,
+        "tokens": tuple(msg.tokens),
+        "top_logprobs": _alternatives(msg.top_logprobs),
+        "prompt": _echoed(msg.prompt) if msg.HasField("prompt") else None,
     }
+
+
+def _alternatives(tops: Iterable[generation_pb2.TopLogprobs]) -> tuple[tuple[Alternative, ...], ...]:
+    return tuple(
+        tuple(
+            Alternative(i, name, lp) for i, name, lp in zip(t.token_ids, t.tokens, t.logprobs, strict=False)
+        )
+        for t in tops
+    )
+
+
+def _echoed(msg: generation_pb2.PromptEcho) -> EchoedPrompt:
+    return EchoedPrompt(
+        msg.text,
+        tuple(msg.token_ids),
+        tuple(msg.tokens),
+        tuple(msg.logprobs),
+        _alternatives(msg.top_logprobs),
+    )
 
 
 def chunk_from_pb(msg: generation_pb2.GenerateChunk) -> Chunk:

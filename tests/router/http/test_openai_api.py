@@ -400,6 +400,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_evaluation_harness_asks(clus
     prompt = tiny_tokenizer().encode("The quick brown fox", add_special_tokens=False).ids
     with Client(cluster.grpc, timeout=30, api_key=KEY) as client:  # the sampled token's id and logprob
         sampled = client.complete(prompt, max_tokens=1, temperature=0, logprobs=True, ignore_eos=True)
+        scored_grpc = client.complete(
+            [*prompt, *sampled.token_ids],
+            max_tokens=1,
+            temperature=0,
+            ignore_eos=True,
+            echo=True,
+            prompt_logprobs=1,
+        ).prompt
+    assert scored_grpc is not None and scored_grpc.token_ids == (*prompt, *sampled.token_ids)
+    assert scored_grpc.logprobs[-1] == pytest.approx(sampled.logprobs[0], abs=1e-4)  # the gRPC client's view
+    assert scored_grpc.top_logprobs[-1][0][:2] == (sampled.token_ids[0], sampled.tokens[0])
     ask = dict(
         model="tiny", max_tokens=1, temperature=0, logprobs=1, echo=True, extra_body={"ignore_eos": True}
     )
