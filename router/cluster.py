@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2
 from kvpact.router.admission import admit, admit_plan, admit_uniform
 from kvpact.router.cluster_state import ClusterState, Startup
 from kvpact.router.config import RouterConfig
-from kvpact.router.connections import WorkerChannels
+from kvpact.router.connections import NOT_TOLD, WorkerChannels
 from kvpact.router.drift import Drift
 from kvpact.router.drift import judge as judge_drift
 from kvpact.router.errors import AlreadyExists, InvalidRequest
@@ -40,6 +40,9 @@ DRAIN_EXPIRED_GRACE_S = 1.0  # after --drain-timeout: for the streams still rela
 log = structlog.get_logger("router")
 
 HOLDER_PROBE_TIMEOUT_S = 1.0  # a worker id's holder that does not answer within this has gone
+SHUTDOWN_RETRY_S = (
+    0.5  # lingering in FAILED: how often a worker that did not answer its Shutdown is asked again
+)
 # A holder of the id in one of these states may still be running; REFUSED and FAILED ones exit.
 _MAY_BE_RUNNING = (WorkerState.LOADING, WorkerState.ADMITTED, WorkerState.DEAD)
 
@@ -477,9 +480,8 @@ class Cluster:
         report, linger for the workers not heard from yet (not after a startup timeout), and exit."""
         await self.refresh_health()
         workers = self.registry.entries()
-        shutdown = await self.channels.shutdown_workers(
-            workers, f"the cluster failed to start: {self.startup.cause}", self.config.shutdown_timeout_s
-        )
+        reason = f"the cluster failed to start: {self.startup.cause}"
+        shutdown = await self.channels.shutdown_workers(workers, reason, self.config.shutdown_timeout_s)
         self.failure_report = render_failure_report(
             FailedStartup(
                 policy=self.config.policy,
@@ -501,15 +503,31 @@ class Cluster:
             "cluster_failed", exit_code=self.startup.exit_code, worker_ids=[w.worker_id for w in workers]
         )
         if linger:
-            await self._linger({w.worker_id for w in workers})
+            untold = [w for w in workers if shutdown[w.worker_id].startswith(NOT_TOLD)]
+            told = {w.worker_id for w in workers} - {w.worker_id for w in untold}
+            await self._linger(told, untold, reason)
         self.request_exit(self.startup.exit_code)
 
-    async def _linger(self, told: set[str]) -> None:
+    async def _linger(self, told: set[str], untold: list[WorkerEntry], reason: str) -> None:
         """Stay reachable in FAILED until every expected worker was told (registered before the failure,
         or refused since), or --failed-linger passed: a worker that announces its plan meanwhile is
-        refused before it loads its weights, and exits too."""
+        refused before it loads its weights, and exits too. A registered worker that did not answer its
+        Shutdown in time (`untold`: its loop busy loading, say) is asked again every SHUTDOWN_RETRY_S
+        until it answers or registers again (and is refused)."""
         started = self.clock()
+        next_try = started + SHUTDOWN_RETRY_S
         while len(told | self.told_after_failure) < self.startup.num_expected:
+            untold = [w for w in untold if w.worker_id not in self.told_after_failure]
+            if untold and self.clock() >= next_try:
+                answers = await self.channels.shutdown_workers(untold, reason, self.config.shutdown_timeout_s)
+                for worker_id, answer in answers.items():
+                    if not answer.startswith(NOT_TOLD):
+                        told.add(worker_id)
+                        log.info(
+                            "worker_told_cluster_failed", worker_id=worker_id, shutdown=answer, retried=True
+                        )
+                untold = [w for w in untold if w.worker_id not in told]
+                next_try = self.clock() + SHUTDOWN_RETRY_S
             if self.clock() - started >= self.config.failed_linger_s:
                 log.warning(
                     "cluster_failed_linger_over",

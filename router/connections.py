@@ -48,6 +48,9 @@ class _Open:
     stream: WorkerStream | None = None  # the call every request goes on (router/worker_stream.py)
 
 
+NOT_TOLD = "could not be told"  # a shutdown_workers result: asked, no answer (the router asks again)
+
+
 class WorkerChannels:
     def __init__(self, tls: TlsConfig | None = None) -> None:
         self._tls = tls
@@ -107,7 +110,7 @@ class WorkerChannels:
                 if entry.state is WorkerState.FAILED:
                     return "already gone (its startup failed; it exits on its own)"
                 first = (exc.details() or "").split(";")[0]
-                return f"could not be told ({exc.code().name}: {first})"
+                return f"{NOT_TOLD} ({exc.code().name}: {first}); asked again while the router lingers"
 
         results = await asyncio.gather(*(one(e) for e in entries))
         return {e.worker_id: r for e, r in zip(entries, results, strict=True)}

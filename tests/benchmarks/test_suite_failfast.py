@@ -4,6 +4,7 @@ skipped (the suite cannot rot unnoticed)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,34 @@ def test_a_run_that_missed_a_worker_keeps_its_processes_output_and_a_told_one_do
     assert notes == [f"run 2 (CLI) did not tell every worker: its processes' output is in {kept}"]
     assert (kept / "healthy.stderr").read_text() == "missed's healthy worker log\n"
     assert sorted(p.name for p in (tmp_path / "out" / "failfast-logs").iterdir()) == ["cli-1"]
+
+
+def test_a_worker_told_on_a_retry_counts_as_told_with_how_long_after_the_report():
+    from benchmarks.suites.failfast import FailRun, _shutdown_lines
+
+    report = "\n".join(
+        [
+            '{"event": "cluster_failed", "timestamp": "2026-12-08T00:19:34.809000Z"}',
+            "kvpact router: the cluster FAILED to start (--paged-attn on, --expect-workers 2, 0 admitted)",
+            'worker "healthy" at 127.0.0.1:1, model m: LOADING',
+            "  shutdown:  could not be told (DEADLINE_EXCEEDED: Deadline Exceeded); asked again while the "
+            "router lingers",
+            'worker "refused" at 127.0.0.1:2, model m: FAILED',
+            "  shutdown:  already gone (its startup failed; it exits on its own)",
+            "exit code 78: the --paged-attn policy cannot be honored by every worker",
+        ]
+    )
+    untold = _shutdown_lines(report)
+    assert untold["healthy"].startswith("could not be told")
+    assert not FailRun("CLI", 78, 0.0, 0.8, 0.9, shutdown=untold).all_told
+    retried = json.dumps(
+        {
+            "event": "worker_told_cluster_failed",
+            "worker_id": "healthy",
+            "retried": True,
+            "timestamp": "2026-12-08T00:19:35.509000Z",
+        }
+    )
+    told = _shutdown_lines(report + "\n" + retried)
+    assert told["healthy"].startswith("sent on a retry, 0.70 s after the report (the report said: could not")
+    assert FailRun("CLI", 78, 0.0, 0.8, 0.9, shutdown=told).all_told

@@ -62,6 +62,7 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
         self.requests: list[generation_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []
         self.shutdown_reasons: list[str] = []
+        self.shutdown_delays: list[float] = []  # seconds each next Shutdown takes to answer (then none)
         self.timeouts: list[float | None] = []
         self.num_calls = 0  # Worker.Stream calls opened to it
         self.address = ""
@@ -134,6 +135,8 @@ class WorkerDouble(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.ShutdownRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ShutdownReply:
         self.shutdown_reasons.append(request.reason)
+        if self.shutdown_delays:
+            await asyncio.sleep(self.shutdown_delays.pop(0))
         return worker_pb2.ShutdownReply()
 
 

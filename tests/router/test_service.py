@@ -437,6 +437,28 @@ async def test_a_loading_worker_is_told_to_stop_when_another_fails_and_named_in_
 
 
 @run_async
+async def test_a_worker_that_does_not_answer_its_shutdown_in_time_is_asked_again_until_it_does():
+    # a loading worker's event loop can be slow to answer (session 33 saw 0.8 s pass on a loaded host)
+    healthy = WorkerDouble("a")
+    healthy.shutdown_delays = [0.6]  # the first Shutdown outlasts the router's 0.2 s bound
+    async with (
+        running_router(
+            policy=_mode("on"), num_expected_workers=2, shutdown_timeout_s=0.2, failed_linger_s=20
+        ) as router,
+        serving_double(healthy) as a,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+    ):
+        assert (await registry.Register(loading("a", a.address))).pending
+        started = time.monotonic()
+        await registry.Register(failed("b", TRITON_REASON, address=b.address))
+        assert await asyncio.wait_for(router.wait(), 5.0) == 78  # long before --failed-linger's 20 s
+        assert time.monotonic() - started < 5.0 and len(a.shutdown_reasons) == 2  # asked twice
+        block = router.report.getvalue().split('worker "a"')[1].split('worker "b"')[0]
+        assert "shutdown:  could not be told (DEADLINE_EXCEEDED" in block and "asked again" in block
+
+
+@run_async
 async def test_a_plan_that_misses_the_policy_fails_the_cluster_before_it_loads():
     plan = LoadingPlan((paged_attn_off(Fallback("device", EAGER_CPU_REASON)),))
     async with (
