@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvpact.shared.errors import RequestError
+from kvpact.shared.limits import MAX_MESSAGE_BYTES
 from kvpact.v1 import cache_pb2, generation_pb2, worker_pb2
 from kvpact.worker.engine.request import (
     ChatMessage,
@@ -32,6 +33,8 @@ _FINISH_TO_PB = {
     FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: generation_pb2.FINISH_REASON_ABORT,
 }
+
+MAX_ECHO_BYTES = MAX_MESSAGE_BYTES // 2  # an echoed prompt's chunk: room left for the router's relay
 
 
 def sampling_from_pb(msg: generation_pb2.SamplingParams) -> SamplingParams:
@@ -115,6 +118,15 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
                 top_logprobs=[_top_to_pb(t) for t in echo.top_logprobs],
             )
         )
+        if (
+            size := chunk.ByteSize()
+        ) > MAX_ECHO_BYTES:  # it would fail the router's call, every request on it
+            k = len(echo.top_logprobs[0].token_ids) if echo.top_logprobs else 0
+            raise RequestError(
+                f"the echoed prompt ({len(echo.token_ids)} tokens, prompt_logprobs {k}) is {size} bytes, "
+                f"over the {MAX_ECHO_BYTES} one message may carry; ask fewer prompt_logprobs, or score the "
+                "prompt in shorter parts"
+            )
     if output.finish_reason is not None:
         chunk.finish_reason = _FINISH_TO_PB[output.finish_reason]
     if output.usage is not None:

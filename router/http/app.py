@@ -141,7 +141,9 @@ def build_app(service: GenerationService, api_keys: SecretFile) -> FastAPI:
                 await chunks.aclose()
                 _log_done(None, exc)
                 raise
-            rendering = Rendering(chat, request_id, requests[0].model, logprobs, include_usage)
+            rendering = Rendering(
+                chat, request_id, requests[0].model, logprobs, include_usage, requests[0].echo
+            )
             if not stream:
                 async with aclosing(chunks):
                     try:

@@ -129,6 +129,8 @@ def from_validation(exc: RequestValidationError) -> HttpError:
         return HttpError(400, "the request body is not valid")
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if loc[:1] == ["logit_bias"]:  # what follows is the client's own key (a token id), not a field
+        loc = loc[:1]
     param: str | None = _dotted(loc)
     kind = first.get("type", "")
     if kind == "extra_forbidden":

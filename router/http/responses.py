@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpact.router.http.errors import UPSTREAM, HttpError
 from kvpact.v1 import generation_pb2
 
 FINISH_REASON = {
@@ -85,7 +86,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     started: bool = False  # its first delta went out (chat: with the role)
-    num_chars: int = 0  # text so far (completions' text_offset)
+    name_chars: int = 0  # its tokens' names so far, laid end to end (completions' text_offset)
     logprobs: list[Any] = field(default_factory=list)  # chat: content entries; completions: per token
 
 
@@ -93,8 +94,11 @@ class Rendering:
     """One response in the making: feed it (choice index, chunk) pairs; it gives SSE events or, at the
     end, the whole object."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self, chat: bool, request_id: str, model: str, logprobs: bool, include_usage: bool, echo: bool = False
+    ) -> None:
         self.chat = chat
+        self.echo = echo  # each choice's first chunk must carry the prompt (GenerateChunk.prompt)
         self.id = f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}"
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
@@ -113,6 +117,13 @@ class Rendering:
     def add(self, index: int, chunk: generation_pb2.GenerateChunk) -> dict[str, Any] | None:
         """Take a chunk; the streamed choice it makes (None when it carries nothing to send)."""
         choice = self.choices.setdefault(index, _Choice())
+        if self.echo and not choice.started and not chunk.HasField("prompt"):
+            raise HttpError(
+                UPSTREAM,
+                f'worker "{chunk.worker_id}" did not echo the prompt (it is older than echo); send the '
+                "request without echo, or to a cluster whose workers are all current",
+                "echo",
+            )
         if chunk.HasField("usage"):
             usage = self.usage.setdefault(chunk.request_id, _Usage())
             usage.prompt = max(usage.prompt, chunk.usage.prompt_tokens)
@@ -126,7 +137,6 @@ class Rendering:
         wanted = self.logprobs and (chunk.token_ids or echoed is not None)
         logprobs = self._logprobs(choice, chunk, echoed) if wanted else None
         choice.text.append(text)
-        choice.num_chars += len(text)
         if not text and finish is None and logprobs is None and choice.started:
             return None
         if self.chat:
@@ -225,16 +235,14 @@ class Rendering:
             ]
             choice.logprobs.extend(content)
             return {"content": content}
-        offsets, offset = [], choice.num_chars
+        # text_offset: where each token starts in its names laid end to end (vLLM's), so however chunks
+        # were merged the offsets are the same; a name the worker did not send (`token_id:<id>`) is 0 wide
+        offsets = []
         prompt = echoed_rows(echoed) if echoed is not None else []
-        for name, _, _ in prompt:
-            offsets.append(offset)
-            offset += len(name)
-        if echoed is not None:
-            offset = choice.num_chars + len(echoed.text)
-        for name, _, _ in entries:
-            offsets.append(offset)
-            offset += len(name) if len(chunk.token_ids) == 1 or chunk.tokens else 0
+        named = bool(chunk.tokens) or len(chunk.token_ids) == 1
+        for (name, _, _), width in [(r, True) for r in prompt] + [(e, named) for e in entries]:
+            offsets.append(choice.name_chars)
+            choice.name_chars += len(name) if width else 0
         rows = prompt + [(name, logprob, top) for name, logprob, top in entries]
         with_tops = any(top for _, _, top in entries) or bool(echoed is not None and echoed.top_logprobs)
         part = {

@@ -21,7 +21,7 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_USER_CHARS = 256
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 # A logit_bias key: a token id, written as a JSON object key (a string of digits)
-TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # no leading zeros: one id, one key
 # OpenAI parameters kvpact does not implement; a neutral value (None, [], {}, false) is taken as "not
 # asked for", anything else gets a 400 naming the parameter and this reason.
 REFUSED: dict[str, str] = {

@@ -8,7 +8,13 @@ import pytest
 from kvpact.shared.errors import RequestError
 from kvpact.v1 import generation_pb2
 from kvpact.worker.engine.engine import Engine
-from kvpact.worker.engine.request import FinishReason, GenerationOutput, SamplingParams, TopLogprobs
+from kvpact.worker.engine.request import (
+    FinishReason,
+    GenerationOutput,
+    PromptEcho,
+    SamplingParams,
+    TopLogprobs,
+)
 from kvpact.worker.generate_pb import chunk_to_pb, request_from_pb
 from tests.worker.conftest import greedy
 
@@ -78,6 +84,11 @@ def test_the_wire_carries_the_new_fields_both_ways():
     assert request.min_tokens == 3
     sampling = request.sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.top_logprobs) == (0.5, -1.5, 4)
+    too_big = GenerationOutput("r", "a", [7], [-0.25], prompt=PromptEcho("x" * (3 << 20), [1], ["x"]))
+    with pytest.raises(
+        RequestError, match=r"the echoed prompt \(1 tokens, prompt_logprobs 0\) is \d+ bytes, over"
+    ):
+        chunk_to_pb(too_big, "w")  # refused alone: one message that size would fail the router's whole call
     piece = GenerationOutput("r", "a", [7], [-0.25], top_logprobs=[TopLogprobs([7, 3], [-0.25, -1.5])])
     chunk = chunk_to_pb(piece, "w")
     assert [(list(t.token_ids), list(t.logprobs)) for t in chunk.top_logprobs] == [([7, 3], [-0.25, -1.5])]

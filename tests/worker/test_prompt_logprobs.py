@@ -5,6 +5,8 @@ and with a prefix cache that already holds the prompt (it must not skip the posi
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -62,6 +64,42 @@ def test_prompt_logprobs_without_echo_are_refused_by_name(make_engine, tiny_llam
     request = echo("r")
     request.echo = False
     with pytest.raises(RequestError, match="prompt_logprobs needs echo"):
-        import asyncio
-
         asyncio.run(collect(engine, request))
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_each_of_n_completions_echoes_the_same_prompt_logprobs(make_engine, tiny_llama, expected, mode):
+    engine = make_engine(tiny_llama, mode, context_tokens=4096, block_size=8)
+    request = echo("n3", n=3)
+
+    async def pieces():  # type: ignore[no-untyped-def]
+        return [p async for p in engine.generate(request)]
+
+    prompts = {p.index: p.prompt for p in asyncio.run(pieces()) if p.prompt is not None}
+    assert sorted(prompts) == [0, 1, 2]  # one echo per completion, on its first piece
+    want = expected.gather(1, torch.tensor(PROMPT[1:])[:, None]).squeeze(1)
+    for prompt in prompts.values():
+        assert torch.allclose(torch.tensor(prompt.logprobs), want, atol=1e-3)
+        assert len(prompt.top_logprobs) == len(PROMPT) - 1
+
+
+def test_preempted_sequences_record_their_prompt_logprobs_once(make_engine, tiny_llama):
+    def requests(n: int) -> list[GenerationRequest]:
+        sampling = SamplingParams(temperature=0.0, logprobs=True, prompt_logprobs=2)
+        return [
+            GenerationRequest(
+                f"r{i}", tuple(range(3 + i, 23 + i)), sampling, 40, ignore_eos=True, echo=True, n=n
+            )
+            for i in range(6)
+        ]
+
+    roomy = make_engine(tiny_llama, "on", max_model_len=64, context_tokens=4096)
+    tight = make_engine(tiny_llama, "on", max_model_len=64, context_tokens=64, max_num_batched_tokens=8)
+    for n in (1, 2):
+        want = run_staggered(roomy, requests(n), gap_s=0.0)
+        got = run_staggered(tight, requests(n), gap_s=0.002)
+        for g, e in zip(got, want, strict=True):
+            assert g.prompt is not None and e.prompt is not None and len(g.prompt.logprobs) == 19
+            assert torch.allclose(torch.tensor(g.prompt.logprobs), torch.tensor(e.prompt.logprobs), atol=1e-4)
+            assert g.token_ids == e.token_ids or n > 1  # n > 1: the joined completions' order is the steps'
+    assert tight.stats().num_preemptions > 0  # the pool of 4 blocks made it preempt

@@ -1,9 +1,11 @@
 """worker.tokenizer: chat templates (equal to transformers'), UTF-8-safe incremental detokenization,
 and stop strings across token boundaries."""
 
+import json
 import time
 
 import pytest
+import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -255,3 +257,43 @@ def test_stop_matcher_handles_overlapping_prefixes():
     assert m.feed("aa") == ("", None)
     assert m.feed("a") == ("a", None)  # "aaa": the tail "aa" may still begin "aab"
     assert m.feed("b!") == ("", "aab")
+
+
+def sentencepiece_tokenizer() -> Tokenizer:
+    """A Llama-2-style tokenizer: word starts carry '▁', and the decoder strips a text's leading space."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "a": 4, "▁a": 5, "H": 6, "i": 7, "Hi": 8, "▁Hi": 9}
+    vocab |= {"w": 10, "o": 11, "r": 12, "l": 13, "d": 14, "▁w": 15, "▁wo": 16, "▁wor": 17}
+    vocab |= {"▁worl": 18, "▁world": 19}
+    merges = ["▁ w", "▁w o", "▁wo r", "▁wor l", "▁worl d", "H i", "▁ Hi", "▁ a"]
+    special = [("<unk>", 0), ("<s>", 1), ("</s>", 2)]
+    spec = {
+        "version": "1.0",
+        "added_tokens": [
+            {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+            for t, i in special
+        ],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ]},
+        "pre_tokenizer": None,
+        "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+                  "ignore_merges": False, "vocab": vocab, "merges": merges},
+    }  # fmt: skip
+    return Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)))
+
+
+def test_token_texts_keep_a_word_starts_space_and_show_special_tokens(tiny):
+    spm = sentencepiece_tokenizer()
+    ids = spm.encode("Hi world", add_special_tokens=False)
+    assert spm.decode(ids) == "Hi world" and spm.token_texts(ids) == [" Hi", " world"]  # alone: "world"
+    assert spm.token_texts([2, 19, 19]) == ["</s>", " world", " world"]
+    words = tiny.encode(" quick brown", add_special_tokens=False)
+    assert "".join(tiny.token_texts(words)) == " quick brown"  # byte-level BPE: the text, token by token

@@ -103,10 +103,9 @@ class OutputStream:
         )
 
     def _echoed(self) -> PromptEcho:
-        """The prompt with its logprobs, as the request's first completion computed them (the others
-        forked its blocks, so they computed none)."""
+        """The prompt with its logprobs (a paged fork shares the ones its first completion computed)."""
         assert self._echo is not None
-        computed = self.request.streams[0].seq
+        computed = self.seq
         top = [
             TopLogprobs(t.token_ids, t.logprobs, self._tokenizer.token_texts(t.token_ids))
             for t in computed.prompt_top_logprobs

@@ -122,6 +122,8 @@ class PagedScheduler(Scheduler):
                 fork.status = SequenceStatus.RUNNING
                 fork.num_admissions += 1
                 fork.num_cached_tokens = seq.num_cached_tokens
+                # its prompt's logprobs (echo) are the ones this step completes: shared, never recomputed
+                fork.prompt_logprobs, fork.prompt_top_logprobs = seq.prompt_logprobs, seq.prompt_top_logprobs
             chunk.forks, seq.pending_forks = tuple(seq.pending_forks), []
             self._num_reserved -= len(chunk.forks)
             forked += chunk.forks

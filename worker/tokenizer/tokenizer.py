@@ -87,15 +87,20 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
-        """Each id's text decoded alone, special tokens shown: what logprobs name a token by (OpenAI's
-        `token`, vLLM's decoded token). A token that is part of a UTF-8 character decodes to U+FFFD; one
-        whose text depends on its neighbours (a SentencePiece word start) reads as the decoder shows it
-        alone. Remembered per id: a request with top_logprobs names up to 21 tokens a step."""
+        """Each id's own text, special tokens shown: what logprobs name a token by (OpenAI's `token`). It
+        is decoded after an anchor token and the anchor's text removed, so a SentencePiece word start keeps
+        its space (" world", where a decoder stripping a text's leading space gives "world" alone); a
+        token that is part of a UTF-8 character reads U+FFFD. Remembered per id: a request with
+        top_logprobs names up to 21 tokens a step."""
         names = self._token_texts
         missing = [i for i in dict.fromkeys(ids) if i not in names]
         if missing:
-            texts = self.backend.decode_batch([[i] for i in missing], skip_special_tokens=False)
-            names.update(zip(missing, texts, strict=True))
+            anchor = self.backend.encode_batch(["a"], add_special_tokens=False)[0].ids
+            base = self.backend.decode(anchor, skip_special_tokens=False)
+            texts = self.backend.decode_batch([[*anchor, i] for i in missing], skip_special_tokens=False)
+            for i, text in zip(missing, texts, strict=True):
+                own = text[len(base) :] if anchor and text.startswith(base) else None
+                names[i] = own if own is not None else self.backend.decode([i], skip_special_tokens=False)
         return [names[i] for i in ids]
 
     def apply_chat_template(

@@ -8,6 +8,7 @@ import json
 
 import grpc
 import pytest
+from pydantic import ValidationError
 
 from kvpact.router.errors import WorkerCallFailed
 from kvpact.router.http import errors
@@ -90,6 +91,8 @@ def test_logit_bias_maps_token_ids_written_as_keys_onto_the_sampling_params():
     with pytest.raises(HttpError) as err:
         chat(logit_bias={"4294967296": 1})
     assert err.value.status == 400 and err.value.param == "logit_bias"
+    with pytest.raises(ValidationError):  # one id, one key: "012" would collapse onto "12"
+        ChatCompletionRequest(messages=CHAT, logit_bias={"012": 1})
 
 
 def test_completions_take_max_completion_tokens_as_guidellm_sends_it():
@@ -218,6 +221,34 @@ def test_an_echoed_prompt_comes_first_in_the_text_and_the_logprobs_its_first_tok
     }
     whole = r.whole()["choices"][0]
     assert whole["text"] == "Hi there x" and whole["logprobs"]["tokens"] == ["Hi", " there", " x"]
+
+
+def test_text_offsets_are_the_same_however_the_chunks_were_merged():
+    names = ["\ufffd", "\ufffd", "\ufffd", "\ufffd", " x"]  # an emoji's four byte tokens, then a word
+    merged = Rendering(False, "m", "m", logprobs=True, include_usage=False)
+    one = generation_pb2.GenerateChunk(request_id="r", text="🙂 x", token_ids=range(5), logprobs=[-1.0] * 5)
+    one.tokens[:] = names
+    offsets = merged.add(0, one)["logprobs"]["text_offset"]
+    apart = Rendering(False, "a", "m", logprobs=True, include_usage=False)
+    texts = ["", "", "", "🙂", " x"]
+    singles = [
+        generation_pb2.GenerateChunk(request_id="r", text=t, token_ids=[i], logprobs=[-1.0], tokens=[n])
+        for i, (t, n) in enumerate(zip(texts, names, strict=True))
+    ]
+    assert (
+        offsets == [o for c in singles for o in apart.add(0, c)["logprobs"]["text_offset"]] == [0, 1, 2, 3, 4]
+    )
+
+
+def test_an_echo_a_worker_did_not_answer_is_a_502_naming_echo():
+    r = Rendering(False, "e", "m", logprobs=True, include_usage=False, echo=True)
+    with pytest.raises(HttpError) as err:
+        r.add(0, chunk("x", 5))  # an older worker drops the echo field and answers without the prompt
+    assert (
+        err.value.status == 502
+        and err.value.param == "echo"
+        and "did not echo the prompt" in err.value.message
+    )
 
 
 def test_whole_completions_with_two_choices():
