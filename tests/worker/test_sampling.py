@@ -269,3 +269,18 @@ def test_min_tokens_above_max_tokens_is_refused_naming_both():
         GenerationRequest("r", "hi", max_tokens=4, min_tokens=5).validate()
     assert "min_tokens (5) must be <= max_tokens (4)" in str(info.value)
     GenerationRequest("r", "hi", max_tokens=5, min_tokens=5).validate()
+
+
+def test_greedy_picks_as_torch_argmax_does_with_ties_nan_inf_and_masked_rows():
+    from kvpact.worker.engine.sampling import _argmax
+
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 3] = math.nan  # a NaN counts as the largest
+    logits[2] = 1.0  # all tied: the first
+    logits[3, 7] = logits[3, 9] = math.inf
+    logits[4] = -math.inf  # every token masked
+    logits[5, 998] = logits[5].max() + 1
+    assert _argmax(logits).tolist() == logits.argmax(dim=-1).tolist() == [
+        logits[0].argmax().item(), 3, 0, 7, 0, 998,
+    ]  # fmt: skip
+    assert _argmax(logits[:, :500]).tolist() == logits[:, :500].argmax(dim=-1).tolist()  # not contiguous

@@ -89,7 +89,7 @@ def sample(logits: torch.Tensor, rows: Seq[SampleRow]) -> Sampled:
         logits = _apply_logit_bias(logits, rows, processed)
         logits = _apply_masks(logits, rows, processed)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    token_ids = logits.argmax(dim=-1)  # every row greedy is the common case; sampled rows are overwritten
+    token_ids = _argmax(logits)  # every row greedy is the common case; sampled rows are overwritten
     if sampled:
         idx = _indices(sampled, logits.device)
         token_ids[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
@@ -236,6 +236,15 @@ def _sample_rows(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
         if r.generator is not None:
             choice[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
     return sorted_ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit (a NaN counts as the largest, as in torch's argmax). A float32 CPU
+    tensor goes through numpy's argmax: torch's CPU argmax took 43 us on one 49,152-wide row (the bundled
+    model's vocabulary) and 665 us on 32, numpy's 5 and 103, about 1% of a decode step either way."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def _indices(values: Seq[int], device: torch.device) -> torch.Tensor:
