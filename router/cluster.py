@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2
 from kvpact.router.admission import admit, admit_plan, admit_uniform
 from kvpact.router.cluster_state import ClusterState, Startup
 from kvpact.router.config import RouterConfig
-from kvpact.router.connections import NOT_TOLD, WorkerChannels
+from kvpact.router.connections import NOT_ANSWERED, WorkerChannels
 from kvpact.router.drift import Drift
 from kvpact.router.drift import judge as judge_drift
 from kvpact.router.errors import AlreadyExists, InvalidRequest
@@ -503,7 +503,7 @@ class Cluster:
             "cluster_failed", exit_code=self.startup.exit_code, worker_ids=[w.worker_id for w in workers]
         )
         if linger:
-            untold = [w for w in workers if shutdown[w.worker_id].startswith(NOT_TOLD)]
+            untold = [w for w in workers if shutdown[w.worker_id].startswith(NOT_ANSWERED)]
             told = {w.worker_id for w in workers} - {w.worker_id for w in untold}
             await self._linger(told, untold, reason)
         self.request_exit(self.startup.exit_code)
@@ -521,7 +521,7 @@ class Cluster:
             if untold and self.clock() >= next_try:
                 answers = await self.channels.shutdown_workers(untold, reason, self.config.shutdown_timeout_s)
                 for worker_id, answer in answers.items():
-                    if not answer.startswith(NOT_TOLD):
+                    if not answer.startswith(NOT_ANSWERED):
                         told.add(worker_id)
                         log.info(
                             "worker_told_cluster_failed", worker_id=worker_id, shutdown=answer, retried=True

@@ -48,7 +48,10 @@ class _Open:
     stream: WorkerStream | None = None  # the call every request goes on (router/worker_stream.py)
 
 
-NOT_TOLD = "could not be told"  # a shutdown_workers result: asked, no answer (the router asks again)
+NOT_TOLD = "could not be told"  # a shutdown_workers result: the call failed
+# ... because the worker did not answer in time (its loop busy, say): the router asks it again while it
+# lingers; any other failure (a closed port: the process is gone) is not asked again
+NOT_ANSWERED = f"{NOT_TOLD} (DEADLINE_EXCEEDED"
 
 
 class WorkerChannels:
@@ -110,7 +113,10 @@ class WorkerChannels:
                 if entry.state is WorkerState.FAILED:
                     return "already gone (its startup failed; it exits on its own)"
                 first = (exc.details() or "").split(";")[0]
-                return f"{NOT_TOLD} ({exc.code().name}: {first}); asked again while the router lingers"
+                told = f"{NOT_TOLD} ({exc.code().name}: {first})"
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return f"{told}; asked again while the router lingers"
+                return told
 
         results = await asyncio.gather(*(one(e) for e in entries))
         return {e.worker_id: r for e, r in zip(entries, results, strict=True)}

@@ -50,6 +50,7 @@ from typing import Any
 
 from benchmarks.framework import BenchContext, SuiteResult, Table, Target, new_figure
 from kvpact.deploy.processes import ProcessHandle, start_process, stop, wait_for_exit, wait_for_line
+from kvpact.router.connections import NOT_TOLD
 
 NAME = "failfast"
 GOAL_S = 2.0
@@ -85,7 +86,7 @@ class FailRun:
     def all_told(self) -> bool:
         return bool(self.shutdown) and all(
             line.startswith(
-                ("sent", "already gone", "not asked (its startup failed", "not asked (its refusal")
+                ("sent", "told ", "already gone", "not asked (its startup failed", "not asked (its refusal")
             )
             for line in self.shutdown.values()
         )
@@ -187,8 +188,9 @@ def _keep_missed_logs(runs: list[FailRun], into: Path) -> list[str]:
     for i, r in enumerate(runs):
         if r.all_told or r.logs is None or not r.logs.is_dir():
             continue
-        target = into / f"{r.path.lower()}-{i}"
-        shutil.copytree(r.logs, target, dirs_exist_ok=True)
+        target = into / f"{r.path.lower()}-{i + 1}"
+        shutil.rmtree(target, ignore_errors=True)  # an earlier run's, into the same --out
+        shutil.copytree(r.logs, target)
         notes.append(
             f"run {i + 1} ({r.path}) did not tell every worker: its processes' output is in {target}"
         )
@@ -398,21 +400,26 @@ def _match(pattern: str, text: str, handle: ProcessHandle) -> str:
 
 def _shutdown_lines(router_stderr: str) -> dict[str, str]:
     """worker id -> what the failure report says under `shutdown:` for it; for one the report could not
-    tell in time and the router told while it lingered (its `worker_told_cluster_failed` line, retried),
-    "sent on a retry, N s after the report"."""
+    tell and the router told while it lingered (its `worker_told_cluster_failed` line: a Shutdown asked
+    again and answered, or the worker registering again and refused), "told on a retry (ANSWER)" or "told
+    when it registered again (refused)", N s after the report."""
     lines = _json_lines(router_stderr)
     report = next((line for line in lines if line.get("event") == "cluster_failed"), None)
     told = _report_lines(router_stderr)
     for line in lines:
-        worker = line.get("worker_id")
-        if line.get("event") == "worker_told_cluster_failed" and line.get("retried") and worker in told:
-            after = ""
-            if report is not None:
-                seconds = datetime.fromisoformat(line["timestamp"]) - datetime.fromisoformat(
-                    report["timestamp"]
-                )
-                after = f", {seconds.total_seconds():.2f} s after the report"
-            told[worker] = f"sent on a retry{after} (the report said: {told[worker]})"
+        worker = str(line.get("worker_id", ""))
+        if line.get("event") != "worker_told_cluster_failed" or not told.get(worker, "").startswith(NOT_TOLD):
+            continue
+        how = (
+            f"on a retry ({line.get('shutdown')})"
+            if line.get("retried")
+            else "when it registered again (refused)"
+        )
+        after = ""
+        if report is not None:
+            seconds = datetime.fromisoformat(line["timestamp"]) - datetime.fromisoformat(report["timestamp"])
+            after = f", {seconds.total_seconds():.2f} s after the report"
+        told[worker] = f"told {how}{after} (the report said: {told[worker]})"
     return told
 
 

@@ -302,9 +302,12 @@ def _result_fields(msg: generation_pb2.GenerateChunk | generation_pb2.CompleteRe
 
 
 def _alternatives(tops: Iterable[generation_pb2.TopLogprobs]) -> tuple[tuple[Alternative, ...], ...]:
+    def names(t: generation_pb2.TopLogprobs) -> list[str]:  # "" where a server sent no name
+        return [*t.tokens, *[""] * (len(t.token_ids) - len(t.tokens))]
+
     return tuple(
         tuple(
-            Alternative(i, name, lp) for i, name, lp in zip(t.token_ids, t.tokens, t.logprobs, strict=False)
+            Alternative(i, name, lp) for i, name, lp in zip(t.token_ids, names(t), t.logprobs, strict=False)
         )
         for t in tops
     )

@@ -40,10 +40,10 @@ def test_a_run_that_missed_a_worker_keeps_its_processes_output_and_a_told_one_do
 
     runs = [run("told", "sent"), run("missed", "could not be told (DEADLINE_EXCEEDED: Deadline Exceeded)")]
     notes = _keep_missed_logs(runs, tmp_path / "out" / "failfast-logs")
-    kept = tmp_path / "out" / "failfast-logs" / "cli-1"
+    kept = tmp_path / "out" / "failfast-logs" / "cli-2"
     assert notes == [f"run 2 (CLI) did not tell every worker: its processes' output is in {kept}"]
     assert (kept / "healthy.stderr").read_text() == "missed's healthy worker log\n"
-    assert sorted(p.name for p in (tmp_path / "out" / "failfast-logs").iterdir()) == ["cli-1"]
+    assert sorted(p.name for p in (tmp_path / "out" / "failfast-logs").iterdir()) == ["cli-2"]
 
 
 def test_a_worker_told_on_a_retry_counts_as_told_with_how_long_after_the_report():
@@ -72,6 +72,13 @@ def test_a_worker_told_on_a_retry_counts_as_told_with_how_long_after_the_report(
             "timestamp": "2026-12-08T00:19:35.509000Z",
         }
     )
-    told = _shutdown_lines(report + "\n" + retried)
-    assert told["healthy"].startswith("sent on a retry, 0.70 s after the report (the report said: could not")
+    told = _shutdown_lines(report + "\n" + retried.replace('"retried"', '"shutdown": "sent", "retried"'))
+    assert told["healthy"].startswith(
+        "told on a retry (sent), 0.70 s after the report (the report said: could"
+    )
     assert FailRun("CLI", 78, 0.0, 0.8, 0.9, shutdown=told).all_told
+    registered = _shutdown_lines(report + "\n" + retried.replace(', "retried": true', ""))
+    assert registered["healthy"].startswith(
+        "told when it registered again (refused), 0.70 s after the report"
+    )
+    assert FailRun("CLI", 78, 0.0, 0.8, 0.9, shutdown=registered).all_told

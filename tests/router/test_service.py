@@ -2,6 +2,7 @@
 routing, cancellation, deadlines, heartbeats, auth, health and reflection."""
 
 import asyncio
+import socket
 import time
 
 import grpc
@@ -453,9 +454,29 @@ async def test_a_worker_that_does_not_answer_its_shutdown_in_time_is_asked_again
         started = time.monotonic()
         await registry.Register(failed("b", TRITON_REASON, address=b.address))
         assert await asyncio.wait_for(router.wait(), 5.0) == 78  # long before --failed-linger's 20 s
-        assert time.monotonic() - started < 5.0 and len(a.shutdown_reasons) == 2  # asked twice
+        assert time.monotonic() - started < 5.0 and len(a.shutdown_reasons) >= 2  # asked again
         block = router.report.getvalue().split('worker "a"')[1].split('worker "b"')[0]
         assert "shutdown:  could not be told (DEADLINE_EXCEEDED" in block and "asked again" in block
+
+
+@run_async
+async def test_a_worker_whose_port_is_closed_is_not_asked_again_and_the_router_exits_at_once():
+    closed = socket.socket()  # a port nobody listens on: the worker's process is gone
+    closed.bind(("127.0.0.1", 0))
+    gone = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    async with (
+        running_router(policy=_mode("on"), num_expected_workers=2, failed_linger_s=20) as router,
+        serving_double(WorkerDouble("b")) as b,
+        registry_stub(router) as registry,
+    ):
+        assert (await registry.Register(loading("a", gone))).pending
+        started = time.monotonic()
+        await registry.Register(failed("b", TRITON_REASON, address=b.address))
+        assert await asyncio.wait_for(router.wait(), 5.0) == 78  # not --failed-linger's 20 s
+        assert time.monotonic() - started < 5.0
+        block = router.report.getvalue().split('worker "a"')[1].split('worker "b"')[0]
+        assert "shutdown:  could not be told (UNAVAILABLE" in block and "asked again" not in block
 
 
 @run_async
