@@ -40,9 +40,8 @@ DRAIN_EXPIRED_GRACE_S = 1.0  # after --drain-timeout: for the streams still rela
 log = structlog.get_logger("router")
 
 HOLDER_PROBE_TIMEOUT_S = 1.0  # a worker id's holder that does not answer within this has gone
-SHUTDOWN_RETRY_S = (
-    0.5  # lingering in FAILED: how often a worker that did not answer its Shutdown is asked again
-)
+# lingering in FAILED: how often a worker that did not answer its Shutdown is asked again
+SHUTDOWN_RETRY_S = 0.5
 # A holder of the id in one of these states may still be running; REFUSED and FAILED ones exit.
 _MAY_BE_RUNNING = (WorkerState.LOADING, WorkerState.ADMITTED, WorkerState.DEAD)
 

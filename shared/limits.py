@@ -39,6 +39,8 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_JSON_SCHEMA_CHARS = 64 * 1024  # a schema compiles into a grammar: its cost grows with its size
 MAX_COMPLETIONS = 16  # n: completions of one prompt (OpenAI's `n`)
+MAX_TOP_LOGPROBS = 20  # top_logprobs (and prompt_logprobs): alternatives per token (OpenAI's cap)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 MAX_REQUEST_COMPLETION_TOKENS = 1 << 16  # n x max_tokens: what one request may ask the worker to generate
 # gRPC's receive (and send) limit on both servers and on the router->worker channel: room for the
 # largest request the caps allow (1 MiB of text, or 256 Ki token ids at up to 5 bytes each) and its

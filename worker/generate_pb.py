@@ -118,9 +118,8 @@ def chunk_to_pb(output: GenerationOutput, worker_id: str) -> generation_pb2.Gene
                 top_logprobs=[_top_to_pb(t) for t in echo.top_logprobs],
             )
         )
-        if (
-            size := chunk.ByteSize()
-        ) > MAX_ECHO_BYTES:  # it would fail the router's call, every request on it
+        size = chunk.ByteSize()
+        if size > MAX_ECHO_BYTES:  # it would fail the router's call to this worker, every request on it
             k = len(echo.top_logprobs[0].token_ids) if echo.top_logprobs else 0
             raise RequestError(
                 f"the echoed prompt ({len(echo.token_ids)} tokens, prompt_logprobs {k}) is {size} bytes, "

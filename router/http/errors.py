@@ -54,27 +54,27 @@ ERROR_TYPE = {
     504: "timeout_error",
 }
 UPSTREAM = 502
-# A worker refuses a GenerateRequest field by its name (a sampling field without "sampling.": its
-# messages come from worker/engine/request.py's validate); the client sent the OpenAI parameter.
-PARAM_OF_FIELD = {
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "top_logprobs": "top_logprobs",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "seed": "seed",
-    "logit_bias": "logit_bias",
-    "min_tokens": "min_tokens",
-    "response_format": "response_format",
-    "max_tokens": "max_tokens",
-    "stop_token_ids": "stop_token_ids",
-    "stop": "stop",
-    "n": "n",
-}
-_FIELD = re.compile(r"\b(" + "|".join(re.escape(f) for f in PARAM_OF_FIELD) + r")\b")
+# The fields a worker names when it refuses one (worker/engine/request.py's validate, the engine's
+# checks), by the names the OpenAI parameters have too: the 400's `param`.
+WORKER_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "top_logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "logit_bias",
+    "min_tokens",
+    "response_format",
+    "max_tokens",
+    "stop_token_ids",
+    "stop",
+    "n",
+)
+_FIELD = re.compile(r"\b(" + "|".join(re.escape(f) for f in WORKER_FIELDS) + r")\b")
 
 
 class HttpError(Exception):
@@ -114,7 +114,7 @@ def from_exception(exc: BaseException) -> HttpError:
         if status == 400:  # the field a worker named, after its `worker "<id>": ` prefix
             reason = exc.details.partition('": ')[2] if exc.details.startswith('worker "') else exc.details
             found = _FIELD.search(reason.split(" (request id ")[0])
-            param = PARAM_OF_FIELD[found.group(1)] if found else None
+            param = found.group(1) if found else None
         code = "model_not_found" if exc.code is grpc.StatusCode.NOT_FOUND else exc.code.name.lower()
         return HttpError(status, exc.details, param, code)
     if isinstance(exc, RequestError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,37 +42,34 @@ def sse(obj: dict[str, Any]) -> str:
 
 def token_names(chunk: generation_pb2.GenerateChunk) -> list[str]:
     """A name for each of the chunk's tokens (the module docstring's logprobs rule)."""
-    if len(chunk.tokens) == len(chunk.token_ids):
-        return list(chunk.tokens)
-    if len(chunk.token_ids) == 1:
+    if not chunk.tokens and len(chunk.token_ids) == 1:
         return [chunk.text]
-    return [f"token_id:{t}" for t in chunk.token_ids]
+    return _names(chunk.token_ids, chunk.tokens)
 
 
-Row = tuple[str, float | None, list[tuple[str, float]] | None]  # a token's name, logprob, alternatives
+def alternative_names(top: generation_pb2.TopLogprobs) -> list[str]:
+    return _names(top.token_ids, top.tokens)
+
+
+def _names(ids: Sequence[int], names: Sequence[str]) -> list[str]:
+    """The worker's names, or (a worker that sends none) `token_id:<id>`."""
+    return list(names) if len(names) == len(ids) else [f"token_id:{t}" for t in ids]
+
+
+Alternatives = list[tuple[str, float]]
+Row = tuple[str, float | None, Alternatives | None]  # a token's name, logprob, alternatives
 
 
 def echoed_rows(echoed: generation_pb2.PromptEcho) -> list[Row]:
     """An echoed prompt's tokens as logprobs rows: the first without logprob or alternatives (it has no
     context), the rest with what the worker computed (None where none was asked for)."""
-    rows: list[Row] = [(echoed.tokens[0], None, None)] if echoed.tokens else []
-    for k, name in enumerate(echoed.tokens[1:]):
-        logprob = echoed.logprobs[k] if k < len(echoed.logprobs) else None
-        top = echoed.top_logprobs[k] if k < len(echoed.top_logprobs) else None
-        rows.append(
-            (
-                name,
-                logprob,
-                None if top is None else list(zip(alternative_names(top), top.logprobs, strict=True)),
-            )
-        )
-    return rows
-
-
-def alternative_names(top: generation_pb2.TopLogprobs) -> list[str]:
-    if len(top.tokens) == len(top.token_ids):
-        return list(top.tokens)
-    return [f"token_id:{t}" for t in top.token_ids]
+    logprobs: list[float | None] = [None, *echoed.logprobs]
+    tops: list[Alternatives | None] = [None]
+    tops += [list(zip(alternative_names(t), t.logprobs, strict=True)) for t in echoed.top_logprobs]
+    return [
+        (name, logprobs[k] if k < len(logprobs) else None, tops[k] if k < len(tops) else None)
+        for k, name in enumerate(echoed.tokens)
+    ]
 
 
 @dataclass(slots=True)
@@ -213,7 +211,7 @@ class Rendering:
     ) -> dict[str, Any]:
         """The chunk's logprobs object (chat: `content` entries; completions: the legacy lists, an echoed
         prompt's tokens first: the first has no logprob, having no context)."""
-        entries = []
+        entries: list[tuple[str, float | None, Alternatives]] = []
         for k, name in enumerate(token_names(chunk)):
             logprob = chunk.logprobs[k] if k < len(chunk.logprobs) else None
             alternatives = chunk.top_logprobs[k] if k < len(chunk.top_logprobs) else None
@@ -237,13 +235,14 @@ class Rendering:
             return {"content": content}
         # text_offset: where each token starts in its names laid end to end (vLLM's), so however chunks
         # were merged the offsets are the same; a name the worker did not send (`token_id:<id>`) is 0 wide
-        offsets = []
         prompt = echoed_rows(echoed) if echoed is not None else []
         named = bool(chunk.tokens) or len(chunk.token_ids) == 1
-        for (name, _, _), width in [(r, True) for r in prompt] + [(e, named) for e in entries]:
+        widths = [len(name) for name, _, _ in prompt] + [len(name) if named else 0 for name, _, _ in entries]
+        offsets = []
+        for width in widths:
             offsets.append(choice.name_chars)
-            choice.name_chars += len(name) if width else 0
-        rows = prompt + [(name, logprob, top) for name, logprob, top in entries]
+            choice.name_chars += width
+        rows: list[Row] = [*prompt, *entries]
         with_tops = any(top for _, _, top in entries) or bool(echoed is not None and echoed.top_logprobs)
         part = {
             "tokens": [name for name, _, _ in rows],

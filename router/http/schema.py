@@ -13,13 +13,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvpact.shared.limits import MAX_MODEL_NAME_CHARS
+from kvpact.shared.limits import MAX_LOGIT_BIAS, MAX_MODEL_NAME_CHARS, MAX_TOP_LOGPROBS
 
 MAX_N = 128  # completions per request (OpenAI's own cap)
-MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_USER_CHARS = 256
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 # A logit_bias key: a token id, written as a JSON object key (a string of digits)
 TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # no leading zeros: one id, one key
 # OpenAI parameters kvpact does not implement; a neutral value (None, [], {}, false) is taken as "not
@@ -136,7 +134,7 @@ def _neutral(name: str, value: Any) -> bool:
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def refused(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:

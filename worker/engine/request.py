@@ -13,12 +13,16 @@ import math
 from dataclasses import dataclass, field
 
 from kvpact.shared.errors import KvpactError, RequestError
-from kvpact.shared.limits import MAX_COMPLETIONS, check_completion_budget, excerpt
+from kvpact.shared.limits import (
+    MAX_COMPLETIONS,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    check_completion_budget,
+    excerpt,
+)
 
 MAX_SEED = 2**64 - 1
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
-MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap)
-MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 
 
 @dataclass(slots=True)
@@ -81,7 +85,10 @@ class SamplingParams:
             if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS)
         ]
         if bad:
-            raise RequestError(f"logit_bias values must be in [-100, 100], got {', '.join(bad[:5])}")
+            raise RequestError(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
+                + ", ".join(bad[:5])
+            )
 
 
 CHAT_ROLES = ("system", "user", "assistant")
